@@ -1,0 +1,89 @@
+"""In-process continuous batching over a verifier and an optional proposer: offline generation and tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from draft_service.proposer import Proposer
+from minedraft.sampling import SamplingConfig
+from target_service.verifier import RUNNING, Verifier
+
+
+@dataclass
+class OfflineRequest:
+    prompt: list[int]
+    config: SamplingConfig
+    arrival_step: int = 0  # the step boundary at which it joins (to test joining mid-flight)
+
+
+@dataclass
+class OfflineResult:
+    tokens: list[int] = field(default_factory=list)
+    finish: int = RUNNING
+    steps: int = 0
+    accepted: int = 0
+
+
+def generate_offline(
+    verifier: Verifier,
+    proposer: Proposer | None,
+    requests: Sequence[OfflineRequest],
+    k: int,
+    max_batch_size: int,
+) -> list[OfflineResult]:
+    """Run requests to completion with standard speculative decoding (or AR when `proposer` is None)."""
+    results = [OfflineResult() for _ in requests]
+    waiting = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
+    active: list[int] = []
+    verdict: dict[int, tuple[int, int]] = {}  # seq -> (accepted, last emitted token) for the next proposal
+    step = 0
+    while waiting or active:
+        joining = [i for i in waiting if requests[i].arrival_step <= step][: max_batch_size - len(active)]
+        if joining:
+            waiting = [i for i in waiting if i not in joining]
+            prompts = [requests[i].prompt for i in joining]
+            configs = [requests[i].config for i in joining]
+            first = verifier.prefill(joining, prompts, configs).per_row()
+            if proposer is not None:
+                proposer.prefill(joining, prompts, configs)
+            active += _record(results, joining, first, verdict, verifier, proposer)
+        if active:
+            if proposer is not None:
+                accepted = torch.tensor([verdict[i][0] for i in active])
+                last = torch.tensor([verdict[i][1] for i in active])
+                proposal = proposer.propose(active, accepted, last, k)
+                drafts, probs = proposal.draft_ids, proposal.draft_probs
+            else:
+                drafts, probs = torch.zeros(len(active), 0, dtype=torch.long), None
+            rows = verifier.verify(active, drafts, probs).per_row()
+            for i, (_, accepted_count, _) in zip(active, rows):
+                results[i].steps += 1
+                results[i].accepted += accepted_count
+            active = _record(results, active, rows, verdict, verifier, proposer)
+        step += 1
+    return results
+
+
+def _record(
+    results: list[OfflineResult],
+    seq_ids: list[int],
+    rows: list[tuple[list[int], int, int]],
+    verdict: dict[int, tuple[int, int]],
+    verifier: Verifier,
+    proposer: Proposer | None,
+) -> list[int]:
+    """Append emitted tokens; release finished sequences; return those still running."""
+    still, done = [], []
+    for seq, (tokens, accepted, finish) in zip(seq_ids, rows):
+        results[seq].tokens += tokens
+        results[seq].finish = finish
+        verdict[seq] = (accepted, tokens[-1])
+        (done if finish != RUNNING else still).append(seq)
+    if done:
+        verifier.release(done)
+        if proposer is not None:
+            proposer.release(done)
+    return still

@@ -1,0 +1,80 @@
+from minedraft.proto.minedraft.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SequenceSpec(_message.Message):
+    __slots__ = ("seq_id", "prompt_token_ids", "params")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _generation_pb2.SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class DraftPayload(_message.Message):
+    __slots__ = ("channel", "step_id", "slot", "batch_size", "num_tokens", "token_ids", "probs", "probs_shape", "probs_dtype")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PROBS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    channel: str
+    step_id: int
+    slot: int
+    batch_size: int
+    num_tokens: int
+    token_ids: bytes
+    probs: bytes
+    probs_shape: _containers.RepeatedScalarFieldContainer[int]
+    probs_dtype: str
+    def __init__(self, channel: _Optional[str] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., probs_shape: _Optional[_Iterable[int]] = ..., probs_dtype: _Optional[str] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("compute_s", "channel_s", "queue_s", "start_unix_s", "end_unix_s")
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    END_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    compute_s: float
+    channel_s: float
+    queue_s: float
+    start_unix_s: float
+    end_unix_s: float
+    def __init__(self, compute_s: _Optional[float] = ..., channel_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., start_unix_s: _Optional[float] = ..., end_unix_s: _Optional[float] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model", "device", "host_id", "num_slots", "max_model_len", "logits_size", "tokenizer_size", "tokenizer_hash", "eos_token_ids", "free_slots", "channels")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    device: str
+    host_id: str
+    num_slots: int
+    max_model_len: int
+    logits_size: int
+    tokenizer_size: int
+    tokenizer_hash: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    free_slots: int
+    channels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., host_id: _Optional[str] = ..., num_slots: _Optional[int] = ..., max_model_len: _Optional[int] = ..., logits_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ..., channels: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,84 @@
+from minedraft.proto.minedraft.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftServiceGetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftServiceGetInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.WorkerInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class DraftServiceSetupChannelRequest(_message.Message):
+    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    channel: str
+    handshake: bytes
+    num_speculative_tokens: int
+    max_batch_size: int
+    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class DraftServiceSetupChannelResponse(_message.Message):
+    __slots__ = ("handshake",)
+    HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    handshake: bytes
+    def __init__(self, handshake: _Optional[bytes] = ...) -> None: ...
+
+class DraftServicePrefillRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+
+class DraftServicePrefillResponse(_message.Message):
+    __slots__ = ("timings",)
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    timings: _common_pb2.Timings
+    def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    batch_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    next_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("drafts", "timings")
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    drafts: _common_pb2.DraftPayload
+    timings: _common_pb2.Timings
+    def __init__(self, drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class DraftServiceReleaseRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftServiceReleaseResponse(_message.Message):
+    __slots__ = ("free_slots",)
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    free_slots: int
+    def __init__(self, free_slots: _Optional[int] = ...) -> None: ...

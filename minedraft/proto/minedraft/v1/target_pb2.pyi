@@ -1,0 +1,97 @@
+from minedraft.proto.minedraft.v1 import common_pb2 as _common_pb2
+from minedraft.proto.minedraft.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TargetServiceGetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetServiceGetInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.WorkerInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class TargetServiceSetupChannelRequest(_message.Message):
+    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    channel: str
+    handshake: bytes
+    num_speculative_tokens: int
+    max_batch_size: int
+    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class TargetServiceSetupChannelResponse(_message.Message):
+    __slots__ = ("handshake",)
+    HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    handshake: bytes
+    def __init__(self, handshake: _Optional[bytes] = ...) -> None: ...
+
+class TargetServicePrefillRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+
+class TargetServicePrefillResponse(_message.Message):
+    __slots__ = ("results", "timings")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
+    timings: _common_pb2.Timings
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("step_id", "batch_id", "seq_ids", "drafts", "num_draft_tokens")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    batch_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    drafts: _common_pb2.DraftPayload
+    num_draft_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results", "timings")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
+    timings: _common_pb2.Timings
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class SequenceResult(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: int
+    finish_reason: _generation_pb2.FinishReason
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ...) -> None: ...
+
+class TargetServiceReleaseRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TargetServiceReleaseResponse(_message.Message):
+    __slots__ = ("free_slots",)
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    free_slots: int
+    def __init__(self, free_slots: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,82 @@
+"""Sampling math shared by drafter and verifier: per-row logits processing and counter-based seeded uniforms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Uniform streams: each decision at a sequence position draws from its own stream, so a request's randomness
+# depends only on (seed, position, purpose) and never on which other requests share its batch.
+STREAM_ACCEPT = 0
+STREAM_SAMPLE = 1
+STREAM_DRAFT = 2
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """One request's decoding parameters, as a worker receives them (already validated and defaulted)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser on int64 tensors; the multiplier stays under 2**31, so products fit int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniforms in [0, 1) as float64, a pure function of (seed [B], position [B, n], stream)."""
+    seed = seed.to(torch.int64)
+    key = _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))[:, None]
+    key = _mix32(key ^ (position.to(torch.int64) & _MASK32))
+    high = _mix32(key ^ (2 * stream + 0x9E3779B1 & _MASK32)) >> 5  # 27 bits
+    low = _mix32(key ^ (2 * stream + 0x7F4A7C15 & _MASK32)) >> 6  # 26 bits
+    return (high * (1 << 26) + low).to(torch.float64) / float(1 << 53)
+
+
+def processed_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Softmax of `logits` [B, n, V] after per-row temperature, then top-k, then top-p (Hugging Face's order).
+
+    Rows with temperature 0 are processed at temperature 1; greedy callers use the argmax instead.
+    """
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
+    logits = logits / temp[:, None, None]
+    vocab = logits.shape[-1]
+    k = top_k[:, None, None]
+    p = top_p.to(logits.dtype)[:, None, None]
+    if bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill((k > 0) & (ranks >= k), float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_above >= p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits.softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: `probs` [..., V] (need not be normalised), `uniform` [...] -> ids [...]."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    threshold = uniform * cdf[..., -1]
+    ids = (cdf <= threshold[..., None]).sum(dim=-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)

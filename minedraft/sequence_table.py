@@ -1,0 +1,73 @@
+"""The sequences a worker holds: id -> cache row, and their decoding parameters as row-indexed tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minedraft.model_runner import ModelRunner
+from minedraft.sampling import SamplingConfig
+
+MAX_STOP_TOKEN_IDS = 16
+
+
+class UnknownSequenceError(KeyError):
+    """A control message named a sequence this worker does not hold (finished, released, or never prefilled)."""
+
+
+class SequenceTable:
+    """Maps sequence ids to cache rows and keeps per-row parameters where batched tensor code can gather them."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        slots, device = runner.num_slots, runner.device
+        self.rows_by_id: dict[int, int] = {}
+        self.temperature = torch.zeros(slots, device=device)
+        self.top_p = torch.ones(slots, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
+        self.seed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.max_tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.generated = torch.zeros(slots, dtype=torch.long, device=device)
+        self.ignore_eos = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.stop_ids = torch.full((slots, MAX_STOP_TOKEN_IDS), -1, dtype=torch.long, device=device)
+
+    def __len__(self) -> int:
+        return len(self.rows_by_id)
+
+    def add(self, seq_ids: Sequence[int], configs: Sequence[SamplingConfig]) -> torch.Tensor:
+        duplicates = [s for s in seq_ids if s in self.rows_by_id]
+        if duplicates or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"sequence ids already held: {duplicates or list(seq_ids)}")
+        for cfg in configs:
+            if len(cfg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids per request")
+        rows = self.runner.allocate(len(seq_ids))
+        self.rows_by_id.update(zip(seq_ids, rows))
+        index = torch.tensor(rows, dtype=torch.long, device=self.runner.device)
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.runner.device)
+
+        self.temperature[index] = column([c.temperature for c in configs], torch.float32)
+        self.top_p[index] = column([c.top_p for c in configs], torch.float32)
+        self.top_k[index] = column([c.top_k for c in configs], torch.long)
+        # Seeds are uint64 on the wire; fold them into int64's range bit for bit.
+        self.seed[index] = column([c.seed - (1 << 64) if c.seed >= 1 << 63 else c.seed for c in configs], torch.long)
+        self.max_tokens[index] = column([c.max_tokens for c in configs], torch.long)
+        self.generated[index] = 0
+        self.ignore_eos[index] = column([c.ignore_eos for c in configs], torch.bool)
+        stops = [list(c.stop_token_ids) + [-1] * (MAX_STOP_TOKEN_IDS - len(c.stop_token_ids)) for c in configs]
+        self.stop_ids[index] = column(stops, torch.long).reshape(len(configs), MAX_STOP_TOKEN_IDS)
+        return index
+
+    def rows(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        missing = [s for s in seq_ids if s not in self.rows_by_id]
+        if missing:
+            raise UnknownSequenceError(f"unknown sequence ids {missing[:8]}")
+        return torch.tensor([self.rows_by_id[s] for s in seq_ids], dtype=torch.long, device=self.runner.device)
+
+    def remove(self, seq_ids: Sequence[int]) -> None:
+        """Free the rows of `seq_ids`; ids not held are ignored (release is idempotent)."""
+        rows = [self.rows_by_id.pop(s) for s in seq_ids if s in self.rows_by_id]
+        self.runner.release(rows)

@@ -1,0 +1,83 @@
+"""Batched lossless speculative sampling (Leviathan et al. 2023): greedy and sampled rows in one batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minedraft.sampling import STREAM_ACCEPT, STREAM_SAMPLE, processed_probs, sample_from, seeded_uniform
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters of one verify batch, gathered from the sequence table."""
+
+    temperature: torch.Tensor  # [B] float, 0 = greedy
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float
+    seed: torch.Tensor  # [B] long
+
+
+@dataclass
+class SamplerOutput:
+    tokens: torch.Tensor  # [B, k + 1]: accepted drafts, then the correction or bonus token, then filler
+    num_accepted: torch.Tensor  # [B]: drafts accepted; each row emits num_accepted + 1 tokens
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: RowParams,
+    first_position: torch.Tensor,
+) -> SamplerOutput:
+    """Decide every row's drafts against the target in one pass.
+
+    target_logits [B, k+1, V] scores each draft position and the bonus position; draft_ids [B, k]; draft_probs
+    [B, k, V'] (V' <= V) are the draft's processed probabilities, or None for greedy drafts (a one-hot q).
+    first_position [B] is the sequence index of the first draft token, which keys the row's seeded uniforms.
+    """
+    batch, k = draft_ids.shape
+    rows = torch.arange(batch, device=draft_ids.device)
+    greedy = params.temperature == 0
+    target_argmax = target_logits.argmax(dim=-1)  # [B, k+1]
+    accept = draft_ids == target_argmax[:, :k]
+    if bool(greedy.all()):  # the common serving case: no probabilities needed at all
+        num_accepted = _accepted_prefix(accept)
+        return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
+
+    vocab = target_logits.shape[-1]
+    positions = first_position[:, None] + torch.arange(k + 1, device=draft_ids.device)
+    p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p)
+    if draft_probs is None:
+        q = torch.nn.functional.one_hot(draft_ids, vocab).to(p.dtype)
+    else:
+        q = torch.nn.functional.pad(draft_probs.to(p.dtype), (0, vocab - draft_probs.shape[-1]))
+    p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
+    q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
+    u_accept = seeded_uniform(params.seed, positions[:, :k], STREAM_ACCEPT)
+    # Accept with probability min(1, p/q), written without a division: u * q < p.
+    accept = torch.where(greedy[:, None], accept, u_accept * q_draft < p_draft)
+    num_accepted = _accepted_prefix(accept)
+
+    # The token after the accepted prefix: from norm(max(p - q, 0)) at a rejection, from p after k accepts.
+    p_next = p[rows, num_accepted]  # [B, V]
+    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, num_accepted]
+    residual = (p_next - q_next).clamp_(min=0)
+    # p == q leaves no residual mass, and a rejection then has probability 0; fall back to p for safety.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    u_sample = seeded_uniform(params.seed, positions[rows, num_accepted][:, None], STREAM_SAMPLE)[:, 0]
+    next_token = torch.where(greedy, target_argmax[rows, num_accepted], sample_from(residual, u_sample))
+    return _emit(draft_ids, num_accepted, next_token)
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """Length of each row's leading run of accepted drafts."""
+    return accept.to(torch.long).cumprod(dim=-1).sum(dim=-1)
+
+
+def _emit(draft_ids: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor) -> SamplerOutput:
+    tokens = torch.cat([draft_ids, draft_ids.new_zeros(len(draft_ids), 1)], dim=1)
+    tokens[torch.arange(len(tokens), device=tokens.device), num_accepted] = next_token
+    return SamplerOutput(tokens=tokens, num_accepted=num_accepted)

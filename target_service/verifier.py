@@ -1,0 +1,127 @@
+"""The target side of speculative decoding: prefill, one-pass verification, commit and rollback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from minedraft.model_runner import ModelRunner
+from minedraft.sampling import SamplingConfig
+from minedraft.sequence_table import SequenceTable
+from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
+
+RUNNING, FINISHED_STOP, FINISHED_LENGTH = 0, 1, 2
+
+
+@dataclass
+class StepResult:
+    """Per row of a prefill or verify: the tokens it emits and whether the sequence is done."""
+
+    tokens: torch.Tensor  # [B, m]; row b emits tokens[b, :num_emitted[b]]
+    num_emitted: torch.Tensor  # [B]
+    num_accepted: torch.Tensor  # [B] drafts accepted (0 for prefill and AR)
+    finish: torch.Tensor  # [B] RUNNING, FINISHED_STOP or FINISHED_LENGTH
+
+    def per_row(self) -> list[tuple[list[int], int, int]]:
+        """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step."""
+        tokens, emitted = self.tokens.tolist(), self.num_emitted.tolist()
+        return [
+            (row[:n], a, f)
+            for row, n, a, f in zip(tokens, emitted, self.num_accepted.tolist(), self.finish.tolist())
+        ]
+
+
+@dataclass
+class VerifyCounters:
+    """Running totals over all verify steps, for metrics."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_accepted: torch.Tensor, k: int) -> None:
+        self.steps += 1
+        self.proposed += num_accepted.numel() * k
+        self.accepted += int(num_accepted.sum())
+        per_position = (torch.arange(k, device=num_accepted.device)[None, :] < num_accepted[:, None]).sum(0)
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        for i, count in enumerate(per_position.tolist()):
+            self.accepted_per_position[i] += count
+
+
+class Verifier:
+    """Holds the target model's sequences. Invariant: each row's cache holds every committed token but the last,
+    which waits in `pending` to be the first input of the next verify."""
+
+    def __init__(self, runner: ModelRunner, eos_token_ids: Sequence[int]) -> None:
+        self.runner = runner
+        self.table = SequenceTable(runner)
+        self.pending = torch.zeros(runner.num_slots, dtype=torch.long, device=runner.device)
+        self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
+        self.counters = VerifyCounters()
+
+    def prefill(
+        self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
+    ) -> StepResult:
+        """Cache the prompts and sample each sequence's first token (time to first token ends here)."""
+        rows = self.table.add(seq_ids, configs)
+        try:
+            lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.runner.device)
+            ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=self.runner.device)
+            for i, prompt in enumerate(prompts):
+                ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            logits = self.runner.forward(rows, ids, lengths, last_only=True)
+        except Exception:
+            self.table.remove(seq_ids)
+            raise
+        no_drafts = torch.zeros(len(prompts), 0, dtype=torch.long, device=self.runner.device)
+        sampled = rejection_sample(logits[:, None], no_drafts, None, self._params(rows), lengths)
+        # As if the last prompt token had been pending: the same commit as a verify step.
+        return self._commit(rows, lengths - 1, sampled)
+
+    def verify(self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> StepResult:
+        """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest.
+
+        k = 0 is plain autoregressive decoding through the same path.
+        """
+        rows = self.table.rows(seq_ids)
+        starts = self.runner.cache.lengths[rows]
+        k = draft_ids.shape[1]
+        inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(self.runner.device)], dim=1)
+        logits = self.runner.forward(rows, inputs, torch.full_like(starts, k + 1))
+        probs = None if draft_probs is None else draft_probs.to(self.runner.device)
+        sampled = rejection_sample(logits, inputs[:, 1:], probs, self._params(rows), starts + 1)
+        if k:
+            self.counters.add(sampled.num_accepted, k)
+        return self._commit(rows, starts, sampled)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        self.table.remove(seq_ids)
+
+    def _params(self, rows: torch.Tensor) -> RowParams:
+        t = self.table
+        return RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed[rows])
+
+    def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> StepResult:
+        """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest."""
+        tokens, width = sampled.tokens, sampled.tokens.shape[1]
+        emitted = sampled.num_accepted + 1
+        t = self.table
+        is_eos = torch.isin(tokens, self.eos) & ~t.ignore_eos[rows][:, None]
+        is_stop = is_eos | (tokens[:, :, None] == t.stop_ids[rows][:, None, :]).any(-1)
+        is_stop &= torch.arange(width, device=tokens.device)[None, :] < emitted[:, None]
+        first_stop = torch.where(is_stop.any(-1), is_stop.to(torch.long).argmax(-1), width)
+        budget = t.max_tokens[rows] - t.generated[rows]
+        keep = torch.minimum(torch.minimum(emitted, first_stop + 1), budget)
+        finish = torch.where(
+            first_stop < keep, FINISHED_STOP, torch.where(keep >= budget, FINISHED_LENGTH, RUNNING)
+        )
+        t.generated[rows] += keep
+        # Cached now: old pending + the first keep-1 emitted tokens; the last emitted one becomes pending.
+        self.runner.truncate(rows, starts + keep)
+        self.pending[rows] = tokens[torch.arange(len(rows), device=tokens.device), keep - 1]
+        return StepResult(tokens, keep, sampled.num_accepted, finish)
