@@ -1,0 +1,83 @@
+"""The draft service: gRPC front of the proposer; drafts leave through the configured channel."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import torch
+
+from draft_service.proposer import Proposer
+from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
+from minedraft.server_utils import grpc_errors, start_server, timings
+from minedraft.worker import ModelWorker, WorkerOptions, elapsed, prompts_and_configs
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, options: WorkerOptions, greedy_drafts: bool = False) -> None:
+        self.worker = ModelWorker(options)
+        self.proposer = Proposer(self.worker.runner, greedy_drafts=greedy_drafts)
+
+    @grpc_errors
+    async def GetInfo(self, request: draft_pb2.DraftServiceGetInfoRequest, context: grpc.aio.ServicerContext
+                      ) -> draft_pb2.DraftServiceGetInfoResponse:
+        return draft_pb2.DraftServiceGetInfoResponse(info=self.worker.info())
+
+    @grpc_errors
+    async def SetupChannel(self, request: draft_pb2.DraftServiceSetupChannelRequest,
+                           context: grpc.aio.ServicerContext) -> draft_pb2.DraftServiceSetupChannelResponse:
+        handshake = await self.worker.setup_channel(
+            request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, True
+        )
+        return draft_pb2.DraftServiceSetupChannelResponse(handshake=handshake)
+
+    @grpc_errors
+    async def Prefill(self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> draft_pb2.DraftServicePrefillResponse:
+        start_unix, start = time.time(), time.perf_counter()
+        seq_ids, prompts, configs = prompts_and_configs(request.sequences)
+        limit = self.worker.vocab.logits_size
+        if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {limit})")
+        await self.worker.run(self.proposer.prefill, seq_ids, prompts, configs)
+        return draft_pb2.DraftServicePrefillResponse(timings=timings(start_unix, elapsed(start)))
+
+    @grpc_errors
+    async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
+                      ) -> draft_pb2.ProposeResponse:
+        start_unix, start = time.time(), time.perf_counter()
+        if not (len(request.seq_ids) == len(request.num_accepted) == len(request.next_token_ids)):
+            raise ValueError("seq_ids, num_accepted and next_token_ids must have the same length")
+        if request.num_draft_tokens < 1:
+            raise ValueError("num_draft_tokens must be at least 1")
+        payload, channel_s = await self.worker.run(self._propose, request)
+        return draft_pb2.ProposeResponse(drafts=payload, timings=timings(start_unix, elapsed(start), channel_s))
+
+    def _propose(self, request: draft_pb2.ProposeRequest) -> tuple[common_pb2.DraftPayload, float]:
+        channel = self.worker.require_channel()
+        proposal = self.proposer.propose(
+            list(request.seq_ids),
+            torch.tensor(list(request.num_accepted), dtype=torch.long),
+            torch.tensor(list(request.next_token_ids), dtype=torch.long),
+            request.num_draft_tokens,
+        )
+        start = time.perf_counter()
+        payload = channel.send(request.step_id, proposal.draft_ids, proposal.draft_probs)
+        return payload, elapsed(start)
+
+    @grpc_errors
+    async def Release(self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> draft_pb2.DraftServiceReleaseResponse:
+        await self.worker.run(self.proposer.release, list(request.seq_ids))
+        return draft_pb2.DraftServiceReleaseResponse(free_slots=self.worker.runner.free_slots)
+
+
+async def serve(options: WorkerOptions, port: int, host: str = "[::]", greedy_drafts: bool = False
+                ) -> tuple[grpc.aio.Server, int]:
+    servicer = DraftServicer(options, greedy_drafts)
+    return await start_server(
+        port,
+        [lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)],
+        [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
+        host,
+    )

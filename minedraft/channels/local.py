@@ -1,0 +1,50 @@
+"""The `local` channel: draft and target in one process hand tensors over through an in-process mailbox."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import torch
+
+from minedraft.channels.base import Channel
+from minedraft.proto import common_pb2
+
+_mailboxes: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+_lock = threading.Lock()
+
+
+class LocalChannel(Channel):
+    name = "local"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.key = ""
+
+    def export(self, num_speculative_tokens: int, max_batch_size: int) -> bytes:
+        self.key = secrets.token_hex(8)
+        with _lock:
+            _mailboxes[self.key] = {}
+        return self.key.encode()
+
+    def attach(self, handshake: bytes) -> None:
+        self.key = handshake.decode()
+        with _lock:
+            if self.key not in _mailboxes:
+                raise ValueError("local channel: the draft service is not in this process")
+
+    def send(self, step_id: int, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> common_pb2.DraftPayload:
+        with _lock:
+            _mailboxes[self.key][step_id] = (draft_ids, draft_probs)
+        return common_pb2.DraftPayload(
+            channel=self.name, step_id=step_id, batch_size=draft_ids.shape[0], num_tokens=draft_ids.shape[1]
+        )
+
+    def receive(self, payload: common_pb2.DraftPayload) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with _lock:
+            ids, probs = _mailboxes[self.key].pop(payload.step_id)
+        return ids.to(self.device), None if probs is None else probs.to(self.device)
+
+    def close(self) -> None:
+        with _lock:
+            _mailboxes.pop(self.key, None)

@@ -1,0 +1,91 @@
+"""What every gRPC server here shares: start-up with health and reflection, error mapping, timings."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from minedraft.model_runner import CapacityError
+from minedraft.models import ModelLoadError
+from minedraft.proto import common_pb2
+from minedraft.sequence_table import UnknownSequenceError
+
+log = logging.getLogger(__name__)
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+# Exceptions a handler may raise on bad input or exhausted capacity, and the status a caller gets for each.
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def grpc_errors(handler: Handler) -> Handler:
+    """Turn a unary handler's exceptions into a gRPC status with the exception's message."""
+
+    @functools.wraps(handler)
+    async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except (grpc.RpcError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", handler.__name__)
+            message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+            await context.abort(code, message or type(exc).__name__)
+
+    return wrapped  # type: ignore[return-value]
+
+
+def timings(start_unix: float, compute_s: float, channel_s: float = 0.0) -> common_pb2.Timings:
+    return common_pb2.Timings(
+        compute_s=compute_s, channel_s=channel_s, start_unix_s=start_unix, end_unix_s=time.time()
+    )
+
+
+async def start_server(
+    port: int,
+    register: Sequence[Callable[[grpc.aio.Server], None]],
+    service_names: Sequence[str],
+    host: str = "[::]",
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the given services plus grpc.health.v1 and reflection; return it and its port."""
+    server = grpc.aio.server(
+        interceptors=list(interceptors),
+        options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)],
+    )
+    for add in register:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on port {port}")
+    await server.start()
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]

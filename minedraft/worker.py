@@ -1,0 +1,132 @@
+"""What the target and draft services share: the loaded model, its runner, the channel, one compute thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from minedraft.channels import Channel, make_channel
+from minedraft.model_runner import ModelRunner
+from minedraft.models import VocabInfo, load_model, load_tokenizer
+from minedraft.proto import common_pb2, generation_pb2
+from minedraft.sampling import SamplingConfig
+
+T = TypeVar("T")
+
+
+@dataclass
+class WorkerOptions:
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_batch_size: int = 32
+    max_model_len: int = 2048
+
+
+def host_id() -> str:
+    """Two workers with the same host id can use CUDA IPC between them."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def sampling_config(spec: common_pb2.SequenceSpec) -> SamplingConfig:
+    """Workers receive parameters the coordinator already validated and defaulted."""
+    p: generation_pb2.SamplingParams = spec.params
+    return SamplingConfig(
+        temperature=float(p.temperature),
+        top_p=float(p.top_p) if p.top_p > 0 else 1.0,
+        top_k=int(p.top_k),
+        seed=int(p.seed),
+        max_tokens=int(p.max_tokens),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=bool(p.ignore_eos),
+    )
+
+
+class ModelWorker:
+    """A model on its device with a slot cache for two batches; all model work runs on one thread, in order."""
+
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.model = load_model(options.model, options.device, options.dtype)
+        try:
+            tokenizer = load_tokenizer(options.model)
+        except ValueError:
+            tokenizer = None  # a model directory without tokenizer files can still serve token ids
+        self.vocab = VocabInfo.of(self.model, tokenizer)
+        # Two batches of max_batch_size each live here at once (batch-parallel decoding).
+        self.runner = ModelRunner(self.model, 2 * options.max_batch_size, options.max_model_len)
+        self.channel: Channel | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run model work on the compute thread, so the event loop keeps serving RPCs meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def info(self) -> common_pb2.WorkerInfo:
+        channels = ["local", "grpc"]
+        if self.device.type == "cuda":
+            channels = ["cuda-ipc", "nccl", *channels]
+        return common_pb2.WorkerInfo(
+            model=self.options.model,
+            device=str(self.device),
+            host_id=host_id(),
+            num_slots=self.runner.num_slots,
+            max_model_len=self.runner.max_len,
+            logits_size=self.vocab.logits_size,
+            tokenizer_size=self.vocab.tokenizer_size,
+            tokenizer_hash=self.vocab.tokenizer_hash,
+            eos_token_ids=list(self.vocab.eos_token_ids),
+            free_slots=self.runner.free_slots,
+            channels=channels,
+        )
+
+    async def setup_channel(self, name: str, handshake: bytes, k: int, max_batch_size: int, exporter: bool) -> bytes:
+        """The draft side exports (returns a handshake); the target side attaches to that handshake."""
+        if self.channel is not None:
+            self.channel.close()
+        channel = make_channel(name, self.device)
+        reply = await self.run(channel.export, k, max_batch_size) if exporter else b""
+        if not exporter:
+            await self.run(channel.attach, handshake)
+        self.channel = channel
+        return reply
+
+    def require_channel(self) -> Channel:
+        if self.channel is None:
+            raise ValueError("no channel set up yet: the coordinator calls SetupChannel first")
+        return self.channel
+
+
+def prompts_and_configs(
+    sequences: Sequence[common_pb2.SequenceSpec],
+) -> tuple[list[int], list[list[int]], list[SamplingConfig]]:
+    if not sequences:
+        raise ValueError("no sequences given")
+    for spec in sequences:
+        if not spec.prompt_token_ids:
+            raise ValueError(f"sequence {spec.seq_id} has an empty prompt")
+    return (
+        [s.seq_id for s in sequences],
+        [list(s.prompt_token_ids) for s in sequences],
+        [sampling_config(s) for s in sequences],
+    )
+
+
+def elapsed(start: float) -> float:
+    return time.perf_counter() - start

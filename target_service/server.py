@@ -1,0 +1,99 @@
+"""The target service: gRPC front of the verifier (prefill, verify, release) over the configured channel."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import torch
+
+from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.server_utils import grpc_errors, start_server, timings
+from minedraft.worker import ModelWorker, WorkerOptions, elapsed, prompts_and_configs
+from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
+
+_FINISH = {
+    FINISHED_STOP: generation_pb2.FINISH_REASON_STOP,
+    FINISHED_LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+}
+
+
+def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.SequenceResult]:
+    return [
+        target_pb2.SequenceResult(
+            seq_id=seq_id,
+            token_ids=tokens,
+            num_accepted=accepted,
+            finish_reason=_FINISH.get(finish, generation_pb2.FINISH_REASON_UNSPECIFIED),
+        )
+        for seq_id, (tokens, accepted, finish) in zip(seq_ids, result.per_row())
+    ]
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, options: WorkerOptions) -> None:
+        self.worker = ModelWorker(options)
+        self.verifier = Verifier(self.worker.runner, self.worker.vocab.eos_token_ids)
+
+    @grpc_errors
+    async def GetInfo(self, request: target_pb2.TargetServiceGetInfoRequest, context: grpc.aio.ServicerContext
+                      ) -> target_pb2.TargetServiceGetInfoResponse:
+        return target_pb2.TargetServiceGetInfoResponse(info=self.worker.info())
+
+    @grpc_errors
+    async def SetupChannel(self, request: target_pb2.TargetServiceSetupChannelRequest,
+                           context: grpc.aio.ServicerContext) -> target_pb2.TargetServiceSetupChannelResponse:
+        handshake = await self.worker.setup_channel(
+            request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, False
+        )
+        return target_pb2.TargetServiceSetupChannelResponse(handshake=handshake)
+
+    @grpc_errors
+    async def Prefill(self, request: target_pb2.TargetServicePrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> target_pb2.TargetServicePrefillResponse:
+        start_unix, start = time.time(), time.perf_counter()
+        seq_ids, prompts, configs = prompts_and_configs(request.sequences)
+        limit = self.worker.vocab.logits_size
+        if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {limit})")
+        result = await self.worker.run(self.verifier.prefill, seq_ids, prompts, configs)
+        return target_pb2.TargetServicePrefillResponse(
+            results=results_proto(seq_ids, result), timings=timings(start_unix, elapsed(start))
+        )
+
+    @grpc_errors
+    async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+                     ) -> target_pb2.VerifyResponse:
+        start_unix, start = time.time(), time.perf_counter()
+        seq_ids = list(request.seq_ids)
+        result, channel_s = await self.worker.run(self._verify, seq_ids, request.drafts, request.num_draft_tokens)
+        return target_pb2.VerifyResponse(
+            results=results_proto(seq_ids, result), timings=timings(start_unix, elapsed(start), channel_s)
+        )
+
+    def _verify(self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int) -> tuple[StepResult, float]:
+        start = time.perf_counter()
+        if k == 0:  # target-only decoding: nothing travels
+            draft_ids, draft_probs = torch.zeros(len(seq_ids), 0, dtype=torch.long), None
+        else:
+            draft_ids, draft_probs = self.worker.require_channel().receive(payload)
+            if tuple(draft_ids.shape) != (len(seq_ids), k):
+                raise ValueError(f"drafts of shape {tuple(draft_ids.shape)} for {len(seq_ids)} sequences, k={k}")
+        channel_s = elapsed(start)
+        return self.verifier.verify(seq_ids, draft_ids, draft_probs), channel_s
+
+    @grpc_errors
+    async def Release(self, request: target_pb2.TargetServiceReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> target_pb2.TargetServiceReleaseResponse:
+        await self.worker.run(self.verifier.release, list(request.seq_ids))
+        return target_pb2.TargetServiceReleaseResponse(free_slots=self.worker.runner.free_slots)
+
+
+async def serve(options: WorkerOptions, port: int, host: str = "[::]") -> tuple[grpc.aio.Server, int]:
+    servicer = TargetServicer(options)
+    return await start_server(
+        port,
+        [lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)],
+        [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name],
+        host,
+    )
