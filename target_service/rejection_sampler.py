@@ -63,7 +63,7 @@ def rejection_sample(
 
     # The token after the accepted prefix: from norm(max(p - q, 0)) at a rejection, from p after k accepts.
     p_next = p[rows, num_accepted]  # [B, V]
-    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, num_accepted]
+    q_next = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)[rows, num_accepted]
     residual = (p_next - q_next).clamp_(min=0)
     # p == q leaves no residual mass, and a rejection then has probability 0; fall back to p for safety.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)

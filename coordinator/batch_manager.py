@@ -1,0 +1,98 @@
+"""The batch manager: a bounded waiting queue and two batches that alternate between drafting and verifying."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from coordinator.request_state import RequestState
+from minedraft.proto import common_pb2
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+@dataclass
+class Batch:
+    """Sequences that are drafted and verified together. `drafts` is set between Propose and Verify: then the
+    membership is frozen, and sequences that join wait in `joining` until the verify is done."""
+
+    batch_id: int
+    members: list[RequestState] = field(default_factory=list)
+    joining: list[RequestState] = field(default_factory=list)
+    drafts: common_pb2.DraftPayload | None = None
+    num_drafts: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.members) + len(self.joining)
+
+    @property
+    def awaiting_verify(self) -> bool:
+        return self.drafts is not None
+
+    def open_membership(self) -> None:
+        """After a verify: drop what finished or was cancelled, and let the joiners in."""
+        self.drafts = None
+        self.members = [r for r in self.members + self.joining if not (r.finished or r.cancelled)]
+        self.joining = []
+
+
+class BatchManager:
+    def __init__(self, max_batch_size: int, max_queue_size: int, num_batches: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_queue_size = max_queue_size
+        self.batches = [Batch(i) for i in range(num_batches)]
+        self.waiting: collections.deque[RequestState] = collections.deque()
+
+    def submit(self, request: RequestState) -> None:
+        if len(self.waiting) >= self.max_queue_size:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_queue_size} requests); retry later or raise --max-queue-size"
+            )
+        self.waiting.append(request)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(b.size for b in self.batches)
+
+    def take_admissions(self) -> list[tuple[Batch, list[RequestState]]]:
+        """Pop waiting requests into the emptier batch, one at a time, while there is room (balance by count).
+
+        Cancelled requests still in the queue are dropped here. A batch whose drafts are in flight gets new
+        sequences as joiners; the others take them as members at once.
+        """
+        placed: dict[int, list[RequestState]] = {}
+        while self.waiting:
+            request = self.waiting[0]
+            if request.cancelled:
+                self.waiting.popleft()
+                continue
+            batch = min(self.batches, key=lambda b: (b.size, b.awaiting_verify))
+            if batch.size >= self.max_batch_size:
+                break
+            self.waiting.popleft()
+            (batch.joining if batch.awaiting_verify else batch.members).append(request)
+            placed.setdefault(batch.batch_id, []).append(request)
+        return [(self.batches[i], placed[i]) for i in sorted(placed)]
+
+    def rebalance(self, batch: Batch) -> None:
+        """When `batch` (just verified) holds two or more sequences more than the other, move the surplus over."""
+        if len(self.batches) < 2:
+            return
+        other = self.batches[1 - batch.batch_id]
+        surplus = (len(batch.members) - other.size) // 2
+        if surplus > 0:
+            moved, batch.members = batch.members[-surplus:], batch.members[:-surplus]
+            (other.joining if other.awaiting_verify else other.members).extend(moved)
+
+    def remove_finished(self, batch: Batch) -> list[RequestState]:
+        """Drop finished or cancelled members of a batch not in flight; return them for release on the workers."""
+        gone = [r for r in batch.members if r.finished or r.cancelled]
+        batch.members = [r for r in batch.members if not (r.finished or r.cancelled)]
+        return gone

@@ -1,0 +1,115 @@
+"""One client request inside the coordinator: its sequence state, incremental detokenization, usage, stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from minedraft.proto import generation_pb2
+from minedraft.sampling import SamplingConfig
+
+FINISH = generation_pb2
+
+
+@dataclass
+class RequestState:
+    seq_id: int
+    prompt_ids: list[int]
+    config: SamplingConfig
+    stop_strings: tuple[str, ...]
+    tokenizer: object | None
+    created: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_text_len: int = 0
+    finish_reason: int = FINISH.FINISH_REASON_UNSPECIFIED
+    # The target's verdict at the last verify (or prefill), which the next proposal reconciles with.
+    num_accepted: int = 0
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    cancelled: bool = False
+    stream: asyncio.Queue[generation_pb2.GenerateResponse | BaseException] = field(default_factory=asyncio.Queue)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != FINISH.FINISH_REASON_UNSPECIFIED
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    def record_verify(self, num_drafts: int, num_accepted: int) -> None:
+        self.steps += 1
+        self.num_accepted = num_accepted
+        if num_drafts:
+            self.draft_tokens += num_drafts
+            self.accepted_tokens += num_accepted
+            if len(self.accepted_per_position) < num_drafts:
+                self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+            for i in range(num_accepted):
+                self.accepted_per_position[i] += 1
+
+    def emit(self, token_ids: list[int], finish_reason: int) -> None:
+        """Append what the target emitted, apply stop strings, and push one message to the client's stream."""
+        if self.finished:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.output_ids += token_ids
+        new_ids = token_ids
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+            hit = self._first_stop_string()
+            if hit is not None:
+                self.text = self.text[:hit]
+                finish_reason = FINISH.FINISH_REASON_STOP
+        self.finish_reason = finish_reason
+        # Hold back a trailing partial UTF-8 character until the next token completes it.
+        visible = len(self.text) if self.finished or not self.text.endswith("\ufffd") else len(self.text) - 1
+        delta, self.sent_text_len = self.text[self.sent_text_len : visible], max(self.sent_text_len, visible)
+        message = generation_pb2.GenerateResponse(token_ids=new_ids, text=delta, finish_reason=self.finish_reason)
+        if self.finished:
+            message.usage.CopyFrom(self.usage())
+        self.stream.put_nowait(message)
+
+    def _first_stop_string(self) -> int | None:
+        # Only text not yet streamed can newly contain a stop string (plus its length - 1 before it).
+        positions = [
+            pos for s in self.stop_strings
+            if (pos := self.text.find(s, max(0, self.sent_text_len - len(s) + 1))) >= 0
+        ]
+        return min(positions) if positions else None
+
+    def finish(self, reason: int) -> None:
+        """End the stream without new tokens (cancelled, or failed)."""
+        if not self.finished:
+            self.finish_reason = reason
+            self.stream.put_nowait(
+                generation_pb2.GenerateResponse(finish_reason=reason, usage=self.usage())
+            )
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.finish_reason = FINISH.FINISH_REASON_ERROR
+            self.stream.put_nowait(error)
+
+    def usage(self) -> generation_pb2.Usage:
+        done = time.perf_counter()
+        ttft = (self.first_token_at or done) - self.created
+        completion = len(self.output_ids)
+        return generation_pb2.Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=completion,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
+            steps=self.steps,
+            mean_accepted_length=(self.accepted_tokens / self.steps + 1) if self.steps else 0.0,
+            acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            accepted_per_position=self.accepted_per_position,
+            time_to_first_token_s=ttft,
+            time_per_output_token_s=(done - (self.first_token_at or done)) / max(completion - 1, 1),
+        )

@@ -1,0 +1,205 @@
+"""The public GenerationService: validation, tokenization, admission, streaming; wires workers and channel."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.batch_manager import BatchManager, QueueFullError
+from coordinator.request_state import RequestState
+from coordinator.step_loop import StepLoop
+from coordinator.workers import Workers
+from minedraft.models import ModelLoadError, VocabInfo, check_pair, load_tokenizer
+from minedraft.proto import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc, target_pb2
+from minedraft.sampling import SamplingConfig
+from minedraft.sequence_table import MAX_STOP_TOKEN_IDS
+from minedraft.server_utils import start_server
+
+log = logging.getLogger(__name__)
+
+CHANNELS = ("auto", "local", "grpc", "cuda-ipc", "nccl")
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class CoordinatorOptions:
+    target: str
+    draft: str | None
+    mode: str = "psd"
+    num_speculative_tokens: int = 4
+    max_batch_size: int = 32
+    max_queue_size: int = 256
+    channel: str = "auto"
+    tokenizer: str | None = None
+    step_trace: str | None = None
+
+
+def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> str:
+    """cuda-ipc when both sides are CUDA on one host, else nccl between GPUs, else grpc; a flag overrides."""
+    if requested != "auto":
+        for side, info in (("target", target), ("draft", draft)):
+            if requested not in info.channels:
+                raise ModelLoadError(f"channel {requested!r} is not available on the {side} ({info.device})")
+        return requested
+    both_cuda = target.device.startswith("cuda") and draft.device.startswith("cuda")
+    if both_cuda and target.host_id == draft.host_id:
+        return "cuda-ipc"
+    return "nccl" if both_cuda else "grpc"
+
+
+def _vocab(info: common_pb2.WorkerInfo) -> VocabInfo:
+    return VocabInfo(info.logits_size, info.tokenizer_size, info.tokenizer_hash, tuple(info.eos_token_ids))
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, options: CoordinatorOptions) -> None:
+        self.options = options
+        self.workers = Workers(options.target, options.draft if options.mode != "ar" else None)
+        num_batches = 2 if options.mode == "psd" else 1
+        self.manager = BatchManager(options.max_batch_size, options.max_queue_size, num_batches)
+        self.loop = StepLoop(self.workers, self.manager, options.mode, options.num_speculative_tokens)
+        self.workers.record_events = options.step_trace is not None
+        self.tokenizer: object | None = None
+        self.target_info = common_pb2.WorkerInfo()
+        self.draft_info = common_pb2.WorkerInfo()
+        self.channel = "none"
+        self._seq_ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Check the pair, set up the channel through both workers' control RPCs, start the step loop."""
+        self.target_info = (await self.workers.target.GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
+        if self.workers.draft is not None:
+            self.draft_info = (await self.workers.draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest())).info
+            check_pair(_vocab(self.target_info), _vocab(self.draft_info))
+            self.channel = choose_channel(self.options.channel, self.target_info, self.draft_info)
+            k, batch = self.options.num_speculative_tokens, self.options.max_batch_size
+            exported = self.workers.draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
+                channel=self.channel, num_speculative_tokens=k, max_batch_size=batch))
+            # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
+            handshake = (await exported).handshake
+            await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
+                channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch))
+        tokenizer_dir = self.options.tokenizer or self.target_info.model
+        try:
+            self.tokenizer = load_tokenizer(tokenizer_dir)
+        except ModelLoadError:
+            log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
+        self._task = asyncio.create_task(self.loop.run())
+
+    async def stop(self) -> None:
+        self.loop.stop()
+        if self._task is not None:
+            await self._task
+        if self.options.step_trace:
+            with open(self.options.step_trace, "w") as f:
+                f.write(self.loop.step_trace())
+        await self.workers.close()
+
+    @property
+    def max_model_len(self) -> int:
+        lengths = [self.target_info.max_model_len]
+        if self.workers.draft is not None:
+            lengths.append(self.draft_info.max_model_len)
+        return min(lengths)
+
+    async def GetServerInfo(self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+                            ) -> generation_pb2.GetServerInfoResponse:
+        return generation_pb2.GetServerInfoResponse(
+            target_model=self.target_info.model, draft_model=self.draft_info.model, mode=self.options.mode,
+            channel=self.channel, num_speculative_tokens=self.loop.k, max_batch_size=self.options.max_batch_size,
+            max_queue_size=self.options.max_queue_size, max_model_len=self.max_model_len,
+            vocab_size=self.target_info.logits_size,
+        )
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            state = self._new_request(request)
+            self.manager.submit(state)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        self.loop.wake()
+        try:
+            while True:
+                item = await state.stream.get()
+                if isinstance(item, BaseException):
+                    code = item.code() if isinstance(item, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+                    details = item.details() if isinstance(item, grpc.aio.AioRpcError) else str(item)
+                    await context.abort(code, details or "generation failed")
+                yield item
+                if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            if not state.finished:  # the client went away or its deadline passed: free it at the next step
+                state.cancelled = True
+                self.loop.wake()
+
+    def _new_request(self, request: generation_pb2.GenerateRequest) -> RequestState:
+        """Validate and default a request; every ValueError message here reaches the client as it is."""
+        p = request.params
+        if request.prompt and request.prompt_token_ids:
+            raise ValueError("give either prompt or prompt_token_ids, not both")
+        if request.prompt_token_ids:
+            prompt_ids = list(request.prompt_token_ids)
+        elif request.prompt:
+            if self.tokenizer is None:
+                raise ValueError("this server has no tokenizer: send prompt_token_ids")
+            prompt_ids = self.tokenizer.encode(request.prompt)  # type: ignore[attr-defined]
+        else:
+            prompt_ids = []
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.target_info.logits_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_tokens = p.max_tokens or DEFAULT_MAX_TOKENS
+        # The last verify writes k tokens past the final committed one, so that room is reserved too.
+        room = self.max_model_len - self.loop.k
+        if len(prompt_ids) >= room:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this server's context is {room} tokens")
+        if len(prompt_ids) + max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {len(prompt_ids) + max_tokens} "
+                f"exceeds the context length of {room} tokens; lower max_tokens to {room - len(prompt_ids)}"
+            )
+        if not math.isfinite(p.temperature) or p.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {p.temperature}")
+        if not (0 <= p.top_p <= 1) or math.isnan(p.top_p):
+            raise ValueError(f"top_p must be in (0, 1] (0 means unset, i.e. 1), got {p.top_p}")
+        if p.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {p.top_k}")
+        if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(p.stop_token_ids)}")
+        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        config = SamplingConfig(
+            temperature=float(p.temperature), top_p=float(p.top_p) or 1.0, top_k=int(p.top_k),
+            seed=p.seed if p.HasField("seed") else secrets.randbits(63), max_tokens=max_tokens,
+            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        )
+        return RequestState(next(self._seq_ids), prompt_ids, config, tuple(s for s in p.stop if s), self.tokenizer)
+
+
+async def serve(options: CoordinatorOptions, port: int, host: str = "[::]"
+                ) -> tuple[grpc.aio.Server, int, GenerationServicer]:
+    servicer = GenerationServicer(options)
+    await servicer.start()
+    server, bound = await start_server(
+        port,
+        [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
+        [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name],
+        host,
+    )
+    return server, bound, servicer

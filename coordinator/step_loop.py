@@ -1,0 +1,131 @@
+"""The coordinator's step loop: batch-parallel speculative decoding (psd), its sequential baseline (sd), and ar."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from coordinator.batch_manager import Batch, BatchManager
+from coordinator.request_state import FINISH, RequestState
+from coordinator.workers import Workers
+
+log = logging.getLogger(__name__)
+
+MODES = ("psd", "sd", "ar")
+
+
+class StepLoop:
+    """Each step: admit and prefill waiting requests; then, in psd, Verify(batch X) and Propose(batch Y) run at
+    once on the two workers. With one batch empty, or in sd mode (a single batch), Propose and Verify run one
+    after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts)."""
+
+    def __init__(self, workers: Workers, manager: BatchManager, mode: str, k: int) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}")
+        self.workers, self.manager, self.mode = workers, manager, mode
+        self.k = 0 if mode == "ar" else k
+        self._step_ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    def has_work(self) -> bool:
+        return bool(self.manager.waiting) or any(b.members or b.joining for b in self.manager.batches)
+
+    async def run(self) -> None:
+        while not self._stopping:
+            if not self.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self.step()
+            except Exception:  # a failed step fails its requests, never the loop
+                log.exception("step failed")
+
+    async def step(self) -> None:
+        await self._release([r for b in self.manager.batches if not b.awaiting_verify
+                             for r in self.manager.remove_finished(b)])
+        await self._admit()
+        batches = self.manager.batches
+        to_verify = next((b for b in batches if b.awaiting_verify), None)
+        to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
+        if self.mode == "ar":
+            if to_propose is not None:
+                await self._verify(to_propose)
+        elif to_verify is not None and to_propose is not None:
+            await asyncio.gather(self._verify(to_verify), self._propose(to_propose))
+        elif to_verify is not None:
+            await self._verify(to_verify)
+        elif to_propose is not None:
+            await self._propose(to_propose)
+            other_has_work = any(b.members for b in batches if b is not to_propose)
+            if not other_has_work:  # fallback: standard SD on the only batch with work
+                await self._verify(to_propose)
+
+    async def _admit(self) -> None:
+        admitted = [r for _, requests in self.manager.take_admissions() for r in requests]
+        if not admitted:
+            return
+        try:
+            calls = [self.workers.prefill_target(admitted)]
+            if self.workers.draft is not None:
+                calls.append(self.workers.prefill_draft(admitted))
+            replies = await asyncio.gather(*calls)
+        except Exception as exc:
+            self._fail(admitted, exc)
+            return
+        for request, result in zip(admitted, replies[0].results):
+            request.emit(list(result.token_ids), result.finish_reason)
+
+    async def _propose(self, batch: Batch) -> None:
+        try:
+            reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, self.k)
+        except Exception as exc:
+            self._fail(batch.members, exc)
+            return
+        batch.drafts, batch.num_drafts = reply.drafts, self.k
+
+    async def _verify(self, batch: Batch) -> None:
+        members, k = batch.members, batch.num_drafts if batch.awaiting_verify else 0
+        try:
+            reply = await self.workers.verify(next(self._step_ids), batch.batch_id, members, batch.drafts, k)
+        except Exception as exc:
+            self._fail(members, exc)
+        else:
+            for request, result in zip(members, reply.results):
+                request.record_verify(k, result.num_accepted)
+                request.emit(list(result.token_ids), result.finish_reason)
+        gone = [r for r in members + batch.joining if r.finished or r.cancelled]
+        batch.open_membership()
+        self.manager.rebalance(batch)
+        await self._release(gone)
+
+    def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
+        log.warning("failing %d requests: %s", len(requests), exc)
+        for request in requests:
+            request.fail(exc)
+
+    async def _release(self, requests: Sequence[RequestState]) -> None:
+        for request in requests:
+            if request.cancelled and not request.finished:
+                request.finish(FINISH.FINISH_REASON_CANCELLED)
+        try:
+            await self.workers.release([r.seq_id for r in requests])
+        except grpc.RpcError as exc:
+            log.warning("release failed: %s", exc)
+
+    def step_trace(self) -> str:
+        """The recorded worker calls as JSON lines (for the overlap test and the timeline plot)."""
+        return "\n".join(json.dumps(vars(e)) for e in self.workers.events)

@@ -1,0 +1,102 @@
+"""Clients of the two workers as the step loop sees them, recording a timed event per call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.request_state import RequestState
+from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.server_utils import CHANNEL_OPTIONS
+
+
+@dataclass
+class StepEvent:
+    """One worker call: which, on which batch, and when (coordinator's clock, seconds)."""
+
+    kind: str  # "prefill", "propose" or "verify"
+    batch_id: int
+    batch_size: int
+    start: float
+    end: float
+    worker_compute_s: float = 0.0
+    channel_s: float = 0.0
+
+
+def sequence_spec(request: RequestState) -> common_pb2.SequenceSpec:
+    c = request.config
+    params = generation_pb2.SamplingParams(
+        max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=c.seed,
+        stop_token_ids=list(c.stop_token_ids), ignore_eos=c.ignore_eos,
+    )
+    return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=request.prompt_ids, params=params)
+
+
+class Workers:
+    """The target and draft control stubs; the draft is absent in `ar` mode."""
+
+    def __init__(self, target_address: str, draft_address: str | None) -> None:
+        self._channels = [grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS)]
+        self.target = target_pb2_grpc.TargetServiceStub(self._channels[0])
+        self.draft: draft_pb2_grpc.DraftServiceStub | None = None
+        if draft_address:
+            self._channels.append(grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS))
+            self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
+        self.events: list[StepEvent] = []
+        self.record_events = False
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    def _record(self, kind: str, batch_id: int, size: int, start: float, timings: common_pb2.Timings) -> None:
+        if self.record_events:
+            self.events.append(
+                StepEvent(kind, batch_id, size, start, time.perf_counter(), timings.compute_s, timings.channel_s)
+            )
+
+    async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
+        start = time.perf_counter()
+        reply = await self.target.Prefill(
+            target_pb2.TargetServicePrefillRequest(sequences=[sequence_spec(r) for r in requests])
+        )
+        self._record("prefill", -1, len(requests), start, reply.timings)
+        return reply
+
+    async def prefill_draft(self, requests: Sequence[RequestState]) -> None:
+        assert self.draft is not None
+        await self.draft.Prefill(draft_pb2.DraftServicePrefillRequest(sequences=[sequence_spec(r) for r in requests]))
+
+    async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
+                      ) -> draft_pb2.ProposeResponse:
+        assert self.draft is not None
+        start = time.perf_counter()
+        reply = await self.draft.Propose(draft_pb2.ProposeRequest(
+            step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
+            num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
+            num_draft_tokens=k,
+        ))
+        self._record("propose", batch_id, len(members), start, reply.timings)
+        return reply
+
+    async def verify(self, step_id: int, batch_id: int, members: Sequence[RequestState],
+                     drafts: common_pb2.DraftPayload | None, k: int) -> target_pb2.VerifyResponse:
+        start = time.perf_counter()
+        request = target_pb2.VerifyRequest(
+            step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members], num_draft_tokens=k
+        )
+        if drafts is not None:
+            request.drafts.CopyFrom(drafts)
+        reply = await self.target.Verify(request)
+        self._record("verify", batch_id, len(members), start, reply.timings)
+        return reply
+
+    async def release(self, seq_ids: Sequence[int]) -> None:
+        if not seq_ids:
+            return
+        await self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids)))
+        if self.draft is not None:
+            await self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)))

@@ -1,0 +1,309 @@
+"""The `minedraft` command: serve, target, draft, coordinator, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+DEMO_DIR = Path(__file__).parent / "demo_models"
+ENV_PREFIX = "MINEDRAFT_"
+
+
+def _env_default(flag: str, default: object) -> object:
+    """Every flag can be set by MINEDRAFT_<FLAG> (the names the Helm chart uses)."""
+    name = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    return os.environ.get(name, default)
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, default: object = None, **kwargs: object) -> None:
+    parser.add_argument(flag, default=_env_default(flag, default), **kwargs)  # type: ignore[arg-type]
+
+
+def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
+    _add(parser, "--model", str(default_model), help="Hugging Face model directory")
+    _add(parser, "--port", 0, type=int, help="port to listen on (0: any free port)")
+    _add(parser, "--host", "[::]")
+    _add(parser, "--device", "cpu", help="cpu, cuda, cuda:1 ...")
+    _add(parser, "--dtype", "auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add(parser, "--max-batch-size", 32, type=int, help="sequences per batch (the worker holds two batches)")
+    _add(parser, "--max-model-len", 2048, type=int, help="cache length per sequence")
+    _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
+
+
+def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--mode", "psd", choices=["psd", "sd", "ar"])
+    _add(parser, "--num-speculative-tokens", 4, type=int)
+    _add(parser, "--max-batch-size", 32, type=int)
+    _add(parser, "--max-queue-size", 256, type=int)
+    _add(parser, "--channel", "auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
+    _add(parser, "--step-trace", None, help="write every worker call as JSON lines here on shutdown")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minedraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start target, draft and coordinator on this machine")
+    _add(serve, "--target", str(DEMO_DIR / "target"), help="target model directory (default: the demo target)")
+    _add(serve, "--draft", str(DEMO_DIR / "draft"), help="draft model directory (default: the demo draft)")
+    _add(serve, "--port", 50051, type=int, help="public port")
+    _add(serve, "--host", "[::]")
+    _add(serve, "--target-device", "cpu")
+    _add(serve, "--draft-device", "cpu")
+    _add(serve, "--dtype", "auto")
+    _add(serve, "--max-model-len", 2048, type=int)
+    _coordinator_flags(serve)
+
+    target = sub.add_parser("target", help="start the target service")
+    _worker_flags(target, DEMO_DIR / "target")
+    draft = sub.add_parser("draft", help="start the draft service")
+    _worker_flags(draft, DEMO_DIR / "draft")
+    _add(draft, "--greedy-drafts", False, action="store_true", help="draft greedily even for sampled requests")
+
+    coord = sub.add_parser("coordinator", help="start the coordinator (public API)")
+    _add(coord, "--target", None, required=_env_default("--target", None) is None, help="target service address")
+    _add(coord, "--draft", None, help="draft service address (not needed in ar mode)")
+    _add(coord, "--port", 50051, type=int)
+    _add(coord, "--host", "[::]")
+    _add(coord, "--tokenizer", None, help="tokenizer directory (default: the target's model directory)")
+    _add(coord, "--metrics-port", 0, type=int)
+    _coordinator_flags(coord)
+
+    gen = sub.add_parser("generate", help="send one request and stream the answer")
+    _add(gen, "--server", "localhost:50051")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--timeout", type=float, default=600.0)
+
+    from minedraft.bench import add_bench_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="measure throughput and latency of a server or of the modes"))
+    return parser
+
+
+def _run_until_signal(main: object) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(main)  # type: ignore[arg-type]
+
+
+async def _serve_forever(server: grpc.aio.Server, name: str, port: int, on_stop: object = None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"{name} listening on port {port}", flush=True)
+    await stop.wait()
+    if on_stop is not None:
+        await on_stop  # type: ignore[misc]
+    await server.stop(grace=2)
+
+
+async def _worker_main(args: argparse.Namespace, kind: str) -> None:
+    from minedraft.worker import WorkerOptions
+
+    options = WorkerOptions(args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len)
+    if kind == "target":
+        from target_service.server import serve as serve_target
+
+        server, port = await serve_target(options, args.port, args.host)
+    else:
+        from draft_service.server import serve as serve_draft
+
+        server, port = await serve_draft(options, args.port, args.host, greedy_drafts=args.greedy_drafts)
+    await _serve_forever(server, kind, port)
+
+
+async def _coordinator_main(args: argparse.Namespace) -> None:
+    from coordinator.server import CoordinatorOptions, serve
+
+    options = CoordinatorOptions(
+        target=args.target, draft=args.draft, mode=args.mode, num_speculative_tokens=args.num_speculative_tokens,
+        max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size, channel=args.channel,
+        tokenizer=args.tokenizer, step_trace=args.step_trace,
+    )
+    server, port, servicer = await serve(options, args.port, args.host)
+    await _serve_forever(server, "coordinator", port, servicer.stop())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> None:
+    """Block until `address` answers SERVING on grpc.health.v1, or fail if a process died."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for proc in processes:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become healthy in {timeout:.0f} s")
+
+
+def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
+    """The three service command lines that `serve` starts (the draft is left out in ar mode)."""
+    py = [sys.executable, "-m", "minedraft.cli"]
+    common = ["--dtype", str(args.dtype), "--max-batch-size", str(args.max_batch_size),
+              "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1"]
+    commands = [py + ["target", "--model", args.target, "--port", str(target_port),
+                      "--device", args.target_device, *common]]
+    coordinator = py + ["coordinator", "--target", f"127.0.0.1:{target_port}", "--port", str(args.port),
+                        "--host", args.host, "--mode", args.mode,
+                        "--num-speculative-tokens", str(args.num_speculative_tokens),
+                        "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
+                        "--channel", args.channel, "--tokenizer", args.target]
+    if args.step_trace:
+        coordinator += ["--step-trace", args.step_trace]
+    if args.mode != "ar":
+        commands.append(py + ["draft", "--model", args.draft, "--port", str(draft_port),
+                              "--device", args.draft_device, *common])
+        coordinator += ["--draft", f"127.0.0.1:{draft_port}"]
+    return commands + [coordinator]
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    target_port, draft_port = free_port(), free_port()
+    commands = stack_commands(args, target_port, draft_port)
+    processes: list[subprocess.Popen] = []
+    try:
+        workers = [subprocess.Popen(cmd, start_new_session=True) for cmd in commands[:-1]]
+        processes += workers
+        wait_healthy(f"127.0.0.1:{target_port}", processes)
+        if args.mode != "ar":
+            wait_healthy(f"127.0.0.1:{draft_port}", processes)
+        processes.append(subprocess.Popen(commands[-1], start_new_session=True))
+        public = f"localhost:{args.port}"
+        wait_healthy(f"127.0.0.1:{args.port}", processes)
+        print(f"minedraft serving {args.mode} on {public} (target {args.target}, draft {args.draft})", flush=True)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        while all(p.poll() is None for p in processes):
+            time.sleep(0.5)
+        print("a service exited; stopping the others", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for proc in reversed(processes):  # coordinator first, so it stops sending work
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    from minedraft.proto import generation_pb2, generation_pb2_grpc
+
+    params = generation_pb2.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    if args.seed is not None:
+        params.seed = args.seed
+    request = generation_pb2.GenerateRequest(params=params)
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        try:
+            request.prompt_token_ids.extend(int(t) for t in args.prompt_ids.split(",") if t.strip())
+        except ValueError:
+            print("error: --prompt-ids takes comma-separated integers", file=sys.stderr)
+            return 2
+    token_ids: list[int] = []
+    text, finish, usage = "", 0, None
+    try:
+        with grpc.insecure_channel(args.server) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            for message in stub.Generate(request, timeout=args.timeout):
+                token_ids += message.token_ids
+                text += message.text
+                if not args.json:
+                    print(message.text, end="", flush=True)
+                if message.finish_reason:
+                    finish, usage = message.finish_reason, message.usage
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        u = usage or generation_pb2.Usage()
+        print(json.dumps({
+            "token_ids": token_ids,
+            "text": text,
+            "finish_reason": generation_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower(),
+            "usage": {
+                "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens, "steps": u.steps,
+                "mean_accepted_length": round(u.mean_accepted_length, 4),
+                "acceptance_rate": round(u.acceptance_rate, 4),
+                "accepted_per_position": list(u.accepted_per_position),
+                "time_to_first_token_s": round(u.time_to_first_token_s, 6),
+                "time_per_output_token_s": round(u.time_per_output_token_s, 6),
+            },
+        }))
+    else:
+        print()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve_main(args)
+    if args.command == "generate":
+        return generate_main(args)
+    if args.command == "bench":
+        from minedraft.bench import bench_main
+
+        return bench_main(args)
+    try:
+        if args.command in ("target", "draft"):
+            _run_until_signal(_worker_main(args, args.command))
+        else:
+            _run_until_signal(_coordinator_main(args))
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # start-up failures: a message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
