@@ -79,9 +79,9 @@ class ModelWorker:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def info(self) -> common_pb2.WorkerInfo:
-        channels = ["local", "grpc"]
+        channels = ["local", "grpc", "nccl"]  # nccl runs over gloo on CPU
         if self.device.type == "cuda":
-            channels = ["cuda-ipc", "nccl", *channels]
+            channels.insert(0, "cuda-ipc")
         return common_pb2.WorkerInfo(
             model=self.options.model,
             device=str(self.device),
@@ -101,7 +101,7 @@ class ModelWorker:
         if self.channel is not None:
             self.channel.close()
         channel = make_channel(name, self.device)
-        reply = await self.run(channel.export, k, max_batch_size) if exporter else b""
+        reply = await self.run(channel.export, k, max_batch_size, self.vocab.logits_size) if exporter else b""
         if not exporter:
             await self.run(channel.attach, handshake)
         self.channel = channel

@@ -20,7 +20,7 @@ class Channel(ABC):
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def export(self, num_speculative_tokens: int, max_batch_size: int) -> bytes:
+    def export(self, num_speculative_tokens: int, max_batch_size: int, vocab_size: int) -> bytes:
         """Draft side: allocate what the transport needs; the bytes go to the target's `attach`."""
         return b""
 

@@ -21,7 +21,7 @@ class LocalChannel(Channel):
         super().__init__(device)
         self.key = ""
 
-    def export(self, num_speculative_tokens: int, max_batch_size: int) -> bytes:
+    def export(self, num_speculative_tokens: int, max_batch_size: int, vocab_size: int) -> bytes:
         self.key = secrets.token_hex(8)
         with _lock:
             _mailboxes[self.key] = {}

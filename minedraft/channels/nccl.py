@@ -1,0 +1,103 @@
+"""The `nccl` channel: a two-rank torch.distributed group per pair (gloo on CPU), rendezvous over gRPC."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from minedraft.channels.base import Channel
+from minedraft.proto import common_pb2
+
+DRAFT_RANK, TARGET_RANK = 0, 1
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _advertised_host() -> str:
+    """The address the target dials to reach the draft's rendezvous store."""
+    host = os.environ.get("MINEDRAFT_ADVERTISE_HOST")
+    if host:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class NcclChannel(Channel):
+    """Messages are matched by order: drafts are verified in the order they were proposed, so the target's
+    receives pair with the draft's sends one for one. The draft side sends asynchronously (a Propose reply must
+    not wait for the Verify that will post the matching receive)."""
+
+    name = "nccl"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self._ready: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def _join(self, host: str, port: int, rank: int) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            store = dist.TCPStore(host, port, 2, is_master=rank == DRAFT_RANK, timeout=timedelta(seconds=120))
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=2,
+                                    timeout=timedelta(seconds=120))
+        except BaseException as exc:  # surfaced at the first send
+            self._error = exc
+
+    def export(self, num_speculative_tokens: int, max_batch_size: int, vocab_size: int) -> bytes:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = _advertised_host()
+        # init_process_group blocks until the target joins, which happens only after this reply: join in background.
+        self._ready = threading.Thread(target=self._join, args=("0.0.0.0", port, DRAFT_RANK), daemon=True)
+        self._ready.start()
+        return f"{host}:{port}".encode()
+
+    def attach(self, handshake: bytes) -> None:
+        host, port = handshake.decode().rsplit(":", 1)
+        self._join(host, int(port), TARGET_RANK)
+        if self._error is not None:
+            raise ValueError(f"nccl channel rendezvous with {host}:{port} failed: {self._error}")
+
+    def _wait_ready(self) -> None:
+        if self._ready is not None:
+            self._ready.join()
+            self._ready = None
+        if self._error is not None:
+            raise RuntimeError(f"nccl channel set-up failed: {self._error}")
+
+    def send(self, step_id: int, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> common_pb2.DraftPayload:
+        self._wait_ready()
+        self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+        payload = common_pb2.DraftPayload(channel=self.name, step_id=step_id, batch_size=draft_ids.shape[0],
+                                          num_tokens=draft_ids.shape[1])
+        tensors = [draft_ids.to(torch.long).contiguous()]
+        if draft_probs is not None:
+            tensors.append(draft_probs.to(torch.float32).contiguous())
+            payload.probs_shape.extend(draft_probs.shape)
+            payload.probs_dtype = "float32"
+        for tensor in tensors:  # the buffer must outlive the asynchronous send
+            self._in_flight.append((dist.isend(tensor, dst=TARGET_RANK), tensor))
+        return payload
+
+    def receive(self, payload: common_pb2.DraftPayload) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = torch.empty(payload.batch_size, payload.num_tokens, dtype=torch.long, device=self.device)
+        dist.recv(ids, src=DRAFT_RANK)
+        if not payload.probs_shape:
+            return ids, None
+        probs = torch.empty(tuple(payload.probs_shape), dtype=_DTYPES[payload.probs_dtype], device=self.device)
+        dist.recv(probs, src=DRAFT_RANK)
+        return ids, probs
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
