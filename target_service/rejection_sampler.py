@@ -31,18 +31,28 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     params: RowParams,
     first_position: torch.Tensor,
+    synthetic_acceptance: float | None = None,
 ) -> SamplerOutput:
     """Decide every row's drafts against the target in one pass.
 
     target_logits [B, k+1, V] scores each draft position and the bonus position; draft_ids [B, k]; draft_probs
     [B, k, V'] (V' <= V) are the draft's processed probabilities, or None for greedy drafts (a one-hot q).
     first_position [B] is the sequence index of the first draft token, which keys the row's seeded uniforms.
+
+    `synthetic_acceptance` (benchmarks only, NOT lossless) accepts each draft with that probability whatever the
+    models say, so throughput can be measured at a realistic acceptance with random weights (as vLLM's synthetic
+    rejection mode).
     """
     batch, k = draft_ids.shape
     rows = torch.arange(batch, device=draft_ids.device)
     greedy = params.temperature == 0
     target_argmax = target_logits.argmax(dim=-1)  # [B, k+1]
     accept = draft_ids == target_argmax[:, :k]
+    if synthetic_acceptance is not None:
+        positions = first_position[:, None] + torch.arange(k, device=draft_ids.device)
+        accept = seeded_uniform(params.seed, positions, STREAM_ACCEPT) < synthetic_acceptance
+        num_accepted = _accepted_prefix(accept)
+        return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
     if bool(greedy.all()):  # the common serving case: no probabilities needed at all
         num_accepted = _accepted_prefix(accept)
         return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])

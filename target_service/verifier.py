@@ -57,8 +57,11 @@ class Verifier:
     """Holds the target model's sequences. Invariant: each row's cache holds every committed token but the last,
     which waits in `pending` to be the first input of the next verify."""
 
-    def __init__(self, runner: ModelRunner, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, runner: ModelRunner, eos_token_ids: Sequence[int], synthetic_acceptance: float | None = None
+    ) -> None:
         self.runner = runner
+        self.synthetic_acceptance = synthetic_acceptance  # benchmarks only: see rejection_sample
         self.table = SequenceTable(runner)
         self.pending = torch.zeros(runner.num_slots, dtype=torch.long, device=runner.device)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
@@ -94,7 +97,9 @@ class Verifier:
         inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(self.runner.device)], dim=1)
         logits = self.runner.forward(rows, inputs, torch.full_like(starts, k + 1))
         probs = None if draft_probs is None else draft_probs.to(self.runner.device)
-        sampled = rejection_sample(logits, inputs[:, 1:], probs, self._params(rows), starts + 1)
+        sampled = rejection_sample(
+            logits, inputs[:, 1:], probs, self._params(rows), starts + 1, self.synthetic_acceptance
+        )
         if k:
             self.counters.add(sampled.num_accepted, k)
         return self._commit(rows, starts, sampled)

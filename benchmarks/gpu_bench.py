@@ -1,0 +1,391 @@
+"""The whole GPU check in one run: step times, PSD/SD/AR ratios, channel cost, bandwidth floors, plots.
+
+    python benchmarks/gpu_bench.py --target-device cuda:0 --draft-device cuda:0 --out out/gpu
+
+Models are built from production-shaped configs with random bf16 weights (Llama-3-8B target; Llama-3.2-1B- and
+Llama-68M-shaped drafts) unless --target/--draft give real checkpoints. With random weights drafts are never
+accepted, so throughput is measured with the benchmark-only --synthetic-acceptance P (not lossless, labelled in
+every table). PSD is run in one process: Verify(X) on the target's stream and Propose(Y) on the draft's stream,
+each from its own thread, as the two services would do on two GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from draft_service.proposer import Proposer
+from minedraft.model_runner import ModelRunner
+from minedraft.models import load_model
+from minedraft.sampling import SamplingConfig
+from target_service.verifier import Verifier
+
+VOCAB = 128256
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=True),
+    "68m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
+                num_key_value_heads=12),
+}
+
+
+def build(shape: str, device: str) -> torch.nn.Module:
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0, **SHAPES[shape])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def hbm_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.randn(1 << 28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes(runner: ModelRunner, rows: int, length: int) -> int:
+    return sum(2 * rows * k.shape[1] * length * k.shape[3] * k.element_size() for k in runner.cache.keys)
+
+
+@dataclass
+class Row:
+    draft: str
+    batch: int
+    k: int
+    t_draft_ms: float
+    t_verify_ms: float
+    t_ar_ms: float
+    t_psd_step_ms: float
+    mean_accepted: float
+    ideal: float
+    psd_over_sd: float
+    sd_over_ar: float
+    overlap_efficiency: float
+    verify_floor_ms: float
+    draft_floor_ms: float
+
+
+def timed(fn: Callable[[], object], devices: list[str]) -> float:
+    for d in set(devices):
+        torch.cuda.synchronize(d)
+    start = time.perf_counter()
+    fn()
+    for d in set(devices):
+        torch.cuda.synchronize(d)
+    return time.perf_counter() - start
+
+
+class Pair:
+    """Verifier and proposer over two batches, driven step by step like the coordinator would."""
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module, batch: int, k: int, prefix: int,
+                 synthetic: float | None, steps: int) -> None:
+        max_len = prefix + (steps + 4) * (k + 1) * 3 + 16
+        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len), [], synthetic_acceptance=synthetic)
+        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len))
+        self.k, self.batch = k, batch
+        self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
+        self.d_stream = torch.cuda.Stream(self.proposer.runner.device)
+        config = SamplingConfig(max_tokens=10**6, ignore_eos=True)
+        generator = torch.Generator().manual_seed(1)
+        self.ids = [list(range(b * batch, (b + 1) * batch)) for b in range(2)]
+        self.verdict: dict[int, tuple[int, int]] = {}
+        self.drafts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.accepted: list[float] = []
+        self.ready: dict[int, torch.cuda.Event] = {}
+        for seqs in self.ids:
+            prompts = torch.randint(0, VOCAB, (batch, prefix), generator=generator).tolist()
+            first = self.verifier.prefill(seqs, prompts, [config] * batch).per_row()
+            self.proposer.prefill(seqs, prompts, [config] * batch)
+            self.verdict.update({s: (0, tokens[-1]) for s, (tokens, _, _) in zip(seqs, first)})
+
+    def propose(self, b: int) -> None:
+        with torch.cuda.stream(self.d_stream):
+            seqs = self.ids[b]
+            accepted = torch.tensor([self.verdict[s][0] for s in seqs])
+            last = torch.tensor([self.verdict[s][1] for s in seqs])
+            proposal = self.proposer.propose(seqs, accepted, last, self.k)
+            self.drafts[b] = (proposal.draft_ids, proposal.draft_probs)
+            self.ready[b] = torch.cuda.Event()
+            self.ready[b].record()
+
+    def verify(self, b: int, k: int | None = None) -> None:
+        with torch.cuda.stream(self.t_stream):
+            seqs = self.ids[b]
+            if k == 0:
+                drafts, probs = torch.zeros(len(seqs), 0, dtype=torch.long), None
+            else:
+                torch.cuda.current_stream().wait_event(self.ready[b])
+                drafts, probs = self.drafts.pop(b)
+            result = self.verifier.verify(seqs, drafts, probs)
+            rows = result.per_row()
+            self.verdict.update({s: (a, tokens[-1]) for s, (tokens, a, _) in zip(seqs, rows)})
+            if k != 0:
+                self.accepted.append(sum(a for _, a, _ in rows) / len(rows))
+
+    def psd_step(self, x: int) -> tuple[float, float, float, float]:
+        """Verify(x) and Propose(1-x) at once, each from its own thread; returns (step, start/end offsets)."""
+        spans: dict[str, tuple[float, float]] = {}
+
+        def run(name: str, fn: Callable[[], None], device: torch.device) -> None:
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            spans[name] = (start, time.perf_counter())
+
+        threads = [
+            threading.Thread(target=run, args=("verify", lambda: self.verify(x), self.verifier.runner.device)),
+            threading.Thread(target=run, args=("propose", lambda: self.propose(1 - x), self.proposer.runner.device)),
+        ]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        end = time.perf_counter()
+        return end - start, *spans["verify"], *spans["propose"]  # type: ignore[return-value]
+
+
+def measure(name: str, target: torch.nn.Module, draft: torch.nn.Module, batch: int, k: int, args: argparse.Namespace,
+            bandwidth: float, timeline: list[dict] | None) -> Row:
+    devices = [args.target_device, args.draft_device]
+    steps = args.steps
+    pair = Pair(target, draft, batch, k, args.prefix, args.synthetic_acceptance, steps)
+    for _ in range(2):  # warm-up, and the batches' first proposals
+        pair.propose(0)
+        pair.verify(0)
+        pair.propose(1)
+        pair.verify(1)
+    t_d, t_v, t_ar = [], [], []
+    for _ in range(steps):
+        t_d.append(timed(lambda: pair.propose(0), devices))
+        t_v.append(timed(lambda: pair.verify(0), devices))
+        t_ar.append(timed(lambda: pair.verify(1, k=0), devices))
+    pair.propose(0)
+    torch.cuda.synchronize(args.draft_device)
+    psd, origin = [], time.perf_counter()
+    x = 0
+    for _ in range(steps):
+        step, v0, v1, p0, p1 = pair.psd_step(x)
+        psd.append(step)
+        if timeline is not None:
+            timeline.append({"kind": "verify", "batch": x, "start": v0 - origin, "end": v1 - origin})
+            timeline.append({"kind": "propose", "batch": 1 - x, "start": p0 - origin, "end": p1 - origin})
+        x = 1 - x
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    d, v, ar, p = med(t_d), med(t_v), med(t_ar), med(psd)
+    acc = sum(pair.accepted) / len(pair.accepted)
+    tokens = batch * (acc + 1)
+    sd_tput, psd_tput, ar_tput = tokens / (d + v), tokens / p, batch / ar
+    length = args.prefix + steps * (k + 1)
+    runner_t, runner_d = pair.verifier.runner, pair.proposer.runner
+    verify_floor = (param_bytes(target) + kv_bytes(runner_t, batch, length)) / bandwidth
+    draft_floor = k * (param_bytes(draft) + kv_bytes(runner_d, batch, length)) / bandwidth
+    return Row(
+        draft=name, batch=batch, k=k, t_draft_ms=d * 1e3, t_verify_ms=v * 1e3, t_ar_ms=ar * 1e3,
+        t_psd_step_ms=p * 1e3, mean_accepted=acc, ideal=(d + v) / max(d, v), psd_over_sd=psd_tput / sd_tput,
+        sd_over_ar=sd_tput / ar_tput,
+        overlap_efficiency=max(d, v) / p, verify_floor_ms=verify_floor * 1e3, draft_floor_ms=draft_floor * 1e3,
+    )
+
+
+def channel_costs(device: str, out: dict) -> None:
+    """Transfer time of ids and q at B=32, k=4, V=128k through the grpc-bytes channel (in process)."""
+    from minedraft.channels.grpc_bytes import GrpcBytesChannel
+
+    ids = torch.randint(0, VOCAB, (32, 4), device=device)
+    probs = torch.rand(32, 4, VOCAB, device=device)
+    channel = GrpcBytesChannel(torch.device(device))
+    for name, p in (("ids", None), ("ids+probs", probs)):
+        times = [timed(lambda p=p: channel.receive(channel.send(0, ids, p)), [device]) for _ in range(5)]
+        out[f"grpc_{name}_ms"] = sorted(times)[2] * 1e3
+
+
+def _ipc_draft_side(conn: object, device: str) -> None:
+    from minedraft.channels.cuda_ipc import CudaIpcChannel
+
+    channel = CudaIpcChannel(torch.device(device))
+    conn.send(channel.export(4, 32, VOCAB))  # type: ignore[attr-defined]
+    generator = torch.Generator(device=device).manual_seed(3)
+    while (step := conn.recv()) is not None:  # type: ignore[attr-defined]
+        ids = torch.randint(0, VOCAB, (32, 4), device=device, generator=generator)
+        probs = torch.rand(32, 4, VOCAB, device=device, generator=generator) if step % 2 else None
+        payload = channel.send(step, ids, probs)
+        torch.cuda.synchronize(device)
+        conn.send((payload.SerializeToString(), ids.cpu(), None if probs is None else probs.sum().item()))  # type: ignore[attr-defined]
+
+
+def cuda_ipc_costs(target_device: str, draft_device: str, out: dict) -> None:
+    """Receive time of ids and of ids+q at B=32, k=4, V=128k over cuda-ipc from a real second process; also checks
+    that what arrives is what was sent."""
+    import torch.multiprocessing as mp
+
+    from minedraft.channels.cuda_ipc import CudaIpcChannel
+    from minedraft.proto import common_pb2
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_draft_side, args=(child, draft_device))
+    proc.start()
+    channel = CudaIpcChannel(torch.device(target_device))
+    channel.attach(parent.recv())
+    times: dict[str, list[float]] = {"ids": [], "ids+probs": []}
+    ok = True
+    for step in range(12):
+        parent.send(step)
+        raw, ids_cpu, probs_sum = parent.recv()
+        payload = common_pb2.DraftPayload.FromString(raw)
+        holder: list = []
+        elapsed = timed(lambda h=holder, p=payload: h.append(channel.receive(p)), [target_device])
+        ids, probs = holder[0]
+        ok &= bool((ids.cpu() == ids_cpu).all())
+        if probs_sum is not None:
+            ok &= abs(probs.sum().item() - probs_sum) <= 1e-3 * abs(probs_sum)
+        if step >= 2:
+            times["ids+probs" if probs_sum is not None else "ids"].append(elapsed)
+    parent.send(None)
+    proc.join()
+    out["cuda_ipc_ids_ms"] = sorted(times["ids"])[len(times["ids"]) // 2] * 1e3
+    out["cuda_ipc_ids_probs_ms"] = sorted(times["ids+probs"])[len(times["ids+probs"]) // 2] * 1e3
+    out["cuda_ipc_transfer_exact"] = ok
+
+
+def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.Namespace, out: dict) -> None:
+    """Tokens/s at batch 1: Hugging Face assisted generation against our SD loop, same models, real acceptance."""
+    from minedraft.offline import OfflineRequest, generate_offline
+
+    prompt = torch.randint(0, VOCAB, (1, args.prefix), generator=torch.Generator().manual_seed(2))
+    new = 64
+    target.generation_config.pad_token_id = 0
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, assistant_model=draft)
+    target.generate(prompt.to(args.target_device), **kwargs)  # warm-up
+    hf_s = timed(lambda: target.generate(prompt.to(args.target_device), **kwargs), [args.target_device])
+    verifier = Verifier(ModelRunner(target, 2, args.prefix + new + 16), [])
+    proposer = Proposer(ModelRunner(draft, 2, args.prefix + new + 16))
+    request = OfflineRequest(prompt[0].tolist(), SamplingConfig(max_tokens=new, ignore_eos=True))
+    generate_offline(verifier, proposer, [request], 4, 1)
+    ours_s = timed(lambda: generate_offline(verifier, proposer, [request], 4, 1), [args.target_device])
+    out["hf_assisted_tokens_per_s"] = new / hf_s
+    out["ours_sd_b1_tokens_per_s"] = new / ours_s
+
+
+def plot(rows: list[Row], timeline: list[dict], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 2.5))
+    for event in timeline:
+        y = 1 if event["kind"] == "verify" else 0
+        ax.barh(y, event["end"] - event["start"], left=event["start"], color="C0" if event["batch"] == 0 else "C1")
+    ax.set_yticks([0, 1], ["draft: Propose", "target: Verify"])
+    ax.set_xlabel("seconds (blue: batch 0, orange: batch 1)")
+    ax.set_title("PSD step timeline")
+    fig.tight_layout()
+    fig.savefig(out_dir / "timeline.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for draft in sorted({r.draft for r in rows}):
+        for k in sorted({r.k for r in rows}):
+            sel = [r for r in rows if r.draft == draft and r.k == k]
+            ax.plot([r.batch for r in sel], [r.psd_over_sd for r in sel], marker="o", label=f"{draft} k={k}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size per batch")
+    ax.set_ylabel("PSD / SD throughput")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput_vs_batch.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target-device", default="cuda:0")
+    parser.add_argument("--draft-device", default="cuda:0")
+    parser.add_argument("--target", help="real target checkpoint directory (default: random 8B-shaped)")
+    parser.add_argument("--draft", action="append", help="real draft checkpoint directories")
+    parser.add_argument("--drafts", default="1b,68m", help="draft shapes when no --draft is given")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--ks", default="2,4,6")
+    parser.add_argument("--prefix", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--synthetic-acceptance", type=float, default=0.7,
+                        help="BENCHMARK ONLY, not lossless: accept each draft with this probability")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"))
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+                     "synthetic_acceptance": args.synthetic_acceptance, "torch": torch.__version__}
+    bandwidth = hbm_bandwidth(args.target_device)
+    summary["hbm_bandwidth_GBps"] = bandwidth / 1e9
+    print(f"HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    target = load_model(args.target, args.target_device) if args.target else build("8b", args.target_device)
+    drafts = ({Path(d).name: load_model(d, args.draft_device) for d in args.draft} if args.draft
+              else {s: build(s, args.draft_device) for s in args.drafts.split(",")})
+    channel_costs(args.target_device, summary)
+    cuda_ipc_costs(args.target_device, args.draft_device, summary)
+    print(json.dumps(summary), flush=True)
+    rows: list[Row] = []
+    timeline: list[dict] = []
+    batch_sizes, ks = [int(b) for b in args.batch_sizes.split(",")], [int(k) for k in args.ks.split(",")]
+    configs = [(n, b, k) for n in drafts for b in batch_sizes for k in ks]
+    for i, (name, batch, k) in enumerate(configs):
+        want_timeline = not timeline and batch >= 8 and k == 4
+        row = measure(name, target, drafts[name], batch, k, args, bandwidth, timeline if want_timeline else None)
+        rows.append(row)
+        shown = {key: round(v, 3) if isinstance(v, float) else v for key, v in asdict(row).items()}
+        print(f"[{i + 1}/{len(configs)}] {json.dumps(shown)}", flush=True)
+        torch.cuda.empty_cache()
+    first_draft = next(iter(drafts.values()))
+    hf_assisted(target, first_draft, args, summary)
+    plot(rows, timeline, out_dir)
+    (out_dir / "gpu_bench.json").write_text(json.dumps({"summary": summary, "rows": [asdict(r) for r in rows],
+                                                        "timeline": timeline}, indent=1))
+    header = ("draft", "B", "k", "T_d ms", "T_v ms", "floor_v", "T_psd", "acc", "ideal", "PSD/SD", "ovl_eff", "SD/AR")
+    print(f"\nsynthetic acceptance {args.synthetic_acceptance} (benchmark only); {summary['gpu']}")
+    print(" | ".join(header))
+    for r in rows:
+        print(" | ".join(str(x) for x in (r.draft, r.batch, r.k, f"{r.t_draft_ms:.1f}", f"{r.t_verify_ms:.1f}",
+                                           f"{r.verify_floor_ms:.1f}", f"{r.t_psd_step_ms:.1f}",
+                                           f"{r.mean_accepted:.2f}", f"{r.ideal:.2f}", f"{r.psd_over_sd:.2f}",
+                                           f"{r.overlap_efficiency:.2f}", f"{r.sd_over_ar:.2f}")))
+    # SD at the same total concurrency runs one batch of 2B: compare PSD at B with the SD row at 2B.
+    by_key = {(r.draft, r.batch, r.k): r for r in rows}
+    for r in rows:
+        twice = by_key.get((r.draft, 2 * r.batch, r.k))
+        if twice is not None:
+            psd_tput = r.batch * (r.mean_accepted + 1) / r.t_psd_step_ms
+            sd_tput = twice.batch * (twice.mean_accepted + 1) / (twice.t_draft_ms + twice.t_verify_ms)
+            print(f"same concurrency {2 * r.batch}: {r.draft} k={r.k} PSD(2x{r.batch}) / SD(1x{2 * r.batch}) = "
+                  f"{psd_tput / sd_tput:.2f}")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
