@@ -30,6 +30,7 @@ from minedraft.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
 VOCAB = 128256
+EAGER = False  # --eager: no CUDA graphs
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8),
@@ -105,8 +106,9 @@ class Pair:
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module, batch: int, k: int, prefix: int,
                  synthetic: float | None, steps: int) -> None:
         max_len = prefix + (steps + 4) * (k + 1) * 3 + 16
-        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len), [], synthetic_acceptance=synthetic)
-        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len))
+        graphs = not EAGER
+        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs), [], synthetic_acceptance=synthetic)
+        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs))
         self.k, self.batch = k, batch
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
         self.d_stream = torch.cuda.Stream(self.proposer.runner.device)
@@ -274,6 +276,24 @@ def cuda_ipc_costs(target_device: str, draft_device: str, out: dict) -> None:
     out["cuda_ipc_transfer_exact"] = ok
 
 
+def graphs_match_eager(model: torch.nn.Module, device: str, out: dict) -> None:
+    """CUDA-graph replays give exactly the eager outputs (same padded shapes, same kernels)."""
+    generator = torch.Generator().manual_seed(4)
+    runners = [ModelRunner(model, 8, 1024, cuda_graphs=flag) for flag in (False, True)]
+    rows = torch.arange(3, device=device)
+    prompts = torch.randint(0, VOCAB, (3, 100), generator=generator).to(device)
+    outputs: list[list[torch.Tensor]] = [[], []]
+    for runner, collected in zip(runners, outputs):
+        runner.allocate(3)
+        collected.append(runner.forward(rows, prompts, torch.full((3,), 100, device=device), last_only=True))
+    for n in (1, 5, 1, 2, 5):
+        ids = torch.randint(0, VOCAB, (3, n), generator=generator).to(device)
+        for runner, collected in zip(runners, outputs):
+            collected.append(runner.forward(rows, ids, torch.full((3,), n, device=device)).clone())
+    out["cuda_graphs_identical_to_eager"] = all(torch.equal(a, b) for a, b in zip(*outputs))
+    out["cuda_graphs_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(*outputs))
+
+
 def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.Namespace, out: dict) -> None:
     """Tokens/s at batch 1: Hugging Face assisted generation against our SD loop, same models, real acceptance."""
     from minedraft.offline import OfflineRequest, generate_offline
@@ -284,8 +304,8 @@ def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, assistant_model=draft)
     target.generate(prompt.to(args.target_device), **kwargs)  # warm-up
     hf_s = timed(lambda: target.generate(prompt.to(args.target_device), **kwargs), [args.target_device])
-    verifier = Verifier(ModelRunner(target, 2, args.prefix + new + 16), [])
-    proposer = Proposer(ModelRunner(draft, 2, args.prefix + new + 16))
+    verifier = Verifier(ModelRunner(target, 2, args.prefix + new + 16, not EAGER), [])
+    proposer = Proposer(ModelRunner(draft, 2, args.prefix + new + 16, not EAGER))
     request = OfflineRequest(prompt[0].tolist(), SamplingConfig(max_tokens=new, ignore_eos=True))
     generate_offline(verifier, proposer, [request], 4, 1)
     ours_s = timed(lambda: generate_offline(verifier, proposer, [request], 4, 1), [args.target_device])
@@ -337,10 +357,13 @@ def main() -> None:
     parser.add_argument("--synthetic-acceptance", type=float, default=0.7,
                         help="BENCHMARK ONLY, not lossless: accept each draft with this probability")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"))
+    parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
     args = parser.parse_args()
+    global EAGER
+    EAGER = args.eager
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+    summary: dict = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "eager": args.eager,
                      "synthetic_acceptance": args.synthetic_acceptance, "torch": torch.__version__}
     bandwidth = hbm_bandwidth(args.target_device)
     summary["hbm_bandwidth_GBps"] = bandwidth / 1e9
@@ -350,6 +373,7 @@ def main() -> None:
               else {s: build(s, args.draft_device) for s in args.drafts.split(",")})
     channel_costs(args.target_device, summary)
     cuda_ipc_costs(args.target_device, args.draft_device, summary)
+    graphs_match_eager(next(iter(drafts.values())), args.draft_device, summary)
     print(json.dumps(summary), flush=True)
     rows: list[Row] = []
     timeline: list[dict] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from minedraft.proto import generation_pb2
 from minedraft.sampling import SamplingConfig
@@ -32,6 +33,7 @@ class RequestState:
     accepted_per_position: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     cancelled: bool = False
+    span: Any = None  # the request's trace span, when tracing is on (minedraft.telemetry)
     stream: asyncio.Queue[generation_pb2.GenerateResponse | BaseException] = field(default_factory=asyncio.Queue)
 
     @property

@@ -7,20 +7,25 @@ import itertools
 import logging
 import math
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
 from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop
+from coordinator.tracing import TracedStepLoop, TracedWorkers
 from coordinator.workers import Workers
+from minedraft.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.models import ModelLoadError, VocabInfo, check_pair, load_tokenizer
 from minedraft.proto import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc, target_pb2
 from minedraft.sampling import SamplingConfig
 from minedraft.sequence_table import MAX_STOP_TOKEN_IDS
 from minedraft.server_utils import start_server
+from minedraft.telemetry import Tracing, end_request_span, start_request_span
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,7 @@ class CoordinatorOptions:
     channel: str = "auto"
     tokenizer: str | None = None
     step_trace: str | None = None
+    overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
 
 
 def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> str:
@@ -59,13 +65,23 @@ def _vocab(info: common_pb2.WorkerInfo) -> VocabInfo:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, options: CoordinatorOptions) -> None:
+    def __init__(self, options: CoordinatorOptions, tracing: Tracing | None = None,
+                 metrics: CoordinatorMetrics | None = None) -> None:
         self.options = options
-        self.workers = Workers(options.target, options.draft if options.mode != "ar" else None)
+        # Tracing is decided here, once: when it is off, the plain classes run and no span object is ever made.
+        self.tracer = tracing.tracer if tracing is not None else None
+        self.metrics = metrics
+        workers_class = Workers if self.tracer is None else partial(TracedWorkers, tracer=self.tracer)
+        self.workers = workers_class(options.target, options.draft if options.mode != "ar" else None)
         num_batches = 2 if options.mode == "psd" else 1
         self.manager = BatchManager(options.max_batch_size, options.max_queue_size, num_batches)
-        self.loop = StepLoop(self.workers, self.manager, options.mode, options.num_speculative_tokens)
+        loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
+        self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
+                               metrics=metrics, overlap=options.overlap)
         self.workers.record_events = options.step_trace is not None
+        self.workers.metrics = metrics
+        if metrics is not None:
+            metrics.track_queue(lambda: self.manager.queue_length, lambda: self.manager.num_running)
         self.tokenizer: object | None = None
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()
@@ -125,17 +141,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             state = self._new_request(request)
             self.manager.submit(state)
         except ValueError as exc:
+            self._rejected("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
+            self._rejected("queue_full")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        if self.tracer is not None:
+            state.span = start_request_span(self.tracer, context, {
+                "minedraft.seq_id": state.seq_id, "minedraft.prompt_tokens": len(state.prompt_ids),
+                "minedraft.max_tokens": state.config.max_tokens, "minedraft.temperature": state.config.temperature,
+            })
         self.loop.wake()
+        usage, error = None, None
         try:
             while True:
                 item = await state.stream.get()
                 if isinstance(item, BaseException):
                     code = item.code() if isinstance(item, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
                     details = item.details() if isinstance(item, grpc.aio.AioRpcError) else str(item)
-                    await context.abort(code, details or "generation failed")
+                    error = details or "generation failed"
+                    await context.abort(code, error)
+                if item.HasField("usage"):
+                    usage = item.usage
                 yield item
                 if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                     return
@@ -143,6 +170,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not state.finished:  # the client went away or its deadline passed: free it at the next step
                 state.cancelled = True
                 self.loop.wake()
+            self._ended(state, usage, error)
+
+    def _rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_rejected(reason)
+
+    def _ended(self, state: RequestState, usage: generation_pb2.Usage | None, error: str | None) -> None:
+        """Close the request's span and count it; `usage` is the one its client received, if any."""
+        reason = finish_reason_name(state.finish_reason if state.finished else generation_pb2.FINISH_REASON_CANCELLED)
+        if self.metrics is not None:
+            self.metrics.request_finished(reason, usage, time.perf_counter() - state.created)
+        if state.span is not None:
+            end_request_span(state.span, reason, usage, error)
 
     def _new_request(self, request: generation_pb2.GenerateRequest) -> RequestState:
         """Validate and default a request; every ValueError message here reaches the client as it is."""
@@ -192,9 +232,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return RequestState(next(self._seq_ids), prompt_ids, config, tuple(s for s in p.stop if s), self.tokenizer)
 
 
-async def serve(options: CoordinatorOptions, port: int, host: str = "[::]"
-                ) -> tuple[grpc.aio.Server, int, GenerationServicer]:
-    servicer = GenerationServicer(options)
+async def serve(options: CoordinatorOptions, port: int, host: str = "[::]", tracing: Tracing | None = None,
+                metrics: CoordinatorMetrics | None = None) -> tuple[grpc.aio.Server, int, GenerationServicer]:
+    servicer = GenerationServicer(options, tracing, metrics)
     await servicer.start()
     server, bound = await start_server(
         port,

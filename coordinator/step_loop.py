@@ -6,13 +6,20 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from coordinator.batch_manager import Batch, BatchManager
+from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
 from coordinator.workers import Workers
+from minedraft.proto import common_pb2
+
+if TYPE_CHECKING:
+    from minedraft.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +31,14 @@ class StepLoop:
     once on the two workers. With one batch empty, or in sd mode (a single batch), Propose and Verify run one
     after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts)."""
 
-    def __init__(self, workers: Workers, manager: BatchManager, mode: str, k: int) -> None:
+    def __init__(self, workers: Workers, manager: BatchManager, mode: str, k: int,
+                 metrics: CoordinatorMetrics | None = None, overlap: str = "auto") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         self.workers, self.manager, self.mode = workers, manager, mode
         self.k = 0 if mode == "ar" else k
+        self.metrics = metrics
+        self.overlap_policy = OverlapPolicy(overlap)
         self._step_ids = itertools.count()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -65,7 +75,16 @@ class StepLoop:
             if to_propose is not None:
                 await self._verify(to_propose)
         elif to_verify is not None and to_propose is not None:
-            await asyncio.gather(self._verify(to_verify), self._propose(to_propose))
+            start, verified = time.perf_counter(), len(to_verify.members)
+            overlap = self.overlap_policy.choose()
+            if overlap:
+                await asyncio.gather(self._verify(to_verify), self._propose(to_propose))
+            else:
+                await self._verify(to_verify)
+                await self._propose(to_propose)
+            self.overlap_policy.record(overlap, time.perf_counter() - start, verified)
+            if self.metrics is not None:
+                self.metrics.overlapped_step(start, time.perf_counter())
         elif to_verify is not None:
             await self._verify(to_verify)
         elif to_propose is not None:
@@ -88,12 +107,20 @@ class StepLoop:
             return
         for request, result in zip(admitted, replies[0].results):
             request.emit(list(result.token_ids), result.finish_reason)
+        if self.metrics is not None:
+            self.metrics.prefilled(admitted, replies[0].results)
 
     async def _propose(self, batch: Batch) -> None:
+        # The membership is frozen from here: a rebalance by the concurrent Verify of the other batch must put
+        # its surplus in `joining`, not among the members whose drafts are being made (their count would no
+        # longer match the drafts).
+        batch.drafts = common_pb2.DraftPayload()
         try:
             reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, self.k)
         except Exception as exc:
             self._fail(batch.members, exc)
+            # Failed members stay until remove_finished releases them on the workers; joiners become members.
+            batch.drafts, batch.members, batch.joining = None, batch.members + batch.joining, []
             return
         batch.drafts, batch.num_drafts = reply.drafts, self.k
 
@@ -107,6 +134,8 @@ class StepLoop:
             for request, result in zip(members, reply.results):
                 request.record_verify(k, result.num_accepted)
                 request.emit(list(result.token_ids), result.finish_reason)
+            if self.metrics is not None:
+                self.metrics.verified(reply.results, k)
         gone = [r for r in members + batch.joining if r.finished or r.cancelled]
         batch.open_membership()
         self.manager.rebalance(batch)

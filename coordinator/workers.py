@@ -5,12 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from coordinator.request_state import RequestState
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.server_utils import CHANNEL_OPTIONS
+
+if TYPE_CHECKING:
+    from minedraft.metrics import CoordinatorMetrics
 
 
 @dataclass
@@ -38,25 +42,30 @@ def sequence_spec(request: RequestState) -> common_pb2.SequenceSpec:
 class Workers:
     """The target and draft control stubs; the draft is absent in `ar` mode."""
 
-    def __init__(self, target_address: str, draft_address: str | None) -> None:
-        self._channels = [grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS)]
+    def __init__(self, target_address: str, draft_address: str | None,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+        self._channels = [grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS,
+                                                    interceptors=list(interceptors))]
         self.target = target_pb2_grpc.TargetServiceStub(self._channels[0])
         self.draft: draft_pb2_grpc.DraftServiceStub | None = None
         if draft_address:
-            self._channels.append(grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS))
+            self._channels.append(grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS,
+                                                            interceptors=list(interceptors)))
             self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.events: list[StepEvent] = []
         self.record_events = False
+        self.metrics: CoordinatorMetrics | None = None
 
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
 
     def _record(self, kind: str, batch_id: int, size: int, start: float, timings: common_pb2.Timings) -> None:
+        end = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.worker_call(kind, size, start, end)
         if self.record_events:
-            self.events.append(
-                StepEvent(kind, batch_id, size, start, time.perf_counter(), timings.compute_s, timings.channel_s)
-            )
+            self.events.append(StepEvent(kind, batch_id, size, start, end, timings.compute_s, timings.channel_s))
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()

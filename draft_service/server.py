@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import grpc
 import torch
@@ -72,12 +73,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftServiceReleaseResponse(free_slots=self.worker.runner.free_slots)
 
 
-async def serve(options: WorkerOptions, port: int, host: str = "[::]", greedy_drafts: bool = False
-                ) -> tuple[grpc.aio.Server, int]:
+async def serve(options: WorkerOptions, port: int, host: str = "[::]", greedy_drafts: bool = False,
+                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[grpc.aio.Server, int]:
     servicer = DraftServicer(options, greedy_drafts)
     return await start_server(
         port,
         [lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)],
         [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
         host,
+        interceptors,
     )

@@ -3,11 +3,494 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import datetime
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+MODES = ("psd", "sd", "sd2b", "ar")
+SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
+
+
+# --------------------------------------------------------------------------------------------- arguments
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default="localhost:50051")
+    from minedraft.cli import DEMO_DIR
+
+    what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
+    what.add_argument("--server", default=None,
+                      help="address of a running server (the default when --modes is not given: localhost:50051)")
+    what.add_argument("--modes", default=None,
+                      help="comma-separated modes among psd,sd,ar (and sd2b: sd with one batch of 2 x "
+                           "--max-batch-size): start a local stack per mode, one after the other, on the same load")
+    what.add_argument("--sd-batch-equal-concurrency", action="store_true",
+                      help="with --modes: also run sd at the same total concurrency as psd (adds sd2b)")
+
+    stack = parser.add_argument_group("local stacks (--modes)")
+    stack.add_argument("--target", default=str(DEMO_DIR / "target"), help="target model directory")
+    stack.add_argument("--draft", default=str(DEMO_DIR / "draft"), help="draft model directory")
+    stack.add_argument("--target-device", default="cpu")
+    stack.add_argument("--draft-device", default="cpu")
+    stack.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    stack.add_argument("--num-speculative-tokens", type=int, default=4)
+    stack.add_argument("--max-batch-size", type=int, default=8, help="sequences per batch (psd runs two batches)")
+    stack.add_argument("--max-model-len", type=int, default=None,
+                       help="cache length per sequence (default: room for the prompt and output lengths)")
+    stack.add_argument("--channel", default="auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
+    stack.add_argument("--overlap", default="auto", choices=["auto", "always", "never"],
+                       help="psd: run Verify and Propose concurrently always, never, or when it measures faster")
+    stack.add_argument("--threads", type=int, default=None,
+                       help="OMP_NUM_THREADS for the started services (CPU: 1 keeps three services from "
+                            "oversubscribing a small machine)")
+    stack.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-prompts", type=int, default=64)
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="requests in flight at once (default: 2 x --max-batch-size, both psd batches full)")
+    load.add_argument("--prompt-len", type=int, default=64, help="prompt length in tokens (about, without a tokenizer)")
+    load.add_argument("--output-len", type=int, default=64, help="tokens generated per request (EOS is ignored)")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--top-p", type=float, default=1.0)
+    load.add_argument("--top-k", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0, help="seeds the prompt choice and each request's sampling")
+    load.add_argument("--num-warmup", type=int, default=2, help="requests sent (and not measured) before the load")
+    load.add_argument("--tokenizer", default=None,
+                      help="tokenizer directory used to cut prompts of --prompt-len tokens (default: the target "
+                           "model directory when it is on this machine)")
+    load.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--json-out", default=None, help="also write the results as JSON to this file")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+
+def _corpus(chars: int) -> str:
+    """Real text: stdlib Python sources, in a fixed order, about `chars` characters of them."""
+    parts: list[str] = []
+    size = 0
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        parts.append(text)
+        size += len(text)
+        if size >= chars:
+            break
+    return "\n".join(parts)
+
+
+def _load_tokenizer(directory: str | None) -> Any:
+    if not directory or not os.path.isdir(directory):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def make_prompts(count: int, prompt_len: int, seed: int, tokenizer: Any) -> list[str]:
+    """`count` text prompts cut from stdlib sources at seeded random places, each about `prompt_len` tokens.
+
+    With a tokenizer the cut is `prompt_len` tokens decoded back to text (the server re-tokenizes it, which can
+    differ by a token or two at the edges); without one it is 4 characters per token.
+    """
+    rng = random.Random(seed)
+    corpus = _corpus(max(400_000, count * prompt_len * 8))
+    if tokenizer is not None:
+        ids = tokenizer.encode(corpus, add_special_tokens=False)
+        starts = [rng.randrange(0, max(1, len(ids) - prompt_len)) for _ in range(count)]
+        return [tokenizer.decode(ids[s : s + prompt_len]) for s in starts]
+    chars = 4 * prompt_len
+    starts = [rng.randrange(0, max(1, len(corpus) - chars)) for _ in range(count)]
+    return [corpus[s : s + chars] for s in starts]
+
+
+# --------------------------------------------------------------------------------------------- load
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency_s: float
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+    error: str = ""
+
+
+def _request(prompt: str, index: int, args: argparse.Namespace) -> Any:
+    from minedraft.proto import generation_pb2
+
+    params = generation_pb2.SamplingParams(
+        max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=(args.seed + index) % 2**64, ignore_eos=True,
+    )
+    return generation_pb2.GenerateRequest(prompt=prompt, params=params, request_id=f"bench-{index}")
+
+
+async def _one(stub: Any, request: Any, timeout: float) -> RequestResult:
+    start = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    usage = None
+    try:
+        async for message in stub.Generate(request, timeout=timeout):
+            if message.token_ids and first is None:
+                first = time.perf_counter()
+            tokens += len(message.token_ids)
+            if message.finish_reason:
+                usage = message.usage
+    except grpc.aio.AioRpcError as exc:
+        return RequestResult(False, time.perf_counter() - start, error=f"{exc.code().name}: {exc.details()}")
+    end = time.perf_counter()
+    result = RequestResult(True, end - start, completion_tokens=tokens)
+    if first is not None:
+        result.ttft_s = first - start
+        if tokens > 1:
+            result.tpot_s = (end - first) / (tokens - 1)
+    if usage is not None:
+        result.prompt_tokens = usage.prompt_tokens
+        result.draft_tokens = usage.draft_tokens
+        result.accepted_tokens = usage.accepted_tokens
+        result.steps = usage.steps
+    return result
+
+
+async def run_load(address: str, prompts: Sequence[str], args: argparse.Namespace, label: str
+                   ) -> tuple[list[RequestResult], float]:
+    """Warm up, then send `prompts` with `args.concurrency` streams in flight; return the results and wall time."""
+    from tqdm import tqdm
+
+    from minedraft.proto import generation_pb2_grpc
+    from minedraft.server_utils import CHANNEL_OPTIONS
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        warm = [_request(prompts[i % len(prompts)], len(prompts) + i, args) for i in range(args.num_warmup)]
+        for result in await asyncio.gather(*(_one(stub, r, args.timeout) for r in warm)):
+            if not result.ok:
+                raise RuntimeError(f"warm-up request failed: {result.error}")
+        pending = iter(list(enumerate(prompts)))
+        results: list[RequestResult] = []
+        bar = tqdm(total=len(prompts), desc=label, unit="req", disable=args.no_progress, file=sys.stderr)
+
+        async def client() -> None:
+            for index, prompt in pending:
+                results.append(await _one(stub, _request(prompt, index, args), args.timeout))
+                bar.update(1)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(max(1, args.concurrency))))
+        wall = time.perf_counter() - start
+        bar.close()
+    return results, wall
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass
+class Summary:
+    label: str
+    completed: int
+    failed: int
+    wall_s: float
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    latency_s: dict[str, float]
+    mean_accepted_length: float
+    acceptance_rate: float
+    errors: list[str] = field(default_factory=list)
+    server: dict[str, Any] = field(default_factory=dict)
+
+
+def summarize(label: str, results: Sequence[RequestResult], wall: float, server: dict[str, Any]) -> Summary:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    steps = sum(r.steps for r in ok)
+    drafts = sum(r.draft_tokens for r in ok)
+    accepted = sum(r.accepted_tokens for r in ok)
+
+    def pcts(values: list[float], scale: float) -> dict[str, float]:
+        return {f"p{q}": round(percentile(values, q) * scale, 3) for q in (50, 90, 99)} | {
+            "mean": round(sum(values) / len(values) * scale, 3) if values else float("nan")}
+
+    return Summary(
+        label=label, completed=len(ok), failed=len(results) - len(ok), wall_s=round(wall, 3),
+        request_throughput=round(len(ok) / wall, 4) if wall > 0 else 0.0,
+        output_throughput=round(out_tokens / wall, 3) if wall > 0 else 0.0,
+        total_token_throughput=round((out_tokens + prompt_tokens) / wall, 3) if wall > 0 else 0.0,
+        mean_prompt_tokens=round(prompt_tokens / len(ok), 2) if ok else 0.0,
+        mean_output_tokens=round(out_tokens / len(ok), 2) if ok else 0.0,
+        ttft_ms=pcts([r.ttft_s for r in ok if r.ttft_s is not None], 1e3),
+        tpot_ms=pcts([r.tpot_s for r in ok if r.tpot_s is not None], 1e3),
+        latency_s=pcts([r.latency_s for r in ok], 1.0),
+        # Over all verify steps of all requests: tokens emitted per step (accepted drafts + 1).
+        mean_accepted_length=round(accepted / steps + 1, 4) if steps else 0.0,
+        acceptance_rate=round(accepted / drafts, 4) if drafts else 0.0,
+        errors=sorted({r.error for r in results if not r.ok})[:5],
+        server=server,
+    )
+
+
+def format_summary(s: Summary) -> str:
+    srv = s.server
+    head = f"== {s.label} =="
+    if srv:
+        head += (f"  mode {srv.get('mode')}, k={srv.get('num_speculative_tokens')}, max batch "
+                 f"{srv.get('max_batch_size')}, channel {srv.get('channel')}")
+    lines = [
+        head,
+        f"  requests        {s.completed} ok, {s.failed} failed in {s.wall_s:.2f} s",
+        f"  throughput      {s.request_throughput:.3f} req/s, {s.output_throughput:.1f} output tok/s, "
+        f"{s.total_token_throughput:.1f} total tok/s",
+        f"  tokens/request  {s.mean_prompt_tokens:.1f} prompt, {s.mean_output_tokens:.1f} output",
+        "  TTFT (ms)       " + _pcts(s.ttft_ms),
+        "  TPOT (ms)       " + _pcts(s.tpot_ms),
+        "  latency (s)     " + _pcts(s.latency_s),
+        f"  accepted length {s.mean_accepted_length:.3f} tokens/step (acceptance {100 * s.acceptance_rate:.1f}%)",
+    ]
+    lines += [f"  error: {e}" for e in s.errors]
+    return "\n".join(lines)
+
+
+def _pcts(values: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.2f}" for k, v in values.items())
+
+
+def ratios(summaries: dict[str, Summary]) -> dict[str, dict[str, float]]:
+    """Throughput ratios of the pairs that were measured (request/s and output tokens/s)."""
+    pairs = [("psd", "sd"), ("psd", SD_2B), ("sd", "ar"), (SD_2B, "ar"), ("psd", "ar")]
+    out: dict[str, dict[str, float]] = {}
+    for a, b in pairs:
+        if a in summaries and b in summaries and summaries[b].output_throughput > 0:
+            out[f"{a}/{b}"] = {
+                "request_throughput": round(summaries[a].request_throughput / summaries[b].request_throughput, 3),
+                "output_throughput": round(summaries[a].output_throughput / summaries[b].output_throughput, 3),
+            }
+    return out
+
+
+def format_comparison(summaries: dict[str, Summary], measured: dict[str, dict[str, float]]) -> str:
+    lines = ["", "mode     req/s     out tok/s  TTFT p50 ms  TPOT p50 ms  TPOT p99 ms  accepted len",
+             "-------  --------  ---------  -----------  -----------  -----------  ------------"]
+    for name, s in summaries.items():
+        lines.append(f"{name:<7}  {s.request_throughput:8.3f}  {s.output_throughput:9.1f}  "
+                     f"{s.ttft_ms['p50']:11.2f}  {s.tpot_ms['p50']:11.2f}  {s.tpot_ms['p99']:11.2f}  "
+                     f"{s.mean_accepted_length:12.3f}")
+    if measured:
+        lines.append("")
+        for pair, r in measured.items():
+            lines.append(f"{pair:<9} throughput ratio {r['request_throughput']:.3f} (requests/s), "
+                         f"{r['output_throughput']:.3f} (output tokens/s)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- stacks
+
+
+def _server_info(address: str) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    from minedraft.proto import generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
+            generation_pb2.GetServerInfoRequest(), timeout=30)
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+class LocalStack:
+    """target, draft (not in ar) and coordinator processes, as `minedraft serve` starts them; stopped by SIGINT."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, log_dir: Path) -> None:
+        from minedraft.cli import free_port, stack_commands
+
+        self.mode = "sd" if mode == SD_2B else mode
+        batch = args.max_batch_size * (2 if mode == SD_2B else 1)
+        max_len = args.max_model_len or _default_max_len(args)
+        self.port = free_port()
+        ns = argparse.Namespace(
+            target=args.target, draft=args.draft, target_device=args.target_device, draft_device=args.draft_device,
+            dtype=args.dtype, max_batch_size=batch, max_model_len=max_len, port=self.port, host="127.0.0.1",
+            mode=self.mode, num_speculative_tokens=args.num_speculative_tokens,
+            max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel, step_trace=None,
+            overlap=args.overlap,
+        )
+        self.target_port, self.draft_port = free_port(), free_port()
+        self.commands = stack_commands(ns, self.target_port, self.draft_port)
+        self.env = dict(os.environ)
+        if args.threads:
+            self.env["OMP_NUM_THREADS"] = self.env["MKL_NUM_THREADS"] = str(args.threads)
+        self.log_path = log_dir / f"{mode}.log"
+        self.processes: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from minedraft.cli import wait_healthy
+
+        with open(self.log_path, "w") as log:
+            def spawn(cmd: list[str]) -> subprocess.Popen:
+                proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                self.processes.append(proc)
+                return proc
+
+            for cmd in self.commands[:-1]:
+                spawn(cmd)
+            wait_healthy(f"127.0.0.1:{self.target_port}", self.processes)
+            if self.mode != "ar":
+                wait_healthy(f"127.0.0.1:{self.draft_port}", self.processes)
+            spawn(self.commands[-1])
+            wait_healthy(self.address, self.processes)
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):  # coordinator first, so it stops sending work
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.processes = []
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def _default_max_len(args: argparse.Namespace) -> int:
+    need = 2 * args.prompt_len + args.output_len + args.num_speculative_tokens + 16  # re-tokenized prompts vary
+    return -(-need // 64) * 64
+
+
+def _parse_modes(args: argparse.Namespace) -> list[str]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.sd_batch_equal_concurrency and SD_2B not in modes:
+        modes.insert(modes.index("sd") + 1 if "sd" in modes else len(modes), SD_2B)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown mode(s) {', '.join(bad) or '(none)'}: choose among {', '.join(MODES)}")
+    return list(dict.fromkeys(modes))
+
+
+# --------------------------------------------------------------------------------------------- main
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    raise NotImplementedError("being written")
+    if args.concurrency is None:
+        args.concurrency = 2 * args.max_batch_size
+    if args.num_prompts < 1 or args.output_len < 1 or args.prompt_len < 1:
+        print("error: --num-prompts, --prompt-len and --output-len must be positive", file=sys.stderr)
+        return 2
+    try:
+        summaries = _bench_modes(args) if args.modes else _bench_server(args)
+    except (RuntimeError, TimeoutError, ValueError, grpc.RpcError) as exc:
+        detail = str(exc)
+        if isinstance(exc, grpc.RpcError):
+            detail = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        print(f"error: {detail}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    measured = ratios(summaries)
+    print(format_comparison(summaries, measured), flush=True)
+    if args.json_out:
+        report = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": ["minedraft", *sys.argv[1:]] if sys.argv else [],
+            "config": {k: v for k, v in vars(args).items() if k != "func"},
+            "results": {name: asdict(s) for name, s in summaries.items()},
+            "ratios": measured,
+        }
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    failed = sum(s.failed for s in summaries.values())
+    return 1 if failed else 0
+
+
+def _bench_server(args: argparse.Namespace) -> dict[str, Summary]:
+    address = args.server or "localhost:50051"
+    info = _server_info(address)
+    tokenizer = _load_tokenizer(args.tokenizer or info.get("target_model"))
+    prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
+    label = info.get("mode", "server")
+    results, wall = asyncio.run(run_load(address, prompts, args, label))
+    summary = summarize(label, results, wall, info)
+    print(format_summary(summary), flush=True)
+    return {label: summary}
+
+
+def _bench_modes(args: argparse.Namespace) -> dict[str, Summary]:
+    modes = _parse_modes(args)
+    for name, path in (("target", args.target), ("draft", args.draft)):
+        if (name == "target" or any(m != "ar" for m in modes)) and not os.path.isdir(path):
+            raise ValueError(f"no {name} model directory at {path}: pass --{name} DIR (the demo pair is made by "
+                             "scripts/train_demo_pair.py)")
+    tokenizer = _load_tokenizer(args.tokenizer or args.target)
+    prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="minedraft-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"modes {', '.join(modes)}: {args.num_prompts} prompts of ~{args.prompt_len} tokens, {args.output_len} "
+          f"output tokens, concurrency {args.concurrency}; service logs in {log_dir}", flush=True)
+    summaries: dict[str, Summary] = {}
+    for mode in modes:
+        stack = LocalStack(args, mode, log_dir)
+        try:
+            stack.start()
+            info = _server_info(stack.address)
+            results, wall = asyncio.run(run_load(stack.address, prompts, args, mode))
+        except (RuntimeError, TimeoutError, grpc.RpcError) as exc:
+            raise RuntimeError(f"{mode}: {exc}\n--- {stack.log_path} ---\n{stack.log_tail()}") from exc
+        finally:
+            stack.stop()
+        summaries[mode] = summarize(mode, results, wall, info)
+        print(format_summary(summaries[mode]), flush=True)
+    return summaries

@@ -40,6 +40,7 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--max-batch-size", 32, type=int, help="sequences per batch (the worker holds two batches)")
     _add(parser, "--max-model-len", 2048, type=int, help="cache length per sequence")
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
+    _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
 
 
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,8 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-queue-size", 256, type=int)
     _add(parser, "--channel", "auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     _add(parser, "--step-trace", None, help="write every worker call as JSON lines here on shutdown")
+    _add(parser, "--overlap", "auto", choices=["auto", "always", "never"],
+         help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--draft-device", "cpu")
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
+    _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
     _coordinator_flags(serve)
 
     target = sub.add_parser("target", help="start the target service")
@@ -120,30 +124,51 @@ async def _serve_forever(server: grpc.aio.Server, name: str, port: int, on_stop:
 
 
 async def _worker_main(args: argparse.Namespace, kind: str) -> None:
+    from minedraft.metrics import WorkerMetrics, start_metrics_server
+    from minedraft.telemetry import server_interceptors, setup_tracing
     from minedraft.worker import WorkerOptions
 
-    options = WorkerOptions(args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len)
-    if kind == "target":
-        from target_service.server import serve as serve_target
+    tracing = setup_tracing(f"minedraft-{kind}")
+    metrics = WorkerMetrics() if args.metrics_port else None
+    if metrics is not None:
+        start_metrics_server(args.metrics_port, args.host, metrics.registry)
+    interceptors = server_interceptors(tracing, metrics.observe_call if metrics is not None else None)
+    options = WorkerOptions(
+        args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager
+    )
+    try:
+        if kind == "target":
+            from target_service.server import serve as serve_target
 
-        server, port = await serve_target(options, args.port, args.host)
-    else:
-        from draft_service.server import serve as serve_draft
+            server, port = await serve_target(options, args.port, args.host, interceptors)
+        else:
+            from draft_service.server import serve as serve_draft
 
-        server, port = await serve_draft(options, args.port, args.host, greedy_drafts=args.greedy_drafts)
-    await _serve_forever(server, kind, port)
+            server, port = await serve_draft(options, args.port, args.host, args.greedy_drafts, interceptors)
+        await _serve_forever(server, kind, port)
+    finally:
+        tracing.shutdown()  # export the spans still queued
 
 
 async def _coordinator_main(args: argparse.Namespace) -> None:
     from coordinator.server import CoordinatorOptions, serve
+    from minedraft.metrics import CoordinatorMetrics, start_metrics_server
+    from minedraft.telemetry import setup_tracing
 
     options = CoordinatorOptions(
         target=args.target, draft=args.draft, mode=args.mode, num_speculative_tokens=args.num_speculative_tokens,
         max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size, channel=args.channel,
-        tokenizer=args.tokenizer, step_trace=args.step_trace,
+        tokenizer=args.tokenizer, step_trace=args.step_trace, overlap=args.overlap,
     )
-    server, port, servicer = await serve(options, args.port, args.host)
-    await _serve_forever(server, "coordinator", port, servicer.stop())
+    tracing = setup_tracing("minedraft-coordinator")
+    metrics = CoordinatorMetrics() if args.metrics_port else None
+    if metrics is not None:
+        start_metrics_server(args.metrics_port, args.host, metrics.registry)
+    try:
+        server, port, servicer = await serve(options, args.port, args.host, tracing, metrics)
+        await _serve_forever(server, "coordinator", port, servicer.stop())
+    finally:
+        tracing.shutdown()  # export the spans still queued
 
 
 def free_port() -> int:
@@ -184,7 +209,7 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--host", args.host, "--mode", args.mode,
                         "--num-speculative-tokens", str(args.num_speculative_tokens),
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
-                        "--channel", args.channel, "--tokenizer", args.target]
+                        "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
     if args.step_trace:
         coordinator += ["--step-trace", args.step_trace]
     if args.mode != "ar":
@@ -208,6 +233,10 @@ def serve_main(args: argparse.Namespace) -> int:
         public = f"localhost:{args.port}"
         wait_healthy(f"127.0.0.1:{args.port}", processes)
         print(f"minedraft serving {args.mode} on {public} (target {args.target}, draft {args.draft})", flush=True)
+        if args.generate:
+            print(f"$ minedraft generate --server {public} --prompt {args.generate!r}", flush=True)
+            generate_main(build_parser().parse_args(["generate", "--server", public, "--prompt", args.generate]))
+            print("serving until Ctrl-C", flush=True)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         while all(p.poll() is None for p in processes):
             time.sleep(0.5)

@@ -32,13 +32,15 @@ class SlotKVCache(Cache):
         self._kv_len = 0
         self._contiguous = False
 
-    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
-        """Point the next forward at `rows` ([B]) writing at `positions` ([B, n]), attending over `kv_len` keys."""
+    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int, contiguous: bool) -> None:
+        """Point the next forward at `rows` ([B]) writing at `positions` ([B, n]), attending over `kv_len` keys.
+
+        `contiguous` says rows are 0..B-1 in order: then keys are read as views, without a gather copy.
+        """
         self._rows = rows
         self._positions = positions
         self._kv_len = kv_len
-        # Rows 0..B-1 in order are read as views, without a gather copy (the common case on GPU with static shapes).
-        self._contiguous = bool(rows.numel() == 0 or (rows == torch.arange(rows.numel(), device=rows.device)).all())
+        self._contiguous = contiguous
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 from transformers import PreTrainedModel
 
 from minedraft.kv_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
+
+
+# Attention reads keys up to a multiple of this, so few distinct shapes occur (masks hide the extra entries).
+KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
+# On CUDA batches are padded to these sizes (rows of padding write only to a scratch row): static shapes for
+# CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_GRAPH_TOKENS = 8  # decode and verify steps; prefills run eagerly
 
 
 class CapacityError(RuntimeError):
@@ -17,14 +28,16 @@ class CapacityError(RuntimeError):
 class ModelRunner:
     """Owns a model and its slot cache: allocates rows, runs forwards that append tokens, rolls rows back."""
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int) -> None:
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int, cuda_graphs: bool = True) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         limit = getattr(model.config, "max_position_embeddings", None) or max_len
         self.max_len = min(max_len, int(limit))
         self.num_slots = num_slots
-        self.cache = SlotKVCache(num_slots, self.max_len, self.device)
+        # One extra row that is never handed out: padding rows of a static-shape batch write there.
+        self.scratch_row = num_slots
+        self.cache = SlotKVCache(num_slots + 1, self.max_len, self.device)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._free = list(range(num_slots - 1, -1, -1))
         # transformers >= 5.24 names the cache argument `cache`; older 5.x call it `past_key_values`.
@@ -32,6 +45,14 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         softcap = getattr(model.config, "final_logit_softcapping", None)
         self._softcap = float(softcap) if softcap else None
+        self.kv_bucket = KV_LEN_BUCKET["cuda" if self.device.type == "cuda" else "cpu"]
+        self.graphs: CudaGraphs | None = None
+        if self.device.type == "cuda":
+            # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
+            # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            if cuda_graphs:
+                self.graphs = CudaGraphs(self)
 
     # -- rows ---------------------------------------------------------------------------------------------------
     @property
@@ -63,19 +84,43 @@ class ModelRunner:
         states of long prompts are reduced before the vocabulary projection).
         """
         batch, n = input_ids.shape
+        needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
+        if needed > self.max_len:
+            raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
+        kv_len = min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
+        if self.device.type != "cuda":
+            contiguous = bool((rows == torch.arange(batch, device=self.device)).all())
+            return self._step(rows, input_ids, num_valid, kv_len, last_only, contiguous)
+        padded = next((b for b in BATCH_BUCKETS if b >= batch), batch)
+        if self.graphs is not None and n <= MAX_GRAPH_TOKENS and self.cache.keys:
+            try:
+                return self.graphs.run(rows, input_ids, num_valid, kv_len, last_only, padded)
+            except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
+                log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
+                self.graphs = None
+        # Eagerly, with the very shapes a graph would have, so both give identical outputs.
+        pad = padded - batch
+        rows = torch.cat([rows, rows.new_full((pad,), self.scratch_row)])
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, n)])
+        num_valid = torch.cat([num_valid, num_valid.new_ones(pad)])
+        self.cache.lengths[self.scratch_row] = 0
+        return self._step(rows, input_ids, num_valid, kv_len, last_only, False)[:batch]
+
+    def _step(
+        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int, last_only: bool,
+        contiguous: bool,
+    ) -> torch.Tensor:
+        """The forward proper, free of host syncs so that a CUDA graph can capture it."""
+        batch, n = input_ids.shape
         starts = self.cache.lengths[rows]
         positions = starts[:, None] + torch.arange(n, device=self.device)
-        kv_len = int((starts + n).max())
-        if kv_len > self.max_len:
-            raise CapacityError(f"a sequence would reach {kv_len} tokens, beyond the cache's {self.max_len}")
         keys = torch.arange(kv_len, device=self.device)
         allowed = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: causal over committed + new
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        self.cache.select(rows, positions, kv_len)
+        self.cache.select(rows, positions, kv_len, contiguous)
         kwargs = {self._cache_kwarg: self.cache}
-        base = self.model.base_model
-        hidden = base(
+        hidden = self.model.base_model(
             input_ids=input_ids, attention_mask=mask[:, None], position_ids=positions, use_cache=True, **kwargs
         ).last_hidden_state
         self.cache.lengths[rows] = starts + num_valid
@@ -85,3 +130,54 @@ class ModelRunner:
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+
+class CudaGraphs:
+    """Captured decode/verify forwards of one runner, keyed by (padded batch, tokens, key length, last_only).
+
+    Inputs are copied into each graph's static buffers before a replay; the returned logits live in the graph's
+    output buffer and are valid until that graph replays again (each step consumes them before the next forward).
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]] = {}
+        self.failed = False
+
+    def run(self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int,
+            last_only: bool, padded: int) -> torch.Tensor:
+        runner = self.runner
+        batch, n = input_ids.shape
+        key = (padded, n, kv_len, last_only)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph, (static_rows, static_ids, static_valid, logits) = self.graphs[key]
+        static_rows.fill_(runner.scratch_row)
+        static_rows[:batch].copy_(rows)
+        static_ids.zero_()
+        static_ids[:batch].copy_(input_ids)
+        static_valid.fill_(1)
+        static_valid[:batch].copy_(num_valid)
+        runner.cache.lengths[runner.scratch_row] = 0
+        graph.replay()
+        return logits[:batch]
+
+    def _capture(self, key: tuple[int, int, int, bool]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+        padded, n, kv_len, last_only = key
+        runner, device = self.runner, self.runner.device
+        rows = torch.full((padded,), runner.scratch_row, dtype=torch.long, device=device)
+        ids = torch.zeros(padded, n, dtype=torch.long, device=device)
+        valid = torch.ones(padded, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; scratch row only
+            for _ in range(2):
+                runner.cache.lengths[runner.scratch_row] = 0
+                runner._step(rows, ids, valid, kv_len, last_only, False)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        runner.cache.lengths[runner.scratch_row] = 0
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = runner._step(rows, ids, valid, kv_len, last_only, False)
+        return graph, [rows, ids, valid, logits]

@@ -28,6 +28,7 @@ class WorkerOptions:
     dtype: str = "auto"
     max_batch_size: int = 32
     max_model_len: int = 2048
+    cuda_graphs: bool = True  # off with --eager, for debugging
 
 
 def host_id() -> str:
@@ -66,7 +67,9 @@ class ModelWorker:
             tokenizer = None  # a model directory without tokenizer files can still serve token ids
         self.vocab = VocabInfo.of(self.model, tokenizer)
         # Two batches of max_batch_size each live here at once (batch-parallel decoding).
-        self.runner = ModelRunner(self.model, 2 * options.max_batch_size, options.max_model_len)
+        self.runner = ModelRunner(
+            self.model, 2 * options.max_batch_size, options.max_model_len, cuda_graphs=options.cuda_graphs
+        )
         self.channel: Channel | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import grpc
 import torch
@@ -89,11 +90,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetServiceReleaseResponse(free_slots=self.worker.runner.free_slots)
 
 
-async def serve(options: WorkerOptions, port: int, host: str = "[::]") -> tuple[grpc.aio.Server, int]:
+async def serve(options: WorkerOptions, port: int, host: str = "[::]",
+                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[grpc.aio.Server, int]:
     servicer = TargetServicer(options)
     return await start_server(
         port,
         [lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)],
         [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name],
         host,
+        interceptors,
     )

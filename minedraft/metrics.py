@@ -1,0 +1,211 @@
+"""Prometheus metrics of the coordinator and the two workers, each in its own registry, served over HTTP."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from minedraft.proto import generation_pb2
+
+log = logging.getLogger(__name__)
+
+SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+EFFICIENCY = (0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
+ACCEPTED_LENGTH = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0)
+RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> int:
+    """Serve `registry` at http://host:port/metrics in a daemon thread (port 0 here means: do not serve)."""
+    if not port:
+        return 0
+    address = host.strip("[]") or "0.0.0.0"
+    server, _ = start_http_server(port, addr=address, registry=registry)
+    bound = int(server.server_address[1])
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return bound
+
+
+def finish_reason_name(reason: int) -> str:
+    return generation_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+class CoordinatorMetrics:
+    """Requests, tokens, acceptance, step times, overlap, batch sizes, queue, TTFT and TPOT, in the coordinator.
+
+    Token and acceptance counters grow at every step (what `rate()` needs) by exactly what each request's Usage
+    adds up, so over finished requests they equal the sums of the usage the clients got.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("minedraft_requests", "Requests ended, by finish reason", ["finish_reason"],
+                                registry=r)
+        self.rejected = Counter("minedraft_requests_rejected", "Requests refused at admission", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("minedraft_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("minedraft_generation_tokens", "Tokens generated and streamed",
+                                         registry=r)
+        self.draft_tokens = Counter("minedraft_draft_tokens", "Draft tokens proposed and verified", registry=r)
+        self.accepted_tokens = Counter("minedraft_accepted_tokens", "Draft tokens the target accepted",
+                                       registry=r)
+        self.accepted_by_position = Counter(
+            "minedraft_accepted_tokens_by_position",
+            "Draft tokens accepted at each draft position (0 = first); divide by minedraft_verified_sequences",
+            ["position"], registry=r,
+        )
+        self.verified_sequences = Counter(
+            "minedraft_verified_sequences", "Sequences verified with drafts, summed over steps", registry=r
+        )
+        self.verify_steps = Counter("minedraft_verify_steps", "Verify calls with drafts", registry=r)
+        self.step_seconds = Histogram("minedraft_step_seconds", "Worker call time seen by the coordinator",
+                                      ["kind"], buckets=SECONDS, registry=r)
+        self.batch_size = Histogram("minedraft_batch_size", "Sequences per worker call", ["kind"],
+                                    buckets=BATCH_SIZES, registry=r)
+        self.overlapped_step_seconds = Histogram(
+            "minedraft_overlapped_step_seconds", "Time of a PSD step (verify of one batch, propose of the other)",
+            buckets=SECONDS, registry=r,
+        )
+        self.overlap_efficiency = Histogram(
+            "minedraft_overlap_efficiency", "max(T_draft, T_verify) / T_step of each PSD step", buckets=EFFICIENCY,
+            registry=r,
+        )
+        self.queue_length = Gauge("minedraft_queue_length", "Requests waiting for admission", registry=r)
+        self.running = Gauge("minedraft_running_sequences", "Sequences in the two batches", registry=r)
+        self.ttft = Histogram("minedraft_time_to_first_token_seconds", "Time to first token per request",
+                              buckets=LATENCY, registry=r)
+        self.tpot = Histogram("minedraft_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request", buckets=SECONDS, registry=r)
+        self.request_seconds = Histogram("minedraft_request_duration_seconds", "Arrival to end, per request",
+                                         buckets=LATENCY, registry=r)
+        self.mean_accepted_length = Histogram(
+            "minedraft_request_mean_accepted_length", "Per request: accepted drafts per verify step, plus one",
+            buckets=ACCEPTED_LENGTH, registry=r,
+        )
+        self.acceptance_rate = Histogram("minedraft_request_acceptance_rate",
+                                         "Per request: accepted / proposed draft tokens", buckets=RATES, registry=r)
+        self._step_kinds = {kind: (self.step_seconds.labels(kind), self.batch_size.labels(kind))
+                            for kind in ("prefill", "propose", "verify")}
+        self._positions: list[Any] = []
+        self._last_call: dict[str, tuple[float, float]] = {}
+
+    def track_queue(self, queue_length: Callable[[], float], running: Callable[[], float]) -> None:
+        """Gauges read at scrape time (nothing on the hot path)."""
+        self.queue_length.set_function(queue_length)
+        self.running.set_function(running)
+
+    def worker_call(self, kind: str, size: int, start: float, end: float) -> None:
+        """One prefill, propose or verify call, timed by the coordinator (perf_counter seconds)."""
+        children = self._step_kinds.get(kind)
+        if children is None:
+            children = self._step_kinds[kind] = (self.step_seconds.labels(kind), self.batch_size.labels(kind))
+        seconds, sizes = children
+        seconds.observe(end - start)
+        sizes.observe(size)
+        self._last_call[kind] = (start, end)
+
+    def overlapped_step(self, start: float, end: float) -> None:
+        """A PSD step (verify of one batch, propose of the other) took [start, end]: observe its overlap efficiency."""
+        verify, propose = self._last_call.get("verify"), self._last_call.get("propose")
+        if verify is None or propose is None or min(verify[0], propose[0]) < start or end <= start:
+            return  # a call failed: no timing for this step
+        t_step = end - start
+        self.overlapped_step_seconds.observe(t_step)
+        self.overlap_efficiency.observe(max(verify[1] - verify[0], propose[1] - propose[0]) / t_step)
+
+    def prefilled(self, requests: Sequence[Any], results: Sequence[Any]) -> None:
+        self.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
+        self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
+
+    def verified(self, results: Sequence[Any], k: int) -> None:
+        """The results of one verify of k drafts per sequence (the same figures RequestState.record_verify adds)."""
+        self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
+        if not k:
+            return
+        counts = [0] * (k + 1)  # counts[a]: sequences that accepted a drafts
+        for result in results:
+            counts[min(result.num_accepted, k)] += 1
+        self.verify_steps.inc()
+        self.verified_sequences.inc(len(results))
+        self.draft_tokens.inc(k * len(results))
+        self.accepted_tokens.inc(sum(a * n for a, n in enumerate(counts)))
+        while len(self._positions) < k:
+            self._positions.append(self.accepted_by_position.labels(str(len(self._positions))))
+        at_least = 0  # sequences that accepted position i: those with more than i accepted
+        for i in range(k, 0, -1):
+            at_least += counts[i]
+            if at_least:
+                self._positions[i - 1].inc(at_least)
+
+    def request_finished(self, finish_reason: str, usage: generation_pb2.Usage | None, seconds: float) -> None:
+        """A request ended ("stop", "length", "cancelled", "error"); `usage` is what its client got, if anything."""
+        self.requests.labels(finish_reason).inc()
+        self.request_seconds.observe(seconds)
+        if usage is None:
+            return
+        if usage.completion_tokens:
+            self.ttft.observe(usage.time_to_first_token_s)
+        if usage.completion_tokens > 1:
+            self.tpot.observe(usage.time_per_output_token_s)
+        if usage.draft_tokens:
+            self.mean_accepted_length.observe(usage.mean_accepted_length)
+            self.acceptance_rate.observe(usage.acceptance_rate)
+
+    def request_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+
+class WorkerMetrics:
+    """Per RPC of a target or draft worker: count, time, compute and channel time, batch size; the target counts
+    the drafts it verifies and accepts, the draft the drafts it proposes. Fed by telemetry.ServerObserver."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.rpcs = Counter("minedraft_worker_rpcs", "RPCs handled, by method and status", ["method", "code"],
+                            registry=r)
+        self.rpc_seconds = Histogram("minedraft_worker_rpc_seconds", "Handler time, waiting for the model included",
+                                     ["method"], buckets=SECONDS, registry=r)
+        self.compute_seconds = Histogram("minedraft_worker_compute_seconds", "Model time per call (Timings)",
+                                         ["method"], buckets=SECONDS, registry=r)
+        self.channel_seconds = Histogram("minedraft_worker_channel_seconds",
+                                         "Draft transfer time per call (Timings)", ["method"], buckets=SECONDS,
+                                         registry=r)
+        self.batch_size = Histogram("minedraft_worker_batch_size", "Sequences per call", ["method"],
+                                    buckets=BATCH_SIZES, registry=r)
+        self.free_slots = Gauge("minedraft_worker_free_slots", "Free KV cache slots (as of the last Release)",
+                                registry=r)
+        self.tokens = Counter("minedraft_worker_tokens", "Tokens emitted (target: prefill and verify)", registry=r)
+        self.draft_tokens = Counter(
+            "minedraft_worker_draft_tokens", "Draft tokens proposed (draft) or verified (target)", registry=r
+        )
+        self.accepted_tokens = Counter("minedraft_worker_accepted_tokens", "Draft tokens accepted (target)",
+                                       registry=r)
+
+    def observe_call(self, method: str, request: Any, response: Any, seconds: float, code: grpc.StatusCode) -> None:
+        self.rpcs.labels(method, code.name).inc()
+        self.rpc_seconds.labels(method).observe(seconds)
+        if response is None:
+            return
+        fields = request.DESCRIPTOR.fields_by_name
+        size = len(request.seq_ids) if "seq_ids" in fields else len(request.sequences) if "sequences" in fields else 0
+        if size and method != "Release":
+            self.batch_size.labels(method).observe(size)
+        if "timings" in response.DESCRIPTOR.fields_by_name:
+            self.compute_seconds.labels(method).observe(response.timings.compute_s)
+            if method in ("Propose", "Verify"):
+                self.channel_seconds.labels(method).observe(response.timings.channel_s)
+        if "free_slots" in response.DESCRIPTOR.fields_by_name:
+            self.free_slots.set(response.free_slots)
+        if "results" in response.DESCRIPTOR.fields_by_name:
+            self.tokens.inc(sum(len(r.token_ids) for r in response.results))
+        if method == "Verify" and request.num_draft_tokens:
+            self.draft_tokens.inc(request.num_draft_tokens * size)
+            self.accepted_tokens.inc(sum(r.num_accepted for r in response.results))
+        elif method == "Propose":
+            self.draft_tokens.inc(request.num_draft_tokens * size)

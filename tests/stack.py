@@ -1,0 +1,398 @@
+"""Real MineDraft stacks for tests: tiny model pairs on disk, and target/draft/coordinator processes on loopback.
+
+Test modules load this as a plugin (``pytest_plugins = ["stack"]``) so that its session-scoped fixtures exist once
+per test session (a fixture imported into several modules would be built once per module). Every process started
+here runs ``python -m minedraft.cli ...`` with ``OMP_NUM_THREADS=1`` and is stopped (SIGINT, then SIGKILL) in
+fixture teardown. Starting a process costs seconds (it imports torch and transformers), so the worker pair of each
+architecture is started once per session and the coordinators, cheaper to replace, come and go around it: a
+coordinator must release every sequence it admitted before it stops, so the next one finds the workers clean.
+
+Test modules also import helpers from here before pytest loads it as a plugin, so it is not assertion-rewritten
+(PYTEST_DONT_REWRITE: that silences pytest's warning about it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from minedraft.cli import free_port, wait_healthy
+from minedraft.proto import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 256
+WORKER_MAX_BATCH = 8  # per batch: each worker holds 2 x 8 sequences
+EOS_TEXT = "<|endoftext|>"
+START_TIMEOUT = 240.0
+
+# One intra-op thread per service: three services share a 2-core CI machine.
+SERVICE_ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+}
+
+
+# --------------------------------------------------------------------------------------------- tiny models
+
+
+def stdlib_sources(limit: int = 40) -> list[str]:
+    """Paths of stdlib Python files: real text for the tokenizer and for prompts."""
+    return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:limit]
+
+
+def make_tokenizer(vocab_size: int = 300) -> object:
+    """A byte-level BPE tokenizer trained on stdlib sources, as a PreTrainedTokenizerFast (eos id 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_TEXT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(stdlib_sources(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TEXT, bos_token=EOS_TEXT, pad_token=EOS_TEXT)
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    arch: str
+    target: Path
+    draft: Path
+
+
+def _save(model: object, tokenizer: object, directory: Path) -> None:
+    model.save_pretrained(directory)  # type: ignore[attr-defined]
+    tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]
+
+
+def make_tiny_pair(root: Path, arch: str, tokenizer: object) -> TinyPair:
+    """A target and a draft sharing `tokenizer`, saved with save_pretrained (the services load them back).
+
+    llama: target hidden 64 x 2 layers, an unrelated draft hidden 32 x 1 layer (acceptance near zero).
+    gpt2: target hidden 64 x 2 layers (the second one damped); the draft is the target's first layer alone, with
+    the same embeddings and head, so that about half the drafts are accepted (every verify outcome shows up).
+    """
+    import torch
+    import transformers
+
+    vocab = len(tokenizer)  # type: ignore[arg-type]
+    special: dict[str, Any] = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 0}
+    target_dir, draft_dir = root / f"{arch}-target", root / f"{arch}-draft"
+    if arch == "llama":
+        for directory, hidden, layers, seed in ((target_dir, 64, 2, 0), (draft_dir, 32, 1, 1)):
+            torch.manual_seed(seed)
+            cfg: transformers.PretrainedConfig = transformers.LlamaConfig(
+                vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                tie_word_embeddings=False, **special,
+            )
+            _save(transformers.AutoModelForCausalLM.from_config(cfg), tokenizer, directory)
+    elif arch == "gpt2":
+        torch.manual_seed(2)
+        cfg = transformers.GPT2Config(
+            vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512, initializer_range=0.2,
+            tie_word_embeddings=False, **special,
+        )
+        target = transformers.AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():  # a quieter second layer: the first-layer draft then agrees about half the time
+            for proj in (target.transformer.h[1].attn.c_proj, target.transformer.h[1].mlp.c_proj):
+                proj.weight.mul_(0.3)
+        _save(target, tokenizer, target_dir)
+        draft_cfg = transformers.GPT2Config(**{**cfg.to_dict(), "n_layer": 1})
+        draft = transformers.AutoModelForCausalLM.from_config(draft_cfg)
+        keep = {k: v for k, v in target.state_dict().items() if ".h.1." not in k}
+        draft.load_state_dict(keep, strict=False)
+        _save(draft, tokenizer, draft_dir)
+    else:
+        raise ValueError(f"no tiny pair for {arch}")
+    return TinyPair(arch, target_dir, draft_dir)
+
+
+class TinyPairs:
+    """Tiny model pairs for the session, made on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._tokenizer: object | None = None
+        self._pairs: dict[str, TinyPair] = {}
+
+    @property
+    def tokenizer(self) -> object:
+        if self._tokenizer is None:
+            self._tokenizer = make_tokenizer()
+        return self._tokenizer
+
+    def __getitem__(self, arch: str) -> TinyPair:
+        if arch not in self._pairs:
+            self._pairs[arch] = make_tiny_pair(self.root, arch, self.tokenizer)
+        return self._pairs[arch]
+
+
+# --------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Service:
+    """One `python -m minedraft.cli ...` process listening on a loopback port."""
+
+    name: str
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    interrupted: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def interrupt(self) -> None:
+        """Send SIGINT once (the services' clean shutdown: the coordinator writes its step trace then)."""
+        if self.proc.poll() is None and not self.interrupted:
+            self.interrupted = True
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGINT, then SIGKILL if it has not exited after `timeout` seconds; returns the exit code."""
+        self.interrupt()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def stop_all(services: Sequence[Service | None]) -> None:
+    """Stop several services at once (each takes a few seconds to shut down)."""
+    live = [s for s in services if s is not None]
+    for service in live:
+        service.interrupt()
+    for service in live:
+        service.stop()
+
+
+def spawn(name: str, args: Sequence[str], log_dir: Path) -> Service:
+    """Start `python -m minedraft.cli <args> --port <free port>`, output to a log file; returns at once."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "minedraft.cli", *args, "--port", str(port)],
+            cwd=REPO, env=SERVICE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return Service(name, proc, port, log_path)
+
+
+def wait_all(services: Sequence[Service], timeout: float = START_TIMEOUT) -> None:
+    """Wait until every service answers its health check; on failure stop them all and show their logs."""
+    try:
+        for service in services:
+            wait_healthy(service.address, [s.proc for s in services], timeout)
+    except BaseException as exc:
+        logs = "\n".join(f"--- {s.name} log ---\n{s.log_tail()}" for s in services)
+        stop_all(services)
+        raise RuntimeError(f"stack did not start: {exc}\n{logs}") from exc
+
+
+@dataclass
+class Workers:
+    """A running target service and (unless None) draft service for one tiny pair."""
+
+    pair: TinyPair
+    target: Service
+    draft: Service | None
+    max_batch_size: int
+
+    def stop(self) -> None:
+        stop_all([self.draft, self.target])
+
+
+def worker_args(kind: str, model: Path, max_batch_size: int) -> list[str]:
+    return [kind, "--model", str(model), "--host", "127.0.0.1", "--device", "cpu", "--dtype", "float32",
+            "--max-batch-size", str(max_batch_size), "--max-model-len", str(MAX_MODEL_LEN)]
+
+
+def start_workers(pair: TinyPair, log_dir: Path, max_batch_size: int = WORKER_MAX_BATCH,
+                  with_draft: bool = True) -> Workers:
+    target = spawn(f"{pair.arch}-target", worker_args("target", pair.target, max_batch_size), log_dir)
+    draft = None
+    if with_draft:
+        draft = spawn(f"{pair.arch}-draft", worker_args("draft", pair.draft, max_batch_size), log_dir)
+    wait_all([s for s in (target, draft) if s is not None])
+    return Workers(pair, target, draft, max_batch_size)
+
+
+def coordinator_has_flag(flag: str) -> bool:
+    """Whether `minedraft coordinator` takes `flag` (for options that other work adds to the CLI)."""
+    import argparse
+
+    from minedraft.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return flag in sub.choices["coordinator"]._option_string_actions
+
+
+def coordinator_args(workers: Workers, mode: str = "psd", *, k: int = 4, max_batch_size: int = 4,
+                     max_queue_size: int = 256, step_trace: Path | None = None,
+                     extra: Sequence[str] = ()) -> list[str]:
+    """The `minedraft coordinator` arguments (less --port) for a coordinator in front of `workers`."""
+    if max_batch_size > workers.max_batch_size:
+        raise ValueError("the workers hold fewer sequences than this coordinator would admit")
+    args = ["coordinator", "--target", workers.target.address, "--host", "127.0.0.1", "--mode", mode,
+            "--num-speculative-tokens", str(k), "--max-batch-size", str(max_batch_size),
+            "--max-queue-size", str(max_queue_size), "--channel", "grpc", "--tokenizer", str(workers.pair.target)]
+    if mode != "ar":
+        assert workers.draft is not None
+        args += ["--draft", workers.draft.address]
+    if step_trace is not None:
+        args += ["--step-trace", str(step_trace)]
+    return args + list(extra)
+
+
+def start_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **options: object) -> Service:
+    coordinator = spawn(f"coordinator-{workers.pair.arch}-{mode}", coordinator_args(workers, mode, **options), log_dir)  # type: ignore[arg-type]
+    wait_all([coordinator])
+    return coordinator
+
+
+@contextlib.contextmanager
+def running_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **options: object
+                        ) -> Iterator[Service]:
+    """A coordinator for the duration of a `with` block; checks the workers are clean afterwards."""
+    coordinator = start_coordinator(workers, log_dir, mode, **options)  # type: ignore[arg-type]
+    try:
+        yield coordinator
+    finally:
+        code = coordinator.stop()
+        if code not in (0, None):
+            print(f"coordinator exited with {code}:\n{coordinator.log_tail()}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------- clients
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: int
+    usage: generation_pb2.Usage
+    messages: int
+
+
+async def generate(address: str, request: generation_pb2.GenerateRequest, timeout: float = 120.0) -> Completion:
+    """One streaming Generate call; raises grpc.aio.AioRpcError on a non-OK status."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        return await collect(stub.Generate(request, timeout=timeout))
+
+
+async def collect(call: grpc.aio.UnaryStreamCall) -> Completion:
+    ids: list[int] = []
+    text, finish, usage, messages = "", 0, generation_pb2.Usage(), 0
+    async for message in call:
+        messages += 1
+        ids += message.token_ids
+        text += message.text
+        if message.finish_reason:
+            finish, usage = message.finish_reason, message.usage
+    return Completion(ids, text, finish, usage, messages)
+
+
+def worker_info(address: str, kind: str) -> common_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as channel:
+        if kind == "target":
+            return target_pb2_grpc.TargetServiceStub(channel).GetInfo(
+                target_pb2.TargetServiceGetInfoRequest(), timeout=10).info
+        return draft_pb2_grpc.DraftServiceStub(channel).GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=10).info
+
+
+def wait_all_slots_free(workers: Workers, timeout: float = 10.0) -> dict[str, tuple[int, int]]:
+    """Poll GetInfo on both workers until every KV row is free; return {kind: (free, total)} as last seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = {}
+        for kind, service in (("target", workers.target), ("draft", workers.draft)):
+            if service is not None:
+                info = worker_info(service.address, kind)
+                seen[kind] = (info.free_slots, info.num_slots)
+        if all(free == total for free, total in seen.values()) or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
+
+
+def text_prompts(tokenizer: object, count: int, min_tokens: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """`count` prompts cut from stdlib sources, as token ids, of lengths spread over [min_tokens, max_tokens]."""
+    import random
+
+    rng = random.Random(seed)
+    corpus = "".join(Path(p).read_text() for p in stdlib_sources(60)[40:48])  # files the tokenizer did not see
+    ids = tokenizer.encode(corpus)  # type: ignore[attr-defined]
+    prompts = []
+    for _ in range(count):
+        n = rng.randint(min_tokens, max_tokens)
+        start = rng.randrange(0, len(ids) - n)
+        prompts.append(ids[start : start + n])
+    return prompts
+
+
+def run_async(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_pairs(tmp_path_factory: pytest.TempPathFactory) -> TinyPairs:
+    return TinyPairs(tmp_path_factory.mktemp("stack_models"))
+
+
+@pytest.fixture(scope="session")
+def stack_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("stack_logs")
+
+
+@pytest.fixture(scope="session")
+def llama_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
+    """Target and draft services of the tiny Llama pair, shared by every stack test module."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs)
+    try:
+        yield workers
+    finally:
+        workers.stop()
