@@ -21,6 +21,20 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # decode and verify steps; prefills run eagerly
 
 
+def attention_layout(config: object) -> tuple[int | None, bool]:
+    """(sliding window, whether full-attention layers are mixed in) as transformers' own masks would apply them."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None, False
+    if layer_types is None:  # Mistral style: every layer slides
+        return int(window), False
+    kinds = set(layer_types)
+    if "sliding_attention" not in kinds:
+        return None, False
+    return int(window), kinds != {"sliding_attention"}
+
+
 class CapacityError(RuntimeError):
     """No free slot, or a sequence would outgrow the cache."""
 
@@ -45,6 +59,8 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         softcap = getattr(model.config, "final_logit_softcapping", None)
         self._softcap = float(softcap) if softcap else None
+        # A ready 4-D mask is used as it is, so sliding windows must be built into it here.
+        self.sliding_window, self.mixed_layers = attention_layout(model.config)
         self.kv_bucket = KV_LEN_BUCKET["cuda" if self.device.type == "cuda" else "cpu"]
         self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda":
@@ -115,13 +131,15 @@ class ModelRunner:
         starts = self.cache.lengths[rows]
         positions = starts[:, None] + torch.arange(n, device=self.device)
         keys = torch.arange(kv_len, device=self.device)
-        allowed = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: causal over committed + new
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        causal = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: committed + new, in order
+        mask: torch.Tensor | dict[str, torch.Tensor] = self._additive(causal)
+        if self.sliding_window is not None:
+            windowed = self._additive(causal & (keys[None, None, :] > positions[:, :, None] - self.sliding_window))
+            mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layers else windowed
         self.cache.select(rows, positions, kv_len, contiguous)
         kwargs = {self._cache_kwarg: self.cache}
         hidden = self.model.base_model(
-            input_ids=input_ids, attention_mask=mask[:, None], position_ids=positions, use_cache=True, **kwargs
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         ).last_hidden_state
         self.cache.lengths[rows] = starts + num_valid
         if last_only:
@@ -130,6 +148,12 @@ class ModelRunner:
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[B, n, kv] booleans -> the [B, 1, n, kv] additive mask that eager and SDPA attention both accept."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
 
 
 class CudaGraphs:

@@ -69,7 +69,8 @@ def processed_probs(
         sorted_logits = sorted_logits.masked_fill((k > 0) & (ranks >= k), float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_above >= p, float("-inf"))
+        # Rows without top-p must keep every token: a float32 cumsum reaches 1.0 before the tail.
+        sorted_logits = sorted_logits.masked_fill((p < 1) & (mass_above >= p), float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(dim=-1)
 

@@ -1,0 +1,172 @@
+"""Shared fixtures: tiny randomly initialised causal LMs of several architectures, built on CPU in float32."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+)
+
+from minedraft.models import load_model
+
+TINY_ARCHS = ("llama", "qwen3", "mistral", "gpt2", "gpt_neox")
+
+
+def tiny_config(
+    arch: str,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    vocab: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 256,
+    initializer_range: float = 0.2,
+    **overrides: Any,
+) -> PretrainedConfig:
+    """A config of `arch` with no special tokens (so nothing stops or pads unless a test says so).
+
+    `initializer_range` 0.2 (ten times the usual) spreads the logits, so greedy choices are not near-ties that
+    float32 rounding in a differently shaped batch could flip.
+    """
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "initializer_range": initializer_range,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    if arch == "gpt2":
+        cfg: PretrainedConfig = GPT2Config(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, n_inner=2 * hidden, **common
+        )
+    elif arch == "gpt_neox":
+        cfg = GPTNeoXConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * hidden,
+            max_position_embeddings=max_positions,
+            **common,
+        )
+    else:
+        config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
+        cfg = config_class(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hidden // heads,
+            intermediate_size=2 * hidden,
+            max_position_embeddings=max_positions,
+            **common,
+        )
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_tiny_model(arch: str, seed: int, **config: Any) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_config` under a fixed seed, in eval mode, float32, SDPA attention."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **config), attn_implementation="sdpa")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def save_and_load(model: PreTrainedModel, directory: Path) -> PreTrainedModel:
+    """Round-trip through `save_pretrained` and the engine's own `load_model` (the real from_pretrained path)."""
+    model.save_pretrained(directory)
+    return load_model(str(directory), device="cpu", dtype="float32")
+
+
+class TinyModels:
+    """Builds and caches tiny models for a whole test session (building is cheap, but not free on 2 cores)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._cache: dict[tuple[Any, ...], PreTrainedModel] = {}
+
+    def get(self, arch: str, seed: int = 0, *, from_disk: bool = False, **config: Any) -> PreTrainedModel:
+        key = (arch, seed, from_disk, tuple(sorted(config.items())))
+        if key not in self._cache:
+            model = build_tiny_model(arch, seed, **config)
+            if from_disk:
+                model = save_and_load(model, self.root / f"{arch}-{seed}-{len(self._cache)}")
+            self._cache[key] = model
+        return self._cache[key]
+
+    def target(self, arch: str, **config: Any) -> PreTrainedModel:
+        """The usual test target: hidden 64, 2 layers, vocab 128, loaded through `from_pretrained`."""
+        return self.get(arch, 0, from_disk=True, **config)
+
+    def draft(self, arch: str, **config: Any) -> PreTrainedModel:
+        """An unrelated draft of the same vocabulary (hidden 32, 1 layer, another seed): low acceptance."""
+        return self.get(arch, 1, **{"hidden": 32, "layers": 1, **config})
+
+    def noisy_draft(self, arch: str, scale: float = 0.1, **config: Any) -> PreTrainedModel:
+        """The target with Gaussian noise (`scale` times each tensor's spread) on every weight: it agrees with the
+        target on roughly half the greedy choices, so verify steps accept some drafts and reject the rest."""
+        key = ("noisy", arch, scale, tuple(sorted(config.items())))
+        if key not in self._cache:
+            model = copy.deepcopy(self.target(arch, **config))
+            gen = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.numel() > 1:
+                        spread = param.std().clamp(min=1e-3)
+                        param.add_(torch.randn(param.shape, generator=gen) * scale * spread)
+            self._cache[key] = model
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """One intra-op thread: tiny models on a busy 2-core machine run several times faster without thread sync."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: Hugging Face `generate()` of the model alone, greedy, no EOS, explicit attention mask."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> Any:
+    """`hf_greedy`, as a fixture so test modules need not import conftest."""
+    return hf_greedy

@@ -1,0 +1,198 @@
+"""Slot KV cache: after rollback a row holds exactly the K/V of its committed tokens; rows are reused; capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from draft_service.proposer import Proposer
+from minedraft.model_runner import CapacityError, ModelRunner
+from minedraft.offline import OfflineRequest, generate_offline
+from minedraft.sampling import SamplingConfig
+from target_service.verifier import FINISHED_LENGTH, RUNNING, Verifier
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ARCHS = ("llama", "qwen3", "mistral", "gpt2", "gpt_neox")
+VOCAB = 128
+ATOL = 1e-5
+
+
+def fresh_state(model: PreTrainedModel, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K/V per layer of one prefill of `tokens` into a new cache (the reference a rolled-back row must equal)."""
+    runner = ModelRunner(model, 1, 128)
+    rows = torch.tensor(runner.allocate(1))
+    runner.forward(rows, torch.tensor([tokens]), torch.tensor([len(tokens)]))
+    return runner.cache.rows_state(int(rows[0]))
+
+
+def assert_state_equal(
+    got: list[tuple[torch.Tensor, torch.Tensor]], want: list[tuple[torch.Tensor, torch.Tensor]], what: str
+) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} layers, expected {len(want)}"
+    for layer, ((k, v), (k_ref, v_ref)) in enumerate(zip(got, want)):
+        assert k.shape == k_ref.shape, f"{what}, layer {layer}: keys {tuple(k.shape)} != {tuple(k_ref.shape)}"
+        for name, x, ref in (("keys", k, k_ref), ("values", v, v_ref)):
+            error = float((x - ref).abs().max()) if x.numel() else 0.0
+            assert error <= ATOL, f"{what}, layer {layer}: {name} differ from a fresh prefill by {error:.2e}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rollback_equals_fresh_prefill(arch: str, tiny_models) -> None:
+    """Step SD by hand with a draft that is partly rejected; after every propose and verify, each row's cache in
+    both the draft and the target equals a fresh prefill of the tokens it should hold."""
+    target = tiny_models.target(arch, vocab=VOCAB)
+    draft = tiny_models.noisy_draft(arch, vocab=VOCAB)
+    k, slots = 3, 6
+    verifier = Verifier(ModelRunner(target, slots, 96), [])
+    proposer = Proposer(ModelRunner(draft, slots, 96))
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 8, 29)]
+    seq_ids = [10, 11, 12, 13]
+    configs = [SamplingConfig(max_tokens=64), SamplingConfig(max_tokens=64, temperature=1.0, seed=5)] * 2
+    first = verifier.prefill(seq_ids, prompts, configs).per_row()
+    proposer.prefill(seq_ids, prompts, configs)
+    committed = {s: p + tokens for s, p, (tokens, _, _) in zip(seq_ids, prompts, first)}
+    accepted = torch.zeros(len(seq_ids), dtype=torch.long)
+    last = torch.tensor([tokens[-1] for tokens, _, _ in first])
+    seen: set[int] = set()
+    for _ in range(6):
+        proposal = proposer.propose(seq_ids, accepted, last, k)
+        drafts = proposal.draft_ids.tolist()
+        for b, s in enumerate(seq_ids):
+            # The draft cache: every committed token, then the drafts it ran to propose the next (d_1..d_{k-1}).
+            row = proposer.table.rows_by_id[s]
+            assert_state_equal(
+                proposer.runner.cache.rows_state(row), fresh_state(draft, committed[s] + drafts[b][: k - 1]),
+                f"draft seq {s}",
+            )
+        result = verifier.verify(seq_ids, proposal.draft_ids, proposal.draft_probs).per_row()
+        for s, (tokens, a, finish) in zip(seq_ids, result):
+            assert finish == RUNNING
+            seen.add(a)
+            committed[s] += tokens
+            # The target cache: every committed token but the last, which is pending.
+            row = verifier.table.rows_by_id[s]
+            assert_state_equal(
+                verifier.runner.cache.rows_state(row), fresh_state(target, committed[s][:-1]), f"target seq {s}"
+            )
+        accepted = torch.tensor([a for _, a, _ in result])
+        last = torch.tensor([tokens[-1] for tokens, _, _ in result])
+    assert 0 in seen and any(0 < a < k for a in seen), f"drafts were not partly rejected: accepted counts {seen}"
+
+
+def test_truncate_then_append_on_scattered_rows(tiny_models) -> None:
+    """Runner level, rows out of order (the gather path): append, roll back, append again; K/V and logits equal a
+    fresh single forward over the kept tokens, and the stale entries past a row's length are never read."""
+    model = tiny_models.target("llama", vocab=VOCAB)
+    runner = ModelRunner(model, 4, 64)
+    runner.allocate(4)
+    rows = torch.tensor([3, 1])
+    gen = torch.Generator().manual_seed(2)
+    a = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 11)]
+    b = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    c = torch.randint(0, VOCAB, (2, 3), generator=gen)
+    padded = torch.zeros(2, 11, dtype=torch.long)
+    for i, p in enumerate(a):
+        padded[i, : len(p)] = torch.tensor(p)
+    runner.forward(rows, padded, torch.tensor([5, 11]))
+    runner.forward(rows, b, torch.tensor([6, 6]))
+    keep = torch.tensor([1, 4])  # tokens of b each row keeps
+    runner.truncate(rows, torch.tensor([5, 11]) + keep)
+    logits = runner.forward(rows, c, torch.tensor([3, 3]))
+    for i, row in enumerate(rows.tolist()):
+        tokens = a[i] + b[i, : keep[i]].tolist() + c[i].tolist()
+        assert int(runner.cache.lengths[row]) == len(tokens)
+        assert_state_equal(runner.cache.rows_state(row), fresh_state(model, tokens), f"row {row}")
+        with torch.inference_mode():
+            reference = model(torch.tensor([tokens])).logits[0, -3:]
+        torch.testing.assert_close(logits[i], reference, atol=ATOL, rtol=1e-5)
+
+
+def test_rows_are_reused_after_release(tiny_models) -> None:
+    model = tiny_models.target("qwen3", vocab=VOCAB)
+    runner = ModelRunner(model, 3, 64)
+    rows = runner.allocate(3)
+    assert sorted(rows) == [0, 1, 2] and runner.free_slots == 0
+    with pytest.raises(CapacityError):
+        runner.allocate(1)
+    long_prompt = list(range(40))
+    runner.forward(torch.tensor(rows), torch.tensor([long_prompt] * 3), torch.tensor([40, 40, 40]))
+    runner.release([rows[1]])
+    assert runner.free_slots == 1
+    reused = runner.allocate(1)
+    assert reused == [rows[1]]
+    assert int(runner.cache.lengths[reused[0]]) == 0, "a reused row must start empty"
+    # A shorter sequence in the reused row: the previous occupant's K/V past its length stays hidden.
+    short = [7, 8, 9, 10, 11]
+    logits = runner.forward(torch.tensor(reused), torch.tensor([short]), torch.tensor([5]))
+    assert_state_equal(runner.cache.rows_state(reused[0]), fresh_state(model, short), "reused row")
+    with torch.inference_mode():
+        torch.testing.assert_close(logits[0], model(torch.tensor([short])).logits[0], atol=ATOL, rtol=1e-5)
+
+
+def test_verifier_and_proposer_reuse_rows(tiny_models, hf_reference) -> None:
+    """Twelve requests through two slots: every row is released and refilled several times, output stays exact."""
+    target, draft = tiny_models.target("gpt2", vocab=VOCAB), tiny_models.noisy_draft("gpt2", vocab=VOCAB)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (12,))]
+    budgets = [int(m) for m in torch.randint(1, 12, (12,), generator=gen)]
+    requests = [OfflineRequest(p, SamplingConfig(max_tokens=m)) for p, m in zip(prompts, budgets)]
+    verifier = Verifier(ModelRunner(target, 2, 64), [])
+    proposer = Proposer(ModelRunner(draft, 2, 64))
+    results = generate_offline(verifier, proposer, requests, 3, 2)
+    assert [r.tokens for r in results] == [hf_reference(target, p, m) for p, m in zip(prompts, budgets)]
+    assert verifier.runner.free_slots == 2 and proposer.runner.free_slots == 2
+    verifier.release([0, 1, 999])  # releasing what is not held is a no-op
+    assert verifier.runner.free_slots == 2
+
+
+def test_prompt_too_long_raises_capacity_error_and_frees_the_row(tiny_models) -> None:
+    model = tiny_models.target("llama", vocab=VOCAB)
+    for worker in (Verifier(ModelRunner(model, 2, 16), []), Proposer(ModelRunner(model, 2, 16))):
+        with pytest.raises(CapacityError):
+            worker.prefill([1], [list(range(17))], [SamplingConfig()])
+        assert worker.runner.free_slots == 2 and len(worker.table) == 0, "a failed prefill leaked its row"
+        worker.prefill([1], [list(range(16))], [SamplingConfig()])  # exactly full still fits
+        with pytest.raises(CapacityError):
+            worker.prefill([2, 3], [[1], [2]], [SamplingConfig()] * 2)  # one free row, two sequences
+        assert worker.runner.free_slots == 1 and len(worker.table) == 1
+
+
+def test_growing_past_the_cache_raises_and_leaves_state_intact(tiny_models) -> None:
+    model = tiny_models.target("mistral", vocab=VOCAB)
+    verifier = Verifier(ModelRunner(model, 1, 16), [])
+    verifier.prefill([1], [list(range(12))], [SamplingConfig(max_tokens=100)])  # caches 12 tokens
+    state = verifier.runner.cache.rows_state(0)
+    with pytest.raises(CapacityError):
+        verifier.verify([1], torch.tensor([[1, 2, 3, 4]]), None)  # would write positions 12..16
+    assert int(verifier.runner.cache.lengths[0]) == 12
+    assert_state_equal(verifier.runner.cache.rows_state(0), state, "after the refused verify")
+    tokens, _, _ = verifier.verify([1], torch.tensor([[1, 2, 3]]), None).per_row()[0]  # positions 12..15 fit
+    assert 1 <= len(tokens) <= 4
+
+
+def test_runner_length_capped_by_position_embeddings(tiny_models) -> None:
+    model = tiny_models.target("gpt2", vocab=VOCAB, max_positions=32)
+    runner = ModelRunner(model, 1, 1000)
+    assert runner.max_len == 32
+    rows = torch.tensor(runner.allocate(1))
+    with pytest.raises(CapacityError):
+        runner.forward(rows, torch.zeros(1, 33, dtype=torch.long), torch.tensor([33]))
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "noisy"])
+def test_request_at_the_admission_limit_completes(draft_kind: str, tiny_models) -> None:
+    """The coordinator admits prompt + max_tokens <= max_len - k: such a request must run to the end under SD
+    without either cache overflowing (the last verify writes k tokens past the last committed one)."""
+    target = tiny_models.target("llama", vocab=VOCAB)
+    draft = target if draft_kind == "self" else tiny_models.noisy_draft("llama", vocab=VOCAB)
+    max_len, k = 32, 3
+    prompts = [list(range(1, 1 + n)) for n in (2, 9, 20)]
+    requests = [OfflineRequest(p, SamplingConfig(max_tokens=max_len - k - len(p))) for p in prompts]
+    verifier = Verifier(ModelRunner(target, 3, max_len), [])
+    proposer = Proposer(ModelRunner(draft, 3, max_len))
+    results = generate_offline(verifier, proposer, requests, k, 3)
+    assert [len(r.tokens) for r in results] == [max_len - k - len(p) for p in prompts]
+    assert all(r.finish == FINISHED_LENGTH for r in results)
