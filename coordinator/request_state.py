@@ -73,7 +73,9 @@ class RequestState:
         # Hold back a trailing partial UTF-8 character until the next token completes it.
         visible = len(self.text) if self.finished or not self.text.endswith("\ufffd") else len(self.text) - 1
         delta, self.sent_text_len = self.text[self.sent_text_len : visible], max(self.sent_text_len, visible)
-        message = generation_pb2.GenerateResponse(token_ids=new_ids, text=delta, finish_reason=self.finish_reason)
+        message = generation_pb2.GenerateResponse(
+            token_ids=new_ids, text=delta, finish_reason=self.finish_reason  # type: ignore[arg-type]
+        )
         if self.finished:
             message.usage.CopyFrom(self.usage())
         self.stream.put_nowait(message)
@@ -91,7 +93,7 @@ class RequestState:
         if not self.finished:
             self.finish_reason = reason
             self.stream.put_nowait(
-                generation_pb2.GenerateResponse(finish_reason=reason, usage=self.usage())
+                generation_pb2.GenerateResponse(finish_reason=reason, usage=self.usage())  # type: ignore[arg-type]
             )
 
     def fail(self, error: BaseException) -> None:

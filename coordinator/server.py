@@ -161,6 +161,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     details = item.details() if isinstance(item, grpc.aio.AioRpcError) else str(item)
                     error = details or "generation failed"
                     await context.abort(code, error)
+                    return
                 if item.HasField("usage"):
                     usage = item.usage
                 yield item

@@ -98,17 +98,15 @@ class StepLoop:
         if not admitted:
             return
         try:
-            calls = [self.workers.prefill_target(admitted)]
-            if self.workers.draft is not None:
-                calls.append(self.workers.prefill_draft(admitted))
-            replies = await asyncio.gather(*calls)
+            drafting = self.workers.prefill_draft(admitted) if self.workers.draft is not None else asyncio.sleep(0)
+            target_reply, _ = await asyncio.gather(self.workers.prefill_target(admitted), drafting)
         except Exception as exc:
             self._fail(admitted, exc)
             return
-        for request, result in zip(admitted, replies[0].results):
+        for request, result in zip(admitted, target_reply.results):
             request.emit(list(result.token_ids), result.finish_reason)
         if self.metrics is not None:
-            self.metrics.prefilled(admitted, replies[0].results)
+            self.metrics.prefilled(admitted, target_reply.results)
 
     async def _propose(self, batch: Batch) -> None:
         # The membership is frozen from here: a rebalance by the concurrent Verify of the other batch must put

@@ -132,12 +132,13 @@ class ModelRunner:
         positions = starts[:, None] + torch.arange(n, device=self.device)
         keys = torch.arange(kv_len, device=self.device)
         causal = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: committed + new, in order
-        mask: torch.Tensor | dict[str, torch.Tensor] = self._additive(causal)
+        full = self._additive(causal)
+        mask: torch.Tensor | dict[str, torch.Tensor] = full
         if self.sliding_window is not None:
             windowed = self._additive(causal & (keys[None, None, :] > positions[:, :, None] - self.sliding_window))
-            mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed_layers else windowed
+            mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
         self.cache.select(rows, positions, kv_len, contiguous)
-        kwargs = {self._cache_kwarg: self.cache}
+        kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
         hidden = self.model.base_model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         ).last_hidden_state

@@ -35,7 +35,7 @@ def load_model(path: str, device: str = "cpu", dtype: str | None = "auto") -> Pr
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
     return model

@@ -76,7 +76,8 @@ def _record(
     proposer: Proposer | None,
 ) -> list[int]:
     """Append emitted tokens; release finished sequences; return those still running."""
-    still, done = [], []
+    still: list[int] = []
+    done: list[int] = []
     for seq, (tokens, accepted, finish) in zip(seq_ids, rows):
         results[seq].tokens += tokens
         results[seq].finish = finish

@@ -396,3 +396,11 @@ def llama_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
         yield workers
     finally:
         workers.stop()
+
+
+if __name__ == "__main__":  # python tests/stack.py DIR: write the tiny pairs there (for `minedraft bench`)
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny_models")
+    out.mkdir(parents=True, exist_ok=True)
+    made = TinyPairs(out)
+    for name in ("llama", "gpt2"):
+        print(made[name])

@@ -86,7 +86,9 @@ class NcclChannel(Channel):
             payload.probs_shape.extend(draft_probs.shape)
             payload.probs_dtype = "float32"
         for tensor in tensors:  # the buffer must outlive the asynchronous send
-            self._in_flight.append((dist.isend(tensor, dst=TARGET_RANK), tensor))
+            work = dist.isend(tensor, dst=TARGET_RANK)
+            assert work is not None
+            self._in_flight.append((work, tensor))
         return payload
 
     def receive(self, payload: common_pb2.DraftPayload) -> tuple[torch.Tensor, torch.Tensor | None]:
