@@ -118,6 +118,7 @@ def make_prompts(count: int, prompt_len: int, seed: int, tokenizer: Any) -> list
     rng = random.Random(seed)
     corpus = _corpus(max(400_000, count * prompt_len * 8))
     if tokenizer is not None:
+        tokenizer.model_max_length = 1 << 40  # the corpus is one long text: no "longer than the maximum" warning
         ids = tokenizer.encode(corpus, add_special_tokens=False)
         starts = [rng.randrange(0, max(1, len(ids) - prompt_len)) for _ in range(count)]
         return [tokenizer.decode(ids[s : s + prompt_len]) for s in starts]
@@ -451,9 +452,20 @@ def bench_main(args: argparse.Namespace) -> int:
             "results": {name: asdict(s) for name, s in summaries.items()},
             "ratios": measured,
         }
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.json_out).write_text(json.dumps(_no_nan(report), indent=2) + "\n")
     failed = sum(s.failed for s in summaries.values())
     return 1 if failed else 0
+
+
+def _no_nan(value: Any) -> Any:
+    """Strict JSON: a statistic of no values (NaN) becomes null."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
 
 
 def _bench_server(args: argparse.Namespace) -> dict[str, Summary]:

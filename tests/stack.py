@@ -14,6 +14,7 @@ Test modules also import helpers from here before pytest loads it as a plugin, s
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import glob
 import os
@@ -205,6 +206,17 @@ def stop_all(services: Sequence[Service | None]) -> None:
         service.stop()
 
 
+_SPAWNED: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """A safety net for a test run that dies without its fixture teardowns: no service outlives pytest."""
+    for proc in _SPAWNED:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def spawn(name: str, args: Sequence[str], log_dir: Path) -> Service:
     """Start `python -m minedraft.cli <args> --port <free port>`, output to a log file; returns at once."""
     port = free_port()
@@ -215,6 +227,7 @@ def spawn(name: str, args: Sequence[str], log_dir: Path) -> Service:
             [sys.executable, "-m", "minedraft.cli", *args, "--port", str(port)],
             cwd=REPO, env=SERVICE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
+    _SPAWNED.append(proc)
     return Service(name, proc, port, log_path)
 
 

@@ -1,0 +1,144 @@
+"""Bad requests get INVALID_ARGUMENT (or RESOURCE_EXHAUSTED) naming the problem; the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, Workers, generate, running_coordinator
+
+from minedraft.proto import generation_pb2
+
+pytest_plugins = ["stack"]
+
+K = 4
+PROMPT = [5, 17, 42, 99, 7]
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Service]:
+    """One batch of one and a queue of one: every bad input, the queue bound and the CLI run against it."""
+    with running_coordinator(llama_workers, stack_logs, "psd", k=K, max_batch_size=1, max_queue_size=1) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def vocab_size(llama_workers: Workers) -> int:
+    from stack import worker_info
+
+    return worker_info(llama_workers.target.address, "target").logits_size
+
+
+def _params(**kwargs: object) -> generation_pb2.SamplingParams:
+    return generation_pb2.SamplingParams(**{"max_tokens": 4, **kwargs})  # type: ignore[arg-type]
+
+
+def _good() -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=_params(ignore_eos=True))
+
+
+BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
+    # name: (GenerateRequest fields, words the message must contain)
+    "empty prompt": ({"params": _params()}, ("prompt", "empty")),
+    "empty text prompt": ({"prompt": "", "params": _params()}, ("prompt", "empty")),
+    "prompt and prompt_token_ids": ({"prompt": "def f():", "prompt_token_ids": PROMPT, "params": _params()},
+                                    ("prompt_token_ids", "not both")),
+    "prompt beyond context": ({"prompt_token_ids": PROMPT * 60, "params": _params()}, ("context",)),
+    "prompt + max_tokens beyond context": ({"prompt_token_ids": PROMPT * 10, "params": _params(max_tokens=250)},
+                                           ("max_tokens", "context")),
+    "negative temperature": ({"prompt_token_ids": PROMPT, "params": _params(temperature=-0.5)}, ("temperature",)),
+    "top_p above 1": ({"prompt_token_ids": PROMPT, "params": _params(top_p=1.5)}, ("top_p",)),
+    "negative top_p": ({"prompt_token_ids": PROMPT, "params": _params(top_p=-0.1)}, ("top_p",)),
+    "negative top_k": ({"prompt_token_ids": PROMPT, "params": _params(top_k=-1)}, ("top_k",)),
+    "negative token id": ({"prompt_token_ids": [*PROMPT, -1], "params": _params()}, ("vocabulary", "-1")),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_is_invalid_argument_and_the_next_request_works(name: str, coordinator: Service) -> None:
+    fields, words = BAD_INPUTS[name]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(generate(coordinator.address, generation_pb2.GenerateRequest(**fields), timeout=30))  # type: ignore[arg-type]
+    assert info.value.code() == INVALID, (name, info.value.code(), info.value.details())
+    details = info.value.details() or ""
+    assert all(w in details for w in words), f"{name}: message {details!r} should name {words}"
+    done = asyncio.run(generate(coordinator.address, _good(), timeout=60))
+    assert len(done.token_ids) == 4 and done.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+
+
+def test_token_id_beyond_the_vocabulary(coordinator: Service, vocab_size: int) -> None:
+    request = generation_pb2.GenerateRequest(prompt_token_ids=[*PROMPT, vocab_size], params=_params())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(generate(coordinator.address, request, timeout=30))
+    assert info.value.code() == INVALID
+    assert "vocabulary" in (info.value.details() or "") and str(vocab_size) in (info.value.details() or "")
+    assert len(asyncio.run(generate(coordinator.address, _good(), timeout=60)).token_ids) == 4
+
+
+def test_edge_values_that_are_valid(coordinator: Service) -> None:
+    """top_p 0 is proto3's "unset" (1.0); top_k 0 is off; a prompt that exactly fills the context is fine."""
+    room = MAX_MODEL_LEN - K
+    for params, prompt in ((_params(top_p=0.0, ignore_eos=True), PROMPT),
+                           (_params(top_p=1.0, top_k=0, temperature=0.0, ignore_eos=True), PROMPT),
+                           (_params(max_tokens=4, ignore_eos=True), [7] * (room - 4))):
+        done = asyncio.run(generate(coordinator.address, generation_pb2.GenerateRequest(
+            prompt_token_ids=prompt, params=params), timeout=60))
+        assert len(done.token_ids) == 4, params
+
+
+def test_queue_bound_gives_resource_exhausted(coordinator: Service) -> None:
+    """One running per batch (two batches) and one waiting: a flood of 16 gets RESOURCE_EXHAUSTED for some."""
+
+    async def one() -> tuple[str, str]:
+        try:
+            request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=_params(max_tokens=24,
+                                                                                          ignore_eos=True))
+            done = await generate(coordinator.address, request, timeout=60)
+            return "OK", str(len(done.token_ids))
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, exc.details() or ""
+
+    async def flood() -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(one() for _ in range(16))))
+
+    outcomes = asyncio.run(flood())
+    codes = [code for code, _ in outcomes]
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+    assert codes.count("OK") >= 1 and codes.count("RESOURCE_EXHAUSTED") >= 1, outcomes
+    assert all(detail == "24" for code, detail in outcomes if code == "OK")
+    assert all("queue" in detail for code, detail in outcomes if code == "RESOURCE_EXHAUSTED"), outcomes
+    # Once the flood has drained, the server serves again.
+    assert len(asyncio.run(generate(coordinator.address, _good(), timeout=60)).token_ids) == 4
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "minedraft.cli", "generate", *args], cwd=REPO, env=SERVICE_ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_generate_cli_reports_bad_input_without_traceback(coordinator: Service, vocab_size: int) -> None:
+    for args, words in (((), ("top_k",)), (("--prompt-ids", f"1,2,{vocab_size}"), ("vocabulary",))):
+        run = _cli("--server", coordinator.address, *(args or ("--prompt", "def f():", "--top-k", "-3")))
+        assert run.returncode != 0, run
+        assert "INVALID_ARGUMENT" in run.stderr and all(w in run.stderr for w in words), run.stderr
+        assert "Traceback" not in run.stderr + run.stdout, run.stderr
+
+
+def test_generate_cli_json(coordinator: Service) -> None:
+    run = _cli("--server", coordinator.address, "--prompt", "def main(argv):\n    ", "--max-tokens", "6",
+               "--ignore-eos", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert set(out) == {"token_ids", "text", "finish_reason", "usage"}
+    assert len(out["token_ids"]) == 6 and isinstance(out["text"], str) and out["finish_reason"] == "length"
+    assert {"prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "steps",
+            "mean_accepted_length", "acceptance_rate", "accepted_per_position", "time_to_first_token_s",
+            "time_per_output_token_s"} <= set(out["usage"])
+    assert out["usage"]["completion_tokens"] == 6

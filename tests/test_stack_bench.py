@@ -1,0 +1,78 @@
+"""`minedraft bench`: its statistics, and a run against a live server with --json-out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from stack import REPO, SERVICE_ENV, Service, Workers, running_coordinator
+
+from minedraft.bench import RequestResult, _parse_modes, percentile, ratios, summarize
+
+pytest_plugins = ["stack"]
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_summary_and_ratios() -> None:
+    ok = RequestResult(True, 2.0, ttft_s=0.1, tpot_s=0.02, prompt_tokens=10, completion_tokens=20, draft_tokens=16,
+                       accepted_tokens=8, steps=4)
+    failed = RequestResult(False, 0.5, error="RESOURCE_EXHAUSTED: full")
+    fast = summarize("psd", [ok, ok, failed], wall=2.0, server={})
+    assert (fast.completed, fast.failed) == (2, 1)
+    assert fast.output_throughput == 20.0 and fast.request_throughput == 1.0
+    assert fast.mean_accepted_length == 3.0 and fast.acceptance_rate == 0.5
+    assert fast.ttft_ms["p50"] == pytest.approx(100.0) and fast.errors == ["RESOURCE_EXHAUSTED: full"]
+    slow = summarize("sd", [ok], wall=2.0, server={})
+    assert ratios({"psd": fast, "sd": slow}) == {"psd/sd": {"request_throughput": 2.0, "output_throughput": 2.0}}
+
+
+def test_modes_parsing() -> None:
+    def parse(modes: str, flag: bool = False) -> list[str]:
+        return _parse_modes(argparse.Namespace(modes=modes, sd_batch_equal_concurrency=flag))
+
+    assert parse("psd,sd,ar") == ["psd", "sd", "ar"]
+    assert parse("psd,sd,ar", flag=True) == ["psd", "sd", "sd2b", "ar"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse("psd,fast")
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "minedraft.cli", "bench", "--no-progress", *args], cwd=REPO,
+                          env=SERVICE_ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_mode_is_an_error_without_traceback() -> None:
+    run = _bench("--modes", "psd,fast")
+    assert run.returncode != 0 and "unknown mode" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.fixture(scope="module")
+def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Service]:
+    with running_coordinator(llama_workers, stack_logs, "psd", max_batch_size=2) as service:
+        yield service
+
+
+def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run = _bench("--server", coordinator.address, "--num-prompts", "6", "--concurrency", "4", "--prompt-len", "16",
+                 "--output-len", "8", "--num-warmup", "1", "--json-out", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "TTFT (ms)" in run.stdout and "accepted length" in run.stdout
+    report = json.loads(out.read_text())
+    assert set(report) == {"date", "command", "config", "results", "ratios"}
+    result = report["results"]["psd"]
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert result["mean_output_tokens"] == 8 and result["output_throughput"] > 0
+    assert result["mean_accepted_length"] >= 1.0
+    assert result["server"]["mode"] == "psd" and result["server"]["max_batch_size"] == 2
+    assert set(result["ttft_ms"]) == set(result["tpot_ms"]) == {"p50", "p90", "p99", "mean"}

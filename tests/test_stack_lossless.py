@@ -1,0 +1,172 @@
+"""Greedy output through the whole gRPC stack equals Hugging Face `generate()` of the target alone, in every mode."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from stack import (
+    Completion,
+    Service,
+    TinyPairs,
+    Workers,
+    coordinator_args,
+    generate,
+    spawn,
+    start_workers,
+    stop_all,
+    text_prompts,
+    wait_all,
+    wait_all_slots_free,
+)
+
+from minedraft.proto import generation_pb2
+
+pytest_plugins = ["stack"]
+
+NUM_REQUESTS = 32
+COORDINATOR_BATCH = 6  # 32 requests > 2 x 6: requests queue, join and leave mid-flight
+K = {"llama": 4, "gpt2": 3}
+EOS = 0
+
+
+@dataclass
+class Case:
+    prompt_ids: list[int]
+    as_text: str | None  # sent as text (tokenized by the server) when set
+    max_tokens: int
+    ignore_eos: bool
+    delay: float
+    expected: list[int]
+    expected_finish: int
+
+
+def _reference(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+    """HF greedy continuations, EOS not stopping them (stops are applied to a copy later)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = []
+        with torch.inference_mode():
+            for prompt, budget in zip(prompts, budgets):
+                ids = torch.tensor([prompt])
+                gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                                     do_sample=False, eos_token_id=None, pad_token_id=EOS)
+                out.append(gen[0, len(prompt):].tolist())
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _cases(pairs: TinyPairs, arch: str) -> list[Case]:
+    from transformers import AutoTokenizer
+
+    pair = pairs[arch]
+    tokenizer = AutoTokenizer.from_pretrained(pair.target)  # what the coordinator tokenizes with
+    rng = random.Random(7 if arch == "llama" else 8)
+    raw = text_prompts(tokenizer, NUM_REQUESTS, 4, 80, seed=rng.randrange(1 << 30))
+    texts: list[str | None] = []
+    prompts: list[list[int]] = []
+    for i, ids in enumerate(raw):
+        if i % 2:  # odd requests: text, tokenized by the server; the reference uses the same tokenization
+            text = str(tokenizer.decode(ids))
+            texts.append(text)
+            prompts.append(tokenizer.encode(text))
+        else:
+            texts.append(None)
+            prompts.append(ids)
+    budgets = [rng.randint(2, 32) for _ in range(NUM_REQUESTS)]
+    budgets[0], budgets[1] = 1, 32  # a one-token request finishes at prefill
+    references = _reference(pair.target, prompts, budgets)
+    cases = []
+    for i, (prompt, as_text, budget, ref) in enumerate(zip(prompts, texts, budgets, references)):
+        ignore_eos = i % 4 < 2
+        expected, finish = ref, generation_pb2.FINISH_REASON_LENGTH
+        if not ignore_eos and EOS in ref:  # compare up to and including EOS
+            expected, finish = ref[: ref.index(EOS) + 1], generation_pb2.FINISH_REASON_STOP
+        cases.append(Case(prompt, as_text, budget, ignore_eos, rng.uniform(0.0, 1.5), expected, finish))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def gpt2_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
+    workers = start_workers(tiny_pairs["gpt2"], stack_logs)
+    try:
+        yield workers
+    finally:
+        workers.stop()
+
+
+@pytest.fixture(scope="module")
+def all_workers(llama_workers: Workers, gpt2_workers: Workers) -> dict[str, Workers]:
+    return {"llama": llama_workers, "gpt2": gpt2_workers}
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_pairs: TinyPairs) -> dict[str, list[Case]]:
+    return {arch: _cases(tiny_pairs, arch) for arch in ("llama", "gpt2")}
+
+
+async def _send(address: str, case: Case) -> Completion:
+    await asyncio.sleep(case.delay)
+    params = generation_pb2.SamplingParams(max_tokens=case.max_tokens, temperature=0.0, ignore_eos=case.ignore_eos)
+    request = generation_pb2.GenerateRequest(params=params)
+    if case.as_text is not None:
+        request.prompt = case.as_text
+    else:
+        request.prompt_token_ids.extend(case.prompt_ids)
+    return await generate(address, request, timeout=300)
+
+
+async def _run_all(addresses: dict[str, str], cases: dict[str, list[Case]]) -> dict[str, list[Completion]]:
+    tasks = {arch: [asyncio.create_task(_send(addresses[arch], c)) for c in cases[arch]] for arch in addresses}
+    return {arch: list(await asyncio.gather(*ts)) for arch, ts in tasks.items()}
+
+
+@pytest.mark.parametrize("mode", ["psd", "sd", "ar"])
+def test_greedy_matches_target_alone(mode: str, all_workers: dict[str, Workers], cases: dict[str, list[Case]],
+                                     stack_logs: Path) -> None:
+    # One coordinator per architecture, started together (a start costs seconds), each on its own worker pair.
+    coordinators: dict[str, Service] = {}
+    try:
+        for arch, workers in all_workers.items():
+            args = coordinator_args(workers, mode, k=K[arch], max_batch_size=COORDINATOR_BATCH)
+            coordinators[arch] = spawn(f"coordinator-{arch}-{mode}", args, stack_logs)
+        wait_all(list(coordinators.values()))
+        results = asyncio.run(_run_all({a: c.address for a, c in coordinators.items()}, cases))
+    finally:
+        stop_all(list(coordinators.values()))
+
+    for arch, completions in results.items():
+        mismatches = []
+        for i, (case, got) in enumerate(zip(cases[arch], completions)):
+            if got.token_ids != case.expected or got.finish_reason != case.expected_finish:
+                mismatches.append(f"request {i} (prompt {len(case.prompt_ids)} tokens, max {case.max_tokens}): "
+                                  f"got {got.token_ids} ({got.finish_reason}), want {case.expected} "
+                                  f"({case.expected_finish})")
+            assert got.usage.completion_tokens == len(got.token_ids)
+            assert got.usage.prompt_tokens == len(case.prompt_ids)
+        assert not mismatches, f"{arch}/{mode}: {len(mismatches)} of {len(completions)} differ:\n" + "\n".join(
+            mismatches[:5])
+        drafted = sum(c.usage.draft_tokens for c in completions)
+        accepted = sum(c.usage.accepted_tokens for c in completions)
+        if mode == "ar":
+            assert drafted == 0
+        else:
+            assert drafted > 0
+            if arch == "gpt2":  # its draft is the target's first layer: some drafts must have been accepted
+                assert accepted > 0
+    # The coordinators released every sequence before stopping: the next test finds the workers clean.
+    for arch, workers in all_workers.items():
+        seen = wait_all_slots_free(workers)
+        assert all(free == total for free, total in seen.values()), f"{arch} workers hold sequences: {seen}"
