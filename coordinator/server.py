@@ -19,11 +19,11 @@ from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop
 from coordinator.tracing import TracedStepLoop, TracedWorkers
 from coordinator.workers import Workers
+from minedraft.errors import ModelLoadError
 from minedraft.metrics import CoordinatorMetrics, finish_reason_name
-from minedraft.models import ModelLoadError, VocabInfo, check_pair, load_tokenizer
+from minedraft.models import VocabInfo, check_pair, load_tokenizer
 from minedraft.proto import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc, target_pb2
-from minedraft.sampling import SamplingConfig
-from minedraft.sequence_table import MAX_STOP_TOKEN_IDS
+from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
 from minedraft.server_utils import start_server
 from minedraft.telemetry import Tracing, end_request_span, start_request_span
 
@@ -86,7 +86,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()
         self.channel = "none"
-        self._seq_ids = itertools.count(1)
+        # A random base: a restarted coordinator never collides with ids a worker may still hold.
+        self._seq_ids = itertools.count(secrets.randbits(48))
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -220,6 +220,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    # A shell that starts us in the background leaves SIGINT ignored; Ctrl-C / kill -INT must still stop all three.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     target_port, draft_port = free_port(), free_port()
     commands = stack_commands(args, target_port, draft_port)
     processes: list[subprocess.Popen] = []

@@ -8,6 +8,7 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from minedraft.errors import CapacityError
 from minedraft.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,6 @@ def attention_layout(config: object) -> tuple[int | None, bool]:
     if "sliding_attention" not in kinds:
         return None, False
     return int(window), kinds != {"sliding_attention"}
-
-
-class CapacityError(RuntimeError):
-    """No free slot, or a sequence would outgrow the cache."""
 
 
 class ModelRunner:

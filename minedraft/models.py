@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from minedraft.errors import ModelLoadError
+
+if TYPE_CHECKING:  # transformers' model code takes seconds to import; the coordinator needs only tokenizers
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(ValueError):
-    """A model directory or a draft/target pair that cannot be served, with a message a person can act on."""
 
 
 def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
@@ -27,6 +27,8 @@ def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
 
 def load_model(path: str, device: str = "cpu", dtype: str | None = "auto") -> PreTrainedModel:
     """Load a causal LM from a local directory (safetensors) for inference on `device`."""
+    from transformers import AutoModelForCausalLM
+
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory {path!r} does not exist")
     try:
@@ -42,6 +44,8 @@ def load_model(path: str, device: str = "cpu", dtype: str | None = "auto") -> Pr
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -13,6 +13,7 @@ STREAM_SAMPLE = 1
 STREAM_DRAFT = 2
 
 _MASK32 = 0xFFFFFFFF
+MAX_STOP_TOKEN_IDS = 16
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from minedraft.errors import UnknownSequenceError
 from minedraft.model_runner import ModelRunner
-from minedraft.sampling import SamplingConfig
-
-MAX_STOP_TOKEN_IDS = 16
-
-
-class UnknownSequenceError(KeyError):
-    """A control message named a sequence this worker does not hold (finished, released, or never prefilled)."""
+from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
 
 
 class SequenceTable:

@@ -12,10 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from minedraft.model_runner import CapacityError
-from minedraft.models import ModelLoadError
+from minedraft.errors import CapacityError, ModelLoadError, UnknownSequenceError
 from minedraft.proto import common_pb2
-from minedraft.sequence_table import UnknownSequenceError
 
 log = logging.getLogger(__name__)
 

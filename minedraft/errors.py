@@ -1,0 +1,13 @@
+"""Errors the services map to gRPC statuses; kept free of heavy imports so the coordinator starts fast."""
+
+
+class ModelLoadError(ValueError):
+    """A model directory or a draft/target pair that cannot be served, with a message a person can act on."""
+
+
+class CapacityError(RuntimeError):
+    """No free slot, or a sequence would outgrow the cache."""
+
+
+class UnknownSequenceError(KeyError):
+    """A control message named a sequence this worker does not hold (finished, released, or never prefilled)."""
