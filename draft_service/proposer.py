@@ -38,16 +38,7 @@ class Proposer:
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
     ) -> None:
-        rows = self.table.add(seq_ids, configs)
-        try:
-            lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.runner.device)
-            ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=self.runner.device)
-            for i, prompt in enumerate(prompts):
-                ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            self.runner.forward(rows, ids, lengths, last_only=True)
-        except Exception:
-            self.table.remove(seq_ids)
-            raise
+        rows, lengths, _ = self.table.prefill(seq_ids, prompts, configs)
         self.committed[rows] = lengths
         self.last_k[rows] = 0
 

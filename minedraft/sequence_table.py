@@ -56,6 +56,26 @@ class SequenceTable:
         self.stop_ids[index] = column(stops, torch.long).reshape(len(configs), MAX_STOP_TOKEN_IDS)
         return index
 
+    def prefill(
+        self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Take rows for new sequences and cache their prompts in one padded forward.
+
+        Returns (rows, prompt lengths, logits after each prompt's last token); on failure the rows are freed.
+        """
+        rows = self.add(seq_ids, configs)
+        try:
+            device = self.runner.device
+            lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+            ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+            for i, prompt in enumerate(prompts):
+                ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            logits = self.runner.forward(rows, ids.to(device), lengths, last_only=True)
+        except Exception:
+            self.remove(seq_ids)
+            raise
+        return rows, lengths, logits
+
     def rows(self, seq_ids: Sequence[int]) -> torch.Tensor:
         missing = [s for s in seq_ids if s not in self.rows_by_id]
         if missing:

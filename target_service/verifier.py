@@ -71,16 +71,7 @@ class Verifier:
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
     ) -> StepResult:
         """Cache the prompts and sample each sequence's first token (time to first token ends here)."""
-        rows = self.table.add(seq_ids, configs)
-        try:
-            lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.runner.device)
-            ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=self.runner.device)
-            for i, prompt in enumerate(prompts):
-                ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            logits = self.runner.forward(rows, ids, lengths, last_only=True)
-        except Exception:
-            self.table.remove(seq_ids)
-            raise
+        rows, lengths, logits = self.table.prefill(seq_ids, prompts, configs)
         no_drafts = torch.zeros(len(prompts), 0, dtype=torch.long, device=self.runner.device)
         sampled = rejection_sample(logits[:, None], no_drafts, None, self._params(rows), lengths)
         # As if the last prompt token had been pending: the same commit as a verify step.
