@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
+    _add(serve, "--metrics-port", 0, type=int,
+         help="Prometheus /metrics: coordinator on this port, target on +1, draft on +2 (0: off)")
     _coordinator_flags(serve)
 
     target = sub.add_parser("target", help="start the target service")
@@ -212,9 +214,15 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
     if args.step_trace:
         coordinator += ["--step-trace", args.step_trace]
+    metrics_port = getattr(args, "metrics_port", 0)
+    if metrics_port:
+        coordinator += ["--metrics-port", str(metrics_port)]
+        commands[0] += ["--metrics-port", str(metrics_port + 1)]
     if args.mode != "ar":
         commands.append(py + ["draft", "--model", args.draft, "--port", str(draft_port),
                               "--device", args.draft_device, *common])
+        if metrics_port:
+            commands[-1] += ["--metrics-port", str(metrics_port + 2)]
         coordinator += ["--draft", f"127.0.0.1:{draft_port}"]
     return commands + [coordinator]
 
