@@ -115,6 +115,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.loop.stop()
         if self._task is not None:
             await self._task
+        await self.loop.shutdown()
         if self.options.step_trace:
             with open(self.options.step_trace, "w") as f:
                 f.write(self.loop.step_trace())

@@ -153,6 +153,15 @@ class StepLoop:
         except grpc.RpcError as exc:
             log.warning("release failed: %s", exc)
 
+    async def shutdown(self) -> None:
+        """After the loop stopped: end every open stream and free its rows, so the workers can serve a new
+        coordinator at once."""
+        live = [r for b in self.manager.batches for r in b.members + b.joining]
+        for request in [*live, *self.manager.waiting]:
+            request.cancelled = True
+        self.manager.waiting.clear()
+        await self._release(live)
+
     def step_trace(self) -> str:
         """The recorded worker calls as JSON lines (for the overlap test and the timeline plot)."""
         return "\n".join(json.dumps(vars(e)) for e in self.workers.events)

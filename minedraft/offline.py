@@ -41,9 +41,10 @@ def generate_offline(
     verdict: dict[int, tuple[int, int]] = {}  # seq -> (accepted, last emitted token) for the next proposal
     step = 0
     while waiting or active:
-        joining = [i for i in waiting if requests[i].arrival_step <= step][: max_batch_size - len(active)]
+        room = max_batch_size - len(active)
+        joining = [i for i in waiting[:room] if requests[i].arrival_step <= step]  # waiting is sorted by arrival
         if joining:
-            waiting = [i for i in waiting if i not in joining]
+            waiting = waiting[len(joining):]
             prompts = [requests[i].prompt for i in joining]
             configs = [requests[i].config for i in joining]
             first = verifier.prefill(joining, prompts, configs).per_row()

@@ -1,0 +1,94 @@
+"""The batch manager's admission and balance, the overlap policy, and the draft/target vocabulary check."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.batch_manager import BatchManager, QueueFullError
+from coordinator.overlap_policy import PROBE_EVERY, OverlapPolicy
+from coordinator.request_state import RequestState
+from minedraft.errors import ModelLoadError
+from minedraft.models import VocabInfo, check_pair
+from minedraft.proto import common_pb2
+from minedraft.sampling import SamplingConfig
+
+
+def _request(seq_id: int) -> RequestState:
+    return RequestState(seq_id, [1, 2, 3], SamplingConfig(), (), None)
+
+
+def test_admission_fills_the_emptier_batch_and_respects_the_limit() -> None:
+    manager = BatchManager(max_batch_size=3, max_queue_size=10, num_batches=2)
+    for i in range(8):
+        manager.submit(_request(i))
+    placed = manager.take_admissions()
+    sizes = {batch.batch_id: len(requests) for batch, requests in placed}
+    assert sizes == {0: 3, 1: 3}
+    assert [len(b.members) for b in manager.batches] == [3, 3]
+    assert manager.queue_length == 2  # the rest waits: nothing beyond max_batch_size per batch
+
+
+def test_queue_is_bounded() -> None:
+    manager = BatchManager(max_batch_size=1, max_queue_size=2, num_batches=1)
+    manager.submit(_request(0))
+    manager.submit(_request(1))
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        manager.submit(_request(2))
+
+
+def test_batch_awaiting_verify_takes_newcomers_as_joiners() -> None:
+    manager = BatchManager(max_batch_size=4, max_queue_size=10, num_batches=2)
+    manager.submit(_request(0))
+    manager.submit(_request(1))
+    manager.take_admissions()
+    busy = manager.batches[0]
+    busy.drafts = common_pb2.DraftPayload()  # its drafts are in flight: membership frozen
+    for i in range(2, 5):
+        manager.submit(_request(i))
+    manager.take_admissions()
+    assert len(busy.members) == 1 and len(busy.joining) >= 1
+    busy.open_membership()
+    assert busy.joining == [] and len(busy.members) >= 2
+
+
+def test_cancelled_and_finished_leave_at_the_step_boundary() -> None:
+    manager = BatchManager(max_batch_size=4, max_queue_size=10, num_batches=1)
+    requests = [_request(i) for i in range(3)]
+    for r in requests:
+        manager.submit(r)
+    manager.take_admissions()
+    requests[0].cancelled = True
+    requests[1].finish_reason = 1
+    gone = manager.remove_finished(manager.batches[0])
+    assert gone == requests[:2] and manager.batches[0].members == [requests[2]]
+
+
+def test_rebalance_moves_the_surplus_to_the_other_batch() -> None:
+    manager = BatchManager(max_batch_size=8, max_queue_size=10, num_batches=2)
+    big, small = manager.batches
+    big.members = [_request(i) for i in range(6)]
+    small.members = [_request(10)]
+    manager.rebalance(big)
+    assert (len(big.members), len(small.members)) == (4, 3)
+
+
+def test_overlap_policy_prefers_what_measures_faster_and_keeps_probing() -> None:
+    policy = OverlapPolicy("auto")
+    choices = []
+    for _ in range(3 * PROBE_EVERY):
+        overlap = policy.choose()
+        choices.append(overlap)
+        policy.record(overlap, 0.30 if overlap else 0.20, verified=10)  # overlapping is slower here
+    tail = choices[PROBE_EVERY:]
+    assert tail.count(False) > 0.85 * len(tail)  # falls back to running the calls in sequence
+    assert True in tail  # and still tries overlapping now and then
+    assert OverlapPolicy("always").choose() and not OverlapPolicy("never").choose()
+
+
+def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:
+    target = VocabInfo(logits_size=1000, tokenizer_size=1000, tokenizer_hash="aaaa", eos_token_ids=(0,))
+    check_pair(target, VocabInfo(1000, 1000, "aaaa", (0,)))
+    with pytest.raises(ModelLoadError, match="do not share a vocabulary"):
+        check_pair(target, VocabInfo(1000, 1000, "bbbb", (0,)))
+    with pytest.raises(ModelLoadError, match="propose ids the target cannot score"):
+        check_pair(target, VocabInfo(1200, 1000, "aaaa", (0,)))
