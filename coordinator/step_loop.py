@@ -83,7 +83,7 @@ class StepLoop:
                 await self._verify(to_verify)
                 await self._propose(to_propose)
             self.overlap_policy.record(overlap, time.perf_counter() - start, verified)
-            if self.metrics is not None:
+            if self.metrics is not None and overlap:
                 self.metrics.overlapped_step(start, time.perf_counter())
         elif to_verify is not None:
             await self._verify(to_verify)

@@ -51,6 +51,8 @@ class SlotKVCache(Cache):
             self._allocate(key_states, value_states)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         # keys[rows[b], :, positions[b, i]] = key_states[b, :, i]: advanced indices on dims 0 and 2 put [B, n] first.
+        if keys.device != rows.device:  # a model spread over several GPUs: this layer lives elsewhere
+            rows, positions = rows.to(keys.device), positions.to(keys.device)
         keys[rows[:, None], :, positions] = key_states.transpose(1, 2).to(keys.dtype)
         values[rows[:, None], :, positions] = value_states.transpose(1, 2).to(values.dtype)
         if self._contiguous:

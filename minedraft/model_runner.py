@@ -64,7 +64,9 @@ class ModelRunner:
             # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
             # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
             torch.backends.cuda.enable_cudnn_sdp(False)
-            if cuda_graphs:
+            # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
+            spread = len({str(p.device) for p in model.parameters()}) > 1
+            if cuda_graphs and not spread:
                 self.graphs = CudaGraphs(self)
 
     # -- rows ---------------------------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ class ModelRunner:
         self.cache.lengths[rows] = starts + num_valid
         if last_only:
             hidden = hidden[torch.arange(batch, device=self.device), num_valid - 1]
-        logits = self.model.get_output_embeddings()(hidden).float()
+        logits = self.model.get_output_embeddings()(hidden).float().to(self.device)
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
@@ -200,6 +202,7 @@ class CudaGraphs:
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         runner.cache.lengths[runner.scratch_row] = 0
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = runner._step(rows, ids, valid, kv_len, last_only, False)
         return graph, [rows, ids, valid, logits]

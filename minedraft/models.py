@@ -26,18 +26,32 @@ def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
 
 
 def load_model(path: str, device: str = "cpu", dtype: str | None = "auto") -> PreTrainedModel:
-    """Load a causal LM from a local directory (safetensors) for inference on `device`."""
+    """Load a causal LM from a local directory (safetensors) for inference on `device`.
+
+    `device` may list several GPUs ("cuda:0,cuda:1") for a model that does not fit on one: its layers are then
+    spread over them in order (transformers' device_map, which needs the accelerate package).
+    """
     from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory {path!r} does not exist")
+    devices = [d.strip() for d in device.split(",") if d.strip()]
+    placement: dict[str, Any] = {}
+    if len(devices) > 1:
+        if not all(d.startswith("cuda:") for d in devices):
+            raise ModelLoadError(f"several devices must all be numbered GPUs (cuda:N,cuda:M), got {device!r}")
+        gpus = [int(d.split(":")[1]) for d in devices]
+        free = {g: torch.cuda.mem_get_info(g)[0] for g in gpus}
+        placement = {"device_map": "auto", "max_memory": {g: int(free[g] * 0.85) for g in gpus}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa", local_files_only=True
+            path, dtype=resolve_dtype(dtype, devices[0]), attn_implementation="sdpa", local_files_only=True,
+            **placement,
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
-    model.to(device)  # type: ignore[arg-type]
+    if not placement:
+        model.to(devices[0])  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
     return model
