@@ -184,7 +184,10 @@ def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: f
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    # Short reconnect backoff: a service that takes 20 s to start must be seen within a poll, not a backoff later.
+    options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500),
+               ("grpc.min_reconnect_backoff_ms", 100)]
+    with grpc.insecure_channel(address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for proc in processes:

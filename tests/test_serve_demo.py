@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -24,8 +25,21 @@ def test_serve_demo_pair_and_generate_json() -> None:
          "--max-batch-size", "4", "--max-model-len", "512"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
+    lines: list[str] = []
+    serving = threading.Event()
+
+    def read_output() -> None:
+        assert serve.stdout is not None
+        for line in serve.stdout:
+            lines.append(line)
+            if line.startswith("minedraft serving"):
+                serving.set()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
     try:
         wait_healthy(f"127.0.0.1:{port}", [serve], timeout=240)
+        assert serving.wait(timeout=60), "".join(lines)  # serve prints the public address once all are up
         result = subprocess.run(
             [sys.executable, "-m", "minedraft.cli", "generate", "--server", f"127.0.0.1:{port}",
              "--prompt", "def fib(n):", "--max-tokens", "32", "--ignore-eos", "--json"],
@@ -43,6 +57,8 @@ def test_serve_demo_pair_and_generate_json() -> None:
         assert usage["mean_accepted_length"] == pytest.approx(1 + usage["accepted_tokens"] / usage["steps"], 1e-3)
     finally:
         serve.send_signal(signal.SIGINT)
-        output, _ = serve.communicate(timeout=60)
-    assert serve.returncode == 0, output
+        serve.wait(timeout=60)
+        reader.join(timeout=10)
+    output = "".join(lines)
+    assert serve.returncode == 0, output  # Ctrl-C stops all three cleanly
     assert f"minedraft serving psd on localhost:{port}" in output
