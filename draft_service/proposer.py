@@ -55,6 +55,9 @@ class Proposer:
         full = (num_accepted == last_k) & (last_k > 0)
         last_draft = self.last_drafts[rows, (last_k - 1).clamp(min=0)] if self.last_drafts.shape[1] else next_tokens
         tail = torch.stack([torch.where(full, last_draft, next_tokens), next_tokens], dim=1)
+        # A target with a padded, wider vocabulary may emit an id the draft cannot embed; any stand-in keeps the
+        # output lossless (the target verifies), it only lowers acceptance after such a rare token.
+        tail = tail.clamp(max=self.runner.vocab_size - 1)
         tail_len = 1 + full.to(torch.long)
 
         t = self.table

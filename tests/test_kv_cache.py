@@ -196,3 +196,19 @@ def test_request_at_the_admission_limit_completes(draft_kind: str, tiny_models) 
     results = generate_offline(verifier, proposer, requests, k, 3)
     assert [len(r.tokens) for r in results] == [max_len - k - len(p) for p in prompts]
     assert all(r.finish == FINISHED_LENGTH for r in results)
+
+
+def test_draft_with_a_narrower_vocabulary_accepts_any_target_token() -> None:
+    """A target id beyond the draft's embedding (a padded target vocabulary) must not break the proposer."""
+    import transformers
+
+    from draft_service.proposer import Proposer
+    from minedraft.sampling import SamplingConfig
+
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    draft = transformers.AutoModelForCausalLM.from_config(config).eval()
+    proposer = Proposer(ModelRunner(draft, 2, 64))
+    proposer.prefill([7], [[1, 2, 3]], [SamplingConfig(max_tokens=8)])
+    proposal = proposer.propose([7], torch.tensor([0]), torch.tensor([120]), 3)  # 120: only the target knows it
+    assert proposal.draft_ids.shape == (1, 3) and int(proposal.draft_ids.max()) < 100
