@@ -69,3 +69,17 @@ def test_nccl_channel_over_gloo_gives_the_grpc_channels_output(
             outputs[channel] = run_async(_run_all(coordinator.address, requests))
     assert all(len(tokens) == 24 for tokens in outputs["nccl"])
     assert outputs["nccl"] == outputs["grpc"]
+
+
+def test_seeded_sampling_does_not_depend_on_mode_or_batch_mates(
+    tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path
+) -> None:
+    """Randomness is keyed by (seed, position, purpose): psd and sd, with different batch mates, agree exactly."""
+    requests = _requests(tiny_pairs)
+    outputs = {}
+    for mode in ("psd", "sd"):
+        with running_coordinator(llama_workers, stack_logs, mode) as coordinator:
+            outputs[mode] = run_async(_run_all(coordinator.address, requests))
+            alone = run_async(_run_all(coordinator.address, requests[1:2]))  # a sampled request on its own
+            assert alone[0] == outputs[mode][1]
+    assert outputs["psd"] == outputs["sd"]
