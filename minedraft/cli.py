@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
+    _add(serve, "--single-process", False, action="store_true",
+         help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)")
     _add(serve, "--metrics-port", 0, type=int,
          help="Prometheus /metrics: coordinator on this port, target on +1, draft on +2 (0: off)")
     _coordinator_flags(serve)
@@ -230,9 +233,49 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
     return commands + [coordinator]
 
 
+async def _single_process_main(args: argparse.Namespace) -> None:
+    """The whole stack in one process: each worker on its own thread and CUDA stream, drafts over `local`."""
+    from coordinator.server import CoordinatorOptions
+    from coordinator.server import serve as serve_coordinator
+    from draft_service.server import serve as serve_draft
+    from minedraft.worker import WorkerOptions
+    from target_service.server import serve as serve_target
+
+    def options(model: str, device: str) -> WorkerOptions:
+        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len)
+
+    servers = []
+    server, target_port = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")
+    servers.append(server)
+    draft_address = None
+    if args.mode != "ar":
+        server, draft_port = await serve_draft(options(args.draft, args.draft_device), 0, "127.0.0.1")
+        servers.append(server)
+        draft_address = f"127.0.0.1:{draft_port}"
+    coordinator_options = CoordinatorOptions(
+        target=f"127.0.0.1:{target_port}", draft=draft_address, mode=args.mode,
+        num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
+        max_queue_size=args.max_queue_size, channel="local" if args.channel == "auto" else args.channel,
+        tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap,
+    )
+    server, port, servicer = await serve_coordinator(coordinator_options, args.port, args.host)
+    print(f"minedraft serving {args.mode} on localhost:{port} in one process "
+          f"(target {args.target}, draft {args.draft})", flush=True)
+    if args.generate:
+        request = ["generate", "--server", f"localhost:{port}", "--prompt", args.generate]
+        await asyncio.to_thread(generate_main, build_parser().parse_args(request))
+    await _serve_forever(server, "coordinator", port, servicer.stop())
+    for worker_server in servers:
+        await worker_server.stop(grace=2)
+
+
 def serve_main(args: argparse.Namespace) -> int:
     # A shell that starts us in the background leaves SIGINT ignored; Ctrl-C / kill -INT must still stop all three.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.single_process:
+        with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C during start-up
+            _run_until_signal(_single_process_main(args))
+        return 0
     target_port, draft_port = free_port(), free_port()
     commands = stack_commands(args, target_port, draft_port)
     processes: list[subprocess.Popen] = []

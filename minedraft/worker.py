@@ -72,6 +72,9 @@ class ModelWorker:
         )
         self.channel: Channel | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
+        # kernels then overlap on the GPU instead of queueing on the default stream.
+        self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +82,13 @@ class ModelWorker:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the compute thread, so the event loop keeps serving RPCs meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_stream, fn, *args)
+
+    def _on_stream(self, fn: Callable[..., T], *args: object) -> T:
+        if self.stream is None:
+            return fn(*args)
+        with torch.cuda.stream(self.stream):
+            return fn(*args)
 
     def info(self) -> common_pb2.WorkerInfo:
         channels = ["local", "grpc", "nccl"]  # nccl runs over gloo on CPU

@@ -83,3 +83,32 @@ def test_seeded_sampling_does_not_depend_on_mode_or_batch_mates(
             alone = run_async(_run_all(coordinator.address, requests[1:2]))  # a sampled request on its own
             assert alone[0] == outputs[mode][1]
     assert outputs["psd"] == outputs["sd"]
+
+
+def test_single_process_serve_over_the_local_channel_matches_the_services(
+    tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path
+) -> None:
+    """`serve --single-process` (both models in one process, drafts handed over by `local`) is the same system."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from minedraft.cli import free_port, wait_healthy
+
+    requests = _requests(tiny_pairs)
+    with running_coordinator(llama_workers, stack_logs, "psd") as coordinator:
+        expected = run_async(_run_all(coordinator.address, requests))
+    pair, port = llama_workers.pair, free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "minedraft.cli", "serve", "--single-process", "--target", str(pair.target),
+         "--draft", str(pair.draft), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+         "--max-batch-size", "4", "--max-model-len", "256"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_healthy(f"127.0.0.1:{port}", [serve], timeout=180)
+        assert run_async(_run_all(f"127.0.0.1:{port}", requests)) == expected
+    finally:
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=60) == 0
