@@ -63,6 +63,7 @@ class Proposer:
         t = self.table
         temperature = torch.zeros_like(t.temperature[rows]) if self.greedy_drafts else t.temperature[rows]
         greedy = temperature == 0
+        all_greedy = bool(greedy.all())  # then no probabilities are made, and none move
         drafts, probs = [], []
         inputs, valid = tail, tail_len
         for step in range(k):
@@ -70,7 +71,7 @@ class Proposer:
             if step == 0:
                 self.committed[rows] = self.runner.cache.lengths[rows]
             position = self.committed[rows] + step
-            if bool(greedy.all()):
+            if all_greedy:
                 token = logits.argmax(-1)
             else:
                 q = processed_probs(logits[:, None], temperature, t.top_k[rows], t.top_p[rows])[:, 0]
