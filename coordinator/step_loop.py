@@ -71,9 +71,10 @@ class StepLoop:
         batches = self.manager.batches
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
-        if self.mode == "ar":
-            if to_propose is not None:
-                await self._verify(to_propose)
+        if self.mode == "ar" or self.workers.draft is None:  # target only (by choice, or the draft was lost)
+            for batch in batches:
+                if batch.members:
+                    await self._verify(batch)
         elif to_verify is not None and to_propose is not None:
             start, verified = time.perf_counter(), len(to_verify.members)
             overlap = self.overlap_policy.choose()
@@ -97,11 +98,15 @@ class StepLoop:
         admitted = [r for _, requests in self.manager.take_admissions() for r in requests]
         if not admitted:
             return
-        try:
-            drafting = self.workers.prefill_draft(admitted) if self.workers.draft is not None else asyncio.sleep(0)
-            target_reply, _ = await asyncio.gather(self.workers.prefill_target(admitted), drafting)
-        except Exception as exc:
-            self._fail(admitted, exc)
+        drafting = self.workers.prefill_draft(admitted) if self.workers.draft is not None else asyncio.sleep(0)
+        target_reply, draft_reply = await asyncio.gather(
+            self.workers.prefill_target(admitted), drafting, return_exceptions=True
+        )
+        if isinstance(draft_reply, BaseException) and not self._lose_draft(draft_reply):
+            self._fail(admitted, draft_reply)
+            return
+        if isinstance(target_reply, BaseException):
+            self._fail(admitted, target_reply)
             return
         for request, result in zip(admitted, target_reply.results):
             request.emit(list(result.token_ids), result.finish_reason)
@@ -116,7 +121,8 @@ class StepLoop:
         try:
             reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, self.k)
         except Exception as exc:
-            self._fail(batch.members, exc)
+            if not self._lose_draft(exc):
+                self._fail(batch.members, exc)
             # Failed members stay until remove_finished releases them on the workers; joiners become members.
             batch.drafts, batch.members, batch.joining = None, batch.members + batch.joining, []
             return
@@ -138,6 +144,15 @@ class StepLoop:
         batch.open_membership()
         self.manager.rebalance(batch)
         await self._release(gone)
+
+    def _lose_draft(self, exc: BaseException) -> bool:
+        """An unreachable draft service costs speed, not requests: go on decoding with the target alone."""
+        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE):
+            return False
+        if self.workers.draft is not None:
+            log.error("draft service unreachable (%s): continuing with the target alone", exc.details())
+            self.workers.draft = None
+        return True
 
     def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
         log.warning("failing %d requests: %s", len(requests), exc)

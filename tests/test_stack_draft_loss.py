@@ -1,0 +1,49 @@
+"""Losing the draft service costs speed, not requests: the coordinator goes on with the target alone."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from stack import TinyPairs, generate, run_async, running_coordinator, start_workers, text_prompts
+
+from minedraft.proto import generation_pb2
+
+pytest_plugins = ["stack"]
+
+
+def _requests(tiny_pairs: TinyPairs, max_tokens: int) -> list[generation_pb2.GenerateRequest]:
+    prompts = text_prompts(tiny_pairs.tokenizer, 6, 4, 20, seed=23)
+    params = generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params) for p in prompts]
+
+
+def test_requests_survive_the_draft_service_dying(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "draft-loss")
+    try:
+        requests = _requests(tiny_pairs, 150)
+        with running_coordinator(workers, stack_logs, "psd") as coordinator:
+            async def run_all() -> list:
+                return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
+
+            expected = run_async(run_all())
+
+            async def kill_draft_midway() -> list:
+                calls = [asyncio.create_task(generate(coordinator.address, r)) for r in requests]
+                await asyncio.sleep(1.0)
+                assert workers.draft is not None
+                workers.draft.proc.send_signal(signal.SIGKILL)
+                return await asyncio.gather(*calls)
+
+            survived = run_async(kill_draft_midway())
+            after = run_async(generate(coordinator.address, requests[0]))  # admitted with no draft at all
+        # Greedy decoding is lossless with or without drafts: the same tokens, all of them.
+        assert [c.token_ids for c in survived] == [c.token_ids for c in expected]  # type: ignore[attr-defined]
+        assert all(c.finish_reason == generation_pb2.FINISH_REASON_LENGTH for c in survived)  # type: ignore[attr-defined]
+        # The kill really came mid-flight: some requests had verify steps with drafts and then without.
+        assert any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in survived)  # type: ignore[attr-defined]
+        assert after.token_ids == expected[0].token_ids  # type: ignore[index]
+        assert after.usage.draft_tokens == 0
+    finally:
+        workers.stop()
