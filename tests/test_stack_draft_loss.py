@@ -6,9 +6,10 @@ import asyncio
 import signal
 from pathlib import Path
 
-from stack import TinyPairs, generate, run_async, running_coordinator, start_workers, text_prompts
+import grpc
+from stack import Completion, TinyPairs, generate, run_async, running_coordinator, start_workers, text_prompts
 
-from minedraft.proto import generation_pb2
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
 
@@ -22,7 +23,7 @@ def _requests(tiny_pairs: TinyPairs, max_tokens: int) -> list[generation_pb2.Gen
 def test_requests_survive_the_draft_service_dying(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
     workers = start_workers(tiny_pairs["llama"], stack_logs / "draft-loss")
     try:
-        requests = _requests(tiny_pairs, 150)
+        requests = _requests(tiny_pairs, 200)
         with running_coordinator(workers, stack_logs, "psd") as coordinator:
             async def run_all() -> list:
                 return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
@@ -30,11 +31,28 @@ def test_requests_survive_the_draft_service_dying(tiny_pairs: TinyPairs, stack_l
             expected = run_async(run_all())
 
             async def kill_draft_midway() -> list:
-                calls = [asyncio.create_task(generate(coordinator.address, r)) for r in requests]
-                await asyncio.sleep(1.0)
-                assert workers.draft is not None
-                workers.draft.proc.send_signal(signal.SIGKILL)
-                return await asyncio.gather(*calls)
+                """Stream all requests; kill the draft once 5% of the tokens have arrived, whatever the speed."""
+                received = 0
+                killed = asyncio.Event()
+
+                async def stream(request: generation_pb2.GenerateRequest) -> Completion:
+                    nonlocal received
+                    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+                        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+                        ids: list[int] = []
+                        async for message in call:
+                            ids += message.token_ids
+                            received += len(message.token_ids)
+                            if received >= 0.05 * total and not killed.is_set():
+                                killed.set()
+                                assert workers.draft is not None
+                                workers.draft.proc.send_signal(signal.SIGKILL)
+                            if message.finish_reason:
+                                return Completion(ids, "", message.finish_reason, message.usage, 0)
+                    raise AssertionError("stream ended without a finish reason")
+
+                total = sum(r.params.max_tokens for r in requests)
+                return await asyncio.gather(*(stream(r) for r in requests))
 
             survived = run_async(kill_draft_midway())
             after = run_async(generate(coordinator.address, requests[0]))  # admitted with no draft at all
