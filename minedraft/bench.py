@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -391,14 +390,9 @@ class LocalStack:
             wait_healthy(self.address, self.processes)
 
     def stop(self) -> None:
-        for proc in reversed(self.processes):  # coordinator first, so it stops sending work
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        from minedraft.cli import stop_processes
+
+        stop_processes(self.processes)
         self.processes = []
 
     def log_tail(self, chars: int = 3000) -> str:

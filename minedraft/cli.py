@@ -304,13 +304,19 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        for proc in reversed(processes):  # coordinator first, so it stops sending work
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(processes)
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 20.0) -> None:
+    """SIGINT each (last started first: the coordinator stops sending work), then kill what outlives `timeout`."""
+    for proc in reversed(processes):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def generate_main(args: argparse.Namespace) -> int:
