@@ -24,6 +24,8 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent_text_len: int = 0
+    _prefix_offset: int = 0  # incremental detokenization: see _detokenize
+    _read_offset: int = 0
     finish_reason: int = FINISH.FINISH_REASON_UNSPECIFIED
     # The target's verdict at the last verify (or prefill), which the next proposal reconciles with.
     num_accepted: int = 0
@@ -64,21 +66,33 @@ class RequestState:
         self.output_ids += token_ids
         new_ids = token_ids
         if self.tokenizer is not None:
-            self.text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+            self._detokenize(final=finish_reason != FINISH.FINISH_REASON_UNSPECIFIED)
             hit = self._first_stop_string()
             if hit is not None:
                 self.text = self.text[:hit]
                 finish_reason = FINISH.FINISH_REASON_STOP
         self.finish_reason = finish_reason
-        # Hold back a trailing partial UTF-8 character until the next token completes it.
-        visible = len(self.text) if self.finished or not self.text.endswith("\ufffd") else len(self.text) - 1
-        delta, self.sent_text_len = self.text[self.sent_text_len : visible], max(self.sent_text_len, visible)
+        delta, self.sent_text_len = self.text[self.sent_text_len :], len(self.text)
         message = generation_pb2.GenerateResponse(
             token_ids=new_ids, text=delta, finish_reason=self.finish_reason  # type: ignore[arg-type]
         )
         if self.finished:
             message.usage.CopyFrom(self.usage())
         self.stream.put_nowait(message)
+
+    def _detokenize(self, final: bool) -> None:
+        """Extend `text` by decoding only the newest tokens (as vLLM does), not the whole output every step.
+
+        Tokens from `_prefix_offset` give the decoder its context (a leading space, a multi-byte character); text
+        is added once it no longer ends in a partial UTF-8 character, or at the end whatever it is.
+        """
+        decode = self.tokenizer.decode  # type: ignore[union-attr]
+        ids = self.output_ids
+        prefix = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        if final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
+            self.text += full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
 
     def _first_stop_string(self) -> int | None:
         # Only text not yet streamed can newly contain a stop string (plus its length - 1 before it).

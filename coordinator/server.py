@@ -29,7 +29,6 @@ from minedraft.telemetry import Tracing, end_request_span, start_request_span
 
 log = logging.getLogger(__name__)
 
-CHANNELS = ("auto", "local", "grpc", "cuda-ipc", "nccl")
 DEFAULT_MAX_TOKENS = 16
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,26 +33,6 @@ class StepResult:
         ]
 
 
-@dataclass
-class VerifyCounters:
-    """Running totals over all verify steps, for metrics."""
-
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, num_accepted: torch.Tensor, k: int) -> None:
-        self.steps += 1
-        self.proposed += num_accepted.numel() * k
-        self.accepted += int(num_accepted.sum())
-        per_position = (torch.arange(k, device=num_accepted.device)[None, :] < num_accepted[:, None]).sum(0)
-        if len(self.accepted_per_position) < k:
-            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
-        for i, count in enumerate(per_position.tolist()):
-            self.accepted_per_position[i] += count
-
-
 class Verifier:
     """Holds the target model's sequences. Invariant: each row's cache holds every committed token but the last,
     which waits in `pending` to be the first input of the next verify."""
@@ -65,7 +45,6 @@ class Verifier:
         self.table = SequenceTable(runner)
         self.pending = torch.zeros(runner.num_slots, dtype=torch.long, device=runner.device)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
-        self.counters = VerifyCounters()
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
@@ -91,8 +70,6 @@ class Verifier:
         sampled = rejection_sample(
             logits, inputs[:, 1:], probs, self._params(rows), starts + 1, self.synthetic_acceptance
         )
-        if k:
-            self.counters.add(sampled.num_accepted, k)
         return self._commit(rows, starts, sampled)
 
     def release(self, seq_ids: Sequence[int]) -> None:

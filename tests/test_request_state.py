@@ -1,0 +1,48 @@
+"""Streaming text: incremental detokenization equals a full decode, and stop strings cut the text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coordinator.request_state import FINISH, RequestState
+from minedraft.demo_models import TARGET_DIR, available
+from minedraft.sampling import SamplingConfig
+
+pytestmark = pytest.mark.skipif(not available(), reason="the demo pair's tokenizer is not there")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TARGET_DIR))
+
+
+def _stream(tokenizer: object, ids: list[int], step: int, stops: tuple[str, ...] = ()) -> tuple[RequestState, str]:
+    request = RequestState(1, [1], SamplingConfig(), stops, tokenizer)
+    streamed = ""
+    for i in range(0, len(ids), step):
+        last = i + step >= len(ids)
+        request.emit(ids[i : i + step], FINISH.FINISH_REASON_LENGTH if last else FINISH.FINISH_REASON_UNSPECIFIED)
+        streamed += request.stream.get_nowait().text  # type: ignore[union-attr]
+        if request.finished:
+            break
+    return request, streamed
+
+
+@pytest.mark.parametrize("step", [1, 3, 5])
+def test_streamed_text_equals_a_full_decode(tokenizer: object, step: int) -> None:
+    text = Path(os.__file__).read_text()[:3000] + " héllo wörld ✓ 中文 🙂\n"
+    ids = tokenizer.encode(text)  # type: ignore[attr-defined]
+    request, streamed = _stream(tokenizer, ids, step)
+    assert streamed == request.text == tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+def test_stop_string_ends_the_stream_before_it(tokenizer: object) -> None:
+    ids = tokenizer.encode("def f(x):\n    return x\n\ndef g(y):\n    pass\n")  # type: ignore[attr-defined]
+    request, streamed = _stream(tokenizer, ids, 2, stops=("def g",))
+    assert request.finish_reason == FINISH.FINISH_REASON_STOP
+    assert streamed == request.text == "def f(x):\n    return x\n\n"
