@@ -12,8 +12,11 @@ each from its own thread, as the two services would do on two GPUs.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -359,6 +362,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"))
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
     args = parser.parse_args()
+    # `timeout -s USR1` then shows where every thread is, should a run hang.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     global EAGER
     EAGER = args.eager
     out_dir = Path(args.out)
@@ -381,6 +387,7 @@ def main() -> None:
     configs = [(n, b, k) for n in drafts for b in batch_sizes for k in ks]
     for i, (name, batch, k) in enumerate(configs):
         want_timeline = not timeline and batch >= 8 and k == 4
+        print(f"[{i + 1}/{len(configs)}] measuring draft {name}, B={batch}, k={k}", flush=True)
         row = measure(name, target, drafts[name], batch, k, args, bandwidth, timeline if want_timeline else None)
         rows.append(row)
         shown = {key: round(v, 3) if isinstance(v, float) else v for key, v in asdict(row).items()}

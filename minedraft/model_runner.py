@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 
 import torch
 from transformers import PreTrainedModel
@@ -175,7 +176,10 @@ class CudaGraphs:
         batch, n = input_ids.shape
         key = (padded, n, kv_len, last_only)
         if key not in self.graphs:
+            start = time.perf_counter()
             self.graphs[key] = self._capture(key)
+            log.info("captured a CUDA graph for (batch, tokens, kv_len, last_only) = %s in %.2f s", key,
+                     time.perf_counter() - start)
         graph, (static_rows, static_ids, static_valid, logits) = self.graphs[key]
         static_rows.fill_(runner.scratch_row)
         static_rows[:batch].copy_(rows)
