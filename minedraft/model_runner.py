@@ -9,6 +9,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
+from minedraft.attention import GROUPED_SDPA
 from minedraft.errors import CapacityError
 from minedraft.kv_cache import SlotKVCache
 
@@ -60,6 +61,9 @@ class ModelRunner:
         # A ready 4-D mask is used as it is, so sliding windows must be built into it here.
         self.sliding_window, self.mixed_layers = attention_layout(model.config)
         self.kv_bucket = KV_LEN_BUCKET["cuda" if self.device.type == "cuda" else "cpu"]
+        # Our forwards use grouped SDPA; the model's own config is left as it is for anyone else calling it.
+        own = getattr(model.config, "_attn_implementation", None)
+        self._attention = GROUPED_SDPA if own == "sdpa" else own
         self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
@@ -139,9 +143,14 @@ class ModelRunner:
             mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
         self.cache.select(rows, positions, kv_len, contiguous)
         kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
-        hidden = self.model.base_model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
-        ).last_hidden_state
+        config = self.model.config
+        own, config._attn_implementation = config._attn_implementation, self._attention
+        try:
+            hidden = self.model.base_model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+            ).last_hidden_state
+        finally:
+            config._attn_implementation = own
         self.cache.lengths[rows] = starts + num_valid
         if last_only:
             hidden = hidden[torch.arange(batch, device=self.device), num_valid - 1]
