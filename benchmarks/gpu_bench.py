@@ -16,7 +16,11 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -316,6 +320,56 @@ def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.
     out["ours_sd_b1_tokens_per_s"] = new / ours_s
 
 
+def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], names: list[str],
+                        args: argparse.Namespace, out_dir: Path, summary: dict) -> None:
+    """PSD, SD and AR through the real services (separate processes, cuda-ipc channel) on one GPU: `minedraft bench
+    --modes psd,sd,ar` on random-weight checkpoints, once time-sliced and once under CUDA MPS when it is there."""
+    from minedraft.demo_models import TARGET_DIR
+
+    root = Path(tempfile.mkdtemp(prefix="minedraft-ckpt-"))
+    for name, model in [("target", target), *((n, drafts[n]) for n in names)]:
+        start = time.perf_counter()
+        model.save_pretrained(root / name)
+        # Prompts come from the demo tokenizer (ids < 4096 are valid in the 128k vocabulary; the random target's
+        # ids beyond it decode to nothing, which throughput does not care about).
+        for f in TARGET_DIR.glob("tokenizer*"):
+            shutil.copy(f, root / name)
+        shutil.copy(TARGET_DIR / "special_tokens_map.json", root / name)
+        print(f"saved {name} checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
+    mps = shutil.which("nvidia-cuda-mps-control")
+    results: dict[str, dict] = {}
+    for name in names:
+        for use_mps in ([False, True] if mps else [False]):
+            label = f"{name}_{'mps' if use_mps else 'timesliced'}"
+            env = dict(os.environ)
+            if use_mps:
+                pipe = tempfile.mkdtemp(prefix="mps-")
+                env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=pipe)
+                subprocess.run([mps, "-d"], env=env, check=True)  # a user-level daemon: no GPU setting changes
+            json_out = out_dir / f"services_{label}.json"
+            command = [sys.executable, "-m", "minedraft.cli", "bench", "--modes", "psd,sd,ar",
+                       "--target", str(root / "target"), "--draft", str(root / name),
+                       "--target-device", args.target_device, "--draft-device", args.draft_device,
+                       "--dtype", "bfloat16", "--num-speculative-tokens", "4",
+                       "--max-batch-size", str(args.services_batch), "--overlap", "always",
+                       "--synthetic-acceptance", str(args.synthetic_acceptance),
+                       "--num-prompts", str(4 * args.services_batch), "--prompt-len", str(args.prefix),
+                       "--output-len", "128", "--no-progress", "--json-out", str(json_out)]
+            print(f"services, {label}: {' '.join(command)}", flush=True)
+            try:
+                subprocess.run(command, env=env, timeout=args.services_timeout, check=False)
+            except subprocess.TimeoutExpired:
+                print(f"services, {label}: timed out after {args.services_timeout} s", flush=True)
+            finally:
+                if use_mps:
+                    subprocess.run([mps], input=b"quit\n", env=env, check=False)
+            if json_out.exists():
+                results[label] = json.loads(json_out.read_text())["ratios"]
+            print(f"services, {label}: {results.get(label)}", flush=True)
+    summary["services_one_gpu"] = results
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def plot(rows: list[Row], timeline: list[dict], out_dir: Path) -> None:
     import matplotlib
 
@@ -361,6 +415,12 @@ def main() -> None:
                         help="BENCHMARK ONLY, not lossless: accept each draft with this probability")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"))
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
+    parser.add_argument("--services", default="",
+                        help="draft shapes to also run through the real services on one GPU (e.g. 68m)")
+    parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
+    parser.add_argument("--services-timeout", type=int, default=240, help="seconds per services comparison")
+    parser.add_argument("--psd-watchdog", type=int, default=90,
+                        help="seconds one configuration may take before the run dumps every thread and exits")
     args = parser.parse_args()
     # `timeout -s USR1` then shows where every thread is, should a run hang.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -377,6 +437,8 @@ def main() -> None:
     target = load_model(args.target, args.target_device) if args.target else build("8b", args.target_device)
     drafts = ({Path(d).name: load_model(d, args.draft_device) for d in args.draft} if args.draft
               else {s: build(s, args.draft_device) for s in args.drafts.split(",")})
+    if args.services:
+        services_on_one_gpu(target, drafts, args.services.split(","), args, out_dir, summary)
     channel_costs(args.target_device, summary)
     cuda_ipc_costs(args.target_device, args.draft_device, summary)
     graphs_match_eager(next(iter(drafts.values())), args.draft_device, summary)
@@ -388,10 +450,16 @@ def main() -> None:
     for i, (name, batch, k) in enumerate(configs):
         want_timeline = not timeline and batch >= 8 and k == 4
         print(f"[{i + 1}/{len(configs)}] measuring draft {name}, B={batch}, k={k}", flush=True)
+        # A one-process PSD run once hung with CUDA graphs (both threads waiting in a device-to-host copy): a hang
+        # then shows every thread and ends the run, keeping the rows written so far.
+        faulthandler.dump_traceback_later(args.psd_watchdog, exit=True)
         row = measure(name, target, drafts[name], batch, k, args, bandwidth, timeline if want_timeline else None)
+        faulthandler.cancel_dump_traceback_later()
         rows.append(row)
         shown = {key: round(v, 3) if isinstance(v, float) else v for key, v in asdict(row).items()}
         print(f"[{i + 1}/{len(configs)}] {json.dumps(shown)}", flush=True)
+        (out_dir / "gpu_bench.json").write_text(json.dumps({"summary": summary, "rows": [asdict(r) for r in rows]},
+                                                            indent=1))
         torch.cuda.empty_cache()
     first_draft = next(iter(drafts.values()))
     hf_assisted(target, first_draft, args, summary)

@@ -30,11 +30,10 @@ def grouped_sdpa_attention(
     instead (a few hundred kB).
     """
     groups = int(getattr(module, "num_key_value_groups", 1))
-    plain = (
-        groups == 1 or attention_mask is None or attention_mask.shape[1] != 1
+    if (
+        attention_mask is None or groups == 1 or attention_mask.shape[1] != 1
         or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-    )
-    if plain:
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]

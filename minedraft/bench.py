@@ -55,6 +55,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--threads", type=int, default=None,
                        help="OMP_NUM_THREADS for the started services (CPU: 1 keeps three services from "
                             "oversubscribing a small machine)")
+    stack.add_argument("--synthetic-acceptance", type=float, default=None,
+                       help="BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability "
+                            "(throughput at a realistic acceptance with random-weight models)")
     stack.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
 
     load = parser.add_argument_group("load")
@@ -357,7 +360,7 @@ class LocalStack:
             dtype=args.dtype, max_batch_size=batch, max_model_len=max_len, port=self.port, host="127.0.0.1",
             mode=self.mode, num_speculative_tokens=args.num_speculative_tokens,
             max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel, step_trace=None,
-            overlap=args.overlap,
+            overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance,
         )
         self.target_port, self.draft_port = free_port(), free_port()
         self.commands = stack_commands(ns, self.target_port, self.draft_port)
@@ -486,6 +489,9 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Summary]:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"modes {', '.join(modes)}: {args.num_prompts} prompts of ~{args.prompt_len} tokens, {args.output_len} "
           f"output tokens, concurrency {args.concurrency}; service logs in {log_dir}", flush=True)
+    if args.synthetic_acceptance is not None:
+        print(f"BENCHMARK ONLY: synthetic acceptance {args.synthetic_acceptance}, outputs are not the target's",
+              flush=True)
     summaries: dict[str, Summary] = {}
     for mode in modes:
         stack = LocalStack(args, mode, log_dir)

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     target = sub.add_parser("target", help="start the target service")
     _worker_flags(target, DEMO_DIR / "target")
+    _add(target, "--synthetic-acceptance", None, type=float,
+         help="BENCHMARK ONLY, not lossless: accept each draft token with this probability")
     draft = sub.add_parser("draft", help="start the draft service")
     _worker_flags(draft, DEMO_DIR / "draft")
     _add(draft, "--greedy-drafts", False, action="store_true", help="draft greedily even for sampled requests")
@@ -139,7 +141,8 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
         start_metrics_server(args.metrics_port, args.host, metrics.registry)
     interceptors = server_interceptors(tracing, metrics.observe_call if metrics is not None else None)
     options = WorkerOptions(
-        args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager
+        args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager,
+        synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
     )
     try:
         if kind == "target":
@@ -220,6 +223,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
     if args.step_trace:
         coordinator += ["--step-trace", args.step_trace]
+    if getattr(args, "synthetic_acceptance", None) is not None:
+        commands[0] += ["--synthetic-acceptance", str(args.synthetic_acceptance)]
     metrics_port = getattr(args, "metrics_port", 0)
     if metrics_port:
         coordinator += ["--metrics-port", str(metrics_port)]

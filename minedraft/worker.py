@@ -29,6 +29,7 @@ class WorkerOptions:
     max_batch_size: int = 32
     max_model_len: int = 2048
     cuda_graphs: bool = True  # off with --eager, for debugging
+    synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
 
 
 def host_id() -> str:

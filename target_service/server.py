@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -12,6 +13,8 @@ from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_g
 from minedraft.server_utils import grpc_errors, start_server, timings
 from minedraft.worker import ModelWorker, WorkerOptions, elapsed, prompts_and_configs
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
+
+log = logging.getLogger(__name__)
 
 _FINISH = {
     FINISHED_STOP: generation_pb2.FINISH_REASON_STOP,
@@ -34,7 +37,10 @@ def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.Seq
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, options: WorkerOptions) -> None:
         self.worker = ModelWorker(options)
-        self.verifier = Verifier(self.worker.runner, self.worker.vocab.eos_token_ids)
+        if options.synthetic_acceptance is not None:
+            log.warning("BENCHMARK ONLY: drafts are accepted with probability %s whatever the target says; output "
+                        "is not the target's", options.synthetic_acceptance)
+        self.verifier = Verifier(self.worker.runner, self.worker.vocab.eos_token_ids, options.synthetic_acceptance)
 
     @grpc_errors
     async def GetInfo(self, request: target_pb2.TargetServiceGetInfoRequest, context: grpc.aio.ServicerContext

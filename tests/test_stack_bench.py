@@ -76,3 +76,15 @@ def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
     assert result["mean_accepted_length"] >= 1.0
     assert result["server"]["mode"] == "psd" and result["server"]["max_batch_size"] == 2
     assert set(result["ttft_ms"]) == set(result["tpot_ms"]) == {"p50", "p90", "p99", "mean"}
+
+
+def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) -> None:
+    from minedraft.bench import LocalStack
+    from minedraft.cli import build_parser
+
+    for extra, expected in (([], None), (["--synthetic-acceptance", "0.7"], "0.7")):
+        args = build_parser().parse_args(["bench", "--modes", "psd", *extra])
+        target, draft, coordinator = LocalStack(args, "psd", tmp_path).commands
+        flag = "--synthetic-acceptance"
+        assert (target[target.index(flag) + 1] if flag in target else None) == expected
+        assert flag not in draft and flag not in coordinator
