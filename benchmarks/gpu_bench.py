@@ -5,8 +5,9 @@
 Models are built from production-shaped configs with random bf16 weights (Llama-3-8B target; Llama-3.2-1B- and
 Llama-68M-shaped drafts) unless --target/--draft give real checkpoints. With random weights drafts are never
 accepted, so throughput is measured with the benchmark-only --synthetic-acceptance P (not lossless, labelled in
-every table). PSD is run in one process: Verify(X) on the target's stream and Propose(Y) on the draft's stream,
-each from its own thread, as the two services would do on two GPUs.
+every table). Step times (T_d, T_v, AR) are measured in this process; PSD against SD and AR is measured through the
+real services (`--services`, separate processes sharing the GPU, with and without CUDA MPS). `--in-process-psd`
+also runs PSD here, Verify(X) and Propose(Y) each from its own thread and stream.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def measure(name: str, target: torch.nn.Module, draft: torch.nn.Module, batch: i
     torch.cuda.synchronize(args.draft_device)
     psd, origin = [], time.perf_counter()
     x = 0
-    for _ in range(steps):
+    for _ in range(steps if args.in_process_psd else 0):
         step, v0, v1, p0, p1 = pair.psd_step(x)
         psd.append(step)
         if timeline is not None:
@@ -206,7 +207,8 @@ def measure(name: str, target: torch.nn.Module, draft: torch.nn.Module, batch: i
             timeline.append({"kind": "propose", "batch": 1 - x, "start": p0 - origin, "end": p1 - origin})
         x = 1 - x
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    d, v, ar, p = med(t_d), med(t_v), med(t_ar), med(psd)
+    d, v, ar = med(t_d), med(t_v), med(t_ar)
+    p = med(psd) if psd else float("nan")
     acc = sum(pair.accepted) / len(pair.accepted)
     tokens = batch * (acc + 1)
     sd_tput, psd_tput, ar_tput = tokens / (d + v), tokens / p, batch / ar
@@ -320,8 +322,28 @@ def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.
     out["ours_sd_b1_tokens_per_s"] = new / ours_s
 
 
+def trace_stats(events: list[dict]) -> dict:
+    """From a coordinator step trace of a full-batch PSD run: median call times, channel share, overlap."""
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    full = max((e["batch_size"] for e in events if e["kind"] == "verify"), default=0)
+    verify = [e for e in events if e["kind"] == "verify" and e["batch_size"] == full]
+    propose = [e for e in events if e["kind"] == "propose" and e["batch_size"] == full]
+    overlapped = sum(max(0.0, min(v["end"], p["end"]) - max(v["start"], p["start"])) for v in verify for p in propose)
+    busy = sum(v["end"] - v["start"] for v in verify)
+    return {
+        "batch_size": full,
+        "propose_ms": med([e["end"] - e["start"] for e in propose]) * 1e3,
+        "verify_ms": med([e["end"] - e["start"] for e in verify]) * 1e3,
+        "verify_compute_ms": med([e["worker_compute_s"] for e in verify]) * 1e3,
+        "propose_compute_ms": med([e["worker_compute_s"] for e in propose]) * 1e3,
+        "channel_share_of_verify": med([e["channel_s"] / e["worker_compute_s"] for e in verify
+                                        if e["worker_compute_s"]]),
+        "verify_time_overlapped_by_propose": overlapped / busy if busy else float("nan"),
+    }
+
+
 def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], names: list[str],
-                        args: argparse.Namespace, out_dir: Path, summary: dict) -> None:
+                        args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
     """PSD, SD and AR through the real services (separate processes, cuda-ipc channel) on one GPU: `minedraft bench
     --modes psd,sd,ar` on random-weight checkpoints, once time-sliced and once under CUDA MPS when it is there."""
     from minedraft.demo_models import TARGET_DIR
@@ -337,7 +359,8 @@ def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         shutil.copy(TARGET_DIR / "special_tokens_map.json", root / name)
         print(f"saved {name} checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
     mps = shutil.which("nvidia-cuda-mps-control")
-    results: dict[str, dict] = {}
+    results: dict[str, dict] = summary.setdefault("services_one_gpu", {})
+    timelines: dict[str, list[dict]] = summary.setdefault("services_timelines", {})
     for name in names:
         for use_mps in ([False, True] if mps else [False]):
             label = f"{name}_{'mps' if use_mps else 'timesliced'}"
@@ -346,15 +369,17 @@ def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                 pipe = tempfile.mkdtemp(prefix="mps-")
                 env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=pipe)
                 subprocess.run([mps, "-d"], env=env, check=True)  # a user-level daemon: no GPU setting changes
-            json_out = out_dir / f"services_{label}.json"
+            json_out = root / f"services_{label}.json"
+            traces = root / f"traces_{label}"
             command = [sys.executable, "-m", "minedraft.cli", "bench", "--modes", "psd,sd,ar",
                        "--target", str(root / "target"), "--draft", str(root / name),
                        "--target-device", args.target_device, "--draft-device", args.draft_device,
                        "--dtype", "bfloat16", "--num-speculative-tokens", "4",
                        "--max-batch-size", str(args.services_batch), "--overlap", "always",
                        "--synthetic-acceptance", str(args.synthetic_acceptance),
-                       "--num-prompts", str(4 * args.services_batch), "--prompt-len", str(args.prefix),
-                       "--output-len", "128", "--no-progress", "--json-out", str(json_out)]
+                       "--num-prompts", str(2 * args.services_batch), "--prompt-len", str(args.prefix),
+                       "--output-len", "128", "--no-progress", "--json-out", str(json_out),
+                       "--step-trace-dir", str(traces)]
             print(f"services, {label}: {' '.join(command)}", flush=True)
             try:
                 subprocess.run(command, env=env, timeout=args.services_timeout, check=False)
@@ -364,37 +389,59 @@ def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                 if use_mps:
                     subprocess.run([mps], input=b"quit\n", env=env, check=False)
             if json_out.exists():
-                results[label] = json.loads(json_out.read_text())["ratios"]
-            print(f"services, {label}: {results.get(label)}", flush=True)
-    summary["services_one_gpu"] = results
+                results[label] = json.loads(json_out.read_text())
+            trace = traces / "psd.jsonl"
+            if trace.exists():
+                events = [json.loads(line) for line in trace.read_text().splitlines() if line]
+                results[f"{label}_psd_trace"] = trace_stats(events)
+                calls = [e for e in events if e["kind"] in ("propose", "verify")]
+                window = calls[len(calls) // 2: len(calls) // 2 + 40]  # steady state, full batches
+                if window:
+                    origin = window[0]["start"]
+                    timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
+                                         "end": e["end"] - origin} for e in window]
+            print(f"services, {label}: {results.get(label, {}).get('ratios')}, {results.get(label + '_psd_trace')}",
+                  flush=True)
+            save()
     shutil.rmtree(root, ignore_errors=True)
 
 
-def plot(rows: list[Row], timeline: list[dict], out_dir: Path) -> None:
+def plot(rows: list[Row], timelines: dict[str, list[dict]], out_dir: Path) -> None:
+    """timeline.png: draft and verify spans over time per run; throughput_vs_batch.png: tokens/s per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 2.5))
-    for event in timeline:
-        y = 1 if event["kind"] == "verify" else 0
-        ax.barh(y, event["end"] - event["start"], left=event["start"], color="C0" if event["batch"] == 0 else "C1")
-    ax.set_yticks([0, 1], ["draft: Propose", "target: Verify"])
-    ax.set_xlabel("seconds (blue: batch 0, orange: batch 1)")
-    ax.set_title("PSD step timeline")
-    fig.tight_layout()
-    fig.savefig(out_dir / "timeline.png", dpi=120)
+    if timelines:
+        fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.6 + 1.4 * len(timelines)), squeeze=False)
+        for ax, (label, events) in zip(axes[:, 0], timelines.items()):
+            for event in events:
+                y = 1 if event["kind"] == "verify" else 0
+                ax.barh(y, event["end"] - event["start"], left=event["start"],
+                        color="C0" if event["batch"] == 0 else "C1")
+            ax.set_yticks([0, 1], ["draft: Propose", "target: Verify"])
+            ax.set_title(f"PSD step timeline, {label}", fontsize=9)
+        axes[-1, 0].set_xlabel("seconds (blue: batch 0, orange: batch 1)")
+        fig.tight_layout()
+        fig.savefig(out_dir / "timeline.png", dpi=120)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for draft in sorted({r.draft for r in rows}):
+    for i, draft in enumerate(sorted({r.draft for r in rows})):
         for k in sorted({r.k for r in rows}):
             sel = [r for r in rows if r.draft == draft and r.k == k]
-            ax.plot([r.batch for r in sel], [r.psd_over_sd for r in sel], marker="o", label=f"{draft} k={k}")
-    ax.axhline(1.0, color="grey", lw=0.8)
+            sd = [r.batch * (r.mean_accepted + 1) / (r.t_draft_ms + r.t_verify_ms) * 1e3 for r in sel]
+            ax.plot([r.batch for r in sel], sd, marker="o", color=f"C{i}", label=f"SD, {draft} draft, k={k}")
+            psd = [(r.batch, r.batch * (r.mean_accepted + 1) / r.t_psd_step_ms * 1e3) for r in sel
+                   if r.t_psd_step_ms == r.t_psd_step_ms]
+            if psd:
+                ax.plot(*zip(*psd), marker="s", ls="--", color=f"C{i}", label=f"PSD (one process), {draft}, k={k}")
+    ar = {r.batch: r.batch / r.t_ar_ms * 1e3 for r in rows}
+    ax.plot(sorted(ar), [ar[b] for b in sorted(ar)], marker="^", color="grey", label="AR (target alone)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size per batch")
-    ax.set_ylabel("PSD / SD throughput")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s (synthetic acceptance)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "throughput_vs_batch.png", dpi=120)
@@ -419,6 +466,9 @@ def main() -> None:
                         help="draft shapes to also run through the real services on one GPU (e.g. 68m)")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
     parser.add_argument("--services-timeout", type=int, default=240, help="seconds per services comparison")
+    parser.add_argument("--in-process-psd", action="store_true",
+                        help="also time PSD in this process (two threads, two streams); it hung with CUDA graphs, "
+                             "so the default times PSD through the real services (--services)")
     parser.add_argument("--psd-watchdog", type=int, default=90,
                         help="seconds one configuration may take before the run dumps every thread and exits")
     args = parser.parse_args()
@@ -437,14 +487,17 @@ def main() -> None:
     target = load_model(args.target, args.target_device) if args.target else build("8b", args.target_device)
     drafts = ({Path(d).name: load_model(d, args.draft_device) for d in args.draft} if args.draft
               else {s: build(s, args.draft_device) for s in args.drafts.split(",")})
-    if args.services:
-        services_on_one_gpu(target, drafts, args.services.split(","), args, out_dir, summary)
     channel_costs(args.target_device, summary)
     cuda_ipc_costs(args.target_device, args.draft_device, summary)
     graphs_match_eager(next(iter(drafts.values())), args.draft_device, summary)
     print(json.dumps(summary), flush=True)
     rows: list[Row] = []
     timeline: list[dict] = []
+
+    def save() -> None:  # after every stage: a run cut short keeps what it measured
+        (out_dir / "gpu_bench.json").write_text(json.dumps({"summary": summary, "rows": [asdict(r) for r in rows],
+                                                            "timeline": timeline}, indent=1))
+
     batch_sizes, ks = [int(b) for b in args.batch_sizes.split(",")], [int(k) for k in args.ks.split(",")]
     configs = [(n, b, k) for n in drafts for b in batch_sizes for k in ks]
     for i, (name, batch, k) in enumerate(configs):
@@ -458,14 +511,15 @@ def main() -> None:
         rows.append(row)
         shown = {key: round(v, 3) if isinstance(v, float) else v for key, v in asdict(row).items()}
         print(f"[{i + 1}/{len(configs)}] {json.dumps(shown)}", flush=True)
-        (out_dir / "gpu_bench.json").write_text(json.dumps({"summary": summary, "rows": [asdict(r) for r in rows]},
-                                                            indent=1))
+        save()
         torch.cuda.empty_cache()
-    first_draft = next(iter(drafts.values()))
-    hf_assisted(target, first_draft, args, summary)
-    plot(rows, timeline, out_dir)
-    (out_dir / "gpu_bench.json").write_text(json.dumps({"summary": summary, "rows": [asdict(r) for r in rows],
-                                                        "timeline": timeline}, indent=1))
+    hf_assisted(target, next(iter(drafts.values())), args, summary)
+    print(json.dumps({k: v for k, v in summary.items() if k.startswith(("hf_", "ours_"))}), flush=True)
+    save()
+    if args.services:
+        services_on_one_gpu(target, drafts, args.services.split(","), args, summary, save)
+    plot(rows, {"one process": timeline} if timeline else summary.get("services_timelines", {}), out_dir)
+    save()
     header = ("draft", "B", "k", "T_d ms", "T_v ms", "floor_v", "T_psd", "acc", "ideal", "PSD/SD", "ovl_eff", "SD/AR")
     print(f"\nsynthetic acceptance {args.synthetic_acceptance} (benchmark only); {summary['gpu']}")
     print(" | ".join(header))

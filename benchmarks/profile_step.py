@@ -1,4 +1,4 @@
-"""Profile one draft step and one verify step on the GPU, to see where eager time goes (CPU or kernels)."""
+"""Profile the 8B-shaped verify step and a 68M draft proposal on the GPU: which kernels take the time."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ from benchmarks.gpu_bench import Pair, build  # noqa: E402
 
 def main() -> None:
     device = "cuda:0"
-    target = build("8b", device)
-    for shape in ("68m", "1b"):
-        draft = build(shape, device)
-        pair = Pair(target, draft, 1, 4, 512, 0.7, 8)
+    target, draft = build("8b", device), build("68m", device)
+    for batch in (1, 32):
+        pair = Pair(target, draft, batch, 4, 512, 0.7, 8)
         for _ in range(3):
             pair.propose(0)
             pair.verify(0)
-        torch.cuda.synchronize()
         for name in ("propose", "verify"):
             fn = pair.propose if name == "propose" else pair.verify
             times = []
@@ -29,32 +27,20 @@ def main() -> None:
                 if name == "verify":
                     pair.propose(0)
                 torch.cuda.synchronize()
-                t = time.perf_counter()
+                start = time.perf_counter()
                 fn(0)
                 torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            print(shape, name, [round(x * 1e3, 1) for x in times], flush=True)
+                times.append(time.perf_counter() - start)
+            print(f"B={batch} {name} ms: {[round(x * 1e3, 2) for x in times]}", flush=True)
             if name == "verify":
                 pair.propose(0)
+                torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 fn(0)
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18), flush=True)
-        # the raw model, for reference: one decode step of the HF forward with a DynamicCache
-        ids = torch.randint(0, 1000, (1, 512), device=device)
-        with torch.inference_mode():
-            out = draft(ids, use_cache=True)
-            cache = out.past_key_values
-            step = torch.randint(0, 1000, (1, 1), device=device)
-            for _ in range(3):
-                draft(step, past_key_values=cache, use_cache=True)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(10):
-                draft(step, past_key_values=cache, use_cache=True)
-            torch.cuda.synchronize()
-            print(shape, "raw HF decode step ms", (time.perf_counter() - t) * 100, flush=True)
-        del pair, draft
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70),
+                  flush=True)
+        del pair
         torch.cuda.empty_cache()
 
 

@@ -58,6 +58,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--synthetic-acceptance", type=float, default=None,
                        help="BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability "
                             "(throughput at a realistic acceptance with random-weight models)")
+    stack.add_argument("--step-trace-dir", default=None,
+                       help="write each mode's coordinator step trace (every worker call, JSON lines) to DIR/MODE.jsonl")
     stack.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
 
     load = parser.add_argument_group("load")
@@ -359,7 +361,8 @@ class LocalStack:
             target=args.target, draft=args.draft, target_device=args.target_device, draft_device=args.draft_device,
             dtype=args.dtype, max_batch_size=batch, max_model_len=max_len, port=self.port, host="127.0.0.1",
             mode=self.mode, num_speculative_tokens=args.num_speculative_tokens,
-            max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel, step_trace=None,
+            max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel,
+            step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
             overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance,
         )
         self.target_port, self.draft_port = free_port(), free_port()
@@ -487,6 +490,8 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Summary]:
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="minedraft-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    if args.step_trace_dir:
+        Path(args.step_trace_dir).mkdir(parents=True, exist_ok=True)
     print(f"modes {', '.join(modes)}: {args.num_prompts} prompts of ~{args.prompt_len} tokens, {args.output_len} "
           f"output tokens, concurrency {args.concurrency}; service logs in {log_dir}", flush=True)
     if args.synthetic_acceptance is not None:

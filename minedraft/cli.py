@@ -246,8 +246,15 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     from minedraft.worker import WorkerOptions
     from target_service.server import serve as serve_target
 
+    # Two threads replaying CUDA graphs in one process hung on an H200 (benchmarks/gpu_bench.py: both threads
+    # waiting in a device-to-host copy); until that is understood the one-process stack runs its models eagerly.
+    graphs = args.mode == "ar"
+    if not graphs and "cuda" in args.target_device + args.draft_device:
+        logging.getLogger(__name__).warning("--single-process runs without CUDA graphs; for full speed on GPUs "
+                                            "run the services as separate processes (the default)")
+
     def options(model: str, device: str) -> WorkerOptions:
-        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len)
+        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len, graphs)
 
     servers = []
     server, target_port = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")
