@@ -342,12 +342,21 @@ def trace_stats(events: list[dict]) -> dict:
     }
 
 
-def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], names: list[str],
+def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], runs: list[str],
                         args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
     """PSD, SD and AR through the real services (separate processes, cuda-ipc channel) on one GPU: `minedraft bench
-    --modes psd,sd,ar` on random-weight checkpoints, once time-sliced and once under CUDA MPS when it is there."""
+    --modes psd,sd,ar` on random-weight checkpoints, time-sliced and under CUDA MPS when it is there.
+
+    `runs` are draft shapes, each alone (both ways of sharing) or as `SHAPE:timesliced` / `SHAPE:mps`.
+    """
     from minedraft.demo_models import TARGET_DIR
 
+    mps = shutil.which("nvidia-cuda-mps-control")
+    plan = []
+    for run in runs:
+        name, _, sharing = run.partition(":")
+        plan += [(name, s) for s in ([sharing] if sharing else ["timesliced", "mps"]) if s != "mps" or mps]
+    names = sorted({name for name, _ in plan})
     root = Path(tempfile.mkdtemp(prefix="minedraft-ckpt-"))
     for name, model in [("target", target), *((n, drafts[n]) for n in names)]:
         start = time.perf_counter()
@@ -358,51 +367,55 @@ def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
             shutil.copy(f, root / name)
         shutil.copy(TARGET_DIR / "special_tokens_map.json", root / name)
         print(f"saved {name} checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
-    mps = shutil.which("nvidia-cuda-mps-control")
     results: dict[str, dict] = summary.setdefault("services_one_gpu", {})
     timelines: dict[str, list[dict]] = summary.setdefault("services_timelines", {})
-    for name in names:
-        for use_mps in ([False, True] if mps else [False]):
-            label = f"{name}_{'mps' if use_mps else 'timesliced'}"
-            env = dict(os.environ)
-            if use_mps:
-                pipe = tempfile.mkdtemp(prefix="mps-")
-                env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=pipe)
-                subprocess.run([mps, "-d"], env=env, check=True)  # a user-level daemon: no GPU setting changes
-            json_out = root / f"services_{label}.json"
-            traces = root / f"traces_{label}"
-            command = [sys.executable, "-m", "minedraft.cli", "bench", "--modes", "psd,sd,ar",
-                       "--target", str(root / "target"), "--draft", str(root / name),
-                       "--target-device", args.target_device, "--draft-device", args.draft_device,
-                       "--dtype", "bfloat16", "--num-speculative-tokens", "4",
-                       "--max-batch-size", str(args.services_batch), "--overlap", "always",
-                       "--synthetic-acceptance", str(args.synthetic_acceptance),
-                       "--num-prompts", str(2 * args.services_batch), "--prompt-len", str(args.prefix),
-                       "--output-len", "128", "--no-progress", "--json-out", str(json_out),
-                       "--step-trace-dir", str(traces)]
-            print(f"services, {label}: {' '.join(command)}", flush=True)
+    for name, sharing in plan:
+        label, use_mps = f"{name}_{sharing}", sharing == "mps"
+        env = dict(os.environ)
+        if use_mps:
+            pipe = tempfile.mkdtemp(prefix="mps-")
+            env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=pipe)
+            subprocess.run([mps, "-d"], env=env, check=True)  # a user-level daemon: no GPU setting changes
+        json_out = root / f"services_{label}.json"
+        traces = root / f"traces_{label}"
+        command = [sys.executable, "-m", "minedraft.cli", "bench", "--modes", "psd,sd,ar",
+                   "--target", str(root / "target"), "--draft", str(root / name),
+                   "--target-device", args.target_device, "--draft-device", args.draft_device,
+                   "--dtype", "bfloat16", "--num-speculative-tokens", "4",
+                   "--max-batch-size", str(args.services_batch), "--overlap", "always",
+                   "--synthetic-acceptance", str(args.synthetic_acceptance),
+                   "--num-prompts", str(2 * args.services_batch), "--prompt-len", str(args.prefix),
+                   "--output-len", "128", "--no-progress", "--json-out", str(json_out),
+                   "--step-trace-dir", str(traces)]
+        print(f"services, {label}: {' '.join(command)}", flush=True)
+        bench = subprocess.Popen(command, env=env)
+        try:
+            bench.wait(timeout=args.services_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"services, {label}: timed out after {args.services_timeout} s", flush=True)
+            bench.send_signal(signal.SIGINT)  # it stops the services it started
             try:
-                subprocess.run(command, env=env, timeout=args.services_timeout, check=False)
+                bench.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                print(f"services, {label}: timed out after {args.services_timeout} s", flush=True)
-            finally:
-                if use_mps:
-                    subprocess.run([mps], input=b"quit\n", env=env, check=False)
-            if json_out.exists():
-                results[label] = json.loads(json_out.read_text())
-            trace = traces / "psd.jsonl"
-            if trace.exists():
-                events = [json.loads(line) for line in trace.read_text().splitlines() if line]
-                results[f"{label}_psd_trace"] = trace_stats(events)
-                calls = [e for e in events if e["kind"] in ("propose", "verify")]
-                window = calls[len(calls) // 2: len(calls) // 2 + 40]  # steady state, full batches
-                if window:
-                    origin = window[0]["start"]
-                    timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
-                                         "end": e["end"] - origin} for e in window]
-            print(f"services, {label}: {results.get(label, {}).get('ratios')}, {results.get(label + '_psd_trace')}",
-                  flush=True)
-            save()
+                bench.kill()
+        finally:
+            if use_mps:
+                subprocess.run([mps], input=b"quit\n", env=env, check=False)
+        if json_out.exists():
+            results[label] = json.loads(json_out.read_text())
+        trace = traces / "psd.jsonl"
+        if trace.exists():
+            events = [json.loads(line) for line in trace.read_text().splitlines() if line]
+            results[f"{label}_psd_trace"] = trace_stats(events)
+            calls = [e for e in events if e["kind"] in ("propose", "verify")]
+            window = calls[len(calls) // 2: len(calls) // 2 + 40]  # steady state, full batches
+            if window:
+                origin = window[0]["start"]
+                timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
+                                     "end": e["end"] - origin} for e in window]
+        print(f"services, {label}: {results.get(label, {}).get('ratios')}, {results.get(label + '_psd_trace')}",
+              flush=True)
+        save()
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -463,7 +476,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"))
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
     parser.add_argument("--services", default="",
-                        help="draft shapes to also run through the real services on one GPU (e.g. 68m)")
+                        help="draft shapes to also run through the real services on one GPU, time-sliced and "
+                             "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)")
+    parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
     parser.add_argument("--services-timeout", type=int, default=240, help="seconds per services comparison")
     parser.add_argument("--in-process-psd", action="store_true",
@@ -487,10 +502,6 @@ def main() -> None:
     target = load_model(args.target, args.target_device) if args.target else build("8b", args.target_device)
     drafts = ({Path(d).name: load_model(d, args.draft_device) for d in args.draft} if args.draft
               else {s: build(s, args.draft_device) for s in args.drafts.split(",")})
-    channel_costs(args.target_device, summary)
-    cuda_ipc_costs(args.target_device, args.draft_device, summary)
-    graphs_match_eager(next(iter(drafts.values())), args.draft_device, summary)
-    print(json.dumps(summary), flush=True)
     rows: list[Row] = []
     timeline: list[dict] = []
 
@@ -498,8 +509,13 @@ def main() -> None:
         (out_dir / "gpu_bench.json").write_text(json.dumps({"summary": summary, "rows": [asdict(r) for r in rows],
                                                             "timeline": timeline}, indent=1))
 
+    if not args.services_only:
+        channel_costs(args.target_device, summary)
+        cuda_ipc_costs(args.target_device, args.draft_device, summary)
+        graphs_match_eager(next(iter(drafts.values())), args.draft_device, summary)
+        print(json.dumps(summary), flush=True)
     batch_sizes, ks = [int(b) for b in args.batch_sizes.split(",")], [int(k) for k in args.ks.split(",")]
-    configs = [(n, b, k) for n in drafts for b in batch_sizes for k in ks]
+    configs = [] if args.services_only else [(n, b, k) for n in drafts for b in batch_sizes for k in ks]
     for i, (name, batch, k) in enumerate(configs):
         want_timeline = not timeline and batch >= 8 and k == 4
         print(f"[{i + 1}/{len(configs)}] measuring draft {name}, B={batch}, k={k}", flush=True)
@@ -513,9 +529,10 @@ def main() -> None:
         print(f"[{i + 1}/{len(configs)}] {json.dumps(shown)}", flush=True)
         save()
         torch.cuda.empty_cache()
-    hf_assisted(target, next(iter(drafts.values())), args, summary)
-    print(json.dumps({k: v for k, v in summary.items() if k.startswith(("hf_", "ours_"))}), flush=True)
-    save()
+    if not args.services_only:
+        hf_assisted(target, next(iter(drafts.values())), args, summary)
+        print(json.dumps({k: v for k, v in summary.items() if k.startswith(("hf_", "ours_"))}), flush=True)
+        save()
     if args.services:
         services_on_one_gpu(target, drafts, args.services.split(","), args, summary, save)
     plot(rows, {"one process": timeline} if timeline else summary.get("services_timelines", {}), out_dir)

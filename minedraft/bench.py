@@ -59,7 +59,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability "
                             "(throughput at a realistic acceptance with random-weight models)")
     stack.add_argument("--step-trace-dir", default=None,
-                       help="write each mode's coordinator step trace (every worker call, JSON lines) to DIR/MODE.jsonl")
+                       help="write each mode's coordinator step trace (every worker call, JSON lines) to "
+                            "DIR/MODE.jsonl")
     stack.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
 
     load = parser.add_argument_group("load")

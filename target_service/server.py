@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.sampling import SamplingConfig
 from minedraft.server_utils import grpc_errors, start_server, timings
 from minedraft.worker import ModelWorker, WorkerOptions, elapsed, prompts_and_configs
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
@@ -63,22 +64,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         limit = self.worker.vocab.logits_size
         if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {limit})")
-        result = await self.worker.run(self.verifier.prefill, seq_ids, prompts, configs)
-        return target_pb2.TargetServicePrefillResponse(
-            results=results_proto(seq_ids, result), timings=timings(start_unix, elapsed(start))
-        )
+        results = await self.worker.run(self._prefill, seq_ids, prompts, configs)
+        return target_pb2.TargetServicePrefillResponse(results=results, timings=timings(start_unix, elapsed(start)))
+
+    def _prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]
+                 ) -> list[target_pb2.SequenceResult]:
+        # The results are read on the compute thread: its CUDA stream is the one that made them.
+        return results_proto(seq_ids, self.verifier.prefill(seq_ids, prompts, configs))
 
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
                      ) -> target_pb2.VerifyResponse:
         start_unix, start = time.time(), time.perf_counter()
         seq_ids = list(request.seq_ids)
-        result, channel_s = await self.worker.run(self._verify, seq_ids, request.drafts, request.num_draft_tokens)
-        return target_pb2.VerifyResponse(
-            results=results_proto(seq_ids, result), timings=timings(start_unix, elapsed(start), channel_s)
-        )
+        results, channel_s = await self.worker.run(self._verify, seq_ids, request.drafts, request.num_draft_tokens)
+        return target_pb2.VerifyResponse(results=results, timings=timings(start_unix, elapsed(start), channel_s))
 
-    def _verify(self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int) -> tuple[StepResult, float]:
+    def _verify(self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int
+                ) -> tuple[list[target_pb2.SequenceResult], float]:
         start = time.perf_counter()
         if k == 0:  # target-only decoding: nothing travels
             draft_ids, draft_probs = torch.zeros(len(seq_ids), 0, dtype=torch.long), None
@@ -87,7 +90,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if tuple(draft_ids.shape) != (len(seq_ids), k):
                 raise ValueError(f"drafts of shape {tuple(draft_ids.shape)} for {len(seq_ids)} sequences, k={k}")
         channel_s = elapsed(start)
-        return self.verifier.verify(seq_ids, draft_ids, draft_probs), channel_s
+        # Read on the compute thread, whose CUDA stream made the results (another stream could read them unfinished).
+        return results_proto(seq_ids, self.verifier.verify(seq_ids, draft_ids, draft_probs)), channel_s
 
     @grpc_errors
     async def Release(self, request: target_pb2.TargetServiceReleaseRequest, context: grpc.aio.ServicerContext
