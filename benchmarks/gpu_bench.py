@@ -438,6 +438,8 @@ def plot(rows: list[Row], timelines: dict[str, list[dict]], out_dir: Path) -> No
         axes[-1, 0].set_xlabel("seconds (blue: batch 0, orange: batch 1)")
         fig.tight_layout()
         fig.savefig(out_dir / "timeline.png", dpi=120)
+    if not rows:  # --services-only
+        return
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, draft in enumerate(sorted({r.draft for r in rows})):
