@@ -386,7 +386,7 @@ def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                    "--synthetic-acceptance", str(args.synthetic_acceptance),
                    "--num-prompts", str(2 * args.services_batch), "--prompt-len", str(args.prefix),
                    "--output-len", "128", "--no-progress", "--json-out", str(json_out),
-                   "--step-trace-dir", str(traces)]
+                   "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
         print(f"services, {label}: {' '.join(command)}", flush=True)
         bench = subprocess.Popen(command, env=env)
         try:
@@ -401,6 +401,9 @@ def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         finally:
             if use_mps:
                 subprocess.run([mps], input=b"quit\n", env=env, check=False)
+        for log in sorted((root / f"logs_{label}").glob("*.log")):  # the services' own output, for diagnosis
+            print(f"--- {log.name} (last lines) ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]),
+                  flush=True)
         if json_out.exists():
             results[label] = json.loads(json_out.read_text())
         trace = traces / "psd.jsonl"

@@ -66,8 +66,13 @@ class Proposer:
         all_greedy = bool(greedy.all())  # then no probabilities are made, and none move
         drafts, probs = [], []
         inputs, valid = tail, tail_len
+        # The longest row after each step is known from the first: one host sync per proposal, not one per step.
+        # (The first step writes both tail positions of every row, valid or not; each later step appends one.)
+        lengths = self.runner.cache.lengths[rows]
+        widest, longest = torch.stack([(lengths + tail.shape[1]).max(), (lengths + tail_len).max()]).tolist()
         for step in range(k):
-            logits = self.runner.forward(rows, inputs, valid, last_only=True)  # [B, V]
+            needed = widest if step == 0 else longest + step
+            logits = self.runner.forward(rows, inputs, valid, last_only=True, needed=needed)  # [B, V]
             if step == 0:
                 self.committed[rows] = self.runner.cache.lengths[rows]
             position = self.committed[rows] + step

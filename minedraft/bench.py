@@ -502,13 +502,17 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Summary]:
     for mode in modes:
         stack = LocalStack(args, mode, log_dir)
         try:
+            start = time.perf_counter()
             stack.start()
+            print(f"{mode}: services up in {time.perf_counter() - start:.1f} s", flush=True)
             info = _server_info(stack.address)
             results, wall = asyncio.run(run_load(stack.address, prompts, args, mode))
         except (RuntimeError, TimeoutError, grpc.RpcError) as exc:
             raise RuntimeError(f"{mode}: {exc}\n--- {stack.log_path} ---\n{stack.log_tail()}") from exc
         finally:
+            start = time.perf_counter()
             stack.stop()
+            print(f"{mode}: services stopped in {time.perf_counter() - start:.1f} s", flush=True)
         summaries[mode] = summarize(mode, results, wall, info)
         print(format_summary(summaries[mode]), flush=True)
     return summaries

@@ -96,15 +96,18 @@ class ModelRunner:
     # -- forward ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
-        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, last_only: bool = False
+        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, last_only: bool = False,
+        needed: int | None = None,
     ) -> torch.Tensor:
         """Append `input_ids[b, :num_valid[b]]` to row `rows[b]` and return float32 logits.
 
         Returns `[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only` (prefill: the hidden
-        states of long prompts are reduced before the vocabulary projection).
+        states of long prompts are reduced before the vocabulary projection). `needed`, the longest row after this
+        forward, spares the host sync that finds it when the caller knows it already (later draft steps).
         """
         batch, n = input_ids.shape
-        needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
+        if needed is None:
+            needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
         if needed > self.max_len:
             raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
         kv_len = min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
