@@ -342,10 +342,10 @@ def trace_stats(events: list[dict]) -> dict:
     }
 
 
-def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], runs: list[str],
+def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], runs: list[str],
                         args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
-    """PSD, SD and AR through the real services (separate processes, cuda-ipc channel) on one GPU: `minedraft bench
-    --modes psd,sd,ar` on random-weight checkpoints, time-sliced and under CUDA MPS when it is there.
+    """PSD, SD and AR through the real services (separate processes; cuda-ipc channel on one host): `minedraft bench
+    --modes psd,sd,ar` on random-weight checkpoints. On one GPU, time-sliced and under CUDA MPS when it is there.
 
     `runs` are draft shapes, each alone (both ways of sharing) or as `SHAPE:timesliced` / `SHAPE:mps`.
     """
@@ -367,7 +367,7 @@ def services_on_one_gpu(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
             shutil.copy(f, root / name)
         shutil.copy(TARGET_DIR / "special_tokens_map.json", root / name)
         print(f"saved {name} checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
-    results: dict[str, dict] = summary.setdefault("services_one_gpu", {})
+    results: dict[str, dict] = summary.setdefault("services", {})
     timelines: dict[str, list[dict]] = summary.setdefault("services_timelines", {})
     for name, sharing in plan:
         label, use_mps = f"{name}_{sharing}", sharing == "mps"
@@ -539,7 +539,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in summary.items() if k.startswith(("hf_", "ours_"))}), flush=True)
         save()
     if args.services:
-        services_on_one_gpu(target, drafts, args.services.split(","), args, summary, save)
+        services_comparison(target, drafts, args.services.split(","), args, summary, save)
     plot(rows, {"one process": timeline} if timeline else summary.get("services_timelines", {}), out_dir)
     save()
     header = ("draft", "B", "k", "T_d ms", "T_v ms", "floor_v", "T_psd", "acc", "ideal", "PSD/SD", "ovl_eff", "SD/AR")
