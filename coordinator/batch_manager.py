@@ -61,6 +61,10 @@ class BatchManager:
     def num_running(self) -> int:
         return sum(b.size for b in self.batches)
 
+    def running(self) -> list[RequestState]:
+        """Admitted requests still decoding, in every batch."""
+        return [r for b in self.batches for r in b.members + b.joining if not (r.finished or r.cancelled)]
+
     def take_admissions(self) -> list[tuple[Batch, list[RequestState]]]:
         """Pop waiting requests into the emptier batch, one at a time, while there is room (balance by count).
 

@@ -44,6 +44,7 @@ class CoordinatorOptions:
     tokenizer: str | None = None
     step_trace: str | None = None
     overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
+    draft_retry_interval: float = 5.0  # seconds between tries to reach a lost draft service again
 
 
 def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> str:
@@ -77,6 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
         self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
                                metrics=metrics, overlap=options.overlap)
+        self.loop.reconnect_draft = self.reconnect_draft
+        self.loop.draft_retry_interval = options.draft_retry_interval
         self.workers.record_events = options.step_trace is not None
         self.workers.metrics = metrics
         if metrics is not None:
@@ -93,22 +96,50 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """Check the pair, set up the channel through both workers' control RPCs, start the step loop."""
         self.target_info = (await self.workers.target.GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
         if self.workers.draft is not None:
-            self.draft_info = (await self.workers.draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest())).info
-            check_pair(_vocab(self.target_info), _vocab(self.draft_info))
-            self.channel = choose_channel(self.options.channel, self.target_info, self.draft_info)
-            k, batch = self.options.num_speculative_tokens, self.options.max_batch_size
-            exported = self.workers.draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
-                channel=self.channel, num_speculative_tokens=k, max_batch_size=batch))
-            # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
-            handshake = (await exported).handshake
-            await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
-                channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch))
+            await self._connect_draft()
         tokenizer_dir = self.options.tokenizer or self.target_info.model
         try:
             self.tokenizer = load_tokenizer(tokenizer_dir)
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
+
+    async def _connect_draft(self, timeout: float | None = None) -> None:
+        """Check the pair and set the channel up through both workers' control RPCs."""
+        draft = self.workers.draft_stub
+        assert draft is not None
+        self.draft_info = (await draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=timeout)).info
+        check_pair(_vocab(self.target_info), _vocab(self.draft_info))
+        self.channel = choose_channel(self.options.channel, self.target_info, self.draft_info)
+        k, batch = self.options.num_speculative_tokens, self.options.max_batch_size
+        exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
+            channel=self.channel, num_speculative_tokens=k, max_batch_size=batch))
+        # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
+        handshake = (await exported).handshake
+        await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
+            channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch))
+
+    async def reconnect_draft(self) -> bool:
+        """While the draft service is lost (the step loop calls this now and then): once it answers again, set the
+        channel up anew, hand it every running request (prompt and output so far) and draft again."""
+        draft = self.workers.draft_stub
+        assert draft is not None
+        running = self.manager.running()
+        try:
+            await self._connect_draft(timeout=2.0)
+            # A draft that was only unreachable still holds sequences: what ended meanwhile, and the running ones.
+            stale = self.workers.draft_backlog + [r.seq_id for r in running]
+            await draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=stale))
+            if running:
+                await self.workers.prefill_draft(running, resume=True)
+        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.info("draft service not back yet: %s", detail)
+            return False
+        self.workers.draft_backlog = []
+        self.workers.draft = draft
+        log.warning("draft service back: speculative decoding again (%d running requests handed over)", len(running))
+        return True
 
     async def stop(self) -> None:
         self.loop.stop()
@@ -123,7 +154,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     @property
     def max_model_len(self) -> int:
         lengths = [self.target_info.max_model_len]
-        if self.workers.draft is not None:
+        if self.workers.draft_stub is not None:
             lengths.append(self.draft_info.max_model_len)
         return min(lengths)
 

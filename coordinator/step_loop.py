@@ -7,7 +7,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -42,6 +42,10 @@ class StepLoop:
         self._step_ids = itertools.count()
         self._wake = asyncio.Event()
         self._stopping = False
+        # While the draft service is lost: how to bring it back (set by the server), and how often to try.
+        self.reconnect_draft: Callable[[], Awaitable[bool]] | None = None
+        self.draft_retry_interval = 5.0
+        self._next_draft_retry = 0.0
 
     def wake(self) -> None:
         self._wake.set()
@@ -67,6 +71,7 @@ class StepLoop:
     async def step(self) -> None:
         await self._release([r for b in self.manager.batches if not b.awaiting_verify
                              for r in self.manager.remove_finished(b)])
+        await self._maybe_reconnect_draft()
         await self._admit()
         batches = self.manager.batches
         to_verify = next((b for b in batches if b.awaiting_verify), None)
@@ -144,6 +149,15 @@ class StepLoop:
         batch.open_membership()
         self.manager.rebalance(batch)
         await self._release(gone)
+
+    async def _maybe_reconnect_draft(self) -> None:
+        lost = self.workers.draft is None and self.workers.draft_stub is not None and self.mode != "ar"
+        if not lost or self.reconnect_draft is None or any(b.awaiting_verify for b in self.manager.batches):
+            return
+        now = time.monotonic()
+        if now >= self._next_draft_retry:
+            self._next_draft_retry = now + self.draft_retry_interval
+            await self.reconnect_draft()
 
     def _lose_draft(self, exc: BaseException) -> bool:
         """An unreachable draft service costs speed, not requests: go on decoding with the target alone."""

@@ -37,9 +37,9 @@ class TracedWorkers(Workers):
             span.set_attributes(message_attributes(reply))
             return reply
 
-    async def prefill_draft(self, requests: Sequence[RequestState]) -> None:
-        with self._span("prefill", DRAFT, requests):
-            await super().prefill_draft(requests)
+    async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
+        with self._span("prefill", DRAFT, requests, **{"minedraft.resume": resume}):
+            await super().prefill_draft(requests, resume)
 
     async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
                       ) -> draft_pb2.ProposeResponse:

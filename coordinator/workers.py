@@ -30,13 +30,16 @@ class StepEvent:
     channel_s: float = 0.0
 
 
-def sequence_spec(request: RequestState) -> common_pb2.SequenceSpec:
+def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.SequenceSpec:
+    """The request as a worker prefills it; `resume`: with its output so far but the last token, which the next
+    proposal feeds (a draft service that joins a running request)."""
     c = request.config
     params = generation_pb2.SamplingParams(
         max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=c.seed,
         stop_token_ids=list(c.stop_token_ids), ignore_eos=c.ignore_eos,
     )
-    return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=request.prompt_ids, params=params)
+    tokens = request.prompt_ids + request.output_ids[:-1] if resume else request.prompt_ids
+    return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params)
 
 
 class Workers:
@@ -47,11 +50,14 @@ class Workers:
         self._channels = [grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS,
                                                     interceptors=list(interceptors))]
         self.target = target_pb2_grpc.TargetServiceStub(self._channels[0])
+        # `draft` is the stub in use; `draft_stub` stays when the draft service is lost, to reconnect through.
         self.draft: draft_pb2_grpc.DraftServiceStub | None = None
+        self.draft_stub: draft_pb2_grpc.DraftServiceStub | None = None
         if draft_address:
             self._channels.append(grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS,
                                                             interceptors=list(interceptors)))
-            self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
+            self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self._channels[1])
+        self.draft_backlog: list[int] = []  # sequences released while the draft was lost: release them on return
         self.events: list[StepEvent] = []
         self.record_events = False
         self.metrics: CoordinatorMetrics | None = None
@@ -75,9 +81,10 @@ class Workers:
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
-    async def prefill_draft(self, requests: Sequence[RequestState]) -> None:
-        assert self.draft is not None
-        await self.draft.Prefill(draft_pb2.DraftServicePrefillRequest(sequences=[sequence_spec(r) for r in requests]))
+    async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
+        assert self.draft_stub is not None
+        await self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
+            sequences=[sequence_spec(r, resume) for r in requests]))
 
     async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
                       ) -> draft_pb2.ProposeResponse:
@@ -109,3 +116,5 @@ class Workers:
         await self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids)))
         if self.draft is not None:
             await self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)))
+        elif self.draft_stub is not None:
+            self.draft_backlog.extend(seq_ids)

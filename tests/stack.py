@@ -217,9 +217,10 @@ def _kill_leftovers() -> None:
             proc.kill()
 
 
-def spawn(name: str, args: Sequence[str], log_dir: Path) -> Service:
-    """Start `python -m minedraft.cli <args> --port <free port>`, output to a log file; returns at once."""
-    port = free_port()
+def spawn(name: str, args: Sequence[str], log_dir: Path, port: int | None = None) -> Service:
+    """Start `python -m minedraft.cli <args> --port <port>` (a free one by default), output to a log file; returns
+    at once."""
+    port = port or free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{port}.log"
     with open(log_path, "w") as log:

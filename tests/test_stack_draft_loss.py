@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
 import grpc
-from stack import Completion, TinyPairs, generate, run_async, running_coordinator, start_workers, text_prompts
+from stack import (
+    Completion,
+    TinyPairs,
+    generate,
+    run_async,
+    running_coordinator,
+    spawn,
+    start_workers,
+    text_prompts,
+    wait_all,
+    worker_args,
+)
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
@@ -63,5 +75,49 @@ def test_requests_survive_the_draft_service_dying(tiny_pairs: TinyPairs, stack_l
         assert any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in survived)  # type: ignore[attr-defined]
         assert after.token_ids == expected[0].token_ids  # type: ignore[index]
         assert after.usage.draft_tokens == 0
+    finally:
+        workers.stop()
+
+
+def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """Lost, then restarted on its address: the coordinator hands the running requests over and drafts again."""
+    pair = tiny_pairs["llama"]
+    workers = start_workers(pair, stack_logs / "draft-back")
+    try:
+        requests = _requests(tiny_pairs, 200)
+        with running_coordinator(workers, stack_logs, "psd", extra=["--draft-retry-interval", "0.2"]) as coordinator:
+            async def wave() -> list[Completion]:
+                return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
+
+            expected = run_async(wave())
+            assert workers.draft is not None
+            workers.draft.proc.send_signal(signal.SIGKILL)
+            workers.draft.proc.wait()
+            lost = run_async(wave())  # the coordinator finds the draft gone and goes on with the target alone
+            assert all(c.usage.draft_tokens == 0 for c in lost[1:])
+            # Restarted with the target's own weights as the draft: then a request handed over correctly (its whole
+            # sequence so far in the draft's cache) has every draft accepted, and one handed over wrongly would not.
+            workers.draft = spawn("llama-draft-restarted", worker_args("draft", pair.target, workers.max_batch_size),
+                                  stack_logs / "draft-back", port=workers.draft.port)
+            # Waves until one has a request that was running when the draft came back: decoded with the target
+            # alone first, then with drafts (its usage counts fewer drafts than 4 per step, but some).
+            waves: list[list[Completion]] = []
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                waves.append(run_async(wave()))
+                if any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in waves[-1]):
+                    break
+            wait_all([workers.draft])
+            after = run_async(wave())
+        # Lossless all along: every wave gives the tokens of the first.
+        for completions in [lost, *waves, after]:
+            assert [c.token_ids for c in completions] == [c.token_ids for c in expected]
+        handed_over = [c for c in waves[-1] if 0 < c.usage.draft_tokens < 4 * c.usage.steps]
+        assert handed_over, "no request was handed over"
+        # Every draft accepted (but in a last step cut short by max_tokens): a hand-over that gave the draft only the
+        # prompt accepts about 5% here.
+        assert all(c.usage.accepted_tokens >= c.usage.draft_tokens - 4 for c in handed_over), [
+            (c.usage.draft_tokens, c.usage.accepted_tokens) for c in handed_over]
+        assert all(c.usage.draft_tokens > 0 for c in after)
     finally:
         workers.stop()
