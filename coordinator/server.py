@@ -83,7 +83,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.record_events = options.step_trace is not None
         self.workers.metrics = metrics
         if metrics is not None:
-            metrics.track_queue(lambda: self.manager.queue_length, lambda: self.manager.num_running)
+            metrics.track_state(lambda: self.manager.queue_length, lambda: self.manager.num_running,
+                                lambda: float(self.workers.draft is not None))
         self.tokenizer: object | None = None
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()

@@ -78,6 +78,9 @@ class CoordinatorMetrics:
         )
         self.queue_length = Gauge("minedraft_queue_length", "Requests waiting for admission", registry=r)
         self.running = Gauge("minedraft_running_sequences", "Sequences in the two batches", registry=r)
+        self.draft_connected = Gauge("minedraft_draft_connected",
+                                     "1 while drafting; 0 in ar mode or while a lost draft service is retried",
+                                     registry=r)
         self.ttft = Histogram("minedraft_time_to_first_token_seconds", "Time to first token per request",
                               buckets=LATENCY, registry=r)
         self.tpot = Histogram("minedraft_time_per_output_token_seconds",
@@ -95,10 +98,12 @@ class CoordinatorMetrics:
         self._positions: list[Any] = []
         self._last_call: dict[str, tuple[float, float]] = {}
 
-    def track_queue(self, queue_length: Callable[[], float], running: Callable[[], float]) -> None:
+    def track_state(self, queue_length: Callable[[], float], running: Callable[[], float],
+                    draft_connected: Callable[[], float]) -> None:
         """Gauges read at scrape time (nothing on the hot path)."""
         self.queue_length.set_function(queue_length)
         self.running.set_function(running)
+        self.draft_connected.set_function(draft_connected)
 
     def worker_call(self, kind: str, size: int, start: float, end: float) -> None:
         """One prefill, propose or verify call, timed by the coordinator (perf_counter seconds)."""
