@@ -38,7 +38,8 @@ def test_chart_metadata() -> None:
 def test_values_have_the_documented_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     expected = {
-        "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "channel"],
+        "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "channel", "tokenizer",
+                        "draftRetryInterval"],
         "target": [
             "model",
             "port",
@@ -82,6 +83,8 @@ def test_templates_name_the_env_vars_and_probes() -> None:
         "MINEDRAFT_MODEL",
         "MINEDRAFT_TARGET",
         "MINEDRAFT_DRAFT",
+        "MINEDRAFT_TOKENIZER",
+        "MINEDRAFT_DRAFT_RETRY_INTERVAL",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_SERVICE_NAME",
         "grpc:",
@@ -156,6 +159,10 @@ def test_helm_template_defaults() -> None:
     assert coordinator["MINEDRAFT_TARGET"] == f"{RELEASE}-minedraft-target:50052"
     assert coordinator["MINEDRAFT_DRAFT"] == f"{RELEASE}-minedraft-draft:50053"
     assert "nvidia.com/gpu" not in str(container(objs, "coordinator").get("resources", {}))
+    assert coordinator["MINEDRAFT_TOKENIZER"] == "/models/target"  # text prompts need the tokenizer
+    assert "MINEDRAFT_DRAFT_RETRY_INTERVAL" not in coordinator  # empty: the CLI's default
+    (mount,) = container(objs, "coordinator")["volumeMounts"]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
 
     for component in ("target", "draft"):
         assert container(objs, component)["resources"]["limits"]["nvidia.com/gpu"] == 1
