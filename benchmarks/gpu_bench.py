@@ -485,7 +485,8 @@ def main() -> None:
                              "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
-    parser.add_argument("--services-timeout", type=int, default=240, help="seconds per services comparison")
+    parser.add_argument("--services-timeout", type=int, default=300,
+                        help="seconds per services comparison (three stacks started and stopped)")
     parser.add_argument("--in-process-psd", action="store_true",
                         help="also time PSD in this process (two threads, two streams); it hung with CUDA graphs, "
                              "so the default times PSD through the real services (--services)")
