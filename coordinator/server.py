@@ -45,6 +45,7 @@ class CoordinatorOptions:
     step_trace: str | None = None
     overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
     draft_retry_interval: float = 5.0  # seconds between tries to reach a lost draft service again
+    draft_timeout: float = 30.0  # a draft call that takes longer counts the draft service as lost
 
 
 def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> str:
@@ -78,9 +79,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
         self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
                                metrics=metrics, overlap=options.overlap)
+        self.loop.draft_answers = self.draft_answers
         self.loop.reconnect_draft = self.reconnect_draft
         self.loop.draft_retry_interval = options.draft_retry_interval
         self.workers.record_events = options.step_trace is not None
+        self.workers.draft_timeout = options.draft_timeout
         self.workers.metrics = metrics
         if metrics is not None:
             metrics.track_state(lambda: self.manager.queue_length, lambda: self.manager.num_running,
@@ -120,6 +123,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
             channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch))
 
+    async def draft_answers(self) -> bool:
+        """Whether the draft service answers a GetInfo within 2 s."""
+        assert self.workers.draft_stub is not None
+        try:
+            await self.workers.draft_stub.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return False
+        return True
+
     async def reconnect_draft(self) -> bool:
         """While the draft service is lost (the step loop calls this now and then): once it answers again, set the
         channel up anew, hand it every running request (prompt and output so far) and draft again."""
@@ -128,8 +140,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         running = self.manager.running()
         try:
             await self._connect_draft(timeout=2.0)
-            # A draft that was only unreachable still holds sequences: what ended meanwhile, and the running ones.
-            stale = self.workers.draft_backlog + [r.seq_id for r in running]
+            # A draft that was only unreachable still holds what was admitted before it was lost.
+            stale = sorted(set(self.workers.draft_backlog) | {r.seq_id for r in running})
             await draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=stale))
             if running:
                 await self.workers.prefill_draft(running, resume=True)

@@ -7,8 +7,8 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -42,10 +42,13 @@ class StepLoop:
         self._step_ids = itertools.count()
         self._wake = asyncio.Event()
         self._stopping = False
-        # While the draft service is lost: how to bring it back (set by the server), and how often to try.
+        # While the draft service is lost: whether it answers (probed in the background, so that a hung draft never
+        # stalls the steps), how to take it back (both set by the server), and how often to probe.
+        self.draft_answers: Callable[[], Coroutine[Any, Any, bool]] | None = None
         self.reconnect_draft: Callable[[], Awaitable[bool]] | None = None
         self.draft_retry_interval = 5.0
         self._next_draft_retry = 0.0
+        self._draft_probe: asyncio.Task[bool] | None = None
 
     def wake(self) -> None:
         self._wake.set()
@@ -53,6 +56,8 @@ class StepLoop:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        if self._draft_probe is not None:
+            self._draft_probe.cancel()
 
     def has_work(self) -> bool:
         return bool(self.manager.waiting) or any(b.members or b.joining for b in self.manager.batches)
@@ -152,20 +157,27 @@ class StepLoop:
 
     async def _maybe_reconnect_draft(self) -> None:
         lost = self.workers.draft is None and self.workers.draft_stub is not None and self.mode != "ar"
-        if not lost or self.reconnect_draft is None or any(b.awaiting_verify for b in self.manager.batches):
+        if not lost or self.draft_answers is None or self.reconnect_draft is None:
             return
-        now = time.monotonic()
-        if now >= self._next_draft_retry:
-            self._next_draft_retry = now + self.draft_retry_interval
-            await self.reconnect_draft()
+        probe = self._draft_probe
+        if probe is not None and probe.done():
+            self._draft_probe = None
+            if probe.result() and not any(b.awaiting_verify for b in self.manager.batches):
+                await self.reconnect_draft()
+        elif probe is None and time.monotonic() >= self._next_draft_retry:
+            self._next_draft_retry = time.monotonic() + self.draft_retry_interval
+            self._draft_probe = asyncio.create_task(self.draft_answers())
 
     def _lose_draft(self, exc: BaseException) -> bool:
-        """An unreachable draft service costs speed, not requests: go on decoding with the target alone."""
-        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE):
+        """An unreachable (or hung) draft service costs speed, not requests: go on decoding with the target alone."""
+        lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in lost_codes):
             return False
         if self.workers.draft is not None:
             log.error("draft service unreachable (%s): continuing with the target alone", exc.details())
             self.workers.draft = None
+            # Only what was admitted by now can be on the draft (at most its slots), whatever ends meanwhile.
+            self.workers.draft_backlog = [r.seq_id for b in self.manager.batches for r in b.members + b.joining]
         return True
 
     def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
@@ -178,9 +190,12 @@ class StepLoop:
             if request.cancelled and not request.finished:
                 request.finish(FINISH.FINISH_REASON_CANCELLED)
         try:
-            await self.workers.release([r.seq_id for r in requests])
+            draft_error = await self.workers.release([r.seq_id for r in requests])
         except grpc.RpcError as exc:
             log.warning("release failed: %s", exc)
+            return
+        if draft_error is not None and not self._lose_draft(draft_error):
+            log.warning("release failed on the draft: %s", draft_error)
 
     async def shutdown(self) -> None:
         """After the loop stopped: end every open stream and free its rows, so the workers can serve a new

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+
 from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop
 from coordinator.workers import Workers
@@ -59,13 +61,13 @@ class TracedWorkers(Workers):
             span.set_attributes(message_attributes(reply))
             return reply
 
-    async def release(self, seq_ids: Sequence[int]) -> None:
+    async def release(self, seq_ids: Sequence[int]) -> grpc.RpcError | None:
         if not seq_ids:
-            return
+            return None
         spans = [self._request_spans.pop(s, None) for s in seq_ids]
         attributes = {"minedraft.batch_size": len(seq_ids), "minedraft.seq_ids": list(seq_ids)}
         with batch_span(self.tracer, "release", links_to(spans), attributes):
-            await super().release(seq_ids)
+            return await super().release(seq_ids)
 
 
 class TracedStepLoop(StepLoop):

@@ -57,7 +57,9 @@ class Workers:
             self._channels.append(grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS,
                                                             interceptors=list(interceptors)))
             self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self._channels[1])
-        self.draft_backlog: list[int] = []  # sequences released while the draft was lost: release them on return
+        self.draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
+        # A draft call that outlives this is a lost draft (a hung process must not stall the target's decoding).
+        self.draft_timeout: float | None = 30.0
         self.events: list[StepEvent] = []
         self.record_events = False
         self.metrics: CoordinatorMetrics | None = None
@@ -84,7 +86,7 @@ class Workers:
     async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
         assert self.draft_stub is not None
         await self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
-            sequences=[sequence_spec(r, resume) for r in requests]))
+            sequences=[sequence_spec(r, resume) for r in requests]), timeout=self.draft_timeout)
 
     async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
                       ) -> draft_pb2.ProposeResponse:
@@ -94,7 +96,7 @@ class Workers:
             step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
             num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
             num_draft_tokens=k,
-        ))
+        ), timeout=self.draft_timeout)
         self._record("propose", batch_id, len(members), start, reply.timings)
         return reply
 
@@ -110,11 +112,16 @@ class Workers:
         self._record("verify", batch_id, len(members), start, reply.timings)
         return reply
 
-    async def release(self, seq_ids: Sequence[int]) -> None:
+    async def release(self, seq_ids: Sequence[int]) -> grpc.RpcError | None:
+        """Free the rows on both workers. A failure on the target raises; one on the draft is returned, for the
+        step loop to decide whether the draft is lost."""
         if not seq_ids:
-            return
+            return None
         await self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids)))
         if self.draft is not None:
-            await self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)))
-        elif self.draft_stub is not None:
-            self.draft_backlog.extend(seq_ids)
+            try:
+                await self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)),
+                                         timeout=self.draft_timeout)
+            except grpc.RpcError as exc:
+                return exc
+        return None

@@ -55,6 +55,8 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
          help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto)")
     _add(parser, "--draft-retry-interval", 5.0, type=float,
          help="seconds between tries to reach a lost draft service again (requests go on with the target alone)")
+    _add(parser, "--draft-timeout", 30.0, type=float,
+         help="seconds a draft call may take before the draft service counts as lost (a hung draft)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,7 +171,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         target=args.target, draft=args.draft, mode=args.mode, num_speculative_tokens=args.num_speculative_tokens,
         max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size, channel=args.channel,
         tokenizer=args.tokenizer, step_trace=args.step_trace, overlap=args.overlap,
-        draft_retry_interval=args.draft_retry_interval,
+        draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
     )
     tracing = setup_tracing("minedraft-coordinator")
     metrics = CoordinatorMetrics() if args.metrics_port else None
@@ -224,7 +226,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--num-speculative-tokens", str(args.num_speculative_tokens),
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
                         "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap,
-                        "--draft-retry-interval", str(getattr(args, "draft_retry_interval", 5.0))]
+                        "--draft-retry-interval", str(getattr(args, "draft_retry_interval", 5.0)),
+                        "--draft-timeout", str(getattr(args, "draft_timeout", 30.0))]
     if args.step_trace:
         coordinator += ["--step-trace", args.step_trace]
     if getattr(args, "synthetic_acceptance", None) is not None:
@@ -273,7 +276,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
         max_queue_size=args.max_queue_size, channel="local" if args.channel == "auto" else args.channel,
         tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap,
-        draft_retry_interval=args.draft_retry_interval,
+        draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
     )
     server, port, servicer = await serve_coordinator(coordinator_options, args.port, args.host)
     print(f"minedraft serving {args.mode} on localhost:{port} in one process "

@@ -39,7 +39,7 @@ def test_values_have_the_documented_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     expected = {
         "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "channel", "tokenizer",
-                        "draftRetryInterval"],
+                        "draftRetryInterval", "draftTimeout"],
         "target": [
             "model",
             "port",

@@ -18,6 +18,7 @@ from stack import (
     start_workers,
     text_prompts,
     wait_all,
+    wait_all_slots_free,
     worker_args,
 )
 
@@ -131,5 +132,57 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
         assert all(c.usage.accepted_tokens >= c.usage.draft_tokens - 4 for c in handed_over), [
             (c.usage.draft_tokens, c.usage.accepted_tokens) for c in handed_over]
         assert all(c.usage.draft_tokens > 0 for c in after)
+    finally:
+        workers.stop()
+
+
+def test_a_hung_draft_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """A draft process that stops answering (SIGSTOP) costs a --draft-timeout, not the requests; once it runs again
+    it still holds the old sequences, which the coordinator releases before handing the running ones over."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "draft-hung")
+    try:
+        requests = _requests(tiny_pairs, 200)
+        extra = ["--draft-retry-interval", "0.2", "--draft-timeout", "1"]
+        with running_coordinator(workers, stack_logs, "psd", extra=extra) as coordinator:
+            async def wave() -> list[Completion]:
+                return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
+
+            expected = run_async(wave())
+            assert workers.draft is not None
+            draft = workers.draft.proc
+
+            async def stall_midway() -> list[Completion]:
+                received, total = 0, sum(r.params.max_tokens for r in requests)
+
+                async def stream(request: generation_pb2.GenerateRequest) -> Completion:
+                    nonlocal received
+                    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+                        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+                        ids: list[int] = []
+                        async for message in call:
+                            ids += message.token_ids
+                            received += len(message.token_ids)
+                            if received >= 0.05 * total and draft.poll() is None and not stopped:
+                                stopped.append(time.monotonic())
+                                draft.send_signal(signal.SIGSTOP)
+                            if message.finish_reason:
+                                return Completion(ids, "", message.finish_reason, message.usage, 0)
+                    raise AssertionError("stream ended without a finish reason")
+
+                stopped: list[float] = []
+                return await asyncio.gather(*(stream(r) for r in requests))
+
+            try:
+                stalled = run_async(stall_midway())
+            finally:
+                draft.send_signal(signal.SIGCONT)
+            after = run_async(wave())
+            # The sequences the draft held when it hung were released when it came back: no row leaks.
+            slots = wait_all_slots_free(workers)
+        assert all(free == total for free, total in slots.values()), slots
+        assert [c.token_ids for c in stalled] == [c.token_ids for c in expected]
+        assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+        assert any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in stalled)  # drafts, then none
+        assert all(c.usage.draft_tokens > 0 for c in after), "the draft was not taken back"
     finally:
         workers.stop()
