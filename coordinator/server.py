@@ -132,7 +132,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             return False
         return True
 
-    async def reconnect_draft(self) -> bool:
+    async def reconnect_draft(self) -> None:
         """While the draft service is lost (the step loop calls this now and then): once it answers again, set the
         channel up anew, hand it every running request (prompt and output so far) and draft again."""
         draft = self.workers.draft_stub
@@ -148,11 +148,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.info("draft service not back yet: %s", detail)
-            return False
+            return
         self.workers.draft_backlog = []
         self.workers.draft = draft
         log.warning("draft service back: speculative decoding again (%d running requests handed over)", len(running))
-        return True
 
     async def stop(self) -> None:
         self.loop.stop()

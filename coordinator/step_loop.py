@@ -45,7 +45,7 @@ class StepLoop:
         # While the draft service is lost: whether it answers (probed in the background, so that a hung draft never
         # stalls the steps), how to take it back (both set by the server), and how often to probe.
         self.draft_answers: Callable[[], Coroutine[Any, Any, bool]] | None = None
-        self.reconnect_draft: Callable[[], Awaitable[bool]] | None = None
+        self.reconnect_draft: Callable[[], Awaitable[None]] | None = None
         self.draft_retry_interval = 5.0
         self._next_draft_retry = 0.0
         self._draft_probe: asyncio.Task[bool] | None = None
@@ -156,7 +156,7 @@ class StepLoop:
         await self._release(gone)
 
     async def _maybe_reconnect_draft(self) -> None:
-        lost = self.workers.draft is None and self.workers.draft_stub is not None and self.mode != "ar"
+        lost = self.workers.draft is None and self.workers.draft_stub is not None  # (ar mode has no draft stub)
         if not lost or self.draft_answers is None or self.reconnect_draft is None:
             return
         probe = self._draft_probe

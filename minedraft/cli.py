@@ -225,9 +225,11 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--host", args.host, "--mode", args.mode,
                         "--num-speculative-tokens", str(args.num_speculative_tokens),
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
-                        "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap,
-                        "--draft-retry-interval", str(getattr(args, "draft_retry_interval", 5.0)),
-                        "--draft-timeout", str(getattr(args, "draft_timeout", 30.0))]
+                        "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
+    for flag in ("--draft-retry-interval", "--draft-timeout"):  # `serve` has them; a bench stack keeps the defaults
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            coordinator += [flag, str(value)]
     if args.step_trace:
         coordinator += ["--step-trace", args.step_trace]
     if getattr(args, "synthetic_acceptance", None) is not None:

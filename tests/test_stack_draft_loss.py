@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -33,48 +34,55 @@ def _requests(tiny_pairs: TinyPairs, max_tokens: int) -> list[generation_pb2.Gen
     return [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params) for p in prompts]
 
 
+def _wave(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[Completion]:
+    async def run_all() -> list[Completion]:
+        return await asyncio.gather(*(generate(address, r) for r in requests))
+
+    return run_async(run_all())
+
+
+def _signal_midway(address: str, requests: list[generation_pb2.GenerateRequest], proc: subprocess.Popen,
+                   sig: signal.Signals) -> list[Completion]:
+    """Stream all requests; send `sig` to `proc` once 5% of the tokens have arrived, whatever the machine's speed."""
+    total = sum(r.params.max_tokens for r in requests)
+    received, sent = 0, False
+
+    async def stream(request: generation_pb2.GenerateRequest) -> Completion:
+        nonlocal received, sent
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+            ids: list[int] = []
+            async for message in call:
+                ids += message.token_ids
+                received += len(message.token_ids)
+                if received >= 0.05 * total and not sent:
+                    sent = True
+                    proc.send_signal(sig)
+                if message.finish_reason:
+                    return Completion(ids, "", message.finish_reason, message.usage, 0)
+        raise AssertionError("stream ended without a finish reason")
+
+    async def run_all() -> list[Completion]:
+        return await asyncio.gather(*(stream(r) for r in requests))
+
+    return run_async(run_all())
+
+
 def test_requests_survive_the_draft_service_dying(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
     workers = start_workers(tiny_pairs["llama"], stack_logs / "draft-loss")
     try:
         requests = _requests(tiny_pairs, 200)
         with running_coordinator(workers, stack_logs, "psd") as coordinator:
-            async def run_all() -> list:
-                return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
-
-            expected = run_async(run_all())
-
-            async def kill_draft_midway() -> list:
-                """Stream all requests; kill the draft once 5% of the tokens have arrived, whatever the speed."""
-                received = 0
-                killed = asyncio.Event()
-
-                async def stream(request: generation_pb2.GenerateRequest) -> Completion:
-                    nonlocal received
-                    async with grpc.aio.insecure_channel(coordinator.address) as channel:
-                        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
-                        ids: list[int] = []
-                        async for message in call:
-                            ids += message.token_ids
-                            received += len(message.token_ids)
-                            if received >= 0.05 * total and not killed.is_set():
-                                killed.set()
-                                assert workers.draft is not None
-                                workers.draft.proc.send_signal(signal.SIGKILL)
-                            if message.finish_reason:
-                                return Completion(ids, "", message.finish_reason, message.usage, 0)
-                    raise AssertionError("stream ended without a finish reason")
-
-                total = sum(r.params.max_tokens for r in requests)
-                return await asyncio.gather(*(stream(r) for r in requests))
-
-            survived = run_async(kill_draft_midway())
+            expected = _wave(coordinator.address, requests)
+            assert workers.draft is not None
+            survived = _signal_midway(coordinator.address, requests, workers.draft.proc, signal.SIGKILL)
             after = run_async(generate(coordinator.address, requests[0]))  # admitted with no draft at all
         # Greedy decoding is lossless with or without drafts: the same tokens, all of them.
-        assert [c.token_ids for c in survived] == [c.token_ids for c in expected]  # type: ignore[attr-defined]
-        assert all(c.finish_reason == generation_pb2.FINISH_REASON_LENGTH for c in survived)  # type: ignore[attr-defined]
+        assert [c.token_ids for c in survived] == [c.token_ids for c in expected]
+        assert all(c.finish_reason == generation_pb2.FINISH_REASON_LENGTH for c in survived)
         # The kill really came mid-flight: some requests had verify steps with drafts and then without.
-        assert any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in survived)  # type: ignore[attr-defined]
-        assert after.token_ids == expected[0].token_ids  # type: ignore[index]
+        assert any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in survived)
+        assert after.token_ids == expected[0].token_ids
         assert after.usage.draft_tokens == 0
     finally:
         workers.stop()
@@ -87,14 +95,12 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
     try:
         requests = _requests(tiny_pairs, 200)
         with running_coordinator(workers, stack_logs, "psd", extra=["--draft-retry-interval", "0.2"]) as coordinator:
-            async def wave() -> list[Completion]:
-                return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
-
-            expected = run_async(wave())
+            expected = _wave(coordinator.address, requests)
             assert workers.draft is not None
             workers.draft.proc.send_signal(signal.SIGKILL)
             workers.draft.proc.wait()
-            lost = run_async(wave())  # the coordinator finds the draft gone and goes on with the target alone
+            # The coordinator finds the draft gone and goes on with the target alone.
+            lost = _wave(coordinator.address, requests)
             assert all(c.usage.draft_tokens == 0 for c in lost[1:])
             # Restarted with the target's own weights as the draft: then a request handed over correctly (its whole
             # sequence so far in the draft's cache) has every draft accepted, and one handed over wrongly would not.
@@ -120,7 +126,7 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
                 return done
 
             fed = run_async(feed_until_back())
-            after = run_async(wave())
+            after = _wave(coordinator.address, requests)
         # Lossless all along: the tokens of the first wave, whatever happened to the draft.
         assert [c.token_ids for c in lost] == [c.token_ids for c in expected]
         assert all(c.token_ids == expected[i].token_ids for i, c in fed)
@@ -144,39 +150,14 @@ def test_a_hung_draft_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, 
         requests = _requests(tiny_pairs, 200)
         extra = ["--draft-retry-interval", "0.2", "--draft-timeout", "1"]
         with running_coordinator(workers, stack_logs, "psd", extra=extra) as coordinator:
-            async def wave() -> list[Completion]:
-                return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
-
-            expected = run_async(wave())
+            expected = _wave(coordinator.address, requests)
             assert workers.draft is not None
             draft = workers.draft.proc
-
-            async def stall_midway() -> list[Completion]:
-                received, total = 0, sum(r.params.max_tokens for r in requests)
-
-                async def stream(request: generation_pb2.GenerateRequest) -> Completion:
-                    nonlocal received
-                    async with grpc.aio.insecure_channel(coordinator.address) as channel:
-                        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
-                        ids: list[int] = []
-                        async for message in call:
-                            ids += message.token_ids
-                            received += len(message.token_ids)
-                            if received >= 0.05 * total and draft.poll() is None and not stopped:
-                                stopped.append(time.monotonic())
-                                draft.send_signal(signal.SIGSTOP)
-                            if message.finish_reason:
-                                return Completion(ids, "", message.finish_reason, message.usage, 0)
-                    raise AssertionError("stream ended without a finish reason")
-
-                stopped: list[float] = []
-                return await asyncio.gather(*(stream(r) for r in requests))
-
             try:
-                stalled = run_async(stall_midway())
+                stalled = _signal_midway(coordinator.address, requests, draft, signal.SIGSTOP)
             finally:
                 draft.send_signal(signal.SIGCONT)
-            after = run_async(wave())
+            after = _wave(coordinator.address, requests)
             # The sequences the draft held when it hung were released when it came back: no row leaks.
             slots = wait_all_slots_free(workers)
         assert all(free == total for free, total in slots.values()), slots
