@@ -39,6 +39,7 @@ from target_service.verifier import Verifier
 
 VOCAB = 128256
 EAGER = False  # --eager: no CUDA graphs
+COMPILE = False  # the mode of --compile-modes being measured: torch.compile'd decoder layers
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8),
@@ -83,6 +84,7 @@ def kv_bytes(runner: ModelRunner, rows: int, length: int) -> int:
 @dataclass
 class Row:
     draft: str
+    compiled: bool
     batch: int
     k: int
     t_draft_ms: float
@@ -115,8 +117,9 @@ class Pair:
                  synthetic: float | None, steps: int) -> None:
         max_len = prefix + (steps + 4) * (k + 1) * 3 + 16
         graphs = not EAGER
-        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs), [], synthetic_acceptance=synthetic)
-        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs))
+        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs, COMPILE), [],
+                                 synthetic_acceptance=synthetic)
+        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE))
         self.k, self.batch = k, batch
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
         self.d_stream = torch.cuda.Stream(self.proposer.runner.device)
@@ -217,7 +220,7 @@ def measure(name: str, target: torch.nn.Module, draft: torch.nn.Module, batch: i
     verify_floor = (param_bytes(target) + kv_bytes(runner_t, batch, length)) / bandwidth
     draft_floor = k * (param_bytes(draft) + kv_bytes(runner_d, batch, length)) / bandwidth
     return Row(
-        draft=name, batch=batch, k=k, t_draft_ms=d * 1e3, t_verify_ms=v * 1e3, t_ar_ms=ar * 1e3,
+        draft=name, compiled=COMPILE, batch=batch, k=k, t_draft_ms=d * 1e3, t_verify_ms=v * 1e3, t_ar_ms=ar * 1e3,
         t_psd_step_ms=p * 1e3, mean_accepted=acc, ideal=(d + v) / max(d, v), psd_over_sd=psd_tput / sd_tput,
         sd_over_ar=sd_tput / ar_tput,
         overlap_efficiency=max(d, v) / p, verify_floor_ms=verify_floor * 1e3, draft_floor_ms=draft_floor * 1e3,
@@ -286,21 +289,33 @@ def cuda_ipc_costs(target_device: str, draft_device: str, out: dict) -> None:
 
 
 def graphs_match_eager(model: torch.nn.Module, device: str, out: dict) -> None:
-    """CUDA-graph replays give exactly the eager outputs (same padded shapes, same kernels)."""
-    generator = torch.Generator().manual_seed(4)
-    runners = [ModelRunner(model, 8, 1024, cuda_graphs=flag) for flag in (False, True)]
-    rows = torch.arange(3, device=device)
-    prompts = torch.randint(0, VOCAB, (3, 100), generator=generator).to(device)
-    outputs: list[list[torch.Tensor]] = [[], []]
-    for runner, collected in zip(runners, outputs):
+    """CUDA-graph replays give exactly the eager outputs (same padded shapes, same kernels).
+
+    With compiled layers (COMPILE), also how far they are from the uncompiled model (fused kernels round bf16
+    differently): max abs logit difference and the share of positions with the same argmax.
+    """
+
+    def outputs(runner: ModelRunner) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(4)
+        rows = torch.arange(3, device=device)
+        prompts = torch.randint(0, VOCAB, (3, 100), generator=generator).to(device)
         runner.allocate(3)
-        collected.append(runner.forward(rows, prompts, torch.full((3,), 100, device=device), last_only=True))
-    for n in (1, 5, 1, 2, 5):
-        ids = torch.randint(0, VOCAB, (3, n), generator=generator).to(device)
-        for runner, collected in zip(runners, outputs):
+        collected = [runner.forward(rows, prompts, torch.full((3,), 100, device=device), last_only=True)]
+        for n in (1, 5, 1, 2, 5):
+            ids = torch.randint(0, VOCAB, (3, n), generator=generator).to(device)
             collected.append(runner.forward(rows, ids, torch.full((3,), n, device=device)).clone())
-    out["cuda_graphs_identical_to_eager"] = all(torch.equal(a, b) for a, b in zip(*outputs))
-    out["cuda_graphs_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(*outputs))
+        return collected
+
+    eager, graphs = (outputs(ModelRunner(model, 8, 1024, flag, COMPILE)) for flag in (False, True))
+    suffix = "_compiled" if COMPILE else ""
+    out["cuda_graphs_identical_to_eager" + suffix] = all(torch.equal(a, b) for a, b in zip(eager, graphs))
+    out["cuda_graphs_max_abs_diff" + suffix] = max(float((a - b).abs().max()) for a, b in zip(eager, graphs))
+    if COMPILE:
+        with torch.compiler.set_stance("force_eager"):  # the same model, its layers uncompiled
+            plain = outputs(ModelRunner(model, 8, 1024, cuda_graphs=False))
+        out["compiled_vs_uncompiled_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(plain, graphs))
+        same = [(a.argmax(-1) == b.argmax(-1)).float().mean() for a, b in zip(plain, graphs)]
+        out["compiled_vs_uncompiled_same_argmax"] = float(torch.stack(same).mean())
 
 
 def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.Namespace, out: dict) -> None:
@@ -311,15 +326,16 @@ def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.
     new = 64
     target.generation_config.pad_token_id = 0
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, assistant_model=draft)
-    target.generate(prompt.to(args.target_device), **kwargs)  # warm-up
-    hf_s = timed(lambda: target.generate(prompt.to(args.target_device), **kwargs), [args.target_device])
-    verifier = Verifier(ModelRunner(target, 2, args.prefix + new + 16, not EAGER), [])
-    proposer = Proposer(ModelRunner(draft, 2, args.prefix + new + 16, not EAGER))
+    with torch.compiler.set_stance("force_eager"):  # transformers as it comes, even once our runs compiled layers
+        target.generate(prompt.to(args.target_device), **kwargs)  # warm-up
+        hf_s = timed(lambda: target.generate(prompt.to(args.target_device), **kwargs), [args.target_device])
+    verifier = Verifier(ModelRunner(target, 2, args.prefix + new + 16, not EAGER, COMPILE), [])
+    proposer = Proposer(ModelRunner(draft, 2, args.prefix + new + 16, not EAGER, COMPILE))
     request = OfflineRequest(prompt[0].tolist(), SamplingConfig(max_tokens=new, ignore_eos=True))
     generate_offline(verifier, proposer, [request], 4, 1)
     ours_s = timed(lambda: generate_offline(verifier, proposer, [request], 4, 1), [args.target_device])
     out["hf_assisted_tokens_per_s"] = new / hf_s
-    out["ours_sd_b1_tokens_per_s"] = new / ours_s
+    out["ours_sd_b1_tokens_per_s" + ("_compiled" if COMPILE else "")] = new / ours_s
 
 
 def trace_stats(events: list[dict]) -> dict:
@@ -370,7 +386,7 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
     results: dict[str, dict] = summary.setdefault("services", {})
     timelines: dict[str, list[dict]] = summary.setdefault("services_timelines", {})
     for name, sharing in plan:
-        label, use_mps = f"{name}_{sharing}", sharing == "mps"
+        label, use_mps = f"{name}_{sharing}" + ("_compiled" if COMPILE else ""), sharing == "mps"
         env = dict(os.environ)
         if use_mps:
             pipe = tempfile.mkdtemp(prefix="mps-")
@@ -387,6 +403,7 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                    "--num-prompts", str(2 * args.services_batch), "--prompt-len", str(args.prefix),
                    "--output-len", "128", "--no-progress", "--json-out", str(json_out),
                    "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
+        command += ["--compile"] if COMPILE else []
         print(f"services, {label}: {' '.join(command)}", flush=True)
         bench = subprocess.Popen(command, env=env)
         try:
@@ -445,17 +462,20 @@ def plot(rows: list[Row], timelines: dict[str, list[dict]], out_dir: Path) -> No
         return
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, draft in enumerate(sorted({r.draft for r in rows})):
+    for i, (draft, compiled) in enumerate(sorted({(r.draft, r.compiled) for r in rows})):
+        how = ", compiled" if compiled else ""
         for k in sorted({r.k for r in rows}):
-            sel = [r for r in rows if r.draft == draft and r.k == k]
+            sel = [r for r in rows if (r.draft, r.compiled, r.k) == (draft, compiled, k)]
             sd = [r.batch * (r.mean_accepted + 1) / (r.t_draft_ms + r.t_verify_ms) * 1e3 for r in sel]
-            ax.plot([r.batch for r in sel], sd, marker="o", color=f"C{i}", label=f"SD, {draft} draft, k={k}")
+            ax.plot([r.batch for r in sel], sd, marker="o", color=f"C{i}", label=f"SD, {draft} draft{how}, k={k}")
             psd = [(r.batch, r.batch * (r.mean_accepted + 1) / r.t_psd_step_ms * 1e3) for r in sel
                    if r.t_psd_step_ms == r.t_psd_step_ms]
             if psd:
-                ax.plot(*zip(*psd), marker="s", ls="--", color=f"C{i}", label=f"PSD (one process), {draft}, k={k}")
-    ar = {r.batch: r.batch / r.t_ar_ms * 1e3 for r in rows}
-    ax.plot(sorted(ar), [ar[b] for b in sorted(ar)], marker="^", color="grey", label="AR (target alone)")
+                ax.plot(*zip(*psd), marker="s", ls="--", color=f"C{i}", label=f"PSD (one process), {draft}{how}, k={k}")
+    for compiled in sorted({r.compiled for r in rows}):
+        ar = {r.batch: r.batch / r.t_ar_ms * 1e3 for r in rows if r.compiled == compiled}
+        ax.plot(sorted(ar), [ar[b] for b in sorted(ar)], marker="^", color="grey", ls=":" if compiled else "-",
+                label="AR (target alone)" + (", compiled" if compiled else ""))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
@@ -480,6 +500,9 @@ def main() -> None:
                         help="BENCHMARK ONLY, not lossless: accept each draft with this probability")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"))
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
+    parser.add_argument("--compile-modes", default="off",
+                        help="off, on or off,on: without and/or with torch.compile'd decoder layers, side by side "
+                             "(compiling is in place, so off is measured first)")
     parser.add_argument("--services", default="",
                         help="draft shapes to also run through the real services on one GPU, time-sliced and "
                              "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)")
@@ -518,24 +541,29 @@ def main() -> None:
     if not args.services_only:
         channel_costs(args.target_device, summary)
         cuda_ipc_costs(args.target_device, args.draft_device, summary)
+    batch_sizes, ks = [int(b) for b in args.batch_sizes.split(",")], [int(k) for k in args.ks.split(",")]
+    modes = [m for m in ("off", "on") if m in args.compile_modes.split(",")]
+    global COMPILE
+    for mode in modes:
+        COMPILE = mode == "on"
+        if args.services_only:
+            continue
         graphs_match_eager(next(iter(drafts.values())), args.draft_device, summary)
         print(json.dumps(summary), flush=True)
-    batch_sizes, ks = [int(b) for b in args.batch_sizes.split(",")], [int(k) for k in args.ks.split(",")]
-    configs = [] if args.services_only else [(n, b, k) for n in drafts for b in batch_sizes for k in ks]
-    for i, (name, batch, k) in enumerate(configs):
-        want_timeline = not timeline and batch >= 8 and k == 4
-        print(f"[{i + 1}/{len(configs)}] measuring draft {name}, B={batch}, k={k}", flush=True)
-        # A one-process PSD run once hung with CUDA graphs (both threads waiting in a device-to-host copy): a hang
-        # then shows every thread and ends the run, keeping the rows written so far.
-        faulthandler.dump_traceback_later(args.psd_watchdog, exit=True)
-        row = measure(name, target, drafts[name], batch, k, args, bandwidth, timeline if want_timeline else None)
-        faulthandler.cancel_dump_traceback_later()
-        rows.append(row)
-        shown = {key: round(v, 3) if isinstance(v, float) else v for key, v in asdict(row).items()}
-        print(f"[{i + 1}/{len(configs)}] {json.dumps(shown)}", flush=True)
-        save()
-        torch.cuda.empty_cache()
-    if not args.services_only:
+        configs = [(n, b, k) for n in drafts for b in batch_sizes for k in ks]
+        for i, (name, batch, k) in enumerate(configs):
+            want_timeline = not timeline and batch >= 8 and k == 4
+            print(f"[{i + 1}/{len(configs)}] compile {mode}: measuring draft {name}, B={batch}, k={k}", flush=True)
+            # A one-process PSD run once hung with CUDA graphs (both threads waiting in a device-to-host copy): a
+            # hang then shows every thread and ends the run, keeping the rows written so far. Compiling takes long.
+            faulthandler.dump_traceback_later(args.psd_watchdog + (300 if COMPILE else 0), exit=True)
+            row = measure(name, target, drafts[name], batch, k, args, bandwidth, timeline if want_timeline else None)
+            faulthandler.cancel_dump_traceback_later()
+            rows.append(row)
+            shown = {key: round(v, 3) if isinstance(v, float) else v for key, v in asdict(row).items()}
+            print(f"[{i + 1}/{len(configs)}] {json.dumps(shown)}", flush=True)
+            save()
+            torch.cuda.empty_cache()
         hf_assisted(target, next(iter(drafts.values())), args, summary)
         print(json.dumps({k: v for k, v in summary.items() if k.startswith(("hf_", "ours_"))}), flush=True)
         save()
@@ -543,18 +571,20 @@ def main() -> None:
         services_comparison(target, drafts, args.services.split(","), args, summary, save)
     plot(rows, {"one process": timeline} if timeline else summary.get("services_timelines", {}), out_dir)
     save()
-    header = ("draft", "B", "k", "T_d ms", "T_v ms", "floor_v", "T_psd", "acc", "ideal", "PSD/SD", "ovl_eff", "SD/AR")
+    header = ("draft", "compiled", "B", "k", "T_d ms", "T_v ms", "floor_v", "T_psd", "acc", "ideal", "PSD/SD",
+              "ovl_eff", "SD/AR")
     print(f"\nsynthetic acceptance {args.synthetic_acceptance} (benchmark only); {summary['gpu']}")
     print(" | ".join(header))
     for r in rows:
-        print(" | ".join(str(x) for x in (r.draft, r.batch, r.k, f"{r.t_draft_ms:.1f}", f"{r.t_verify_ms:.1f}",
+        print(" | ".join(str(x) for x in (r.draft, r.compiled, r.batch, r.k, f"{r.t_draft_ms:.1f}",
+                                           f"{r.t_verify_ms:.1f}",
                                            f"{r.verify_floor_ms:.1f}", f"{r.t_psd_step_ms:.1f}",
                                            f"{r.mean_accepted:.2f}", f"{r.ideal:.2f}", f"{r.psd_over_sd:.2f}",
                                            f"{r.overlap_efficiency:.2f}", f"{r.sd_over_ar:.2f}")))
     # SD at the same total concurrency runs one batch of 2B: compare PSD at B with the SD row at 2B.
-    by_key = {(r.draft, r.batch, r.k): r for r in rows}
+    by_key = {(r.draft, r.compiled, r.batch, r.k): r for r in rows}
     for r in rows:
-        twice = by_key.get((r.draft, 2 * r.batch, r.k))
+        twice = by_key.get((r.draft, r.compiled, 2 * r.batch, r.k))
         if twice is not None:
             psd_tput = r.batch * (r.mean_accepted + 1) / r.t_psd_step_ms
             sd_tput = twice.batch * (twice.mean_accepted + 1) / (twice.t_draft_ms + twice.t_verify_ms)

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
+import benchmarks.gpu_bench as gpu_bench  # noqa: E402
 from benchmarks.gpu_bench import Pair, build  # noqa: E402
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers")
+    parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write Chrome traces here")
+    args = parser.parse_args()
+    gpu_bench.COMPILE = args.compile
     device = "cuda:0"
     target, draft = build("8b", device), build("68m", device)
     for batch in (1, 32):
@@ -38,8 +47,13 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 fn(0)
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70),
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70),
                   flush=True)
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.device_time for e in kernels) / 1e3
+            print(f"B={batch} {name}: {len(kernels)} kernels, {busy:.2f} ms of kernel time", flush=True)
+            if args.trace_dir:
+                prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_b{batch}.json"))
         del pair
         torch.cuda.empty_cache()
 

@@ -63,32 +63,33 @@ class Proposer:
         t = self.table
         temperature = torch.zeros_like(t.temperature[rows]) if self.greedy_drafts else t.temperature[rows]
         greedy = temperature == 0
-        all_greedy = bool(greedy.all())  # then no probabilities are made, and none move
-        drafts, probs = [], []
-        inputs, valid = tail, tail_len
+        if k == 0:
+            self._remember(rows, tail[:, :0], 0)
+            return Proposal(tail[:, :0], None)
         # The longest row after each step is known from the first: one host sync per proposal, not one per step.
         # (The first step writes both tail positions of every row, valid or not; each later step appends one.)
         lengths = self.runner.cache.lengths[rows]
         widest, longest = torch.stack([(lengths + tail.shape[1]).max(), (lengths + tail_len).max()]).tolist()
+        self.committed[rows] = lengths + tail_len
+        if bool(greedy.all()):  # no probabilities are made, and none move
+            draft_ids = self.runner.greedy_decode(rows, tail, tail_len, k, max(widest, longest + k - 1))
+            self._remember(rows, draft_ids, k)
+            return Proposal(draft_ids, None)
+        drafts, probs = [], []
+        inputs, valid = tail, tail_len
         for step in range(k):
             needed = widest if step == 0 else longest + step
             logits = self.runner.forward(rows, inputs, valid, last_only=True, needed=needed)  # [B, V]
-            if step == 0:
-                self.committed[rows] = self.runner.cache.lengths[rows]
             position = self.committed[rows] + step
-            if all_greedy:
-                token = logits.argmax(-1)
-            else:
-                q = processed_probs(logits[:, None], temperature, t.top_k[rows], t.top_p[rows])[:, 0]
-                u = seeded_uniform(t.seed[rows], position[:, None], STREAM_DRAFT)[:, 0]
-                token = torch.where(greedy, logits.argmax(-1), sample_from(q, u))
-                q = torch.where(greedy[:, None], torch.nn.functional.one_hot(token, q.shape[-1]).to(q.dtype), q)
-                probs.append(q)
+            q = processed_probs(logits[:, None], temperature, t.top_k[rows], t.top_p[rows])[:, 0]
+            u = seeded_uniform(t.seed[rows], position[:, None], STREAM_DRAFT)[:, 0]
+            token = torch.where(greedy, logits.argmax(-1), sample_from(q, u))
+            probs.append(torch.where(greedy[:, None], torch.nn.functional.one_hot(token, q.shape[-1]).to(q.dtype), q))
             drafts.append(token)
             inputs, valid = token[:, None], torch.ones_like(valid)
-        draft_ids = torch.stack(drafts, dim=1) if drafts else tail[:, :0]
+        draft_ids = torch.stack(drafts, dim=1)
         self._remember(rows, draft_ids, k)
-        return Proposal(draft_ids, torch.stack(probs, dim=1) if probs else None)
+        return Proposal(draft_ids, torch.stack(probs, dim=1))
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)

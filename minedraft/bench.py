@@ -28,7 +28,7 @@ SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from minedraft.cli import DEMO_DIR
+    from minedraft.cli import COMPILE_HELP, DEMO_DIR
 
     what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
     what.add_argument("--server", default=None,
@@ -49,6 +49,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--max-batch-size", type=int, default=8, help="sequences per batch (psd runs two batches)")
     stack.add_argument("--max-model-len", type=int, default=None,
                        help="cache length per sequence (default: room for the prompt and output lengths)")
+    stack.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     stack.add_argument("--channel", default="auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     stack.add_argument("--overlap", default="auto", choices=["auto", "always", "never"],
                        help="psd: run Verify and Propose concurrently always, never, or when it measures faster")

@@ -27,6 +27,8 @@ def _env_default(flag: str, default: object) -> object:
     name = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
     return os.environ.get(name, default)
 
+COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs; each new shape compiles first)"
+
 
 def _add(parser: argparse.ArgumentParser, flag: str, default: object = None, **kwargs: object) -> None:
     parser.add_argument(flag, default=_env_default(flag, default), **kwargs)  # type: ignore[arg-type]
@@ -42,6 +44,7 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--max-model-len", 2048, type=int, help="cache length per sequence")
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
     _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
+    _add(parser, "--compile", False, action="store_true", help=COMPILE_HELP)
 
 
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--draft-device", "cpu")
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
+    _add(serve, "--compile", False, action="store_true", help=COMPILE_HELP)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
     _add(serve, "--single-process", False, action="store_true",
          help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)")
@@ -146,7 +150,7 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
     interceptors = server_interceptors(tracing, metrics.observe_call if metrics is not None else None)
     options = WorkerOptions(
         args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager,
-        synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
+        compile_layers=args.compile, synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
     )
     try:
         if kind == "target":
@@ -219,6 +223,7 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
     py = [sys.executable, "-m", "minedraft.cli"]
     common = ["--dtype", str(args.dtype), "--max-batch-size", str(args.max_batch_size),
               "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1"]
+    common += ["--compile"] if args.compile else []
     commands = [py + ["target", "--model", args.target, "--port", str(target_port),
                       "--device", args.target_device, *common]]
     coordinator = py + ["coordinator", "--target", f"127.0.0.1:{target_port}", "--port", str(args.port),
@@ -263,7 +268,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
                                             "run the services as separate processes (the default)")
 
     def options(model: str, device: str) -> WorkerOptions:
-        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len, graphs)
+        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len, graphs, args.compile)
 
     servers = []
     server, target_port = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")

@@ -42,6 +42,9 @@ class SlotKVCache(Cache):
         self._kv_len = kv_len
         self._contiguous = contiguous
 
+    # Outside compiled layers (compile_decoder_layers): it indexes per-layer tensors by the layer's index, a Python
+    # int that would make every layer compile anew, and writes into the cache in place.
+    @torch.compiler.disable
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:

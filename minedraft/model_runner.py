@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from minedraft.attention import GROUPED_SDPA
 from minedraft.errors import CapacityError
@@ -22,6 +25,8 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # decode and verify steps; prefills run eagerly
+# (rows, input_ids, num_valid, kv_len, contiguous) -> output: one forward, or a loop of them
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor]
 
 
 def attention_layout(config: object) -> tuple[int | None, bool]:
@@ -38,10 +43,36 @@ def attention_layout(config: object) -> tuple[int | None, bool]:
     return int(window), kinds != {"sliding_attention"}
 
 
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """`torch.compile` each decoder layer (in place, once per model): fused elementwise kernels inside the graphs.
+
+    Compiled per layer rather than as a whole model: one compiled layer serves every layer of that kind, so warm-up
+    costs a few compiles, not one per layer. For that the layer index is a dynamic int and the cache write stays
+    outside the compiled code (`SlotKVCache.update`). Shapes are dynamic: key-length buckets, batch buckets and
+    prefill lengths reuse the same code.
+    """
+    if getattr(model, "_minedraft_compiled", False):
+        return
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # Batch 1, one-token steps and several attention kinds each specialise: more variants than the default 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        log.warning("no decoder layers found in %s: running uncompiled", type(model).__name__)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    model._minedraft_compiled = True  # type: ignore[assignment]
+    log.info("compiled %d decoder layers of %s (the first steps of each shape compile)", len(layers),
+             type(model).__name__)
+
+
 class ModelRunner:
     """Owns a model and its slot cache: allocates rows, runs forwards that append tokens, rolls rows back."""
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, num_slots: int, max_len: int, cuda_graphs: bool = True,
+        compile_layers: bool = False,
+    ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -64,6 +95,8 @@ class ModelRunner:
         # Our forwards use grouped SDPA; the model's own config is left as it is for anyone else calling it.
         own = getattr(model.config, "_attn_implementation", None)
         self._attention = GROUPED_SDPA if own == "sdpa" else own
+        if compile_layers:
+            compile_decoder_layers(model)
         self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
@@ -103,8 +136,42 @@ class ModelRunner:
 
         Returns `[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only` (prefill: the hidden
         states of long prompts are reduced before the vocabulary projection). `needed`, the longest row after this
-        forward, spares the host sync that finds it when the caller knows it already (later draft steps).
+        forward, spares the host sync that finds it when the caller knows it already.
         """
+
+        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool) -> torch.Tensor:
+            return self._step(r, i, v, kv_len, last_only, contiguous)
+
+        graphable = input_ids.shape[1] <= MAX_GRAPH_TOKENS  # prefills run eagerly
+        return self._run(("forward", last_only), step, rows, input_ids, num_valid, needed, graphable)
+
+    @torch.inference_mode()
+    def greedy_decode(
+        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, steps: int, needed: int
+    ) -> torch.Tensor:
+        """`steps` greedy decode steps, the first on `input_ids` and each next on the previous argmax: `[B, steps]`.
+
+        On CUDA the whole loop is one graph: a draft's steps are too small to pay for a launch from Python each.
+        `needed` is the longest row after the last step.
+        """
+
+        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool) -> torch.Tensor:
+            tokens = []
+            for _ in range(steps):
+                token = self._step(r, i, v, kv_len, True, contiguous).argmax(-1)
+                tokens.append(token)
+                i, v = token[:, None], torch.ones_like(v)
+            return torch.stack(tokens, dim=1)
+
+        # A clone: the graph's output buffer is rewritten by the next proposal of the same shape while these
+        # ids may still be on their way to the target.
+        return self._run(("greedy", steps), loop, rows, input_ids, num_valid, needed, True).clone()
+
+    def _run(
+        self, tag: tuple[str, object], fn: StepFn, rows: torch.Tensor, input_ids: torch.Tensor,
+        num_valid: torch.Tensor, needed: int | None, graphable: bool,
+    ) -> torch.Tensor:
+        """Check capacity, pick the key-length bucket, pad to a batch bucket on CUDA, then replay or run `fn`."""
         batch, n = input_ids.shape
         if needed is None:
             needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
@@ -113,11 +180,12 @@ class ModelRunner:
         kv_len = min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
         if self.device.type != "cuda":
             contiguous = bool((rows == torch.arange(batch, device=self.device)).all())
-            return self._step(rows, input_ids, num_valid, kv_len, last_only, contiguous)
+            return fn(rows, input_ids, num_valid, kv_len, contiguous)
         padded = next((b for b in BATCH_BUCKETS if b >= batch), batch)
-        if self.graphs is not None and n <= MAX_GRAPH_TOKENS and self.cache.keys:
+        if self.graphs is not None and graphable and self.cache.keys:
             try:
-                return self.graphs.run(rows, input_ids, num_valid, kv_len, last_only, padded)
+                return self.graphs.run((*tag, padded, n, kv_len), lambda r, i, v: fn(r, i, v, kv_len, False),
+                                       rows, input_ids, num_valid)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
@@ -127,7 +195,7 @@ class ModelRunner:
         input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, n)])
         num_valid = torch.cat([num_valid, num_valid.new_ones(pad)])
         self.cache.lengths[self.scratch_row] = 0
-        return self._step(rows, input_ids, num_valid, kv_len, last_only, False)[:batch]
+        return fn(rows, input_ids, num_valid, kv_len, False)[:batch]
 
     def _step(
         self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int, last_only: bool,
@@ -170,29 +238,27 @@ class ModelRunner:
 
 
 class CudaGraphs:
-    """Captured decode/verify forwards of one runner, keyed by (padded batch, tokens, key length, last_only).
+    """Captured forwards of one runner, keyed by (what, padded batch, tokens, key length).
 
-    Inputs are copied into each graph's static buffers before a replay; the returned logits live in the graph's
-    output buffer and are valid until that graph replays again (each step consumes them before the next forward).
+    Inputs are copied into each graph's static buffers before a replay; the returned output lives in the graph's
+    buffer and is valid until that graph replays again (each step consumes it before the next forward).
     """
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]] = {}
-        self.failed = False
+        self.graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]] = {}
 
-    def run(self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int,
-            last_only: bool, padded: int) -> torch.Tensor:
+    def run(self, key: tuple[object, ...], fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+            rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
         runner = self.runner
         batch, n = input_ids.shape
-        key = (padded, n, kv_len, last_only)
+        padded = int(key[-3])  # type: ignore[call-overload]
         if key not in self.graphs:
             start = time.perf_counter()
-            self.graphs[key] = self._capture(key)
-            log.info("captured a CUDA graph for (batch, tokens, kv_len, last_only) = %s in %.2f s", key,
-                     time.perf_counter() - start)
-        graph, (static_rows, static_ids, static_valid, logits) = self.graphs[key]
+            self.graphs[key] = self._capture(fn, padded, n)
+            log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
+        graph, (static_rows, static_ids, static_valid, output) = self.graphs[key]
         static_rows.fill_(runner.scratch_row)
         static_rows[:batch].copy_(rows)
         static_ids.zero_()
@@ -201,10 +267,10 @@ class CudaGraphs:
         static_valid[:batch].copy_(num_valid)
         runner.cache.lengths[runner.scratch_row] = 0
         graph.replay()
-        return logits[:batch]
+        return output[:batch]
 
-    def _capture(self, key: tuple[int, int, int, bool]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-        padded, n, kv_len, last_only = key
+    def _capture(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], padded: int,
+                 n: int) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
         runner, device = self.runner, self.runner.device
         rows = torch.full((padded,), runner.scratch_row, dtype=torch.long, device=device)
         ids = torch.zeros(padded, n, dtype=torch.long, device=device)
@@ -214,11 +280,20 @@ class CudaGraphs:
         with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; scratch row only
             for _ in range(2):
                 runner.cache.lengths[runner.scratch_row] = 0
-                runner._step(rows, ids, valid, kv_len, last_only, False)
+                fn(rows, ids, valid)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         runner.cache.lengths[runner.scratch_row] = 0
-        # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = runner._step(rows, ids, valid, kv_len, last_only, False)
-        return graph, [rows, ids, valid, logits]
+        # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
+        # that capture: seen on an H200. So collect first, and not during.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                output = fn(rows, ids, valid)
+        finally:
+            if collecting:
+                gc.enable()
+        return graph, [rows, ids, valid, output]

@@ -29,6 +29,7 @@ class WorkerOptions:
     max_batch_size: int = 32
     max_model_len: int = 2048
     cuda_graphs: bool = True  # off with --eager, for debugging
+    compile_layers: bool = False  # --compile
     synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
 
 
@@ -69,7 +70,8 @@ class ModelWorker:
         self.vocab = VocabInfo.of(self.model, tokenizer)
         # Two batches of max_batch_size each live here at once (batch-parallel decoding).
         self.runner = ModelRunner(
-            self.model, 2 * options.max_batch_size, options.max_model_len, cuda_graphs=options.cuda_graphs
+            self.model, 2 * options.max_batch_size, options.max_model_len, cuda_graphs=options.cuda_graphs,
+            compile_layers=options.compile_layers,
         )
         self.channel: Channel | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
@@ -12,9 +13,10 @@ class _Module(torch.nn.Module):
     num_key_value_groups = 4
 
 
-def test_grouped_sdpa_equals_attention_over_repeated_kv() -> None:
+@pytest.mark.parametrize("n", [5, 20])  # 4 x 20 queries per K/V head: beyond SHORT_QUERY, the fused kernel
+def test_grouped_sdpa_equals_attention_over_repeated_kv(n: int) -> None:
     torch.manual_seed(0)
-    batch, kv_heads, groups, n, length, dim = 3, 2, 4, 5, 40, 16
+    batch, kv_heads, groups, length, dim = 3, 2, 4, 40, 16
     query = torch.randn(batch, kv_heads * groups, n, dim)
     key, value = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
     allowed = torch.rand(batch, 1, n, length) > 0.3
@@ -28,3 +30,24 @@ def test_grouped_sdpa_equals_attention_over_repeated_kv() -> None:
     ).transpose(1, 2)
     assert out.shape == (batch, n, kv_heads * groups, dim)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_short_queries_equal_sdpa() -> None:
+    """Decode/verify steps (few queries per K/V head) take the matmul path; without GQA as well."""
+    torch.manual_seed(1)
+    for groups in (1, 4):
+        module = _Module()
+        module.num_key_value_groups = groups
+        batch, kv_heads, n, length, dim = 2, 3, 2, 64, 8  # 6 blocks: few enough for the matmul path
+        query = torch.randn(batch, kv_heads * groups, n, dim)
+        key, value = torch.randn(batch, kv_heads, length, dim), torch.randn(batch, kv_heads, length, dim)
+        positions = torch.tensor([[30], [50]])[:, None, :, None] + torch.arange(n)[None, None, :, None]
+        allowed = torch.arange(length)[None, None, None, :] <= positions
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+
+        out, _ = grouped_sdpa_attention(module, query, key, value, mask)
+
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask
+        ).transpose(1, 2)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)

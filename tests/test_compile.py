@@ -1,0 +1,38 @@
+"""Compiled decoder layers (`--compile`) keep speculative decoding lossless: greedy output equals `generate()`."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from draft_service.proposer import Proposer
+from minedraft.model_runner import ModelRunner
+from minedraft.offline import OfflineRequest, generate_offline
+from minedraft.sampling import SamplingConfig
+from target_service.verifier import Verifier
+
+
+def _llama(hidden: int, layers: int, seed: int) -> torch.nn.Module:
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_compiled_layers_give_generate_output() -> None:
+    target, draft = _llama(64, 2, 0), _llama(32, 1, 1)
+    prompts = [torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+               for length in (7, 19, 12)]
+    with torch.compiler.set_stance("force_eager"):  # the reference: the model as transformers runs it
+        expected = [target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0,
+                                                                                                          len(p):]
+                    for p in prompts]
+    verifier = Verifier(ModelRunner(target, 4, 128, compile_layers=True), eos_token_ids=[])
+    proposer = Proposer(ModelRunner(draft, 4, 128))  # uncompiled: compiling costs minutes on a CI CPU
+    requests = [OfflineRequest(p, SamplingConfig(max_tokens=12, ignore_eos=True)) for p in prompts]
+
+    outputs = generate_offline(verifier, proposer, requests, 3, 2)
+
+    assert getattr(target, "_minedraft_compiled", False)
+    assert [o.tokens for o in outputs] == [e.tolist() for e in expected]
