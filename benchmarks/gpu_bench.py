@@ -398,7 +398,7 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                    "--target", str(root / "target"), "--draft", str(root / name),
                    "--target-device", args.target_device, "--draft-device", args.draft_device,
                    "--dtype", "bfloat16", "--num-speculative-tokens", "4",
-                   "--max-batch-size", str(args.services_batch), "--overlap", "always",
+                   "--max-batch-size", str(args.services_batch), "--overlap", args.services_overlap,
                    "--synthetic-acceptance", str(args.synthetic_acceptance),
                    "--num-prompts", str(2 * args.services_batch), "--prompt-len", str(args.prefix),
                    "--output-len", "128", "--no-progress", "--json-out", str(json_out),
@@ -508,6 +508,9 @@ def main() -> None:
                              "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
+    parser.add_argument("--services-overlap", default="always", choices=["always", "auto", "never"],
+                        help="the coordinator's --overlap in the services runs (always: measure the overlap itself; "
+                             "auto: what users get, sequential calls where overlapping does not pay)")
     parser.add_argument("--services-timeout", type=int, default=300,
                         help="seconds per services comparison (three stacks started and stopped)")
     parser.add_argument("--in-process-psd", action="store_true",
