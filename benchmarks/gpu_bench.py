@@ -339,14 +339,17 @@ def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.
 
 
 def trace_stats(events: list[dict]) -> dict:
-    """From a coordinator step trace of a full-batch PSD run: median call times, channel share, overlap."""
+    """From a coordinator step trace (any mode), full-batch calls: median call and compute times, channel share,
+    overlap, and the gap between one call's end and the next call's start (coordinator time between calls)."""
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     full = max((e["batch_size"] for e in events if e["kind"] == "verify"), default=0)
     verify = [e for e in events if e["kind"] == "verify" and e["batch_size"] == full]
     propose = [e for e in events if e["kind"] == "propose" and e["batch_size"] == full]
     overlapped = sum(max(0.0, min(v["end"], p["end"]) - max(v["start"], p["start"])) for v in verify for p in propose)
     busy = sum(v["end"] - v["start"] for v in verify)
+    ordered = sorted(verify + propose, key=lambda e: e["start"])
     return {
+        "gap_between_calls_ms": med([b["start"] - a["end"] for a, b in zip(ordered, ordered[1:])]) * 1e3,
         "batch_size": full,
         "propose_ms": med([e["end"] - e["start"] for e in propose]) * 1e3,
         "verify_ms": med([e["end"] - e["start"] for e in verify]) * 1e3,
@@ -388,6 +391,8 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
     for name, sharing in plan:
         label, use_mps = f"{name}_{sharing}" + ("_compiled" if COMPILE else ""), sharing == "mps"
         env = dict(os.environ)
+        if args.services_profile:  # every worker of these stacks traces five calls after its first 100
+            env["MINEDRAFT_PROFILE_DIR"] = str(root / f"profiles_{label}")
         if use_mps:
             pipe = tempfile.mkdtemp(prefix="mps-")
             env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=pipe)
@@ -423,6 +428,13 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                   flush=True)
         if json_out.exists():
             results[label] = json.loads(json_out.read_text())
+        if args.services_profile and (root / f"profiles_{label}").exists():
+            shutil.make_archive(str(Path(args.out) / f"profiles_{label}"), "gztar", root / f"profiles_{label}")
+        for mode in ("sd", "ar"):
+            trace = traces / f"{mode}.jsonl"
+            if trace.exists():
+                events = [json.loads(line) for line in trace.read_text().splitlines() if line]
+                results[f"{label}_{mode}_trace"] = trace_stats(events)
         trace = traces / "psd.jsonl"
         if trace.exists():
             events = [json.loads(line) for line in trace.read_text().splitlines() if line]
@@ -433,8 +445,9 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                 origin = window[0]["start"]
                 timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
                                      "end": e["end"] - origin} for e in window]
-        print(f"services, {label}: {results.get(label, {}).get('ratios')}, {results.get(label + '_psd_trace')}",
-              flush=True)
+        print(f"services, {label}: {results.get(label, {}).get('ratios')}", flush=True)
+        for mode in ("psd", "sd", "ar"):
+            print(f"services, {label}, {mode} trace: {results.get(f'{label}_{mode}_trace')}", flush=True)
         save()
     shutil.rmtree(root, ignore_errors=True)
 
@@ -511,6 +524,8 @@ def main() -> None:
     parser.add_argument("--services-overlap", default="always", choices=["always", "auto", "never"],
                         help="the coordinator's --overlap in the services runs (always: measure the overlap itself; "
                              "auto: what users get, sequential calls where overlapping does not pay)")
+    parser.add_argument("--services-profile", action="store_true",
+                        help="the services write profiler traces of five calls each (profiles_<run>.tar.gz in --out)")
     parser.add_argument("--services-timeout", type=int, default=300,
                         help="seconds per services comparison (three stacks started and stopped)")
     parser.add_argument("--in-process-psd", action="store_true",

@@ -365,7 +365,7 @@ class LocalStack:
             mode=self.mode, num_speculative_tokens=args.num_speculative_tokens,
             max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel,
             step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
-            overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance,
+            overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance, compile=args.compile,
         )
         self.target_port, self.draft_port = free_port(), free_port()
         self.commands = stack_commands(ns, self.target_port, self.draft_port)

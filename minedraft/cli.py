@@ -45,6 +45,9 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
     _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
     _add(parser, "--compile", False, action="store_true", help=COMPILE_HELP)
+    _add(parser, "--profile-dir", None,
+         help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)")
+    _add(parser, "--profile-after", 100, type=int)
 
 
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +153,8 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
     interceptors = server_interceptors(tracing, metrics.observe_call if metrics is not None else None)
     options = WorkerOptions(
         args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager,
-        compile_layers=args.compile, synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
+        compile_layers=args.compile, profile_dir=args.profile_dir, profile_after=args.profile_after,
+        synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
     )
     try:
         if kind == "target":

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
+import logging
+import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -19,6 +24,8 @@ from minedraft.proto import common_pb2, generation_pb2
 from minedraft.sampling import SamplingConfig
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+PROFILED_CALLS = 5
 
 
 @dataclass
@@ -30,6 +37,8 @@ class WorkerOptions:
     max_model_len: int = 2048
     cuda_graphs: bool = True  # off with --eager, for debugging
     compile_layers: bool = False  # --compile
+    profile_dir: str | None = None  # --profile-dir: Chrome traces of a few calls, for diagnosis
+    profile_after: int = 100  # calls to skip first (warm-up, graph captures)
     synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
 
 
@@ -78,6 +87,7 @@ class ModelWorker:
         # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
         # kernels then overlap on the GPU instead of queueing on the default stream.
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
+        self._calls = 0
 
     @property
     def device(self) -> torch.device:
@@ -88,10 +98,38 @@ class ModelWorker:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_stream, fn, *args)
 
     def _on_stream(self, fn: Callable[..., T], *args: object) -> T:
+        self._calls += 1
+        first = self.options.profile_after + 1
+        if self.options.profile_dir and first <= self._calls < first + PROFILED_CALLS:
+            return self._profiled(fn, *args)
         if self.stream is None:
             return fn(*args)
         with torch.cuda.stream(self.stream):
             return fn(*args)
+
+    def _profiled(self, fn: Callable[..., T], *args: object) -> T:
+        """One call under the PyTorch profiler, as `<call>_<pid>_<n>.json.gz` (Perfetto or chrome://tracing)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.stream is not None:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as prof:
+            if self.stream is None:
+                result = fn(*args)
+            else:
+                with torch.cuda.stream(self.stream):
+                    result = fn(*args)
+                self.stream.synchronize()
+        wall = time.perf_counter() - start
+        name = getattr(fn, "__name__", "call").lstrip("_")
+        path = Path(str(self.options.profile_dir)) / f"{name}_{os.getpid()}_{self._calls}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        path.unlink()
+        log.info("profiled call %d (%s, %.2f ms under the profiler) into %s.gz", self._calls, name, wall * 1e3, path)
+        return result
 
     def info(self) -> common_pb2.WorkerInfo:
         channels = ["local", "grpc", "nccl"]  # nccl runs over gloo on CPU

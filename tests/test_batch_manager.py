@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.batch_manager import BatchManager, QueueFullError
-from coordinator.overlap_policy import PROBE_EVERY, OverlapPolicy
+from coordinator.overlap_policy import PROBE_EVERY, PROBE_STEPS, OverlapPolicy
 from coordinator.request_state import RequestState
 from minedraft.errors import ModelLoadError
 from minedraft.models import VocabInfo, check_pair
@@ -83,6 +83,19 @@ def test_overlap_policy_prefers_what_measures_faster_and_keeps_probing() -> None
     assert tail.count(False) > 0.85 * len(tail)  # falls back to running the calls in sequence
     assert True in tail  # and still tries overlapping now and then
     assert OverlapPolicy("always").choose() and not OverlapPolicy("never").choose()
+
+
+def test_overlap_policy_is_not_swayed_by_a_few_slow_steps() -> None:
+    """A sequential step that captured a CUDA graph (seconds, once) must not make overlapping look better."""
+    policy = OverlapPolicy("auto")
+    choices: list[bool] = []
+    for _ in range(3 * PROBE_EVERY):
+        overlap = policy.choose()
+        slow = not overlap and choices.count(False) < PROBE_STEPS  # the first sequential trials hit new shapes
+        choices.append(overlap)
+        policy.record(overlap, 5.0 if slow else (0.30 if overlap else 0.20), verified=10)
+    tail = choices[PROBE_EVERY:]
+    assert tail.count(False) > 0.8 * len(tail)
 
 
 def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:
