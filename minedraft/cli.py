@@ -23,11 +23,18 @@ ENV_PREFIX = "MINEDRAFT_"
 
 
 def _env_default(flag: str, default: object) -> object:
-    """Every flag can be set by MINEDRAFT_<FLAG> (the names the Helm chart uses)."""
+    """Every flag can be set by MINEDRAFT_<FLAG> (the names the Helm chart uses); switches read true/false, 1/0."""
     name = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-    return os.environ.get(name, default)
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if isinstance(default, bool):
+        if value.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            raise SystemExit(f"{name}={value!r}: expected true or false")
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return value
 
-COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs; each new shape compiles first)"
+COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs); compiles at start-up (minutes)"
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, default: object = None, **kwargs: object) -> None:

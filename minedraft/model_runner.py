@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from minedraft.attention import GROUPED_SDPA
+from minedraft.attention import FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
 from minedraft.errors import CapacityError
 from minedraft.kv_cache import SlotKVCache
 
@@ -62,7 +62,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     for layer in layers:
         layer.compile(dynamic=True)
     model._minedraft_compiled = True  # type: ignore[assignment]
-    log.info("compiled %d decoder layers of %s (the first steps of each shape compile)", len(layers),
+    log.info("compiling %d decoder layers of %s (each kind of step compiles on first use)", len(layers),
              type(model).__name__)
 
 
@@ -95,6 +95,8 @@ class ModelRunner:
         # Our forwards use grouped SDPA; the model's own config is left as it is for anyone else calling it.
         own = getattr(model.config, "_attn_implementation", None)
         self._attention = GROUPED_SDPA if own == "sdpa" else own
+        self.compiled = compile_layers
+        self.warmed_up = False
         if compile_layers:
             compile_decoder_layers(model)
         self.graphs: CudaGraphs | None = None
@@ -106,6 +108,8 @@ class ModelRunner:
             spread = len({str(p.device) for p in model.parameters()}) > 1
             if cuda_graphs and not spread:
                 self.graphs = CudaGraphs(self)
+        if compile_layers:
+            self.warm_up()
 
     # -- rows ---------------------------------------------------------------------------------------------------
     @property
@@ -125,6 +129,30 @@ class ModelRunner:
     def truncate(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Roll rows back to `lengths` committed tokens; later entries become invisible garbage."""
         self.cache.lengths[rows] = lengths
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile every kind of step the compiled layers will see, before serving: one token or several, a prefill,
+        batch 1, a few rows or many (each a separate compiled variant; sizes within a kind share one). Runs on the
+        scratch row. Afterwards a step of a kind not seen here runs its layers uncompiled rather than stall a
+        step on a compile (`eager_on_recompile`)."""
+        start = time.perf_counter()
+
+        def step(batch: int, n: int) -> None:
+            rows = torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
+            self.cache.lengths[self.scratch_row] = 0
+            kv_len = min(-(-n // self.kv_bucket) * self.kv_bucket, self.max_len)
+            self._step(rows, torch.zeros(batch, n, dtype=torch.long, device=self.device),
+                       torch.full((batch,), n, device=self.device), kv_len, True, False)
+
+        step(1, 1)  # allocates the cache, whose K/V head count says how many rows make attention take the fused kernel
+        many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.keys[0].shape[1]))
+        kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
+        for batch, n in kinds:
+            step(batch, n)
+        self.cache.lengths[self.scratch_row] = 0
+        self.warmed_up = True
+        log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
 
     # -- forward ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -216,10 +244,12 @@ class ModelRunner:
         kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
         config = self.model.config
         own, config._attn_implementation = config._attn_implementation, self._attention
+        stance = "eager_on_recompile" if self.warmed_up else "default"
         try:
-            hidden = self.model.base_model(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
-            ).last_hidden_state
+            with torch.compiler.set_stance(stance):
+                hidden = self.model.base_model(
+                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+                ).last_hidden_state
         finally:
             config._attn_implementation = own
         self.cache.lengths[rows] = starts + num_valid
