@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from minedraft.model_runner import ModelRunner
-from minedraft.sampling import STREAM_DRAFT, SamplingConfig, processed_probs, sample_from, seeded_uniform
+from minedraft.sampling import (
+    STREAM_DRAFT,
+    SamplingConfig,
+    needs_filtering,
+    processed_probs,
+    sample_from,
+    seeded_uniform,
+)
 from minedraft.sequence_table import SequenceTable
 
 
@@ -60,36 +67,38 @@ class Proposer:
         tail = tail.clamp(max=self.runner.vocab_size - 1)
         tail_len = 1 + full.to(torch.long)
 
-        t = self.table
-        temperature = torch.zeros_like(t.temperature[rows]) if self.greedy_drafts else t.temperature[rows]
-        greedy = temperature == 0
         if k == 0:
             self._remember(rows, tail[:, :0], 0)
             return Proposal(tail[:, :0], None)
-        # The longest row after each step is known from the first: one host sync per proposal, not one per step.
-        # (The first step writes both tail positions of every row, valid or not; each later step appends one.)
+        t = self.table
+        # The longest row after the last step is known now: one host sync per proposal, read with the two choices
+        # that make the sampler's graph. (The first step writes both tail positions of every row, valid or not;
+        # each later step appends one.)
         lengths = self.runner.cache.lengths[rows]
-        widest, longest = torch.stack([(lengths + tail.shape[1]).max(), (lengths + tail_len).max()]).tolist()
+        temperature = torch.zeros_like(t.temperature[rows]) if self.greedy_drafts else t.temperature[rows]
+        filtering = needs_filtering(t.top_k[rows], t.top_p[rows], self.runner.vocab_size)
+        widest, longest, all_greedy, filtered = torch.stack([
+            (lengths + tail.shape[1]).max(), (lengths + tail_len).max(), (temperature == 0).all(), filtering
+        ]).tolist()
         self.committed[rows] = lengths + tail_len
-        if bool(greedy.all()):  # no probabilities are made, and none move
-            draft_ids = self.runner.greedy_decode(rows, tail, tail_len, k, max(widest, longest + k - 1))
-            self._remember(rows, draft_ids, k)
-            return Proposal(draft_ids, None)
-        drafts, probs = [], []
-        inputs, valid = tail, tail_len
-        for step in range(k):
-            needed = widest if step == 0 else longest + step
-            logits = self.runner.forward(rows, inputs, valid, last_only=True, needed=needed)  # [B, V]
-            position = self.committed[rows] + step
-            q = processed_probs(logits[:, None], temperature, t.top_k[rows], t.top_p[rows])[:, 0]
-            u = seeded_uniform(t.seed[rows], position[:, None], STREAM_DRAFT)[:, 0]
+        slots = self.runner.num_slots
+
+        def choose(r: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if all_greedy:  # no probabilities are made, and none move
+                return logits.argmax(-1), None
+            r = r.clamp(max=slots - 1)  # padding rows of a graph (the scratch row) borrow a real row's parameters
+            temp = torch.zeros_like(t.temperature[r]) if self.greedy_drafts else t.temperature[r]
+            q = processed_probs(logits[:, None], temp, t.top_k[r], t.top_p[r], filtered)[:, 0]
+            u = seeded_uniform(t.seed[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
+            greedy = temp == 0
             token = torch.where(greedy, logits.argmax(-1), sample_from(q, u))
-            probs.append(torch.where(greedy[:, None], torch.nn.functional.one_hot(token, q.shape[-1]).to(q.dtype), q))
-            drafts.append(token)
-            inputs, valid = token[:, None], torch.ones_like(valid)
-        draft_ids = torch.stack(drafts, dim=1)
-        self._remember(rows, draft_ids, k)
-        return Proposal(draft_ids, torch.stack(probs, dim=1))
+            one_hot = torch.zeros_like(q).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot
+            return token, torch.where(greedy[:, None], one_hot, q)
+
+        kind = "greedy" if all_greedy else "filtered" if filtered else "sampled"
+        outputs = self.runner.decode(rows, tail, tail_len, k, max(widest, longest + k - 1), choose, kind)
+        self._remember(rows, outputs[0], k)
+        return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)

@@ -25,8 +25,10 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # decode and verify steps; prefills run eagerly
-# (rows, input_ids, num_valid, kv_len, contiguous) -> output: one forward, or a loop of them
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor]
+# (rows, input_ids, num_valid, kv_len, contiguous) -> outputs: one forward, or a loop of them
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], list[torch.Tensor]]
+# (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
+Chooser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 def attention_layout(config: object) -> tuple[int | None, bool]:
@@ -167,38 +169,45 @@ class ModelRunner:
         forward, spares the host sync that finds it when the caller knows it already.
         """
 
-        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool) -> torch.Tensor:
-            return self._step(r, i, v, kv_len, last_only, contiguous)
+        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool
+                 ) -> list[torch.Tensor]:
+            return [self._step(r, i, v, kv_len, last_only, contiguous)]
 
         graphable = input_ids.shape[1] <= MAX_GRAPH_TOKENS  # prefills run eagerly
-        return self._run(("forward", last_only), step, rows, input_ids, num_valid, needed, graphable)
+        return self._run(("forward", last_only), step, rows, input_ids, num_valid, needed, graphable)[0]
 
     @torch.inference_mode()
-    def greedy_decode(
-        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, steps: int, needed: int
-    ) -> torch.Tensor:
-        """`steps` greedy decode steps, the first on `input_ids` and each next on the previous argmax: `[B, steps]`.
+    def decode(
+        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, steps: int, needed: int,
+        choose: Chooser, kind: str,
+    ) -> list[torch.Tensor]:
+        """`steps` decode steps, the first on `input_ids`, each next on the tokens `choose` picks from the last
+        logits: the tokens `[B, steps]`, then `choose`'s distributions `[B, steps, V]` if it returns any.
 
         On CUDA the whole loop is one graph: a draft's steps are too small to pay for a launch from Python each.
-        `needed` is the longest row after the last step.
+        `choose` runs inside it, so it may read only the rows it is given and tensors that outlive the call;
+        `kind` names what it does (graphs are kept per kind). `needed` is the longest row after the last step.
         """
 
-        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool) -> torch.Tensor:
-            tokens = []
-            for _ in range(steps):
-                token = self._step(r, i, v, kv_len, True, contiguous).argmax(-1)
+        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool
+                 ) -> list[torch.Tensor]:
+            tokens, probs = [], []
+            for step in range(steps):
+                token, q = choose(r, self._step(r, i, v, kv_len, True, contiguous), step)
                 tokens.append(token)
+                if q is not None:
+                    probs.append(q)
                 i, v = token[:, None], torch.ones_like(v)
-            return torch.stack(tokens, dim=1)
+            return [torch.stack(tokens, dim=1)] + ([torch.stack(probs, dim=1)] if probs else [])
 
-        # A clone: the graph's output buffer is rewritten by the next proposal of the same shape while these
-        # ids may still be on their way to the target.
-        return self._run(("greedy", steps), loop, rows, input_ids, num_valid, needed, True).clone()
+        # Clones: a graph's outputs are rewritten by the next call of the same shape while these may still be on
+        # their way to the target.
+        return [t.clone() for t in self._run((kind, steps), loop, rows, input_ids, num_valid, needed, True)]
 
     def _run(
         self, tag: tuple[str, object], fn: StepFn, rows: torch.Tensor, input_ids: torch.Tensor,
         num_valid: torch.Tensor, needed: int | None, graphable: bool,
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         """Check capacity, pick the key-length bucket, pad to a batch bucket on CUDA, then replay or run `fn`."""
         batch, n = input_ids.shape
         if needed is None:
@@ -223,7 +232,7 @@ class ModelRunner:
         input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, n)])
         num_valid = torch.cat([num_valid, num_valid.new_ones(pad)])
         self.cache.lengths[self.scratch_row] = 0
-        return fn(rows, input_ids, num_valid, kv_len, False)[:batch]
+        return [t[:batch] for t in fn(rows, input_ids, num_valid, kv_len, False)]
 
     def _step(
         self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int, last_only: bool,
@@ -267,20 +276,23 @@ class ModelRunner:
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
 
 
+GraphFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[torch.Tensor]]
+
+
 class CudaGraphs:
     """Captured forwards of one runner, keyed by (what, padded batch, tokens, key length).
 
-    Inputs are copied into each graph's static buffers before a replay; the returned output lives in the graph's
-    buffer and is valid until that graph replays again (each step consumes it before the next forward).
+    Inputs are copied into each graph's static buffers before a replay; the returned outputs live in the graph's
+    buffers and are valid until that graph replays again (each step consumes them before the next forward).
     """
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]] = {}
+        self.graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    def run(self, key: tuple[object, ...], fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-            rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+    def run(self, key: tuple[object, ...], fn: GraphFn, rows: torch.Tensor, input_ids: torch.Tensor,
+            num_valid: torch.Tensor) -> list[torch.Tensor]:
         runner = self.runner
         batch, n = input_ids.shape
         padded = int(key[-3])  # type: ignore[call-overload]
@@ -288,7 +300,7 @@ class CudaGraphs:
             start = time.perf_counter()
             self.graphs[key] = self._capture(fn, padded, n)
             log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
-        graph, (static_rows, static_ids, static_valid, output) = self.graphs[key]
+        graph, (static_rows, static_ids, static_valid), outputs = self.graphs[key]
         static_rows.fill_(runner.scratch_row)
         static_rows[:batch].copy_(rows)
         static_ids.zero_()
@@ -297,10 +309,10 @@ class CudaGraphs:
         static_valid[:batch].copy_(num_valid)
         runner.cache.lengths[runner.scratch_row] = 0
         graph.replay()
-        return output[:batch]
+        return [t[:batch] for t in outputs]
 
-    def _capture(self, fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], padded: int,
-                 n: int) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    def _capture(self, fn: GraphFn, padded: int, n: int
+                 ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]:
         runner, device = self.runner, self.runner.device
         rows = torch.full((padded,), runner.scratch_row, dtype=torch.long, device=device)
         ids = torch.zeros(padded, n, dtype=torch.long, device=device)
@@ -322,8 +334,8 @@ class CudaGraphs:
         try:
             # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = fn(rows, ids, valid)
+                outputs = fn(rows, ids, valid)
         finally:
             if collecting:
                 gc.enable()
-        return graph, [rows, ids, valid, output]
+        return graph, [rows, ids, valid], outputs

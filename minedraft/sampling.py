@@ -53,18 +53,22 @@ def seeded_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> t
 
 
 def processed_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    filtered: bool | None = None,
 ) -> torch.Tensor:
     """Softmax of `logits` [B, n, V] after per-row temperature, then top-k, then top-p (Hugging Face's order).
 
-    Rows with temperature 0 are processed at temperature 1; greedy callers use the argmax instead.
+    Rows with temperature 0 are processed at temperature 1; greedy callers use the argmax instead. `filtered`
+    says whether any row has top-k or top-p; given, it spares the host sync that finds out (CUDA graphs need that).
     """
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
     logits = logits / temp[:, None, None]
     vocab = logits.shape[-1]
     k = top_k[:, None, None]
     p = top_p.to(logits.dtype)[:, None, None]
-    if bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any()):
+    if filtered is None:
+        filtered = bool(needs_filtering(top_k, top_p, vocab))
+    if filtered:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)
         sorted_logits = sorted_logits.masked_fill((k > 0) & (ranks >= k), float("-inf"))
@@ -74,6 +78,11 @@ def processed_probs(
         sorted_logits = sorted_logits.masked_fill((p < 1) & (mass_above >= p), float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(dim=-1)
+
+
+def needs_filtering(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Whether any row restricts sampling with top-k or top-p (a bool tensor: reading it is a host sync)."""
+    return ((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any()
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

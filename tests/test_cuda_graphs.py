@@ -1,0 +1,56 @@
+"""On a GPU, proposals replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same proposals run eagerly.
+
+Skipped without CUDA. Also runs as a script on the GPU machine (`python tests/test_cuda_graphs.py`), which may lack
+pytest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from draft_service.proposer import Proposer
+from minedraft.model_runner import ModelRunner
+from minedraft.sampling import SamplingConfig
+
+CONFIGS = {
+    "greedy": SamplingConfig(max_tokens=1000),
+    "sampled": SamplingConfig(temperature=0.8, seed=3, max_tokens=1000),
+    "filtered": SamplingConfig(temperature=1.2, top_k=20, top_p=0.9, seed=5, max_tokens=1000),
+}
+
+
+def _proposals(graphs: bool, kind: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    proposer = Proposer(ModelRunner(model, 8, 256, cuda_graphs=graphs))
+    seqs = [1, 2, 3]
+    prompts = [[(7 * s + j) % 500 for j in range(10 + 5 * s)] for s in seqs]
+    proposer.prefill(seqs, prompts, [CONFIGS[kind]] * len(seqs))
+    accepted, last = torch.zeros(3, dtype=torch.long), torch.tensor([5, 6, 7])
+    out = []
+    for step in range(4):
+        proposal = proposer.propose(seqs, accepted, last, 4)
+        out.append((proposal.draft_ids.cpu(), None if proposal.draft_probs is None else proposal.draft_probs.cpu()))
+        accepted, last = torch.full((3,), step % 5), proposal.draft_ids[:, 0].cpu()
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_graph_proposals_equal_eager_ones(kind: str) -> None:
+    replayed, eager = _proposals(True, kind), _proposals(False, kind)
+    for (ids, probs), (ids_e, probs_e) in zip(replayed, eager):
+        assert torch.equal(ids, ids_e)
+        assert (probs is None) == (probs_e is None) == (kind == "greedy")
+        assert probs is None or torch.equal(probs, probs_e)
+
+
+if __name__ == "__main__":
+    for name in CONFIGS:
+        test_graph_proposals_equal_eager_ones(name)
+        print(f"{name}: graph proposals equal eager ones")
