@@ -405,7 +405,8 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                    "--dtype", "bfloat16", "--num-speculative-tokens", "4",
                    "--max-batch-size", str(args.services_batch), "--overlap", args.services_overlap,
                    "--synthetic-acceptance", str(args.synthetic_acceptance),
-                   "--num-prompts", str(2 * args.services_batch), "--prompt-len", str(args.prefix),
+                   "--num-prompts", str(args.services_prompts or 2 * args.services_batch),
+                   "--prompt-len", str(args.prefix),
                    "--output-len", "128", "--no-progress", "--json-out", str(json_out),
                    "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
         command += ["--compile"] if COMPILE else []
@@ -521,6 +522,8 @@ def main() -> None:
                              "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
+    parser.add_argument("--services-prompts", type=int, default=None,
+                        help="requests per services run (default: two full batches; more gives steadier figures)")
     parser.add_argument("--services-overlap", default="always", choices=["always", "auto", "never"],
                         help="the coordinator's --overlap in the services runs (always: measure the overlap itself; "
                              "auto: what users get, sequential calls where overlapping does not pay)")
