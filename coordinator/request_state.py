@@ -26,6 +26,7 @@ class RequestState:
     sent_text_len: int = 0
     _prefix_offset: int = 0  # incremental detokenization: see _detokenize
     _read_offset: int = 0
+    _rendered: int = 0  # output tokens whose messages the stream's reader took
     finish_reason: int = FINISH.FINISH_REASON_UNSPECIFIED
     # The target's verdict at the last verify (or prefill), which the next proposal reconciles with.
     num_accepted: int = 0
@@ -58,36 +59,46 @@ class RequestState:
                 self.accepted_per_position[i] += 1
 
     def emit(self, token_ids: list[int], finish_reason: int) -> None:
-        """Append what the target emitted, apply stop strings, and push one message to the client's stream."""
+        """Append what the target emitted, apply stop strings, and push one message to the client's stream.
+
+        The message's text is filled in by `render` when the stream's reader takes it, off the step loop's path:
+        the loop goes on to its next step meanwhile. Only requests with stop strings detokenize here, since a stop
+        string ends the request now.
+        """
         if self.finished:
             return
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.output_ids += token_ids
-        new_ids = token_ids
-        if self.tokenizer is not None:
-            self._detokenize(final=finish_reason != FINISH.FINISH_REASON_UNSPECIFIED)
+        if self.tokenizer is not None and self.stop_strings:
+            self._detokenize(len(self.output_ids), final=finish_reason != FINISH.FINISH_REASON_UNSPECIFIED)
             hit = self._first_stop_string()
             if hit is not None:
                 self.text = self.text[:hit]
                 finish_reason = FINISH.FINISH_REASON_STOP
         self.finish_reason = finish_reason
-        delta, self.sent_text_len = self.text[self.sent_text_len :], len(self.text)
-        message = generation_pb2.GenerateResponse(
-            token_ids=new_ids, text=delta, finish_reason=self.finish_reason  # type: ignore[arg-type]
-        )
+        message = generation_pb2.GenerateResponse(token_ids=token_ids, finish_reason=finish_reason)  # type: ignore[arg-type]
         if self.finished:
             message.usage.CopyFrom(self.usage())
         self.stream.put_nowait(message)
 
-    def _detokenize(self, final: bool) -> None:
-        """Extend `text` by decoding only the newest tokens (as vLLM does), not the whole output every step.
+    def render(self, message: generation_pb2.GenerateResponse) -> generation_pb2.GenerateResponse:
+        """Fill in the text a streamed message adds: its tokens decoded, in stream order."""
+        self._rendered += len(message.token_ids)
+        if self.tokenizer is not None and not self.stop_strings:
+            self._detokenize(self._rendered, final=message.finish_reason != FINISH.FINISH_REASON_UNSPECIFIED)
+        message.text, self.sent_text_len = self.text[self.sent_text_len :], len(self.text)
+        return message
+
+    def _detokenize(self, end: int, final: bool) -> None:
+        """Extend `text` with `output_ids[:end]` by decoding only the newest tokens (as vLLM does), not the whole
+        output every step.
 
         Tokens from `_prefix_offset` give the decoder its context (a leading space, a multi-byte character); text
         is added once it no longer ends in a partial UTF-8 character, or at the end whatever it is.
         """
         decode = self.tokenizer.decode  # type: ignore[union-attr]
-        ids = self.output_ids
+        ids = self.output_ids[:end]
         prefix = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
         full = decode(ids[self._prefix_offset :], skip_special_tokens=True)
         if final or (len(full) > len(prefix) and not full.endswith("\ufffd")):

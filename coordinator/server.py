@@ -208,7 +208,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     return
                 if item.HasField("usage"):
                     usage = item.usage
-                yield item
+                yield state.render(item)
                 if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                     return
         finally:

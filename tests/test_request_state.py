@@ -21,28 +21,33 @@ def tokenizer() -> object:
     return AutoTokenizer.from_pretrained(str(TARGET_DIR))
 
 
-def _stream(tokenizer: object, ids: list[int], step: int, stops: tuple[str, ...] = ()) -> tuple[RequestState, str]:
+def _stream(tokenizer: object, ids: list[int], step: int, stops: tuple[str, ...] = (), lag: int = 0
+            ) -> tuple[RequestState, str]:
+    """Emit `ids` `step` at a time; the stream's reader takes messages `lag` emits behind (a busy event loop)."""
     request = RequestState(1, [1], SamplingConfig(), stops, tokenizer)
     streamed = ""
     for i in range(0, len(ids), step):
         last = i + step >= len(ids)
         request.emit(ids[i : i + step], FINISH.FINISH_REASON_LENGTH if last else FINISH.FINISH_REASON_UNSPECIFIED)
-        streamed += request.stream.get_nowait().text  # type: ignore[union-attr]
+        while request.stream.qsize() > lag or (request.finished and not request.stream.empty()):
+            streamed += request.render(request.stream.get_nowait()).text  # type: ignore[arg-type]
         if request.finished:
             break
     return request, streamed
 
 
 @pytest.mark.parametrize("step", [1, 3, 5])
-def test_streamed_text_equals_a_full_decode(tokenizer: object, step: int) -> None:
+@pytest.mark.parametrize("lag", [0, 4])
+def test_streamed_text_equals_a_full_decode(tokenizer: object, step: int, lag: int) -> None:
     text = Path(os.__file__).read_text()[:3000] + " héllo wörld ✓ 中文 🙂\n"
     ids = tokenizer.encode(text)  # type: ignore[attr-defined]
-    request, streamed = _stream(tokenizer, ids, step)
+    request, streamed = _stream(tokenizer, ids, step, lag=lag)
     assert streamed == request.text == tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
 
 
-def test_stop_string_ends_the_stream_before_it(tokenizer: object) -> None:
+@pytest.mark.parametrize("lag", [0, 3])
+def test_stop_string_ends_the_stream_before_it(tokenizer: object, lag: int) -> None:
     ids = tokenizer.encode("def f(x):\n    return x\n\ndef g(y):\n    pass\n")  # type: ignore[attr-defined]
-    request, streamed = _stream(tokenizer, ids, 2, stops=("def g",))
+    request, streamed = _stream(tokenizer, ids, 2, stops=("def g",), lag=lag)
     assert request.finish_reason == FINISH.FINISH_REASON_STOP
     assert streamed == request.text == "def f(x):\n    return x\n\n"
