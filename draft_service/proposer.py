@@ -11,7 +11,6 @@ from minedraft.model_runner import ModelRunner
 from minedraft.sampling import (
     STREAM_DRAFT,
     SamplingConfig,
-    needs_filtering,
     processed_probs,
     sample_from,
     seeded_uniform,
@@ -71,15 +70,12 @@ class Proposer:
             self._remember(rows, tail[:, :0], 0)
             return Proposal(tail[:, :0], None)
         t = self.table
-        # The longest row after the last step is known now: one host sync per proposal, read with the two choices
-        # that make the sampler's graph. (The first step writes both tail positions of every row, valid or not;
-        # each later step appends one.)
+        # The longest row after the last step is known now: one host sync per proposal. (The first step writes both
+        # tail positions of every row, valid or not; each later step appends one.)
         lengths = self.runner.cache.lengths[rows]
-        temperature = torch.zeros_like(t.temperature[rows]) if self.greedy_drafts else t.temperature[rows]
-        filtering = needs_filtering(t.top_k[rows], t.top_p[rows], self.runner.vocab_size)
-        widest, longest, all_greedy, filtered = torch.stack([
-            (lengths + tail.shape[1]).max(), (lengths + tail_len).max(), (temperature == 0).all(), filtering
-        ]).tolist()
+        widest, longest = torch.stack([(lengths + tail.shape[1]).max(), (lengths + tail_len).max()]).tolist()
+        all_greedy, filtered = t.sampling_kind(seq_ids, self.runner.vocab_size)
+        all_greedy |= self.greedy_drafts
         self.committed[rows] = lengths + tail_len
         slots = self.runner.num_slots
 

@@ -18,6 +18,7 @@ class SequenceTable:
         self.runner = runner
         slots, device = runner.num_slots, runner.device
         self.rows_by_id: dict[int, int] = {}
+        self.configs_by_id: dict[int, SamplingConfig] = {}  # on the host: batch-wide choices without a device sync
         self.temperature = torch.zeros(slots, device=device)
         self.top_p = torch.ones(slots, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
@@ -39,6 +40,7 @@ class SequenceTable:
                 raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids per request")
         rows = self.runner.allocate(len(seq_ids))
         self.rows_by_id.update(zip(seq_ids, rows))
+        self.configs_by_id.update(zip(seq_ids, configs))
         index = torch.tensor(rows, dtype=torch.long, device=self.runner.device)
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -85,4 +87,12 @@ class SequenceTable:
     def remove(self, seq_ids: Sequence[int]) -> None:
         """Free the rows of `seq_ids`; ids not held are ignored (release is idempotent)."""
         rows = [self.rows_by_id.pop(s) for s in seq_ids if s in self.rows_by_id]
+        for s in seq_ids:
+            self.configs_by_id.pop(s, None)
         self.runner.release(rows)
+
+    def sampling_kind(self, seq_ids: Sequence[int], vocab: int) -> tuple[bool, bool]:
+        """(every sequence greedy, some sequence restricted by top-k or top-p), known on the host."""
+        configs = [self.configs_by_id[s] for s in seq_ids]
+        return (all(c.greedy for c in configs),
+                any(0 < c.top_k < vocab or c.top_p < 1 for c in configs))

@@ -32,6 +32,8 @@ def rejection_sample(
     params: RowParams,
     first_position: torch.Tensor,
     synthetic_acceptance: float | None = None,
+    all_greedy: bool | None = None,
+    filtered: bool | None = None,
 ) -> SamplerOutput:
     """Decide every row's drafts against the target in one pass.
 
@@ -41,7 +43,8 @@ def rejection_sample(
 
     `synthetic_acceptance` (benchmarks only, NOT lossless) accepts each draft with that probability whatever the
     models say, so throughput can be measured at a realistic acceptance with random weights (as vLLM's synthetic
-    rejection mode).
+    rejection mode). `all_greedy` and `filtered` (some row has top-k or top-p), when the caller knows them on the
+    host, spare the device syncs that find them out.
     """
     batch, k = draft_ids.shape
     rows = torch.arange(batch, device=draft_ids.device)
@@ -53,15 +56,15 @@ def rejection_sample(
         accept = seeded_uniform(params.seed, positions, STREAM_ACCEPT) < synthetic_acceptance
         num_accepted = _accepted_prefix(accept)
         return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
-    if bool(greedy.all()):  # the common serving case: no probabilities needed at all
+    if all_greedy if all_greedy is not None else bool(greedy.all()):  # the common case: no probabilities at all
         num_accepted = _accepted_prefix(accept)
         return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
 
     vocab = target_logits.shape[-1]
     positions = first_position[:, None] + torch.arange(k + 1, device=draft_ids.device)
-    p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p)
+    p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p, filtered)
     if draft_probs is None:
-        q = torch.nn.functional.one_hot(draft_ids, vocab).to(p.dtype)
+        q = torch.zeros_like(p[:, :k]).scatter_(-1, draft_ids[..., None], 1.0)  # one-hot, without F.one_hot's sync
     else:
         q = torch.nn.functional.pad(draft_probs.to(p.dtype), (0, vocab - draft_probs.shape[-1]))
     p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
