@@ -26,10 +26,10 @@ class StepResult:
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
         """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step."""
-        tokens, emitted = self.tokens.tolist(), self.num_emitted.tolist()
+        counts = torch.stack([self.num_emitted, self.num_accepted, self.finish], dim=1).to(self.tokens.dtype)
         return [
             (row[:n], a, f)
-            for row, n, a, f in zip(tokens, emitted, self.num_accepted.tolist(), self.finish.tolist())
+            for n, a, f, *row in torch.cat([counts, self.tokens], dim=1).tolist()
         ]
 
 
