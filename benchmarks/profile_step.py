@@ -54,8 +54,27 @@ def main() -> None:
             print(f"B={batch} {name}: {len(kernels)} kernels, {busy:.2f} ms of kernel time", flush=True)
             if args.trace_dir:
                 prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_b{batch}.json"))
+        launch_times(pair, batch)
         del pair
         torch.cuda.empty_cache()
+
+
+def launch_times(pair: Pair, batch: int) -> None:
+    """Host time of one `graph.replay()` per captured graph, without the profiler (CUPTI slows launches down):
+    what a step pays on the host before the GPU starts, against the graph's GPU time. Replays advance the rows of
+    their last inputs: run it on a pair about to be dropped."""
+    for role, runner in (("target", pair.verifier.runner), ("draft", pair.proposer.runner)):
+        for key, (graph, _, _) in (runner.graphs.graphs.items() if runner.graphs else []):
+            host, total = [], []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                graph.replay()
+                host.append(time.perf_counter() - start)
+                torch.cuda.synchronize()
+                total.append(time.perf_counter() - start)
+            print(f"B={batch} {role} graph {key}: launch {sorted(host)[2] * 1e3:.3f} ms on the host, "
+                  f"{sorted(total)[2] * 1e3:.2f} ms to finish", flush=True)
 
 
 if __name__ == "__main__":
