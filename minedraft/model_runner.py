@@ -1,4 +1,4 @@
-"""One forward pass of a transformers causal LM over a batch of slot rows, each appending its own tokens."""
+"""Forward passes of a causal LM over slot rows (one step or a decode loop), with CUDA graphs and compiled layers."""
 
 from __future__ import annotations
 
