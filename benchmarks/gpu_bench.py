@@ -431,24 +431,20 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
             results[label] = json.loads(json_out.read_text())
         if args.services_profile and (root / f"profiles_{label}").exists():
             shutil.make_archive(str(Path(args.out) / f"profiles_{label}"), "gztar", root / f"profiles_{label}")
-        for mode in ("sd", "ar"):
+        print(f"services, {label}: {results.get(label, {}).get('ratios')}", flush=True)
+        for mode in ("psd", "sd", "ar"):
             trace = traces / f"{mode}.jsonl"
-            if trace.exists():
-                events = [json.loads(line) for line in trace.read_text().splitlines() if line]
-                results[f"{label}_{mode}_trace"] = trace_stats(events)
-        trace = traces / "psd.jsonl"
-        if trace.exists():
+            if not trace.exists():
+                continue
             events = [json.loads(line) for line in trace.read_text().splitlines() if line]
-            results[f"{label}_psd_trace"] = trace_stats(events)
+            results[f"{label}_{mode}_trace"] = trace_stats(events)
+            print(f"services, {label}, {mode} trace: {results[f'{label}_{mode}_trace']}", flush=True)
             calls = [e for e in events if e["kind"] in ("propose", "verify")]
             window = calls[len(calls) // 2: len(calls) // 2 + 40]  # steady state, full batches
-            if window:
+            if mode == "psd" and window:
                 origin = window[0]["start"]
                 timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
                                      "end": e["end"] - origin} for e in window]
-        print(f"services, {label}: {results.get(label, {}).get('ratios')}", flush=True)
-        for mode in ("psd", "sd", "ar"):
-            print(f"services, {label}, {mode} trace: {results.get(f'{label}_{mode}_trace')}", flush=True)
         save()
     shutil.rmtree(root, ignore_errors=True)
 

@@ -98,12 +98,12 @@ class RequestState:
         is added once it no longer ends in a partial UTF-8 character, or at the end whatever it is.
         """
         decode = self.tokenizer.decode  # type: ignore[union-attr]
-        ids = self.output_ids[:end]
+        ids = self.output_ids
         prefix = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        full = decode(ids[self._prefix_offset : end], skip_special_tokens=True)
         if final or (len(full) > len(prefix) and not full.endswith("\ufffd")):
             self.text += full[len(prefix) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            self._prefix_offset, self._read_offset = self._read_offset, end
 
     def _first_stop_string(self) -> int | None:
         # Only text not yet streamed can newly contain a stop string (plus its length - 1 before it).

@@ -8,13 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from minedraft.model_runner import ModelRunner
-from minedraft.sampling import (
-    STREAM_DRAFT,
-    SamplingConfig,
-    processed_probs,
-    sample_from,
-    seeded_uniform,
-)
+from minedraft.sampling import STREAM_DRAFT, SamplingConfig, processed_probs, sample_from, seeded_uniform
 from minedraft.sequence_table import SequenceTable
 
 
@@ -83,7 +77,7 @@ class Proposer:
             if all_greedy:  # no probabilities are made, and none move
                 return logits.argmax(-1), None
             r = r.clamp(max=slots - 1)  # padding rows of a graph (the scratch row) borrow a real row's parameters
-            temp = torch.zeros_like(t.temperature[r]) if self.greedy_drafts else t.temperature[r]
+            temp = t.temperature[r]  # (greedy_drafts made every proposal all-greedy above)
             q = processed_probs(logits[:, None], temp, t.top_k[r], t.top_p[r], filtered)[:, 0]
             u = seeded_uniform(t.seed[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
             greedy = temp == 0

@@ -26,13 +26,13 @@ def _env_default(flag: str, default: object) -> object:
     """Every flag can be set by MINEDRAFT_<FLAG> (the names the Helm chart uses); switches read true/false, 1/0."""
     name = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
     value = os.environ.get(name)
-    if value is None:
-        return default
-    if isinstance(default, bool):
-        if value.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-            raise SystemExit(f"{name}={value!r}: expected true or false")
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return value
+    if value is None or not isinstance(default, bool):
+        return default if value is None else value
+    switch = value.strip().lower()
+    if switch not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+        raise SystemExit(f"{name}={value!r}: expected true or false")
+    return switch in ("1", "true", "yes", "on")
+
 
 COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs); compiles at start-up (minutes)"
 

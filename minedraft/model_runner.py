@@ -97,8 +97,7 @@ class ModelRunner:
         # Our forwards use grouped SDPA; the model's own config is left as it is for anyone else calling it.
         own = getattr(model.config, "_attn_implementation", None)
         self._attention = GROUPED_SDPA if own == "sdpa" else own
-        self.compiled = compile_layers
-        self.warmed_up = False
+        self.warmed_up = False  # compiled layers: every kind of step compiled (warm_up)
         if compile_layers:
             compile_decoder_layers(model)
         self.graphs: CudaGraphs | None = None
@@ -150,7 +149,7 @@ class ModelRunner:
         step(1, 1)  # allocates the cache, whose K/V head count says how many rows make attention take the fused kernel
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.keys[0].shape[1]))
         kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
-        for batch, n in kinds:
+        for batch, n in kinds[1:]:  # (1, 1) ran above
             step(batch, n)
         self.cache.lengths[self.scratch_row] = 0
         self.warmed_up = True
@@ -222,7 +221,7 @@ class ModelRunner:
         if self.graphs is not None and graphable and self.cache.keys:
             try:
                 return self.graphs.run((*tag, padded, n, kv_len), lambda r, i, v: fn(r, i, v, kv_len, False),
-                                       rows, input_ids, num_valid)
+                                       rows, input_ids, num_valid, padded)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
@@ -292,10 +291,9 @@ class CudaGraphs:
         self.graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def run(self, key: tuple[object, ...], fn: GraphFn, rows: torch.Tensor, input_ids: torch.Tensor,
-            num_valid: torch.Tensor) -> list[torch.Tensor]:
+            num_valid: torch.Tensor, padded: int) -> list[torch.Tensor]:
         runner = self.runner
         batch, n = input_ids.shape
-        padded = int(key[-3])  # type: ignore[call-overload]
         if key not in self.graphs:
             start = time.perf_counter()
             self.graphs[key] = self._capture(fn, padded, n)

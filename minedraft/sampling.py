@@ -67,7 +67,7 @@ def processed_probs(
     k = top_k[:, None, None]
     p = top_p.to(logits.dtype)[:, None, None]
     if filtered is None:
-        filtered = bool(needs_filtering(top_k, top_p, vocab))
+        filtered = bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any())
     if filtered:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)
@@ -78,11 +78,6 @@ def processed_probs(
         sorted_logits = sorted_logits.masked_fill((p < 1) & (mass_above >= p), float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(dim=-1)
-
-
-def needs_filtering(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Whether any row restricts sampling with top-k or top-p (a bool tensor: reading it is a host sync)."""
-    return ((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any()
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

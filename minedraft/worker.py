@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import gzip
 import logging
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +100,9 @@ class ModelWorker:
         first = self.options.profile_after + 1
         if self.options.profile_dir and first <= self._calls < first + PROFILED_CALLS:
             return self._profiled(fn, *args)
+        return self._call(fn, *args)
+
+    def _call(self, fn: Callable[..., T], *args: object) -> T:
         if self.stream is None:
             return fn(*args)
         with torch.cuda.stream(self.stream):
@@ -114,21 +115,15 @@ class ModelWorker:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         start = time.perf_counter()
         with torch.profiler.profile(activities=activities) as prof:
-            if self.stream is None:
-                result = fn(*args)
-            else:
-                with torch.cuda.stream(self.stream):
-                    result = fn(*args)
+            result = self._call(fn, *args)
+            if self.stream is not None:
                 self.stream.synchronize()
         wall = time.perf_counter() - start
         name = getattr(fn, "__name__", "call").lstrip("_")
-        path = Path(str(self.options.profile_dir)) / f"{name}_{os.getpid()}_{self._calls}.json"
+        path = Path(str(self.options.profile_dir)) / f"{name}_{os.getpid()}_{self._calls}.json.gz"
         path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
-        with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        path.unlink()
-        log.info("profiled call %d (%s, %.2f ms under the profiler) into %s.gz", self._calls, name, wall * 1e3, path)
+        prof.export_chrome_trace(str(path))  # gzipped by the profiler, from the name
+        log.info("profiled call %d (%s, %.2f ms under the profiler) into %s", self._calls, name, wall * 1e3, path)
         return result
 
     def info(self) -> common_pb2.WorkerInfo:

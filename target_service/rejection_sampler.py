@@ -31,9 +31,10 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     params: RowParams,
     first_position: torch.Tensor,
-    synthetic_acceptance: float | None = None,
-    all_greedy: bool | None = None,
-    filtered: bool | None = None,
+    synthetic_acceptance: float | None,
+    *,
+    all_greedy: bool,
+    filtered: bool,
 ) -> SamplerOutput:
     """Decide every row's drafts against the target in one pass.
 
@@ -43,12 +44,11 @@ def rejection_sample(
 
     `synthetic_acceptance` (benchmarks only, NOT lossless) accepts each draft with that probability whatever the
     models say, so throughput can be measured at a realistic acceptance with random weights (as vLLM's synthetic
-    rejection mode). `all_greedy` and `filtered` (some row has top-k or top-p), when the caller knows them on the
-    host, spare the device syncs that find them out.
+    rejection mode). `all_greedy` and `filtered` (some row has top-k or top-p) come from the host (the sequence
+    table), so no device sync finds them out.
     """
     batch, k = draft_ids.shape
     rows = torch.arange(batch, device=draft_ids.device)
-    greedy = params.temperature == 0
     target_argmax = target_logits.argmax(dim=-1)  # [B, k+1]
     accept = draft_ids == target_argmax[:, :k]
     if synthetic_acceptance is not None:
@@ -56,7 +56,7 @@ def rejection_sample(
         accept = seeded_uniform(params.seed, positions, STREAM_ACCEPT) < synthetic_acceptance
         num_accepted = _accepted_prefix(accept)
         return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
-    if all_greedy if all_greedy is not None else bool(greedy.all()):  # the common case: no probabilities at all
+    if all_greedy:  # the common serving case: no probabilities needed at all
         num_accepted = _accepted_prefix(accept)
         return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
 
@@ -70,6 +70,7 @@ def rejection_sample(
     p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
     q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
     u_accept = seeded_uniform(params.seed, positions[:, :k], STREAM_ACCEPT)
+    greedy = params.temperature == 0
     # Accept with probability min(1, p/q), written without a division: u * q < p.
     accept = torch.where(greedy[:, None], accept, u_accept * q_draft < p_draft)
     num_accepted = _accepted_prefix(accept)

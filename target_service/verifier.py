@@ -52,8 +52,9 @@ class Verifier:
         """Cache the prompts and sample each sequence's first token (time to first token ends here)."""
         rows, lengths, logits = self.table.prefill(seq_ids, prompts, configs)
         no_drafts = torch.zeros(len(prompts), 0, dtype=torch.long, device=self.runner.device)
+        all_greedy, filtered = self.table.sampling_kind(seq_ids, logits.shape[-1])
         sampled = rejection_sample(logits[:, None], no_drafts, None, self._params(rows), lengths, None,
-                                   *self.table.sampling_kind(seq_ids, logits.shape[-1]))
+                                   all_greedy=all_greedy, filtered=filtered)
         # As if the last prompt token had been pending: the same commit as a verify step.
         return self._commit(rows, lengths - 1, sampled)
 
@@ -68,10 +69,9 @@ class Verifier:
         inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(self.runner.device)], dim=1)
         logits = self.runner.forward(rows, inputs, torch.full_like(starts, k + 1))
         probs = None if draft_probs is None else draft_probs.to(self.runner.device)
-        sampled = rejection_sample(
-            logits, inputs[:, 1:], probs, self._params(rows), starts + 1, self.synthetic_acceptance,
-            *self.table.sampling_kind(seq_ids, logits.shape[-1]),
-        )
+        all_greedy, filtered = self.table.sampling_kind(seq_ids, logits.shape[-1])
+        sampled = rejection_sample(logits, inputs[:, 1:], probs, self._params(rows), starts + 1,
+                                   self.synthetic_acceptance, all_greedy=all_greedy, filtered=filtered)
         return self._commit(rows, starts, sampled)
 
     def release(self, seq_ids: Sequence[int]) -> None:
