@@ -13,6 +13,7 @@ also runs PSD here, Verify(X) and Propose(Y) each from its own thread and stream
 from __future__ import annotations
 
 import argparse
+import copy
 import faulthandler
 import json
 import logging
@@ -325,7 +326,9 @@ def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.
     prompt = torch.randint(0, VOCAB, (1, args.prefix), generator=torch.Generator().manual_seed(2))
     new = 64
     target.generation_config.pad_token_id = 0
-    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, assistant_model=draft)
+    # Assisted generation wants both models on one device: a copy of the draft joins the target's.
+    assistant = draft if args.draft_device == args.target_device else copy.deepcopy(draft).to(args.target_device)
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, assistant_model=assistant)
     with torch.compiler.set_stance("force_eager"):  # transformers as it comes, even once our runs compiled layers
         target.generate(prompt.to(args.target_device), **kwargs)  # warm-up
         hf_s = timed(lambda: target.generate(prompt.to(args.target_device), **kwargs), [args.target_device])
@@ -348,7 +351,10 @@ def trace_stats(events: list[dict]) -> dict:
     overlapped = sum(max(0.0, min(v["end"], p["end"]) - max(v["start"], p["start"])) for v in verify for p in propose)
     busy = sum(v["end"] - v["start"] for v in verify)
     ordered = sorted(verify + propose, key=lambda e: e["start"])
+    starts = sorted(v["start"] for v in verify)
     return {
+        # One step of one batch's worth of tokens: psd alternates batches, so consecutive verifies are its steps.
+        "step_ms": med([b - a for a, b in zip(starts, starts[1:])]) * 1e3,
         "gap_between_calls_ms": med([b["start"] - a["end"] for a, b in zip(ordered, ordered[1:])]) * 1e3,
         "batch_size": full,
         "propose_ms": med([e["end"] - e["start"] for e in propose]) * 1e3,
@@ -361,23 +367,86 @@ def trace_stats(events: list[dict]) -> dict:
     }
 
 
-def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], runs: list[str],
-                        args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
-    """PSD, SD and AR through the real services (separate processes; cuda-ipc channel on one host): `minedraft bench
-    --modes psd,sd,ar` on random-weight checkpoints. On one GPU, time-sliced and under CUDA MPS when it is there.
+@dataclass
+class ServicesRun:
+    """One `minedraft bench` run of the services comparison."""
 
-    `runs` are draft shapes, each alone (both ways of sharing) or as `SHAPE:timesliced` / `SHAPE:mps`.
-    """
-    from minedraft.demo_models import TARGET_DIR
+    label: str
+    draft: str
+    modes: str
+    draft_device: str
+    channel: str = "auto"
+    mps: bool = False
 
-    mps = shutil.which("nvidia-cuda-mps-control")
+
+def services_plan(runs: list[str], args: argparse.Namespace, mps_available: bool) -> list[ServicesRun]:
+    """On one GPU each draft shape time-sliced and under MPS (or as `SHAPE:timesliced` / `SHAPE:mps`); on two GPUs
+    PSD, SD and AR once per channel, and SD with the draft on the target's GPU (the paper's baseline)."""
+    suffix = "_compiled" if COMPILE else ""
+    channels = args.services_channels.split(",")
     plan = []
     for run in runs:
         name, _, sharing = run.partition(":")
-        plan += [(name, s) for s in ([sharing] if sharing else ["timesliced", "mps"]) if s != "mps" or mps]
-    names = sorted({name for name, _ in plan})
+        if args.target_device != args.draft_device:
+            for i, channel in enumerate(channels):  # AR does not use the channel: measured once
+                plan.append(ServicesRun(f"{name}_2gpu_{channel}{suffix}", name,
+                                        args.services_modes if i == 0 else "psd,sd", args.draft_device, channel))
+            plan.append(ServicesRun(f"{name}_sd_draft_on_target_gpu{suffix}", name, "sd", args.target_device))
+            continue
+        for way in [sharing] if sharing else ["timesliced", "mps"]:
+            if way == "mps" and not mps_available:
+                continue
+            for channel in channels:
+                label = f"{name}_{way}" + (f"_{channel}" if channel != "auto" else "") + suffix
+                plan.append(ServicesRun(label, name, args.services_modes, args.draft_device, channel, way == "mps"))
+    return plan
+
+
+def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
+    """PSD on two GPUs against SD with the draft on the target's GPU and on its own, AR, and the ideal ratio from
+    the SD calls' durations (T_d, T_v as the coordinator saw them)."""
+    suffix = "_compiled" if COMPILE else ""
+    own, same = results.get(f"{name}_2gpu_{channel}{suffix}"), results.get(f"{name}_sd_draft_on_target_gpu{suffix}")
+    ar_run = next((r for label, r in results.items()
+                   if label.startswith(f"{name}_2gpu_") and "ar" in r.get("results", {})), None)
+    sd_trace = results.get(f"{name}_2gpu_{channel}{suffix}_sd_trace")
+    if own is None or "psd" not in own["results"]:
+        return {}
+    tput = lambda run, mode: run["results"][mode]["output_throughput"] if run and mode in run["results"] else None  # noqa: E731
+    psd, sd_own, sd_same, ar = tput(own, "psd"), tput(own, "sd"), tput(same, "sd"), tput(ar_run, "ar")
+    out: dict = {"psd_tok_s": psd, "sd_draft_own_gpu_tok_s": sd_own, "sd_draft_on_target_gpu_tok_s": sd_same,
+                 "ar_tok_s": ar}
+    for key, base in (("psd_over_sd_draft_on_target_gpu", sd_same), ("psd_over_sd_draft_own_gpu", sd_own),
+                      ("psd_over_ar", ar)):
+        out[key] = psd / base if psd and base else None
+    if sd_trace:
+        t_d, t_v = sd_trace["propose_ms"], sd_trace["verify_ms"]
+        out.update(t_d_ms=t_d, t_v_ms=t_v, ideal=(t_d + t_v) / max(t_d, t_v))
+        if out["psd_over_sd_draft_own_gpu"]:
+            out["share_of_ideal"] = out["psd_over_sd_draft_own_gpu"] / out["ideal"]
+    psd_trace = results.get(f"{name}_2gpu_{channel}{suffix}_psd_trace")
+    if psd_trace:
+        if sd_trace:  # steady state: same batch size, same tokens per step, so the step times give the ratio
+            out["psd_step_ms"], out["sd_step_ms"] = psd_trace["step_ms"], sd_trace["step_ms"]
+            out["step_psd_over_sd"] = sd_trace["step_ms"] / psd_trace["step_ms"]
+            out["step_share_of_ideal"] = out["step_psd_over_sd"] / out["ideal"]
+            out["overlap_efficiency"] = max(sd_trace["propose_ms"], sd_trace["verify_ms"]) / psd_trace["step_ms"]
+        out["channel_share_of_verify"] = psd_trace["channel_share_of_verify"]
+        out["psd_verify_overlapped_by_propose"] = psd_trace["verify_time_overlapped_by_propose"]
+    return out
+
+
+def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], runs: list[str],
+                        args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
+    """PSD, SD and AR through the real services (separate processes): `minedraft bench --modes ...` on random-weight
+    checkpoints, as `services_plan` lays out (`runs` are draft shapes, on one GPU optionally `SHAPE:timesliced` or
+    `SHAPE:mps`)."""
+    from minedraft.demo_models import TARGET_DIR
+
+    mps = shutil.which("nvidia-cuda-mps-control")
+    plan = services_plan(runs, args, mps is not None)
     root = Path(tempfile.mkdtemp(prefix="minedraft-ckpt-"))
-    for name, model in [("target", target), *((n, drafts[n]) for n in names)]:
+    for name, model in [("target", target), *((n, drafts[n]) for n in sorted({r.draft for r in plan}))]:
         start = time.perf_counter()
         model.save_pretrained(root / name)
         # Prompts come from the demo tokenizer (ids < 4096 are valid in the 128k vocabulary; the random target's
@@ -388,29 +457,30 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         print(f"saved {name} checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
     results: dict[str, dict] = summary.setdefault("services", {})
     timelines: dict[str, list[dict]] = summary.setdefault("services_timelines", {})
-    for name, sharing in plan:
-        label, use_mps = f"{name}_{sharing}" + ("_compiled" if COMPILE else ""), sharing == "mps"
+    for i, run in enumerate(plan):
+        label = run.label
         env = dict(os.environ)
         if args.services_profile:  # every worker of these stacks traces five calls after its first 100
             env["MINEDRAFT_PROFILE_DIR"] = str(root / f"profiles_{label}")
-        if use_mps:
+        if run.mps:
+            assert mps is not None
             pipe = tempfile.mkdtemp(prefix="mps-")
             env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=pipe)
             subprocess.run([mps, "-d"], env=env, check=True)  # a user-level daemon: no GPU setting changes
         json_out = root / f"services_{label}.json"
         traces = root / f"traces_{label}"
-        command = [sys.executable, "-m", "minedraft.cli", "bench", "--modes", "psd,sd,ar",
-                   "--target", str(root / "target"), "--draft", str(root / name),
-                   "--target-device", args.target_device, "--draft-device", args.draft_device,
-                   "--dtype", "bfloat16", "--num-speculative-tokens", "4",
+        command = [sys.executable, "-m", "minedraft.cli", "bench", "--modes", run.modes,
+                   "--target", str(root / "target"), "--draft", str(root / run.draft),
+                   "--target-device", args.target_device, "--draft-device", run.draft_device,
+                   "--channel", run.channel, "--dtype", "bfloat16", "--num-speculative-tokens", "4",
                    "--max-batch-size", str(args.services_batch), "--overlap", args.services_overlap,
                    "--synthetic-acceptance", str(args.synthetic_acceptance),
                    "--num-prompts", str(args.services_prompts or 2 * args.services_batch),
                    "--prompt-len", str(args.prefix),
-                   "--output-len", "128", "--no-progress", "--json-out", str(json_out),
+                   "--output-len", str(args.services_output_len), "--no-progress", "--json-out", str(json_out),
                    "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
         command += ["--compile"] if COMPILE else []
-        print(f"services, {label}: {' '.join(command)}", flush=True)
+        print(f"[services {i + 1}/{len(plan)}] {label}: {' '.join(command)}", flush=True)
         bench = subprocess.Popen(command, env=env)
         try:
             bench.wait(timeout=args.services_timeout)
@@ -422,8 +492,8 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
             except subprocess.TimeoutExpired:
                 bench.kill()
         finally:
-            if use_mps:
-                subprocess.run([mps], input=b"quit\n", env=env, check=False)
+            if run.mps:
+                subprocess.run([mps], input=b"quit\n", env=env, check=False)  # type: ignore[list-item]
         for log in sorted((root / f"logs_{label}").glob("*.log")):  # the services' own output, for diagnosis
             print(f"--- {log.name} (last lines) ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]),
                   flush=True)
@@ -432,7 +502,9 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         if args.services_profile and (root / f"profiles_{label}").exists():
             shutil.make_archive(str(Path(args.out) / f"profiles_{label}"), "gztar", root / f"profiles_{label}")
         print(f"services, {label}: {results.get(label, {}).get('ratios')}", flush=True)
-        for mode in ("psd", "sd", "ar"):
+        if traces.exists():
+            shutil.copytree(traces, Path(args.out) / f"traces_{label}", dirs_exist_ok=True)
+        for mode in run.modes.split(","):
             trace = traces / f"{mode}.jsonl"
             if not trace.exists():
                 continue
@@ -445,6 +517,13 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                 origin = window[0]["start"]
                 timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
                                      "end": e["end"] - origin} for e in window]
+        save()
+    if args.target_device != args.draft_device:
+        two = summary.setdefault("two_gpu", {})
+        for name in sorted({r.draft for r in plan}):
+            for channel in args.services_channels.split(","):
+                two[f"{name}_{channel}" + ("_compiled" if COMPILE else "")] = two_gpu_summary(results, name, channel)
+        print(f"two GPUs: {json.dumps(two, indent=1)}", flush=True)
         save()
     shutil.rmtree(root, ignore_errors=True)
 
@@ -516,6 +595,10 @@ def main() -> None:
     parser.add_argument("--services", default="",
                         help="draft shapes to also run through the real services on one GPU, time-sliced and "
                              "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)")
+    parser.add_argument("--services-channels", default="auto",
+                        help="channels of the services runs, comma-separated (auto: cuda-ipc on one host)")
+    parser.add_argument("--services-modes", default="psd,sd,ar", help="modes of each services run")
+    parser.add_argument("--services-output-len", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
     parser.add_argument("--services-prompts", type=int, default=None,

@@ -288,26 +288,31 @@ class CudaGraphs:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.pool = torch.cuda.graph_pool_handle()
+        # torch.cuda.graph's default capture stream is one per process, made on whichever device was current.
+        self.capture_stream = torch.cuda.Stream(runner.device)
         self.graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def run(self, key: tuple[object, ...], fn: GraphFn, rows: torch.Tensor, input_ids: torch.Tensor,
             num_valid: torch.Tensor, padded: int) -> list[torch.Tensor]:
-        runner = self.runner
-        batch, n = input_ids.shape
-        if key not in self.graphs:
-            start = time.perf_counter()
-            self.graphs[key] = self._capture(fn, padded, n)
-            log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
-        graph, (static_rows, static_ids, static_valid), outputs = self.graphs[key]
-        static_rows.fill_(runner.scratch_row)
-        static_rows[:batch].copy_(rows)
-        static_ids.zero_()
-        static_ids[:batch].copy_(input_ids)
-        static_valid.fill_(1)
-        static_valid[:batch].copy_(num_valid)
-        runner.cache.lengths[runner.scratch_row] = 0
-        graph.replay()
-        return [t[:batch] for t in outputs]
+        # Capture and replay happen on the runner's GPU whichever device is current in this thread (a
+        # graph captured on another device's stream is empty: seen with the draft on the second GPU, run 7).
+        with torch.cuda.device(self.runner.device):
+            runner = self.runner
+            batch, n = input_ids.shape
+            if key not in self.graphs:
+                start = time.perf_counter()
+                self.graphs[key] = self._capture(fn, padded, n)
+                log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
+            graph, (static_rows, static_ids, static_valid), outputs = self.graphs[key]
+            static_rows.fill_(runner.scratch_row)
+            static_rows[:batch].copy_(rows)
+            static_ids.zero_()
+            static_ids[:batch].copy_(input_ids)
+            static_valid.fill_(1)
+            static_valid[:batch].copy_(num_valid)
+            runner.cache.lengths[runner.scratch_row] = 0
+            graph.replay()
+            return [t[:batch] for t in outputs]
 
     def _capture(self, fn: GraphFn, padded: int, n: int
                  ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]:
@@ -331,7 +336,7 @@ class CudaGraphs:
         gc.disable()
         try:
             # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
                 outputs = fn(rows, ids, valid)
         finally:
             if collecting:

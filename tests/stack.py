@@ -256,17 +256,17 @@ class Workers:
         stop_all([self.draft, self.target])
 
 
-def worker_args(kind: str, model: Path, max_batch_size: int) -> list[str]:
-    return [kind, "--model", str(model), "--host", "127.0.0.1", "--device", "cpu", "--dtype", "float32",
+def worker_args(kind: str, model: Path, max_batch_size: int, device: str = "cpu") -> list[str]:
+    return [kind, "--model", str(model), "--host", "127.0.0.1", "--device", device, "--dtype", "float32",
             "--max-batch-size", str(max_batch_size), "--max-model-len", str(MAX_MODEL_LEN)]
 
 
 def start_workers(pair: TinyPair, log_dir: Path, max_batch_size: int = WORKER_MAX_BATCH,
-                  with_draft: bool = True) -> Workers:
-    target = spawn(f"{pair.arch}-target", worker_args("target", pair.target, max_batch_size), log_dir)
+                  with_draft: bool = True, target_device: str = "cpu", draft_device: str = "cpu") -> Workers:
+    target = spawn(f"{pair.arch}-target", worker_args("target", pair.target, max_batch_size, target_device), log_dir)
     draft = None
     if with_draft:
-        draft = spawn(f"{pair.arch}-draft", worker_args("draft", pair.draft, max_batch_size), log_dir)
+        draft = spawn(f"{pair.arch}-draft", worker_args("draft", pair.draft, max_batch_size, draft_device), log_dir)
     wait_all([s for s in (target, draft) if s is not None])
     return Workers(pair, target, draft, max_batch_size)
 
@@ -383,6 +383,23 @@ def text_prompts(tokenizer: object, count: int, min_tokens: int, max_tokens: int
         start = rng.randrange(0, len(ids) - n)
         prompts.append(ids[start : start + n])
     return prompts
+
+
+def mixed_requests(tokenizer: object, max_tokens: int = 24) -> list[generation_pb2.GenerateRequest]:
+    """Six requests: greedy ones, and sampled ones (top-p, seeded) whose draft probabilities cross the channel."""
+    requests = []
+    for i, prompt in enumerate(text_prompts(tokenizer, 6, 4, 20, seed=11)):
+        params = generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if i % 2:
+            params.temperature, params.top_p, params.seed = 0.9, 0.95, 1000 + i
+        requests.append(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params))
+    return requests
+
+
+async def generate_all(address: str, requests: Sequence[generation_pb2.GenerateRequest]) -> list[list[int]]:
+    """The token ids of every request, sent at once."""
+    done = await asyncio.gather(*(generate(address, r) for r in requests))
+    return [c.token_ids for c in done]
 
 
 def run_async(coro: object) -> object:

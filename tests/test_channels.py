@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from stack import TinyPairs, Workers, generate, run_async, running_coordinator, text_prompts
+from stack import TinyPairs, Workers, generate_all, mixed_requests, run_async, running_coordinator
 
 from minedraft.channels import make_channel
-from minedraft.proto import common_pb2, generation_pb2
+from minedraft.proto import common_pb2
 
 pytest_plugins = ["stack"]
 
@@ -40,33 +40,15 @@ def test_unknown_channel_is_named() -> None:
         make_channel("carrier-pigeon", torch.device("cpu"))
 
 
-def _requests(tiny_pairs: TinyPairs) -> list[generation_pb2.GenerateRequest]:
-    prompts = text_prompts(tiny_pairs.tokenizer, 6, 4, 20, seed=11)
-    requests = []
-    for i, prompt in enumerate(prompts):
-        params = generation_pb2.SamplingParams(max_tokens=24, ignore_eos=True)
-        if i % 2:  # sampled rows move probabilities through the channel too
-            params.temperature, params.top_p, params.seed = 0.9, 0.95, 1000 + i
-        requests.append(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params))
-    return requests
-
-
-async def _run_all(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[list[int]]:
-    import asyncio
-
-    done = await asyncio.gather(*(generate(address, r) for r in requests))
-    return [c.token_ids for c in done]
-
-
 def test_nccl_channel_over_gloo_gives_the_grpc_channels_output(
     tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path
 ) -> None:
     """Same seeds, same drafts, same verdicts: a channel only moves tensors, so outputs must be identical."""
-    requests = _requests(tiny_pairs)
+    requests = mixed_requests(tiny_pairs.tokenizer)
     outputs = {}
     for channel in ("grpc", "nccl"):
         with running_coordinator(llama_workers, stack_logs, "psd", extra=["--channel", channel]) as coordinator:
-            outputs[channel] = run_async(_run_all(coordinator.address, requests))
+            outputs[channel] = run_async(generate_all(coordinator.address, requests))
     assert all(len(tokens) == 24 for tokens in outputs["nccl"])
     assert outputs["nccl"] == outputs["grpc"]
 
@@ -75,12 +57,12 @@ def test_seeded_sampling_does_not_depend_on_mode_or_batch_mates(
     tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path
 ) -> None:
     """Randomness is keyed by (seed, position, purpose): psd and sd, with different batch mates, agree exactly."""
-    requests = _requests(tiny_pairs)
+    requests = mixed_requests(tiny_pairs.tokenizer)
     outputs = {}
     for mode in ("psd", "sd"):
         with running_coordinator(llama_workers, stack_logs, mode) as coordinator:
-            outputs[mode] = run_async(_run_all(coordinator.address, requests))
-            alone = run_async(_run_all(coordinator.address, requests[1:2]))  # a sampled request on its own
+            outputs[mode] = run_async(generate_all(coordinator.address, requests))
+            alone = run_async(generate_all(coordinator.address, requests[1:2]))  # a sampled request on its own
             assert alone[0] == outputs[mode][1]
     assert outputs["psd"] == outputs["sd"]
 
@@ -96,9 +78,9 @@ def test_single_process_serve_over_the_local_channel_matches_the_services(
 
     from minedraft.cli import free_port, wait_healthy
 
-    requests = _requests(tiny_pairs)
+    requests = mixed_requests(tiny_pairs.tokenizer)
     with running_coordinator(llama_workers, stack_logs, "psd") as coordinator:
-        expected = run_async(_run_all(coordinator.address, requests))
+        expected = run_async(generate_all(coordinator.address, requests))
     pair, port = llama_workers.pair, free_port()
     serve = subprocess.Popen(
         [sys.executable, "-m", "minedraft.cli", "serve", "--single-process", "--target", str(pair.target),
@@ -108,7 +90,7 @@ def test_single_process_serve_over_the_local_channel_matches_the_services(
     )
     try:
         wait_healthy(f"127.0.0.1:{port}", [serve], timeout=180)
-        assert run_async(_run_all(f"127.0.0.1:{port}", requests)) == expected
+        assert run_async(generate_all(f"127.0.0.1:{port}", requests)) == expected
     finally:
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=60) == 0

@@ -1,5 +1,6 @@
 """On a GPU, proposals replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same proposals run eagerly.
 
+Also on the last GPU of a machine with several, which is not the current device: graphs must still be captured there.
 Skipped without CUDA. Also runs as a script on the GPU machine (`python tests/test_cuda_graphs.py`), which may lack
 pytest.
 """
@@ -21,12 +22,15 @@ CONFIGS = {
 }
 
 
-def _proposals(graphs: bool, kind: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+DEVICES = sorted({"cuda:0", f"cuda:{torch.cuda.device_count() - 1}"}) if torch.cuda.is_available() else ["cuda:0"]
+
+
+def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16).eval()
     proposer = Proposer(ModelRunner(model, 8, 256, cuda_graphs=graphs))
     seqs = [1, 2, 3]
     prompts = [[(7 * s + j) % 500 for j in range(10 + 5 * s)] for s in seqs]
@@ -41,9 +45,10 @@ def _proposals(graphs: bool, kind: str) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_graph_proposals_equal_eager_ones(kind: str) -> None:
-    replayed, eager = _proposals(True, kind), _proposals(False, kind)
+def test_graph_proposals_equal_eager_ones(kind: str, device: str) -> None:
+    replayed, eager = _proposals(True, kind, device), _proposals(False, kind, device)
     for (ids, probs), (ids_e, probs_e) in zip(replayed, eager):
         assert torch.equal(ids, ids_e)
         assert (probs is None) == (probs_e is None) == (kind == "greedy")
@@ -52,5 +57,6 @@ def test_graph_proposals_equal_eager_ones(kind: str) -> None:
 
 if __name__ == "__main__":
     for name in CONFIGS:
-        test_graph_proposals_equal_eager_ones(name)
-        print(f"{name}: graph proposals equal eager ones")
+        for where in DEVICES:
+            test_graph_proposals_equal_eager_ones(name, where)
+            print(f"{name} on {where}: graph proposals equal eager ones")

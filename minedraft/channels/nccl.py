@@ -49,6 +49,15 @@ class NcclChannel(Channel):
             store = dist.TCPStore(host, port, 2, is_master=rank == DRAFT_RANK, timeout=timedelta(seconds=120))
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=2,
                                     timeout=timedelta(seconds=120))
+            # NCCL builds the pair's send/receive communicator at their first exchange, which both sides must
+            # join. Done here, while both are setting up: left to the first proposal, the draft's send would wait
+            # for the target's receive, which comes only after the Propose reply that send holds up (a deadlock
+            # seen on two H200s, run 7).
+            hello = torch.zeros(1, device=self.device)
+            if rank == DRAFT_RANK:
+                dist.send(hello, dst=TARGET_RANK)
+            else:
+                dist.recv(hello, src=DRAFT_RANK)
         except BaseException as exc:  # surfaced at the first send
             self._error = exc
 

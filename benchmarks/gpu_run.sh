@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What one device call runs, from the repository root on the GPU machine: `bash benchmarks/gpu_run.sh STAGE [ARGS]`.
+#   check               GPU tests (graphs equal eager; channels between services on GPUs) and the in-process bench
+#   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
+# Output goes to $OUT (one tarball of logs, JSON and plots: the device tool brings back few files).
+set -u
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT/run"
+export PYTHONUNBUFFERED=1
+# grpcio-health-checking and grpcio-reflection (carried as wheels in .whl/) are missing on the GPU machine.
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=$PWD:/tmp/site
+fi
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+DRAFT_DEVICE=cuda:$((GPUS - 1))
+stage=${1:-check}
+case $stage in
+check)
+    nvidia-smi topo -m > "$OUT/run/topology.txt" 2>&1
+    timeout -k 10 120 python3 tests/test_cuda_graphs.py 2>&1 | tee "$OUT/run/test_cuda_graphs.log" | tail -5
+    timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
+        | tee "$OUT/run/test_gpu_channels.log" | tail -5
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
+        --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes 1,32 --ks 4 --in-process-psd \
+        --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
+    tail -30 "$OUT/run/inproc.log"
+    ;;
+services)
+    timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
+        --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --drafts "${2:-68m}" --services "${2:-68m}" \
+        --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
+        --services-timeout "${SERVICES_TIMEOUT:-200}" ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
+    grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30
+    python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; print(json.dumps(s.get('two_gpu'), indent=1))" \
+        "$OUT/run/services/gpu_bench.json"
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
+tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$OUT/run"
