@@ -31,7 +31,7 @@ services)
     timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
         --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --drafts "${2:-68m}" --services "${2:-68m}" \
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
-        --services-timeout "${SERVICES_TIMEOUT:-200}" ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
+        --services-timeout "${SERVICES_TIMEOUT:-300}" ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30
     python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; print(json.dumps(s.get('two_gpu'), indent=1))" \
         "$OUT/run/services/gpu_bench.json"

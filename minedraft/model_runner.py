@@ -330,7 +330,8 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         runner.cache.lengths[runner.scratch_row] = 0
         # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
-        # that capture: seen on an H200. So collect first, and not during.
+        # that capture: seen on an H200. So collect first, and not during. (Cheap in a service: its start-up
+        # objects are frozen, see server_utils.start_server.)
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -80,6 +81,11 @@ async def start_server(
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on port {port}")
+    # Everything loaded so far (models, tokenizer, libraries: some 400k objects) lives as long as the process. Frozen,
+    # the garbage collector skips it: a full collection while serving (or before each CUDA graph capture) then
+    # takes microseconds instead of 0.1-0.4 s.
+    gc.collect()
+    gc.freeze()
     await server.start()
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
