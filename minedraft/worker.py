@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -81,7 +82,10 @@ class ModelWorker:
             compile_layers=options.compile_layers,
         )
         self.channel: Channel | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # The compute thread's current CUDA device is the model's: whatever CUDA work names no device (a graph's
+        # capture stream, a stream or event made without one) then lands on the model's GPU, not on GPU 0.
+        on_device = partial(torch.cuda.set_device, self.runner.device) if self.runner.device.type == "cuda" else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=on_device)
         # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
         # kernels then overlap on the GPU instead of queueing on the default stream.
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
