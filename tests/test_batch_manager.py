@@ -75,7 +75,7 @@ def test_rebalance_moves_the_surplus_to_the_other_batch() -> None:
 def test_overlap_policy_prefers_what_measures_faster_and_keeps_probing() -> None:
     policy = OverlapPolicy("auto")
     choices = []
-    for _ in range(3 * PROBE_EVERY):
+    for _ in range(10 * PROBE_EVERY):
         overlap = policy.choose()
         choices.append(overlap)
         policy.record(overlap, 0.30 if overlap else 0.20, verified=10)  # overlapping is slower here
@@ -96,6 +96,27 @@ def test_overlap_policy_is_not_swayed_by_a_few_slow_steps() -> None:
         policy.record(overlap, 5.0 if slow else (0.30 if overlap else 0.20), verified=10)
     tail = choices[PROBE_EVERY:]
     assert tail.count(False) > 0.8 * len(tail)
+
+
+def test_overlap_policy_rarely_tries_a_much_slower_strategy_but_still_notices_a_change() -> None:
+    """Two GPUs: sequential steps cost twice overlapped ones (run 7). Trials of the slow way stay rare; when the
+    costs turn (the draft moves to a shared GPU, say), the policy follows within a few trial intervals."""
+    policy = OverlapPolicy("auto")
+
+    def run(steps: int, overlapped_cost: float, sequential_cost: float) -> list[bool]:
+        made = []
+        for _ in range(steps):
+            overlap = policy.choose()
+            made.append(overlap)
+            policy.record(overlap, overlapped_cost if overlap else sequential_cost, verified=32)
+        return made
+
+    choices = run(20 * PROBE_EVERY, 0.026, 0.050)
+    steady = choices[4 * PROBE_EVERY:]
+    assert steady.count(False) < 0.04 * len(steady)  # was 4 steps in 36 (11%)
+    assert False in steady
+    after = run(20 * PROBE_EVERY, 0.060, 0.040)  # now overlapping is the slow way
+    assert after[-4 * PROBE_EVERY:].count(True) < 0.04 * 4 * PROBE_EVERY
 
 
 def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:
