@@ -6,8 +6,10 @@ Models are built from production-shaped configs with random bf16 weights (Llama-
 Llama-68M-shaped drafts) unless --target/--draft give real checkpoints. With random weights drafts are never
 accepted, so throughput is measured with the benchmark-only --synthetic-acceptance P (not lossless, labelled in
 every table). Step times (T_d, T_v, AR) are measured in this process; PSD against SD and AR is measured through the
-real services (`--services`, separate processes sharing the GPU, with and without CUDA MPS). `--in-process-psd`
-also runs PSD here, Verify(X) and Propose(Y) each from its own thread and stream.
+real services (`--services`): on one GPU as separate processes sharing it, with and without CUDA MPS; on two GPUs
+(`--draft-device cuda:1`) once per channel (`--services-channels cuda-ipc,nccl`), plus SD with the draft on the
+target's GPU. `--in-process-psd` also runs PSD here, Verify(X) and Propose(Y) each from its own thread and stream.
+`benchmarks/gpu_run.sh` holds the command lines a GPU session runs.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ check)
     timeout -k 10 120 python3 tests/test_cuda_graphs.py 2>&1 | tee "$OUT/run/test_cuda_graphs.log" | tail -5
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
-    timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-200} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
         --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes 1,32 --ks 4 --in-process-psd \
         --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
     tail -30 "$OUT/run/inproc.log"
