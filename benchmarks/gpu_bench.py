@@ -363,6 +363,9 @@ def trace_stats(events: list[dict]) -> dict:
         "verify_ms": med([e["end"] - e["start"] for e in verify]) * 1e3,
         "verify_compute_ms": med([e["worker_compute_s"] for e in verify]) * 1e3,
         "propose_compute_ms": med([e["worker_compute_s"] for e in propose]) * 1e3,
+        # Waiting in the worker for its compute thread (traces since run 7)
+        "verify_queue_ms": med([e.get("worker_queue_s", float("nan")) for e in verify]) * 1e3,
+        "propose_queue_ms": med([e.get("worker_queue_s", float("nan")) for e in propose]) * 1e3,
         "channel_share_of_verify": med([e["channel_s"] / e["worker_compute_s"] for e in verify
                                         if e["worker_compute_s"]]),
         "verify_time_overlapped_by_propose": overlapped / busy if busy else float("nan"),

@@ -28,6 +28,7 @@ class StepEvent:
     end: float
     worker_compute_s: float = 0.0
     channel_s: float = 0.0
+    worker_queue_s: float = 0.0  # waiting in the worker for its compute thread
 
 
 def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.SequenceSpec:
@@ -73,7 +74,8 @@ class Workers:
         if self.metrics is not None:
             self.metrics.worker_call(kind, size, start, end)
         if self.record_events:
-            self.events.append(StepEvent(kind, batch_id, size, start, end, timings.compute_s, timings.channel_s))
+            self.events.append(StepEvent(kind, batch_id, size, start, end, timings.compute_s, timings.channel_s,
+                                         timings.queue_s))
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()

@@ -35,24 +35,24 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     async def Prefill(self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext
                       ) -> draft_pb2.DraftServicePrefillResponse:
-        start_unix, start = time.time(), time.perf_counter()
+        start_unix = time.time()
         seq_ids, prompts, configs = prompts_and_configs(request.sequences)
         limit = self.worker.vocab.logits_size
         if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {limit})")
-        await self.worker.run(self.proposer.prefill, seq_ids, prompts, configs)
-        return draft_pb2.DraftServicePrefillResponse(timings=timings(start_unix, elapsed(start)))
+        _, queue_s, compute_s = await self.worker.run_timed(self.proposer.prefill, seq_ids, prompts, configs)
+        return draft_pb2.DraftServicePrefillResponse(timings=timings(start_unix, compute_s, queue_s=queue_s))
 
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
                       ) -> draft_pb2.ProposeResponse:
-        start_unix, start = time.time(), time.perf_counter()
+        start_unix = time.time()
         if not (len(request.seq_ids) == len(request.num_accepted) == len(request.next_token_ids)):
             raise ValueError("seq_ids, num_accepted and next_token_ids must have the same length")
         if request.num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be at least 1")
-        payload, channel_s = await self.worker.run(self._propose, request)
-        return draft_pb2.ProposeResponse(drafts=payload, timings=timings(start_unix, elapsed(start), channel_s))
+        (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request)
+        return draft_pb2.ProposeResponse(drafts=payload, timings=timings(start_unix, compute_s, channel_s, queue_s))
 
     def _propose(self, request: draft_pb2.ProposeRequest) -> tuple[common_pb2.DraftPayload, float]:
         channel = self.worker.require_channel()

@@ -55,9 +55,9 @@ def grpc_errors(handler: Handler) -> Handler:
     return wrapped  # type: ignore[return-value]
 
 
-def timings(start_unix: float, compute_s: float, channel_s: float = 0.0) -> common_pb2.Timings:
+def timings(start_unix: float, compute_s: float, channel_s: float = 0.0, queue_s: float = 0.0) -> common_pb2.Timings:
     return common_pb2.Timings(
-        compute_s=compute_s, channel_s=channel_s, start_unix_s=start_unix, end_unix_s=time.time()
+        compute_s=compute_s, channel_s=channel_s, queue_s=queue_s, start_unix_s=start_unix, end_unix_s=time.time()
     )
 
 

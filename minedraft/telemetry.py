@@ -138,6 +138,7 @@ def message_attributes(message: Any) -> dict[str, Any]:
     if "timings" in fields and message.HasField("timings"):
         attributes["minedraft.compute_s"] = message.timings.compute_s
         attributes["minedraft.channel_s"] = message.timings.channel_s
+        attributes["minedraft.queue_s"] = message.timings.queue_s
     if "results" in fields:
         attributes["minedraft.accepted_tokens"] = sum(r.num_accepted for r in message.results)
         attributes["minedraft.emitted_tokens"] = sum(len(r.token_ids) for r in message.results)

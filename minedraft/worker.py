@@ -97,7 +97,19 @@ class ModelWorker:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the compute thread, so the event loop keeps serving RPCs meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_stream, fn, *args)
+        return (await self.run_timed(fn, *args))[0]
+
+    async def run_timed(self, fn: Callable[..., T], *args: object) -> tuple[T, float, float]:
+        """`run`, and the seconds the work waited for the compute thread and ran on it (a call's reply reports
+        both: time lost between the RPC and the model shows as the first)."""
+        submitted = time.perf_counter()
+
+        def timed() -> tuple[T, float, float]:
+            started = time.perf_counter()
+            result = self._on_stream(fn, *args)
+            return result, started - submitted, elapsed(started)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
 
     def _on_stream(self, fn: Callable[..., T], *args: object) -> T:
         self._calls += 1

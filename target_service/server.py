@@ -59,13 +59,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Prefill(self, request: target_pb2.TargetServicePrefillRequest, context: grpc.aio.ServicerContext
                       ) -> target_pb2.TargetServicePrefillResponse:
-        start_unix, start = time.time(), time.perf_counter()
+        start_unix = time.time()
         seq_ids, prompts, configs = prompts_and_configs(request.sequences)
         limit = self.worker.vocab.logits_size
         if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {limit})")
-        results = await self.worker.run(self._prefill, seq_ids, prompts, configs)
-        return target_pb2.TargetServicePrefillResponse(results=results, timings=timings(start_unix, elapsed(start)))
+        results, queue_s, compute_s = await self.worker.run_timed(self._prefill, seq_ids, prompts, configs)
+        return target_pb2.TargetServicePrefillResponse(results=results,
+                                                       timings=timings(start_unix, compute_s, queue_s=queue_s))
 
     def _prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]
                  ) -> list[target_pb2.SequenceResult]:
@@ -75,10 +76,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
                      ) -> target_pb2.VerifyResponse:
-        start_unix, start = time.time(), time.perf_counter()
+        start_unix = time.time()
         seq_ids = list(request.seq_ids)
-        results, channel_s = await self.worker.run(self._verify, seq_ids, request.drafts, request.num_draft_tokens)
-        return target_pb2.VerifyResponse(results=results, timings=timings(start_unix, elapsed(start), channel_s))
+        (results, channel_s), queue_s, compute_s = await self.worker.run_timed(
+            self._verify, seq_ids, request.drafts, request.num_draft_tokens)
+        return target_pb2.VerifyResponse(results=results, timings=timings(start_unix, compute_s, channel_s, queue_s))
 
     def _verify(self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int
                 ) -> tuple[list[target_pb2.SequenceResult], float]:

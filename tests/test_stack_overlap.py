@@ -26,6 +26,8 @@ class Event:
     batch_size: int
     start: float
     end: float
+    worker_compute_s: float = 0.0
+    worker_queue_s: float = 0.0
 
     def overlaps(self, other: Event) -> bool:
         return self.start < other.end and other.start < self.end
@@ -104,3 +106,13 @@ def test_single_request_runs_sequential_sd(trace: Trace) -> None:
     assert [e.kind for e in steps] == ["propose", "verify"] * (len(steps) // 2)
     assert all(p.batch_id == v.batch_id and p.end <= v.start for p, v in zip(steps[::2], steps[1::2]))
     assert all(e.batch_size == 1 for e in steps)
+
+
+def test_each_call_reports_its_wait_and_its_work_inside_the_call(trace: Trace) -> None:
+    """A worker's reply says how long the call waited for the compute thread and how long it ran there: both
+    within the call as the coordinator timed it (different processes, one monotonic clock)."""
+    calls = [e for e in trace.single + trace.full if e.kind in ("prefill", "propose", "verify")]
+    assert calls
+    for e in calls:
+        assert e.worker_compute_s > 0 and e.worker_queue_s >= 0, e
+        assert e.worker_queue_s + e.worker_compute_s <= e.end - e.start + 1e-4, e
