@@ -485,6 +485,7 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                    "--output-len", str(args.services_output_len), "--no-progress", "--json-out", str(json_out),
                    "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
         command += ["--compile"] if COMPILE else []
+        command += ["--precapture-graphs"] if args.services_precapture else []
         print(f"[services {i + 1}/{len(plan)}] {label}: {' '.join(command)}", flush=True)
         bench = subprocess.Popen(command, env=env)
         try:
@@ -604,6 +605,8 @@ def main() -> None:
                         help="channels of the services runs, comma-separated (auto: cuda-ipc on one host)")
     parser.add_argument("--services-modes", default="psd,sd,ar", help="modes of each services run")
     parser.add_argument("--services-output-len", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--services-precapture", action="store_true",
+                        help="workers capture every step shape when the coordinator connects (--precapture-graphs)")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
     parser.add_argument("--services-prompts", type=int, default=None,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.model_runner import ModelRunner
+from minedraft.model_runner import Chooser, ModelRunner
 from minedraft.sampling import STREAM_DRAFT, SamplingConfig, processed_probs, sample_from, seeded_uniform
 from minedraft.sequence_table import SequenceTable
 
@@ -71,7 +71,28 @@ class Proposer:
         all_greedy, filtered = t.sampling_kind(seq_ids, self.runner.vocab_size)
         all_greedy |= self.greedy_drafts
         self.committed[rows] = lengths + tail_len
-        slots = self.runner.num_slots
+        choose, kind = self._chooser(all_greedy, filtered)
+        outputs = self.runner.decode(rows, tail, tail_len, k, max(widest, longest + k - 1), choose, kind)
+        self._remember(rows, outputs[0], k)
+        return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
+
+    def precapture(self, k: int, max_batch: int) -> int:
+        """Run every kind of proposal of k tokens in every shape serving can give it (`ModelRunner.precapture`)."""
+        kinds = [(True, False)] if self.greedy_drafts else [(True, False), (False, False), (False, True)]
+        shapes = 0
+        for all_greedy, filtered in kinds:
+            choose, kind = self._chooser(all_greedy, filtered)
+
+            def proposal(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int,
+                         choose: Chooser = choose, kind: str = kind) -> object:
+                return self.runner.decode(r, i, v, k, needed, choose, kind)
+
+            shapes += self.runner.precapture(max_batch, 2, proposal)  # a proposal's tail is two tokens wide
+        return shapes
+
+    def _chooser(self, all_greedy: bool, filtered: bool) -> tuple[Chooser, str]:
+        """The decode loop's token choice for a batch of this kind, and the kind's name (its graphs' key)."""
+        t, slots = self.table, self.runner.num_slots
 
         def choose(r: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             if all_greedy:  # no probabilities are made, and none move
@@ -85,10 +106,7 @@ class Proposer:
             one_hot = torch.zeros_like(q).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot
             return token, torch.where(greedy[:, None], one_hot, q)
 
-        kind = "greedy" if all_greedy else "filtered" if filtered else "sampled"
-        outputs = self.runner.decode(rows, tail, tail_len, k, max(widest, longest + k - 1), choose, kind)
-        self._remember(rows, outputs[0], k)
-        return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
+        return choose, "greedy" if all_greedy else "filtered" if filtered else "sampled"
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)

@@ -30,6 +30,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         handshake = await self.worker.setup_channel(
             request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, True
         )
+        # Before the reply: the target attaches to the channel only after it (an nccl rendezvous then starts).
+        await self.worker.precapture(self.proposer.precapture, request.num_speculative_tokens, request.max_batch_size)
         return draft_pb2.DraftServiceSetupChannelResponse(handshake=handshake)
 
     @grpc_errors

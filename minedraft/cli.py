@@ -35,6 +35,8 @@ def _env_default(flag: str, default: object) -> object:
 
 
 COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs); compiles at start-up (minutes)"
+PRECAPTURE_HELP = ("capture the CUDA graphs of every batch and key-length shape when a coordinator connects, instead "
+                   "of while requests wait (each first use of a shape: 0.2-0.5 s); connecting takes longer")
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, default: object = None, **kwargs: object) -> None:
@@ -52,6 +54,7 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
     _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
     _add(parser, "--compile", False, action="store_true", help=COMPILE_HELP)
+    _add(parser, "--precapture-graphs", False, action="store_true", help=PRECAPTURE_HELP)
     _add(parser, "--profile-dir", None,
          help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)")
     _add(parser, "--profile-after", 100, type=int)
@@ -86,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
     _add(serve, "--compile", False, action="store_true", help=COMPILE_HELP)
+    _add(serve, "--precapture-graphs", False, action="store_true", help=PRECAPTURE_HELP)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
     _add(serve, "--single-process", False, action="store_true",
          help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)")
@@ -161,7 +165,7 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
     options = WorkerOptions(
         args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager,
         compile_layers=args.compile, profile_dir=args.profile_dir, profile_after=args.profile_after,
-        synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
+        synthetic_acceptance=getattr(args, "synthetic_acceptance", None), precapture_graphs=args.precapture_graphs,
     )
     try:
         if kind == "target":
@@ -235,6 +239,7 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
     common = ["--dtype", str(args.dtype), "--max-batch-size", str(args.max_batch_size),
               "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1"]
     common += ["--compile"] if args.compile else []
+    common += ["--precapture-graphs"] if getattr(args, "precapture_graphs", False) else []
     commands = [py + ["target", "--model", args.target, "--port", str(target_port),
                       "--device", args.target_device, *common]]
     coordinator = py + ["coordinator", "--target", f"127.0.0.1:{target_port}", "--port", str(args.port),
@@ -279,7 +284,8 @@ async def _single_process_main(args: argparse.Namespace) -> None:
                                             "run the services as separate processes (the default)")
 
     def options(model: str, device: str) -> WorkerOptions:
-        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len, graphs, args.compile)
+        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len, graphs, args.compile,
+                             precapture_graphs=args.precapture_graphs)
 
     servers = []
     server, target_port = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")

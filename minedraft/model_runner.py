@@ -29,6 +29,8 @@ MAX_GRAPH_TOKENS = 8  # decode and verify steps; prefills run eagerly
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], list[torch.Tensor]]
 # (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
 Chooser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
+# (rows, input_ids, num_valid, needed) -> anything: one step of a kind that serving runs (precapture)
+PrecaptureFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], object]
 
 
 def attention_layout(config: object) -> tuple[int | None, bool]:
@@ -98,6 +100,9 @@ class ModelRunner:
         own = getattr(model.config, "_attn_implementation", None)
         self._attention = GROUPED_SDPA if own == "sdpa" else own
         self.warmed_up = False  # compiled layers: every kind of step compiled (warm_up)
+        # The static shape of every step run so far, as its CUDA graph's key (any device): what `precapture` must
+        # cover.
+        self.step_keys: set[tuple[object, ...]] = set()
         if compile_layers:
             compile_decoder_layers(model)
         self.graphs: CudaGraphs | None = None
@@ -154,6 +159,36 @@ class ModelRunner:
         self.cache.lengths[self.scratch_row] = 0
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
+
+    def step_shape(self, batch: int, needed: int) -> tuple[int, int]:
+        """(padded batch, key length) of a step on `batch` rows whose longest reaches `needed` tokens: the static
+        shape a CUDA graph is captured for (batches are padded on CUDA only)."""
+        padded = next((b for b in BATCH_BUCKETS if b >= batch), batch)
+        return padded, min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
+
+    @torch.inference_mode()
+    def precapture(self, max_batch: int, n: int, step: PrecaptureFn) -> int:
+        """Run `step(rows, input_ids, num_valid, needed)`, a step of `n` tokens, on the scratch row in every shape
+        such a step on up to `max_batch` rows can take, so that CUDA captures its graphs before serving rather than
+        while requests wait (0.2-0.5 s each, seen in the middle of a load on an H200). Returns the shapes run."""
+        start = time.perf_counter()
+        batches = sorted({self.step_shape(b, n)[0] for b in range(1, max_batch + 1)})
+        lengths = sorted({self.step_shape(1, needed)[1] for needed in range(n, self.max_len + 1)})
+        if not self.cache.keys:  # the first forward allocates the cache, and runs eagerly
+            self._precapture_step(1, n, lengths[0], step)
+        for padded in batches:
+            for kv_len in lengths:
+                self._precapture_step(padded, n, kv_len, step)
+        self.cache.lengths[self.scratch_row] = 0
+        log.info("ran %d step shapes (n=%d) ahead of serving in %.1f s", len(batches) * len(lengths), n,
+                 time.perf_counter() - start)
+        return len(batches) * len(lengths)
+
+    def _precapture_step(self, batch: int, n: int, needed: int, step: PrecaptureFn) -> None:
+        rows = torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
+        self.cache.lengths[self.scratch_row] = 0
+        step(rows, torch.zeros(batch, n, dtype=torch.long, device=self.device),
+             torch.full((batch,), n, dtype=torch.long, device=self.device), needed)
 
     # -- forward ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -213,14 +248,16 @@ class ModelRunner:
             needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
         if needed > self.max_len:
             raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
-        kv_len = min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
+        padded, kv_len = self.step_shape(batch, needed)
+        key = (*tag, padded, n, kv_len)
+        if graphable:
+            self.step_keys.add(key)
         if self.device.type != "cuda":
             contiguous = bool((rows == torch.arange(batch, device=self.device)).all())
             return fn(rows, input_ids, num_valid, kv_len, contiguous)
-        padded = next((b for b in BATCH_BUCKETS if b >= batch), batch)
         if self.graphs is not None and graphable and self.cache.keys:
             try:
-                return self.graphs.run((*tag, padded, n, kv_len), lambda r, i, v: fn(r, i, v, kv_len, False),
+                return self.graphs.run(key, lambda r, i, v: fn(r, i, v, kv_len, False),
                                        rows, input_ids, num_valid, padded)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)

@@ -39,6 +39,7 @@ class WorkerOptions:
     profile_dir: str | None = None  # --profile-dir: Chrome traces of a few calls, for diagnosis
     profile_after: int = 100  # calls to skip first (warm-up, graph captures)
     synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
+    precapture_graphs: bool = False  # --precapture-graphs: every step shape run when the coordinator connects
 
 
 def host_id() -> str:
@@ -90,6 +91,7 @@ class ModelWorker:
         # kernels then overlap on the GPU instead of queueing on the default stream.
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self._calls = 0
+        self._precaptured: set[tuple[int, int]] = set()
 
     @property
     def device(self) -> torch.device:
@@ -170,6 +172,13 @@ class ModelWorker:
             await self.run(channel.attach, handshake)
         self.channel = channel
         return reply
+
+    async def precapture(self, prepare: Callable[[int, int], int], k: int, max_batch_size: int) -> None:
+        """With --precapture-graphs, `prepare(k, max_batch_size)` (the verifier's or proposer's `precapture`) once
+        for each k and batch size a coordinator sets up, before its SetupChannel returns."""
+        if self.options.precapture_graphs and (k, max_batch_size) not in self._precaptured:
+            await self.run(prepare, k, max_batch_size)
+            self._precaptured.add((k, max_batch_size))
 
     def require_channel(self) -> Channel:
         if self.channel is None:

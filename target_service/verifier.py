@@ -77,6 +77,13 @@ class Verifier:
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)
 
+    def precapture(self, k: int, max_batch: int) -> int:
+        """Run the verify forward of k drafts in every shape serving can give it (`ModelRunner.precapture`)."""
+        def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int) -> object:
+            return self.runner.forward(r, i, v, needed=needed)
+
+        return self.runner.precapture(max_batch, k + 1, verify)
+
     def _params(self, rows: torch.Tensor) -> RowParams:
         t = self.table
         return RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed[rows])

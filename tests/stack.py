@@ -262,11 +262,15 @@ def worker_args(kind: str, model: Path, max_batch_size: int, device: str = "cpu"
 
 
 def start_workers(pair: TinyPair, log_dir: Path, max_batch_size: int = WORKER_MAX_BATCH,
-                  with_draft: bool = True, target_device: str = "cpu", draft_device: str = "cpu") -> Workers:
-    target = spawn(f"{pair.arch}-target", worker_args("target", pair.target, max_batch_size, target_device), log_dir)
+                  with_draft: bool = True, target_device: str = "cpu", draft_device: str = "cpu",
+                  extra: Sequence[str] = ()) -> Workers:
+    """Target and draft services of `pair`; `extra`: more flags for both."""
+    target_args = worker_args("target", pair.target, max_batch_size, target_device) + list(extra)
+    target = spawn(f"{pair.arch}-target", target_args, log_dir)
     draft = None
     if with_draft:
-        draft = spawn(f"{pair.arch}-draft", worker_args("draft", pair.draft, max_batch_size, draft_device), log_dir)
+        draft_args = worker_args("draft", pair.draft, max_batch_size, draft_device) + list(extra)
+        draft = spawn(f"{pair.arch}-draft", draft_args, log_dir)
     wait_all([s for s in (target, draft) if s is not None])
     return Workers(pair, target, draft, max_batch_size)
 

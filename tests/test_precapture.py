@@ -1,0 +1,82 @@
+"""--precapture-graphs: the steps run ahead of serving cover every step shape that serving then runs.
+
+On a GPU each of those shapes is a CUDA graph captured at connect time instead of while requests wait; the shapes
+(graph keys) are the same on every device, so the CPU checks that none is missed: greedy, sampled and top-k/top-p
+proposals, verifies, batches of every size, sequences growing through several key-length buckets.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from stack import TinyPairs, generate_all, mixed_requests, run_async, running_coordinator, start_workers
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from draft_service.proposer import Proposer
+from minedraft.model_runner import ModelRunner
+from minedraft.offline import OfflineRequest, generate_offline
+from minedraft.sampling import SamplingConfig
+from target_service.verifier import Verifier
+
+pytest_plugins = ["stack"]
+K, MAX_BATCH, MAX_LEN = 3, 5, 200
+
+
+def _runner(hidden: int, layers: int, seed: int) -> ModelRunner:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return ModelRunner(model, 2 * MAX_BATCH, MAX_LEN)
+
+
+def _requests() -> list[OfflineRequest]:
+    rng = random.Random(4)
+    configs = [SamplingConfig(max_tokens=120, ignore_eos=True),
+               SamplingConfig(temperature=0.8, seed=1, max_tokens=120, ignore_eos=True),
+               SamplingConfig(temperature=1.0, top_k=20, top_p=0.9, seed=2, max_tokens=120, ignore_eos=True)]
+    return [OfflineRequest([rng.randrange(300) for _ in range(rng.randint(3, 60))], configs[i % 3], arrival_step=2 * i)
+            for i in range(9)]
+
+
+def test_precaptured_shapes_cover_what_serving_runs() -> None:
+    verifier, proposer = Verifier(_runner(32, 2, 0), []), Proposer(_runner(16, 1, 1))
+    shapes = verifier.precapture(K, MAX_BATCH), proposer.precapture(K, MAX_BATCH)
+    # Batch buckets 1, 2, 4, 8 (up to 5 rows) x key lengths 64, 128, 192, 200; three kinds of proposal.
+    assert shapes == (16, 3 * 16)
+    ahead = [set(verifier.runner.step_keys), set(proposer.runner.step_keys)]
+    assert verifier.runner.cache.lengths.sum() == 0 and proposer.runner.cache.lengths.sum() == 0
+    assert verifier.runner.free_slots == proposer.runner.free_slots == 2 * MAX_BATCH
+
+    verifier.runner.step_keys.clear()
+    proposer.runner.step_keys.clear()
+    results = generate_offline(verifier, proposer, _requests(), K, MAX_BATCH)
+    assert all(len(r.tokens) == 120 for r in results)
+    served = [verifier.runner.step_keys, proposer.runner.step_keys]
+    assert served[0] <= ahead[0] and served[1] <= ahead[1], f"not run ahead: {served[0] - ahead[0]}, " \
+                                                            f"{served[1] - ahead[1]}"
+    # The load went through several batch sizes, key-length buckets and kinds of proposal.
+    assert len({key[-3] for key in served[0]}) >= 3 and len({key[-1] for key in served[0]}) >= 3
+    assert {key[0] for key in served[1]} == {"greedy", "sampled", "filtered"}
+
+
+def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """The flag through real services: both workers run their step shapes during SetupChannel, once, and then
+    serve as usual (the same tokens as workers without the flag)."""
+    requests = mixed_requests(tiny_pairs.tokenizer)
+    outputs = []
+    for extra in ([], ["--precapture-graphs"]):
+        workers = start_workers(tiny_pairs["llama"], stack_logs, extra=extra)
+        try:
+            for _ in range(2):  # a second coordinator (a reconnect) finds the shapes done
+                with running_coordinator(workers, stack_logs, "psd", k=4, max_batch_size=4) as coordinator:
+                    outputs.append(run_async(generate_all(coordinator.address, requests)))
+            logs = [workers.target.log_tail(), workers.draft.log_tail()]  # type: ignore[union-attr]
+        finally:
+            workers.stop()
+        ran = [log.count("ahead of serving") for log in logs]
+        # Batch buckets 1, 2, 4 x key lengths 64, 128, 192, 256: one kind of verify, three kinds of proposal.
+        assert ran == ([1, 3] if extra else [0, 0]), logs
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
