@@ -407,37 +407,40 @@ def services_plan(runs: list[str], args: argparse.Namespace, mps_available: bool
     return plan
 
 
+def steady_state(psd: dict, sd: dict) -> dict:
+    """PSD against SD from their step traces (`trace_stats`), full batches only: the whole-load throughput also
+    counts admission, graph captures and the tail of small batches. At one batch size a step emits the same tokens
+    in both modes, so the step times give the ratio; the ideal comes from SD's calls (T_d, T_v)."""
+    t_d, t_v = sd["propose_ms"], sd["verify_ms"]
+    ideal = (t_d + t_v) / max(t_d, t_v)
+    ratio = sd["step_ms"] / psd["step_ms"]
+    return {"t_d_ms": t_d, "t_v_ms": t_v, "ideal": ideal, "psd_step_ms": psd["step_ms"], "sd_step_ms": sd["step_ms"],
+            "psd_over_sd": ratio, "share_of_ideal": ratio / ideal, "overlap_efficiency": max(t_d, t_v) / psd["step_ms"],
+            "channel_share_of_verify": psd["channel_share_of_verify"],
+            "verify_overlapped_by_propose": psd["verify_time_overlapped_by_propose"]}
+
+
 def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
-    """PSD on two GPUs against SD with the draft on the target's GPU and on its own, AR, and the ideal ratio from
-    the SD calls' durations (T_d, T_v as the coordinator saw them)."""
+    """PSD on two GPUs over the whole load against SD with the draft on the target's GPU and on its own, and AR;
+    and the steady state."""
     suffix = "_compiled" if COMPILE else ""
-    own, same = results.get(f"{name}_2gpu_{channel}{suffix}"), results.get(f"{name}_sd_draft_on_target_gpu{suffix}")
-    ar_run = next((r for label, r in results.items()
-                   if label.startswith(f"{name}_2gpu_") and "ar" in r.get("results", {})), None)
-    sd_trace = results.get(f"{name}_2gpu_{channel}{suffix}_sd_trace")
+    label = f"{name}_2gpu_{channel}{suffix}"
+    own, same = results.get(label), results.get(f"{name}_sd_draft_on_target_gpu{suffix}")
+    ar_run = next((r for key, r in results.items()
+                   if key.startswith(f"{name}_2gpu_") and "ar" in r.get("results", {})), None)
     if own is None or "psd" not in own["results"]:
         return {}
     tput = lambda run, mode: run["results"][mode]["output_throughput"] if run and mode in run["results"] else None  # noqa: E731
     psd, sd_own, sd_same, ar = tput(own, "psd"), tput(own, "sd"), tput(same, "sd"), tput(ar_run, "ar")
     out: dict = {"psd_tok_s": psd, "sd_draft_own_gpu_tok_s": sd_own, "sd_draft_on_target_gpu_tok_s": sd_same,
-                 "ar_tok_s": ar}
+                 "ar_tok_s": ar, "steady": results.get(f"{label}_steady")}
     for key, base in (("psd_over_sd_draft_on_target_gpu", sd_same), ("psd_over_sd_draft_own_gpu", sd_own),
                       ("psd_over_ar", ar)):
         out[key] = psd / base if psd and base else None
-    if sd_trace:
-        t_d, t_v = sd_trace["propose_ms"], sd_trace["verify_ms"]
-        out.update(t_d_ms=t_d, t_v_ms=t_v, ideal=(t_d + t_v) / max(t_d, t_v))
-        if out["psd_over_sd_draft_own_gpu"]:
-            out["share_of_ideal"] = out["psd_over_sd_draft_own_gpu"] / out["ideal"]
-    psd_trace = results.get(f"{name}_2gpu_{channel}{suffix}_psd_trace")
-    if psd_trace:
-        if sd_trace:  # steady state: same batch size, same tokens per step, so the step times give the ratio
-            out["psd_step_ms"], out["sd_step_ms"] = psd_trace["step_ms"], sd_trace["step_ms"]
-            out["step_psd_over_sd"] = sd_trace["step_ms"] / psd_trace["step_ms"]
-            out["step_share_of_ideal"] = out["step_psd_over_sd"] / out["ideal"]
-            out["overlap_efficiency"] = max(sd_trace["propose_ms"], sd_trace["verify_ms"]) / psd_trace["step_ms"]
-        out["channel_share_of_verify"] = psd_trace["channel_share_of_verify"]
-        out["psd_verify_overlapped_by_propose"] = psd_trace["verify_time_overlapped_by_propose"]
+    psd_trace = results.get(f"{label}_psd_trace")
+    same_trace = results.get(f"{name}_sd_draft_on_target_gpu{suffix}_sd_trace")
+    if psd_trace and same_trace:  # the paper's baseline, in steady state
+        out["steady_psd_over_sd_draft_on_target_gpu"] = same_trace["step_ms"] / psd_trace["step_ms"]
     return out
 
 
@@ -523,6 +526,9 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                 origin = window[0]["start"]
                 timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
                                      "end": e["end"] - origin} for e in window]
+        if f"{label}_psd_trace" in results and f"{label}_sd_trace" in results:
+            results[f"{label}_steady"] = steady_state(results[f"{label}_psd_trace"], results[f"{label}_sd_trace"])
+            print(f"services, {label}, steady state: {results[f'{label}_steady']}", flush=True)
         save()
     if args.target_device != args.draft_device:
         two = summary.setdefault("two_gpu", {})
