@@ -331,8 +331,8 @@ class CudaGraphs:
 
     def run(self, key: tuple[object, ...], fn: GraphFn, rows: torch.Tensor, input_ids: torch.Tensor,
             num_valid: torch.Tensor, padded: int) -> list[torch.Tensor]:
-        # Capture and replay happen on the runner's GPU whichever device is current in this thread (a
-        # graph captured on another device's stream is empty: seen with the draft on the second GPU, run 7).
+        # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
+        # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.runner.device):
             runner = self.runner
             batch, n = input_ids.shape
