@@ -171,6 +171,8 @@ class ModelRunner:
         """Run `step(rows, input_ids, num_valid, needed)`, a step of `n` tokens, on the scratch row in every shape
         such a step on up to `max_batch` rows can take, so that CUDA captures its graphs before serving rather than
         while requests wait (0.2-0.5 s each, seen in the middle of a load on an H200). Returns the shapes run."""
+        if self.device.type == "cuda" and self.graphs is None:  # --eager: nothing to capture
+            return 0
         start = time.perf_counter()
         batches = sorted({self.step_shape(b, n)[0] for b in range(1, max_batch + 1)})
         lengths = sorted({self.step_shape(1, needed)[1] for needed in range(n, self.max_len + 1)})
