@@ -2,6 +2,7 @@
 # What one device call runs, from the repository root on the GPU machine: `bash benchmarks/gpu_run.sh STAGE [ARGS]`.
 #   check               GPU tests (graphs equal eager; channels between services on GPUs) and the in-process bench
 #   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
+#   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 # Output goes to $OUT (one tarball of logs, JSON and plots: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
@@ -35,6 +36,15 @@ services)
     grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30
     python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; print(json.dumps(s.get('two_gpu'), indent=1))" \
         "$OUT/run/services/gpu_bench.json"
+    ;;
+profile)
+    timeout -s USR1 -k 30 ${BENCH_SECONDS:-400} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
+        --drafts 68m --services 68m:timesliced --services-overlap auto --services-profile --services-prompts 256 \
+        ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
+    grep -E "^\[services|trace:|steady state" "$OUT/run/services.log" | tail -12
+    timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --trace-dir "$OUT/run/profile_step" \
+        > "$OUT/run/profile_step.txt" 2>&1
+    tail -30 "$OUT/run/profile_step.txt"
     ;;
 *)
     echo "unknown stage $stage" >&2
