@@ -167,7 +167,7 @@ class CoordinatorMetrics:
 
 
 class WorkerMetrics:
-    """Per RPC of a target or draft worker: count, time, compute and channel time, batch size; the target counts
+    """Per RPC of a target or draft worker: count, time, compute, queue and channel time, batch size; the target counts
     the drafts it verifies and accepts, the draft the drafts it proposes. Fed by telemetry.ServerObserver."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -181,6 +181,9 @@ class WorkerMetrics:
         self.channel_seconds = Histogram("minedraft_worker_channel_seconds",
                                          "Draft transfer time per call (Timings)", ["method"], buckets=SECONDS,
                                          registry=r)
+        self.queue_seconds = Histogram("minedraft_worker_queue_seconds",
+                                       "Time a call waited for the compute thread (Timings)", ["method"],
+                                       buckets=SECONDS, registry=r)
         self.batch_size = Histogram("minedraft_worker_batch_size", "Sequences per call", ["method"],
                                     buckets=BATCH_SIZES, registry=r)
         self.free_slots = Gauge("minedraft_worker_free_slots", "Free KV cache slots (as of the last Release)",
@@ -203,6 +206,7 @@ class WorkerMetrics:
             self.batch_size.labels(method).observe(size)
         if "timings" in response.DESCRIPTOR.fields_by_name:
             self.compute_seconds.labels(method).observe(response.timings.compute_s)
+            self.queue_seconds.labels(method).observe(response.timings.queue_s)
             if method in ("Propose", "Verify"):
                 self.channel_seconds.labels(method).observe(response.timings.channel_s)
         if "free_slots" in response.DESCRIPTOR.fields_by_name:

@@ -118,7 +118,7 @@ def test_request_end_and_gauges() -> None:
 
 def test_worker_metrics_from_messages() -> None:
     metrics = WorkerMetrics()
-    timings = common_pb2.Timings(compute_s=0.02, channel_s=0.001)
+    timings = common_pb2.Timings(compute_s=0.02, channel_s=0.001, queue_s=0.004)
     verify = target_pb2.VerifyRequest(step_id=3, batch_id=1, seq_ids=[1, 2], num_draft_tokens=4)
     reply = target_pb2.VerifyResponse(results=_results([4, 1], [5, 2]), timings=timings)
     metrics.observe_call("Verify", verify, reply, 0.03, grpc.StatusCode.OK)
@@ -134,6 +134,7 @@ def test_worker_metrics_from_messages() -> None:
     assert value("minedraft_worker_batch_size_sum", {"method": "Verify"}) == 2
     assert value("minedraft_worker_compute_seconds_sum", {"method": "Verify"}) == pytest.approx(0.02)
     assert value("minedraft_worker_channel_seconds_sum", {"method": "Verify"}) == pytest.approx(0.001)
+    assert value("minedraft_worker_queue_seconds_sum", {"method": "Verify"}) == pytest.approx(0.004)
     assert value("minedraft_worker_free_slots") == 15
 
 
