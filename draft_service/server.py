@@ -27,11 +27,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     async def SetupChannel(self, request: draft_pb2.DraftServiceSetupChannelRequest,
                            context: grpc.aio.ServicerContext) -> draft_pb2.DraftServiceSetupChannelResponse:
+        # Before the export: an nccl export waits (120 s at most) for the target, which attaches after this reply.
+        await self.worker.precapture(self.proposer.precapture, request.num_speculative_tokens, request.max_batch_size)
         handshake = await self.worker.setup_channel(
             request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, True
         )
-        # Before the reply: the target attaches to the channel only after it (an nccl rendezvous then starts).
-        await self.worker.precapture(self.proposer.precapture, request.num_speculative_tokens, request.max_batch_size)
         return draft_pb2.DraftServiceSetupChannelResponse(handshake=handshake)
 
     @grpc_errors
