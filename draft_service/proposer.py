@@ -98,7 +98,7 @@ class Proposer:
             if all_greedy:  # no probabilities are made, and none move
                 return logits.argmax(-1), None
             r = r.clamp(max=slots - 1)  # padding rows of a graph (the scratch row) borrow a real row's parameters
-            temp = t.temperature[r]  # (greedy_drafts made every proposal all-greedy above)
+            temp = t.temperature[r]  # (with greedy_drafts every batch is all-greedy: see propose)
             q = processed_probs(logits[:, None], temp, t.top_k[r], t.top_p[r], filtered)[:, 0]
             u = seeded_uniform(t.seed[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
             greedy = temp == 0

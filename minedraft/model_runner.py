@@ -144,18 +144,16 @@ class ModelRunner:
         step on a compile (`eager_on_recompile`)."""
         start = time.perf_counter()
 
-        def step(batch: int, n: int) -> None:
-            rows = torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
-            self.cache.lengths[self.scratch_row] = 0
-            kv_len = min(-(-n // self.kv_bucket) * self.kv_bucket, self.max_len)
-            self._step(rows, torch.zeros(batch, n, dtype=torch.long, device=self.device),
-                       torch.full((batch,), n, device=self.device), kv_len, True, False)
+        def forward(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int) -> object:
+            return self._step(r, i, v, self.step_shape(len(r), needed)[1], True, False)
 
-        step(1, 1)  # allocates the cache, whose K/V head count says how many rows make attention take the fused kernel
+        # (1 row, 1 token) first: it allocates the cache, whose K/V head count says how many rows make attention take
+        # the fused kernel.
+        self._scratch_step(1, 1, 1, forward)
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.keys[0].shape[1]))
         kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
         for batch, n in kinds[1:]:  # (1, 1) ran above
-            step(batch, n)
+            self._scratch_step(batch, n, n, forward)
         self.cache.lengths[self.scratch_row] = 0
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
@@ -177,16 +175,17 @@ class ModelRunner:
         batches = sorted({self.step_shape(b, n)[0] for b in range(1, max_batch + 1)})
         lengths = sorted({self.step_shape(1, needed)[1] for needed in range(n, self.max_len + 1)})
         if not self.cache.keys:  # the first forward allocates the cache, and runs eagerly
-            self._precapture_step(1, n, lengths[0], step)
+            self._scratch_step(1, n, lengths[0], step)
         for padded in batches:
             for kv_len in lengths:
-                self._precapture_step(padded, n, kv_len, step)
+                self._scratch_step(padded, n, kv_len, step)
         self.cache.lengths[self.scratch_row] = 0
         log.info("ran %d step shapes (n=%d) ahead of serving in %.1f s", len(batches) * len(lengths), n,
                  time.perf_counter() - start)
         return len(batches) * len(lengths)
 
-    def _precapture_step(self, batch: int, n: int, needed: int, step: PrecaptureFn) -> None:
+    def _scratch_step(self, batch: int, n: int, needed: int, step: PrecaptureFn) -> None:
+        """`step` on `batch` copies of the scratch row, each appending `n` tokens to an empty row."""
         rows = torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
         self.cache.lengths[self.scratch_row] = 0
         step(rows, torch.zeros(batch, n, dtype=torch.long, device=self.device),
@@ -306,7 +305,6 @@ class ModelRunner:
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
-
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """[B, n, kv] booleans -> the [B, 1, n, kv] additive mask that eager and SDPA attention both accept."""

@@ -53,21 +53,19 @@ def seeded_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> t
 
 
 def processed_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-    filtered: bool | None = None,
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, filtered: bool,
 ) -> torch.Tensor:
     """Softmax of `logits` [B, n, V] after per-row temperature, then top-k, then top-p (Hugging Face's order).
 
     Rows with temperature 0 are processed at temperature 1; greedy callers use the argmax instead. `filtered`
-    says whether any row has top-k or top-p; given, it spares the host sync that finds out (CUDA graphs need that).
+    says whether any row has top-k or top-p, known on the host (`SequenceTable.sampling_kind`): finding it out from
+    these tensors would be a device sync, which CUDA graphs cannot hold.
     """
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
     logits = logits / temp[:, None, None]
     vocab = logits.shape[-1]
     k = top_k[:, None, None]
     p = top_p.to(logits.dtype)[:, None, None]
-    if filtered is None:
-        filtered = bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any())
     if filtered:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)

@@ -129,6 +129,7 @@ def exact_distribution(target: PreTrainedModel, config: SamplingConfig) -> dict[
         torch.full((rows,), config.temperature),
         torch.full((rows,), config.top_k, dtype=torch.long),
         torch.full((rows,), config.top_p),
+        config.top_k > 0 or config.top_p < 1,
     ).double()
     exact: dict[tuple[int, ...], float] = {}
     for r, prefix in enumerate(prefixes):
@@ -208,6 +209,7 @@ def test_processed_probs_matches_hf_warpers() -> None:
         torch.tensor([c[0] for c in cases]),
         torch.tensor([c[1] for c in cases]),
         torch.tensor([c[2] for c in cases]),
+        True,
     )[:, 0]
     for row, (temperature, top_k, top_p) in enumerate(cases):
         warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
@@ -229,8 +231,9 @@ def test_processed_probs_row_independent_of_other_rows() -> None:
     """
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 1, 128, generator=gen) * 6
-    alone = processed_probs(logits[:1], torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))[0, 0]
-    mixed = processed_probs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 5]), torch.tensor([1.0, 1.0]))[0, 0]
+    alone = processed_probs(logits[:1], torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), False)[0, 0]
+    mixed = processed_probs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 5]), torch.tensor([1.0, 1.0]),
+                            True)[0, 0]
     dropped = int(((alone > 0) & (mixed == 0)).sum())
     assert dropped == 0, f"{dropped} tokens of positive probability dropped because another row used top-k"
     torch.testing.assert_close(mixed, alone, rtol=1e-5, atol=0)
@@ -273,7 +276,8 @@ def _resample_from_p(original: Callable[..., SamplerOutput]) -> Callable[..., Sa
         k = draft_ids.shape[1]
         rows = torch.arange(len(draft_ids))
         rejected = (out.num_accepted < k) & (params.temperature > 0)
-        p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p)[rows, out.num_accepted]
+        p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p,
+                            bound["filtered"])[rows, out.num_accepted]
         position = first_position + out.num_accepted
         u = seeded_uniform(params.seed, position[:, None], STREAM_SAMPLE)[:, 0]
         tokens = out.tokens.clone()

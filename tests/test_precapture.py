@@ -10,9 +10,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
 from stack import TinyPairs, generate_all, mixed_requests, run_async, running_coordinator, start_workers
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from draft_service.proposer import Proposer
 from minedraft.model_runner import ModelRunner
@@ -21,15 +19,7 @@ from minedraft.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
 pytest_plugins = ["stack"]
-K, MAX_BATCH, MAX_LEN = 3, 5, 200
-
-
-def _runner(hidden: int, layers: int, seed: int) -> ModelRunner:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    return ModelRunner(model, 2 * MAX_BATCH, MAX_LEN)
+K, MAX_BATCH, MAX_LEN, VOCAB = 3, 5, 200, 128
 
 
 def _requests() -> list[OfflineRequest]:
@@ -37,12 +27,13 @@ def _requests() -> list[OfflineRequest]:
     configs = [SamplingConfig(max_tokens=120, ignore_eos=True),
                SamplingConfig(temperature=0.8, seed=1, max_tokens=120, ignore_eos=True),
                SamplingConfig(temperature=1.0, top_k=20, top_p=0.9, seed=2, max_tokens=120, ignore_eos=True)]
-    return [OfflineRequest([rng.randrange(300) for _ in range(rng.randint(3, 60))], configs[i % 3], arrival_step=2 * i)
-            for i in range(9)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(9, 60))] for _ in range(9)]
+    return [OfflineRequest(prompt, configs[i % 3], arrival_step=2 * i) for i, prompt in enumerate(prompts)]
 
 
-def test_precaptured_shapes_cover_what_serving_runs() -> None:
-    verifier, proposer = Verifier(_runner(32, 2, 0), []), Proposer(_runner(16, 1, 1))
+def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
+    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN), [])
+    proposer = Proposer(ModelRunner(tiny_models.draft("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN))
     shapes = verifier.precapture(K, MAX_BATCH), proposer.precapture(K, MAX_BATCH)
     # Batch buckets 1, 2, 4, 8 (up to 5 rows) x key lengths 64, 128, 192, 200; three kinds of proposal.
     assert shapes == (16, 3 * 16)
