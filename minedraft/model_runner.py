@@ -24,7 +24,7 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # On CUDA batches are padded to these sizes (rows of padding write only to a scratch row): static shapes for
 # CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_GRAPH_TOKENS = 8  # decode and verify steps; prefills run eagerly
+MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
 # (rows, input_ids, num_valid, kv_len, contiguous) -> outputs: one forward, or a loop of them
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], list[torch.Tensor]]
 # (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
@@ -208,7 +208,8 @@ class ModelRunner:
                  ) -> list[torch.Tensor]:
             return [self._step(r, i, v, kv_len, last_only, contiguous)]
 
-        graphable = input_ids.shape[1] <= MAX_GRAPH_TOKENS  # prefills run eagerly
+        # Prefills (last_only) run eagerly, short ones too: a graph per prompt length would be captured mid-load.
+        graphable = not last_only and input_ids.shape[1] <= MAX_GRAPH_TOKENS
         return self._run(("forward", last_only), step, rows, input_ids, num_valid, needed, graphable)[0]
 
     @torch.inference_mode()

@@ -27,7 +27,8 @@ def _requests() -> list[OfflineRequest]:
     configs = [SamplingConfig(max_tokens=120, ignore_eos=True),
                SamplingConfig(temperature=0.8, seed=1, max_tokens=120, ignore_eos=True),
                SamplingConfig(temperature=1.0, top_k=20, top_p=0.9, seed=2, max_tokens=120, ignore_eos=True)]
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(9, 60))] for _ in range(9)]
+    lengths = [4] + [rng.randint(3, 60) for _ in range(8)]  # a prompt as short as a verify step: prefills stay eager
+    prompts = [[rng.randrange(VOCAB) for _ in range(length)] for length in lengths]
     return [OfflineRequest(prompt, configs[i % 3], arrival_step=2 * i) for i, prompt in enumerate(prompts)]
 
 
