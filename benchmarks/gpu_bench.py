@@ -503,6 +503,8 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         finally:
             if run.mps:
                 subprocess.run([mps], input=b"quit\n", env=env, check=False)  # type: ignore[list-item]
+        if (root / f"logs_{label}").exists():
+            shutil.copytree(root / f"logs_{label}", Path(args.out) / f"logs_{label}", dirs_exist_ok=True)
         for log in sorted((root / f"logs_{label}").glob("*.log")):  # the services' own output, for diagnosis
             print(f"--- {log.name} (last lines) ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]),
                   flush=True)

@@ -23,10 +23,15 @@ check)
     timeout -k 10 120 python3 tests/test_cuda_graphs.py 2>&1 | tee "$OUT/run/test_cuda_graphs.log" | tail -5
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
-    timeout -s USR1 -k 20 ${BENCH_SECONDS:-200} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
-        --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes 1,32 --ks 4 --in-process-psd \
-        --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
-    tail -30 "$OUT/run/inproc.log"
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
+        --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes "${BATCHES:-1,8,32,64}" --ks "${KS:-2,4,6}" \
+        --in-process-psd --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
+    grep -A40 "^synthetic acceptance" "$OUT/run/inproc.log"
+    if [ "$GPUS" -gt 1 ]; then  # one-process PSD with both models on one GPU: it hung with graphs in session 2
+        timeout -s USR1 -k 20 150 python3 -X faulthandler benchmarks/gpu_bench.py --drafts 68m --batch-sizes 32 --ks 4 \
+            --in-process-psd --out "$OUT/run/inproc_one_gpu" > "$OUT/run/inproc_one_gpu.log" 2>&1
+        echo "one GPU, one-process PSD: exit $?"; grep -A4 "^synthetic acceptance" "$OUT/run/inproc_one_gpu.log"
+    fi
     ;;
 services)
     timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
@@ -34,6 +39,8 @@ services)
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
         --services-timeout "${SERVICES_TIMEOUT:-300}" ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30
+    grep -E "step shapes" "$OUT"/run/services/logs_*/*.log | cut -c1-220 | head -20
+    grep -c "captured a CUDA graph" "$OUT"/run/services/logs_*/*.log
     python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; print(json.dumps(s.get('two_gpu'), indent=1))" \
         "$OUT/run/services/gpu_bench.json"
     ;;

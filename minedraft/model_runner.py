@@ -180,8 +180,9 @@ class ModelRunner:
             for kv_len in lengths:
                 self._scratch_step(padded, n, kv_len, step)
         self.cache.lengths[self.scratch_row] = 0
-        log.info("ran %d step shapes (n=%d) ahead of serving in %.1f s", len(batches) * len(lengths), n,
-                 time.perf_counter() - start)
+        reserved = torch.cuda.memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+        log.info("ran %d step shapes (n=%d) ahead of serving in %.1f s; %.1f GiB of GPU memory reserved",
+                 len(batches) * len(lengths), n, time.perf_counter() - start, reserved)
         return len(batches) * len(lengths)
 
     def _scratch_step(self, batch: int, n: int, needed: int, step: PrecaptureFn) -> None:
