@@ -81,7 +81,7 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes(runner: ModelRunner, rows: int, length: int) -> int:
-    return sum(2 * rows * k.shape[1] * length * k.shape[3] * k.element_size() for k in runner.cache.keys)
+    return sum(2 * rows * length * k.shape[2] * k.shape[3] * k.element_size() for k in runner.cache.keys)
 
 
 @dataclass
@@ -118,7 +118,9 @@ class Pair:
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module, batch: int, k: int, prefix: int,
                  synthetic: float | None, steps: int) -> None:
-        max_len = prefix + (steps + 4) * (k + 1) * 3 + 16
+        # A cache as long as the services' default (--max-model-len 2048): reading a row's first kv_len keys out of a
+        # longer row is what a served step does (a cache just long enough read whole rows, faster).
+        max_len = max(2048, prefix + (steps + 4) * (k + 1) * 3 + 16)
         graphs = not EAGER
         self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs, COMPILE), [],
                                  synthetic_acceptance=synthetic)

@@ -3,7 +3,8 @@
 #   check               GPU tests (graphs equal eager; channels between services on GPUs) and the in-process bench
 #   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
-# Output goes to $OUT (one tarball of logs, JSON and plots: the device tool brings back few files).
+#   kvgather            ways of reading a batch's keys out of the slot KV cache
+# Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT/run"
@@ -27,11 +28,6 @@ check)
         --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes "${BATCHES:-1,8,32,64}" --ks "${KS:-2,4,6}" \
         --in-process-psd --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
     grep -A40 "^synthetic acceptance" "$OUT/run/inproc.log"
-    if [ "$GPUS" -gt 1 ]; then  # one-process PSD with both models on one GPU: it hung with graphs in session 2
-        timeout -s USR1 -k 20 150 python3 -X faulthandler benchmarks/gpu_bench.py --drafts 68m --batch-sizes 32 --ks 4 \
-            --in-process-psd --out "$OUT/run/inproc_one_gpu" > "$OUT/run/inproc_one_gpu.log" 2>&1
-        echo "one GPU, one-process PSD: exit $?"; grep -A4 "^synthetic acceptance" "$OUT/run/inproc_one_gpu.log"
-    fi
     ;;
 services)
     timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
@@ -53,9 +49,13 @@ profile)
         > "$OUT/run/profile_step.txt" 2>&1
     tail -30 "$OUT/run/profile_step.txt"
     ;;
+kvgather)
+    python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"
+    python3 benchmarks/kv_gather_bench.py --batch 8 2>&1 | tee -a "$OUT/run/kv_gather.txt"
+    ;;
 *)
     echo "unknown stage $stage" >&2
     exit 2
     ;;
 esac
-tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$OUT/run"
+tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"  # stages can run one after another in one call

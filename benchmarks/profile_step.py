@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write Chrome traces here")
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     device = "cuda:0"
     target, draft = build("8b", device), build("68m", device)
     for batch in (1, 32):

@@ -150,7 +150,7 @@ class ModelRunner:
         # (1 row, 1 token) first: it allocates the cache, whose K/V head count says how many rows make attention take
         # the fused kernel.
         self._scratch_step(1, 1, 1, forward)
-        many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.keys[0].shape[1]))
+        many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.keys[0].shape[2]))
         kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
         for batch, n in kinds[1:]:  # (1, 1) ran above
             self._scratch_step(batch, n, n, forward)
