@@ -128,7 +128,6 @@ class Pair:
         self.k, self.batch = k, batch
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
         self.d_stream = torch.cuda.Stream(self.proposer.runner.device)
-        config = SamplingConfig(max_tokens=10**6, ignore_eos=True)
         generator = torch.Generator().manual_seed(1)
         self.ids = [list(range(b * batch, (b + 1) * batch)) for b in range(2)]
         self.verdict: dict[int, tuple[int, int]] = {}
@@ -137,8 +136,11 @@ class Pair:
         self.ready: dict[int, torch.cuda.Event] = {}
         for seqs in self.ids:
             prompts = torch.randint(0, VOCAB, (batch, prefix), generator=generator).tolist()
-            first = self.verifier.prefill(seqs, prompts, [config] * batch).per_row()
-            self.proposer.prefill(seqs, prompts, [config] * batch)
+            # A seed per row, as the coordinator gives unseeded requests: synthetic acceptance draws per row then,
+            # not one shared draw for the whole batch.
+            configs = [SamplingConfig(max_tokens=10**6, ignore_eos=True, seed=s + 1) for s in seqs]
+            first = self.verifier.prefill(seqs, prompts, configs).per_row()
+            self.proposer.prefill(seqs, prompts, configs)
             self.verdict.update({s: (0, tokens[-1]) for s, (tokens, _, _) in zip(seqs, first)})
 
     def propose(self, b: int) -> None:

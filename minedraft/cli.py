@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--draft-device", "cpu")
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
+    _add(serve, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
     _add(serve, "--compile", False, action="store_true", help=COMPILE_HELP)
     _add(serve, "--precapture-graphs", False, action="store_true", help=PRECAPTURE_HELP)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
@@ -239,6 +240,7 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
     common = ["--dtype", str(args.dtype), "--max-batch-size", str(args.max_batch_size),
               "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1"]
     common += ["--compile"] if args.compile else []
+    common += ["--eager"] if getattr(args, "eager", False) else []
     common += ["--precapture-graphs"] if getattr(args, "precapture_graphs", False) else []
     commands = [py + ["target", "--model", args.target, "--port", str(target_port),
                       "--device", args.target_device, *common]]
@@ -276,12 +278,10 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     from minedraft.worker import WorkerOptions
     from target_service.server import serve as serve_target
 
-    # Two threads replaying CUDA graphs in one process hung on an H200 (benchmarks/gpu_bench.py: both threads
-    # waiting in a device-to-host copy); until that is understood the one-process stack runs its models eagerly.
-    graphs = args.mode == "ar"
-    if not graphs and "cuda" in args.target_device + args.draft_device:
-        logging.getLogger(__name__).warning("--single-process runs without CUDA graphs; for full speed on GPUs "
-                                            "run the services as separate processes (the default)")
+    # Two threads with CUDA graphs in one process once hung: every graph was captured on one stream that PyTorch
+    # shares across threads. Each runner now captures on its own stream; one-process PSD with graphs ran on one
+    # H200 since (docs/benchmarks.md, run 8).
+    graphs = not args.eager
 
     def options(model: str, device: str) -> WorkerOptions:
         return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len, graphs, args.compile,

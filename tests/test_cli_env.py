@@ -18,3 +18,13 @@ def test_environment_sets_flags_and_switches_read_true_or_false(monkeypatch: pyt
     monkeypatch.setenv("MINEDRAFT_COMPILE", "maybe")
     with pytest.raises(SystemExit, match="MINEDRAFT_COMPILE='maybe': expected true or false"):
         build_parser()
+
+
+def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
+    from minedraft.cli import stack_commands
+
+    args = build_parser().parse_args(["serve", "--eager", "--precapture-graphs"])
+    target, *_ = stack_commands(args, 1, 2)
+    assert "--eager" in target and "--precapture-graphs" in target
+    target, *_ = stack_commands(build_parser().parse_args(["serve"]), 1, 2)
+    assert "--eager" not in target
