@@ -370,6 +370,9 @@ def trace_stats(events: list[dict]) -> dict:
         # Waiting in the worker for its compute thread (traces since run 7)
         "verify_queue_ms": med([e.get("worker_queue_s", float("nan")) for e in verify]) * 1e3,
         "propose_queue_ms": med([e.get("worker_queue_s", float("nan")) for e in propose]) * 1e3,
+        # The worker's handler, arrival to reply (traces since run 8): the rest of a call is gRPC and event loops
+        "verify_worker_ms": med([e.get("worker_s", float("nan")) for e in verify]) * 1e3,
+        "propose_worker_ms": med([e.get("worker_s", float("nan")) for e in propose]) * 1e3,
         "channel_share_of_verify": med([e["channel_s"] / e["worker_compute_s"] for e in verify
                                         if e["worker_compute_s"]]),
         "verify_time_overlapped_by_propose": overlapped / busy if busy else float("nan"),
@@ -492,7 +495,7 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                    "--output-len", str(args.services_output_len), "--no-progress", "--json-out", str(json_out),
                    "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
         command += ["--compile"] if COMPILE else []
-        command += ["--precapture-graphs"] if args.services_precapture else []
+        command += ["--precapture-graphs", args.services_precapture]
         print(f"[services {i + 1}/{len(plan)}] {label}: {' '.join(command)}", flush=True)
         bench = subprocess.Popen(command, env=env)
         try:
@@ -617,8 +620,8 @@ def main() -> None:
                         help="channels of the services runs, comma-separated (auto: cuda-ipc on one host)")
     parser.add_argument("--services-modes", default="psd,sd,ar", help="modes of each services run")
     parser.add_argument("--services-output-len", type=int, default=128, help="tokens generated per request")
-    parser.add_argument("--services-precapture", action="store_true",
-                        help="workers capture every step shape when the coordinator connects (--precapture-graphs)")
+    parser.add_argument("--services-precapture", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
+                        help="workers' --precapture-graphs: every step shape run when the coordinator connects")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
     parser.add_argument("--services-prompts", type=int, default=None,

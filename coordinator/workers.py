@@ -29,6 +29,7 @@ class StepEvent:
     worker_compute_s: float = 0.0
     channel_s: float = 0.0
     worker_queue_s: float = 0.0  # waiting in the worker for its compute thread
+    worker_s: float = 0.0  # the worker's handler from start to reply; the rest of the call is gRPC and event loops
 
 
 def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.SequenceSpec:
@@ -75,7 +76,7 @@ class Workers:
             self.metrics.worker_call(kind, size, start, end)
         if self.record_events:
             self.events.append(StepEvent(kind, batch_id, size, start, end, timings.compute_s, timings.channel_s,
-                                         timings.queue_s))
+                                         timings.queue_s, timings.end_unix_s - timings.start_unix_s))
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()

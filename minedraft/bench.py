@@ -28,7 +28,7 @@ SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from minedraft.cli import COMPILE_HELP, DEMO_DIR, PRECAPTURE_HELP
+    from minedraft.cli import COMPILE_HELP, DEMO_DIR, PRECAPTURE_CHOICES, PRECAPTURE_HELP
 
     what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
     what.add_argument("--server", default=None,
@@ -50,7 +50,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--max-model-len", type=int, default=None,
                        help="cache length per sequence (default: room for the prompt and output lengths)")
     stack.add_argument("--compile", action="store_true", help=COMPILE_HELP)
-    stack.add_argument("--precapture-graphs", action="store_true", help=PRECAPTURE_HELP)
+    stack.add_argument("--precapture-graphs", default="auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES,
+                       help=PRECAPTURE_HELP)
     stack.add_argument("--channel", default="auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     stack.add_argument("--overlap", default="auto", choices=["auto", "always", "never"],
                        help="psd: run Verify and Propose concurrently always, never, or when it measures faster")

@@ -39,7 +39,13 @@ class WorkerOptions:
     profile_dir: str | None = None  # --profile-dir: Chrome traces of a few calls, for diagnosis
     profile_after: int = 100  # calls to skip first (warm-up, graph captures)
     synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
-    precapture_graphs: bool = False  # --precapture-graphs: every step shape run when the coordinator connects
+    precapture_graphs: str = "auto"  # --precapture-graphs: every step shape run when the coordinator connects
+
+
+def precaptures(mode: str, device: torch.device, cuda_graphs: bool) -> bool:
+    """Whether a worker runs its step shapes at the connect (--precapture-graphs): `auto` where CUDA graphs capture
+    them; elsewhere nothing would be captured, and on a CPU every shape of a long cache takes minutes."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda" and cuda_graphs)
 
 
 def host_id() -> str:
@@ -176,7 +182,8 @@ class ModelWorker:
     async def precapture(self, prepare: Callable[[int, int], int], k: int, max_batch_size: int) -> None:
         """With --precapture-graphs, `prepare(k, max_batch_size)` (the verifier's or proposer's `precapture`) once
         for each k and batch size a coordinator sets up, before its SetupChannel returns."""
-        if self.options.precapture_graphs and (k, max_batch_size) not in self._precaptured:
+        wanted = precaptures(self.options.precapture_graphs, self.device, self.options.cuda_graphs)
+        if wanted and (k, max_batch_size) not in self._precaptured:
             await self.run(prepare, k, max_batch_size)
             self._precaptured.add((k, max_batch_size))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minedraft.cli import build_parser
 
@@ -23,8 +24,23 @@ def test_environment_sets_flags_and_switches_read_true_or_false(monkeypatch: pyt
 def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
     from minedraft.cli import stack_commands
 
-    args = build_parser().parse_args(["serve", "--eager", "--precapture-graphs"])
-    target, *_ = stack_commands(args, 1, 2)
-    assert "--eager" in target and "--precapture-graphs" in target
+    target, *_ = stack_commands(build_parser().parse_args(["serve", "--eager", "--precapture-graphs"]), 1, 2)
+    assert "--eager" in target and target[target.index("--precapture-graphs") + 1] == "on"
     target, *_ = stack_commands(build_parser().parse_args(["serve"]), 1, 2)
-    assert "--eager" not in target
+    assert "--eager" not in target and target[target.index("--precapture-graphs") + 1] == "auto"
+
+
+def test_precapture_is_auto_by_default_and_on_where_cuda_graphs_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto precaptures on CUDA with graphs only: on a CPU (no graphs) it would run every shape for nothing."""
+    from minedraft.worker import precaptures
+
+    assert build_parser().parse_args(["target"]).precapture_graphs == "auto"
+    assert build_parser().parse_args(["target", "--precapture-graphs"]).precapture_graphs == "on"
+    for mode, device, graphs, expected in [("auto", "cpu", True, False), ("on", "cpu", True, True),
+                                           ("auto", "cuda", True, True), ("auto", "cuda", False, False),
+                                           ("off", "cuda", True, False)]:
+        assert precaptures(mode, torch.device(device), graphs) is expected, (mode, device, graphs)
+
+    monkeypatch.setenv("MINEDRAFT_PRECAPTURE_GRAPHS", "true")  # an older chart's boolean
+    with pytest.raises(SystemExit, match="MINEDRAFT_PRECAPTURE_GRAPHS='true': expected one of auto, on, off"):
+        build_parser()

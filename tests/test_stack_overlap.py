@@ -28,6 +28,7 @@ class Event:
     end: float
     worker_compute_s: float = 0.0
     worker_queue_s: float = 0.0
+    worker_s: float = 0.0
 
     def overlaps(self, other: Event) -> bool:
         return self.start < other.end and other.start < self.end
@@ -109,10 +110,12 @@ def test_single_request_runs_sequential_sd(trace: Trace) -> None:
 
 
 def test_each_call_reports_its_wait_and_its_work_inside_the_call(trace: Trace) -> None:
-    """A worker's reply says how long the call waited for the compute thread and how long it ran there: both
-    within the call as the coordinator timed it (different processes, one monotonic clock)."""
+    """A worker's reply says how long the call waited for the compute thread, how long it ran there, and how long
+    its handler took: each within the next, and the handler within the call as the coordinator timed it."""
     calls = [e for e in trace.single + trace.full if e.kind in ("prefill", "propose", "verify")]
     assert calls
     for e in calls:
         assert e.worker_compute_s > 0 and e.worker_queue_s >= 0, e
-        assert e.worker_queue_s + e.worker_compute_s <= e.end - e.start + 1e-4, e
+        # The handler (wall clock, time.time) holds the wait and the work; the call holds the handler.
+        assert e.worker_queue_s + e.worker_compute_s <= e.worker_s + 1e-3, e
+        assert e.worker_s <= e.end - e.start + 1e-3, e
