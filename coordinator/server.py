@@ -79,8 +79,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
         self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
                                metrics=metrics, overlap=options.overlap)
-        self.loop.draft_answers = self.draft_answers
-        self.loop.reconnect_draft = self.reconnect_draft
+        self.loop.draft_back = self.draft_back
+        self.loop.hand_over_draft = self.hand_over_draft
         self.loop.draft_retry_interval = options.draft_retry_interval
         self.workers.record_events = options.step_trace is not None
         self.workers.draft_timeout = options.draft_timeout
@@ -123,29 +123,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
             channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch))
 
-    async def draft_answers(self) -> bool:
-        """Whether the draft service answers a GetInfo within 2 s."""
-        assert self.workers.draft_stub is not None
+    async def draft_back(self) -> bool:
+        """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
+        within 2 s and then takes the channel set-up, which can be long (a restarted draft on a GPU captures its
+        CUDA graphs then: 20-30 s for a 1B draft). Steps go on meanwhile with the target alone."""
+        draft = self.workers.draft_stub
+        assert draft is not None
         try:
-            await self.workers.draft_stub.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=2.0)
-        except grpc.RpcError:
+            await draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=2.0)
+            await self._connect_draft(timeout=2.0)
+        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.info("draft service not back yet: %s", detail)
             return False
         return True
 
-    async def reconnect_draft(self) -> None:
-        """While the draft service is lost (the step loop calls this now and then): once it answers again, set the
-        channel up anew, hand it every running request (prompt and output so far) and draft again."""
+    async def hand_over_draft(self) -> None:
+        """Once `draft_back` (and between steps, so no batch waits on drafts): hand the draft every running request
+        (prompt and output so far) and draft again."""
         draft = self.workers.draft_stub
         assert draft is not None
         running = self.manager.running()
         try:
-            await self._connect_draft(timeout=2.0)
             # A draft that was only unreachable still holds what was admitted before it was lost.
             stale = sorted(set(self.workers.draft_backlog) | {r.seq_id for r in running})
-            await draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=stale))
+            await draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=stale), timeout=self.workers.draft_timeout)
             if running:
                 await self.workers.prefill_draft(running, resume=True)
-        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
+        except grpc.RpcError as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.info("draft service not back yet: %s", detail)
             return

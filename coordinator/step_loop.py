@@ -42,10 +42,11 @@ class StepLoop:
         self._step_ids = itertools.count()
         self._wake = asyncio.Event()
         self._stopping = False
-        # While the draft service is lost: whether it answers (probed in the background, so that a hung draft never
-        # stalls the steps), how to take it back (both set by the server), and how often to probe.
-        self.draft_answers: Callable[[], Coroutine[Any, Any, bool]] | None = None
-        self.reconnect_draft: Callable[[], Awaitable[None]] | None = None
+        # While the draft service is lost: whether it is back, channel set up (tried in the background, so that a
+        # hung draft or one capturing its CUDA graphs at the connect never stalls the steps), how to hand it the
+        # running requests (both set by the server), and how often to try.
+        self.draft_back: Callable[[], Coroutine[Any, Any, bool]] | None = None
+        self.hand_over_draft: Callable[[], Awaitable[None]] | None = None
         self.draft_retry_interval = 5.0
         self._next_draft_retry = 0.0
         self._draft_probe: asyncio.Task[bool] | None = None
@@ -157,16 +158,18 @@ class StepLoop:
 
     async def _maybe_reconnect_draft(self) -> None:
         lost = self.workers.draft is None and self.workers.draft_stub is not None  # (ar mode has no draft stub)
-        if not lost or self.draft_answers is None or self.reconnect_draft is None:
+        if not lost or self.draft_back is None or self.hand_over_draft is None:
             return
         probe = self._draft_probe
         if probe is not None and probe.done():
-            self._draft_probe = None
-            if probe.result() and not any(b.awaiting_verify for b in self.manager.batches):
-                await self.reconnect_draft()
+            if not probe.result():
+                self._draft_probe = None
+            elif not any(b.awaiting_verify for b in self.manager.batches):  # else at a later step
+                self._draft_probe = None
+                await self.hand_over_draft()
         elif probe is None and time.monotonic() >= self._next_draft_retry:
             self._next_draft_retry = time.monotonic() + self.draft_retry_interval
-            self._draft_probe = asyncio.create_task(self.draft_answers())
+            self._draft_probe = asyncio.create_task(self.draft_back())
 
     def _lose_draft(self, exc: BaseException) -> bool:
         """An unreachable (or hung) draft service costs speed, not requests: go on decoding with the target alone."""

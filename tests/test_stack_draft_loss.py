@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 
 import grpc
 from stack import (
     Completion,
     TinyPairs,
+    collect,
     generate,
     run_async,
     running_coordinator,
@@ -26,6 +30,32 @@ from stack import (
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
+
+
+# The restarted draft runs its step shapes at the connect (1-2 s here on a CPU): are steps going on meanwhile?
+PRECAPTURE = ["--precapture-graphs", "on"]
+
+
+def precapture_window(log: str) -> tuple[float, float]:
+    """Wall-clock start and end of a worker's precapture, from its log's timestamps."""
+    lines = [line for line in log.splitlines() if "ahead of serving" in line]
+    first = re.search(r"in ([0-9.]+) s", lines[0])
+    assert first is not None, lines
+    stamp = lambda line: datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # noqa: E731
+    return stamp(lines[0]) - float(first.group(1)), stamp(lines[-1])
+
+
+async def _generate_timed(address: str, request: generation_pb2.GenerateRequest, arrivals: list[float]) -> Completion:
+    """`generate`, noting the wall-clock arrival of every streamed message in `arrivals`."""
+
+    async def noted(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        async for message in call:
+            arrivals.append(time.time())
+            yield message
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+        return await collect(noted(call))  # type: ignore[arg-type]
 
 
 def _requests(tiny_pairs: TinyPairs, max_tokens: int) -> list[generation_pb2.GenerateRequest]:
@@ -104,7 +134,10 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
             assert all(c.usage.draft_tokens == 0 for c in lost[1:])
             # Restarted with the target's own weights as the draft: then a request handed over correctly (its whole
             # sequence so far in the draft's cache) has every draft accepted, and one handed over wrongly would not.
-            restarted = spawn("llama-draft-restarted", worker_args("draft", pair.target, workers.max_batch_size),
+            # It runs its step shapes at the connect, as on a GPU (where that takes 20-30 s): meanwhile the target
+            # must go on decoding.
+            restarted = spawn("llama-draft-restarted",
+                              worker_args("draft", pair.target, workers.max_batch_size) + PRECAPTURE,
                               stack_logs / "draft-back", port=workers.draft.port)
             workers.draft = restarted
 
@@ -117,7 +150,7 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
 
                 async def worker(i: int) -> None:
                     while not back.done() or time.monotonic() < back_at[0] + 4.0:
-                        done.append((i, await generate(coordinator.address, requests[i])))
+                        done.append((i, await _generate_timed(coordinator.address, requests[i], arrivals)))
 
                 back_at = [float("inf")]
                 back.add_done_callback(lambda _: back_at.__setitem__(0, time.monotonic()))
@@ -125,7 +158,10 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
                 await back
                 return done
 
+            arrivals: list[float] = []  # when each streamed message came
             fed = run_async(feed_until_back())
+            while "ahead of serving" not in restarted.log_tail(10**6):  # precaptured, yet not handed over
+                time.sleep(0.2)
             after = _wave(coordinator.address, requests)
         # Lossless all along: the tokens of the first wave, whatever happened to the draft.
         assert [c.token_ids for c in lost] == [c.token_ids for c in expected]
@@ -138,6 +174,10 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
         assert all(c.usage.accepted_tokens >= c.usage.draft_tokens - 4 for c in handed_over), [
             (c.usage.draft_tokens, c.usage.accepted_tokens) for c in handed_over]
         assert all(c.usage.draft_tokens > 0 for c in after)
+        # Tokens streamed while the draft ran its step shapes: the steps did not wait for its channel set-up.
+        start, end = precapture_window(restarted.log_tail(10**7))
+        assert end - start > 0.5, (start, end)  # long enough to tell
+        assert sum(start < t < end for t in arrivals) > 30, (start, end)  # 267 here; 3 when steps waited
     finally:
         workers.stop()
 
