@@ -127,10 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
         within 2 s and then takes the channel set-up, which can be long (a restarted draft on a GPU captures its
         CUDA graphs then: 20-30 s for a 1B draft). Steps go on meanwhile with the target alone."""
-        draft = self.workers.draft_stub
-        assert draft is not None
         try:
-            await draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=2.0)
             await self._connect_draft(timeout=2.0)
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
