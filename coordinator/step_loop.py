@@ -162,7 +162,7 @@ class StepLoop:
             return
         probe = self._draft_probe
         if probe is not None and probe.done():
-            if not probe.result():
+            if probe.exception() is not None or not probe.result():  # an unforeseen error: try again later
                 self._draft_probe = None
             elif not any(b.awaiting_verify for b in self.manager.batches):  # else at a later step
                 self._draft_probe = None
