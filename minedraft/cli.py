@@ -360,14 +360,22 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 20.0) -> None:
-    """SIGINT each (last started first: the coordinator stops sending work), then kill what outlives `timeout`."""
-    for proc in reversed(processes):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """SIGINT each (last started first: the coordinator stops sending work), then kill what outlives `timeout`.
+    A second Ctrl-C meanwhile kills the rest at once: it must not leave a service running on its own."""
+    try:
+        for proc in reversed(processes):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+    except KeyboardInterrupt:
+        for proc in processes:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in processes:
             proc.wait(timeout=10)
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -62,3 +63,57 @@ def test_serve_demo_pair_and_generate_json() -> None:
     output = "".join(lines)
     assert serve.returncode == 0, output  # Ctrl-C stops all three cleanly
     assert f"minedraft serving psd on localhost:{port}" in output
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_a_second_ctrl_c_stops_every_service_at_once() -> None:
+    """Ctrl-C twice (an impatient operator) while `serve` stops its services: none of them is left running."""
+    port = free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "minedraft.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
+         "--max-batch-size", "2", "--max-model-len", "256"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    services: list[int] = []
+    try:
+        wait_healthy(f"127.0.0.1:{port}", [serve], timeout=240)
+        services = _children(serve.pid)
+        assert len(services) == 3, services  # target, draft, coordinator
+        serve.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # the first is stopping the coordinator
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in services) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in services if _alive(pid)]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        for pid in services:  # whatever a failure left behind
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
