@@ -142,26 +142,29 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
             workers.draft = restarted
 
             async def feed_until_back() -> list[tuple[int, Completion]]:
-                """Keep every request slot busy until 4 s after the draft answers (the coordinator dials it again
-                within 2.4 s: gRPC's reconnect backoff as the workers' channels set it), so requests are running
-                when it is taken back."""
+                """Keep every request slot busy until 4 s after the draft has run its step shapes (the coordinator
+                dials it again within 2.4 s of its answering: gRPC's reconnect backoff as the workers' channels set
+                it, then sets the channel up), so requests are running when it is taken back."""
                 back = asyncio.create_task(asyncio.to_thread(wait_all, [restarted]))
                 done: list[tuple[int, Completion]] = []
+                deadline = time.monotonic() + 120
+
+                def precaptured() -> bool:
+                    if back_at[0] == float("inf") and restarted.log_tail(10**6).count("ahead of serving") == 3:
+                        back_at[0] = time.monotonic()  # its three kinds of proposal
+                    return time.monotonic() > back_at[0] + 4.0 or time.monotonic() > deadline
 
                 async def worker(i: int) -> None:
-                    while not back.done() or time.monotonic() < back_at[0] + 4.0:
+                    while not back.done() or not precaptured():
                         done.append((i, await _generate_timed(coordinator.address, requests[i], arrivals)))
 
                 back_at = [float("inf")]
-                back.add_done_callback(lambda _: back_at.__setitem__(0, time.monotonic()))
                 await asyncio.gather(*(worker(i) for i in range(len(requests))))
                 await back
                 return done
 
             arrivals: list[float] = []  # when each streamed message came
             fed = run_async(feed_until_back())
-            while "ahead of serving" not in restarted.log_tail(10**6):  # precaptured, yet not handed over
-                time.sleep(0.2)
             after = _wave(coordinator.address, requests)
         # Lossless all along: the tokens of the first wave, whatever happened to the draft.
         assert [c.token_ids for c in lost] == [c.token_ids for c in expected]
