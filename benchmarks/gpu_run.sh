@@ -35,6 +35,7 @@ services)
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
         --services-timeout "${SERVICES_TIMEOUT:-300}" ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30
+    grep -E " trace: " "$OUT/run/services.log" | cut -c1-600  # call, compute, queue and worker-handler times
     grep -E "step shapes" "$OUT"/run/services/logs_*/*.log | cut -c1-220 | head -20
     grep -c "captured a CUDA graph" "$OUT"/run/services/logs_*/*.log
     python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; print(json.dumps(s.get('two_gpu'), indent=1))" \
