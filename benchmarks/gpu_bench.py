@@ -35,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from draft_service.proposer import Proposer
+from minedraft.cli import PRECAPTURE_CHOICES
 from minedraft.model_runner import ModelRunner
 from minedraft.models import load_model
 from minedraft.sampling import SamplingConfig
@@ -620,7 +621,7 @@ def main() -> None:
                         help="channels of the services runs, comma-separated (auto: cuda-ipc on one host)")
     parser.add_argument("--services-modes", default="psd,sd,ar", help="modes of each services run")
     parser.add_argument("--services-output-len", type=int, default=128, help="tokens generated per request")
-    parser.add_argument("--services-precapture", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
+    parser.add_argument("--services-precapture", default="auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES,
                         help="workers' --precapture-graphs: every step shape run when the coordinator connects")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")

@@ -22,9 +22,13 @@ DEMO_DIR = Path(__file__).parent / "demo_models"
 ENV_PREFIX = "MINEDRAFT_"
 
 
+def _env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
 def _env_default(flag: str, default: object) -> object:
     """Every flag can be set by MINEDRAFT_<FLAG> (the names the Helm chart uses); switches read true/false, 1/0."""
-    name = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    name = _env_name(flag)
     value = os.environ.get(name)
     if value is None or not isinstance(default, bool):
         return default if value is None else value
@@ -46,9 +50,16 @@ def _add(parser: argparse.ArgumentParser, flag: str, default: object = None, **k
     choices = kwargs.get("choices")
     if choices is not None and value != default and value not in choices:  # type: ignore[operator]
         # argparse checks the choices of values given on the command line only, not of defaults
-        raise SystemExit(f"{ENV_PREFIX}{flag.lstrip('-').replace('-', '_').upper()}={value!r}: expected one of "
+        raise SystemExit(f"{_env_name(flag)}={value!r}: expected one of "
                          f"{', '.join(map(str, choices))}")  # type: ignore[call-overload]
     parser.add_argument(flag, default=value, **kwargs)  # type: ignore[arg-type]
+
+
+def _graph_flags(parser: argparse.ArgumentParser) -> None:
+    """How a worker runs its model's steps (`serve` passes them on to the workers it starts)."""
+    _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
+    _add(parser, "--compile", False, action="store_true", help=COMPILE_HELP)
+    _add(parser, "--precapture-graphs", "auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES, help=PRECAPTURE_HELP)
 
 
 def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
@@ -60,9 +71,7 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--max-batch-size", 32, type=int, help="sequences per batch (the worker holds two batches)")
     _add(parser, "--max-model-len", 2048, type=int, help="cache length per sequence")
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
-    _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
-    _add(parser, "--compile", False, action="store_true", help=COMPILE_HELP)
-    _add(parser, "--precapture-graphs", "auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES, help=PRECAPTURE_HELP)
+    _graph_flags(parser)
     _add(parser, "--profile-dir", None,
          help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)")
     _add(parser, "--profile-after", 100, type=int)
@@ -96,9 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--draft-device", "cpu")
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
-    _add(serve, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
-    _add(serve, "--compile", False, action="store_true", help=COMPILE_HELP)
-    _add(serve, "--precapture-graphs", "auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES, help=PRECAPTURE_HELP)
+    _graph_flags(serve)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
     _add(serve, "--single-process", False, action="store_true",
          help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)")
