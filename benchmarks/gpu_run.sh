@@ -4,6 +4,7 @@
 #   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
+#   compile             steps with and without compiled layers, side by side, and the compiled steps profiled
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
@@ -49,6 +50,15 @@ profile)
     timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --trace-dir "$OUT/run/profile_step" \
         > "$OUT/run/profile_step.txt" 2>&1
     tail -30 "$OUT/run/profile_step.txt"
+    ;;
+compile)
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-330} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
+        --draft-device "$DRAFT_DEVICE" --drafts "${DRAFTS:-68m,1b}" --batch-sizes "${BATCHES:-1,8,16,32}" \
+        --ks "${KS:-4}" --compile-modes off,on --out "$OUT/run/compile" > "$OUT/run/compile.log" 2>&1
+    grep -E "warmed up|^synthetic|\| (on|off) \|" "$OUT/run/compile.log" | head -40
+    timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --compile --batches "${PROFILE_BATCHES:-1,8}" \
+        > "$OUT/run/profile_step_compiled.txt" 2>&1
+    grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
     ;;
 kvgather)
     python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"

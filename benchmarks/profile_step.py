@@ -20,13 +20,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers")
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write Chrome traces here")
+    parser.add_argument("--batches", default="1,32", help="batch sizes to profile")
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     device = "cuda:0"
     target, draft = build("8b", device), build("68m", device)
-    for batch in (1, 32):
+    for batch in (int(b) for b in args.batches.split(",")):
         pair = Pair(target, draft, batch, 4, 512, 0.7, 8)
         for _ in range(3):
             pair.propose(0)
