@@ -55,7 +55,8 @@ compile)
     timeout -s USR1 -k 20 ${BENCH_SECONDS:-330} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
         --draft-device "$DRAFT_DEVICE" --drafts "${DRAFTS:-68m,1b}" --batch-sizes "${BATCHES:-1,8,16,32}" \
         --ks "${KS:-4}" --compile-modes off,on --out "$OUT/run/compile" > "$OUT/run/compile.log" 2>&1
-    grep -E "warmed up|^synthetic|\| (on|off) \|" "$OUT/run/compile.log" | head -40
+    grep -E "warmed up|compile (on|off): measuring" "$OUT/run/compile.log" | cut -c1-160
+    grep -A20 "^synthetic acceptance" "$OUT/run/compile.log"
     timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --compile --batches "${PROFILE_BATCHES:-1,8}" \
         > "$OUT/run/profile_step_compiled.txt" 2>&1
     grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
