@@ -56,7 +56,11 @@ compile)
         --draft-device "$DRAFT_DEVICE" --drafts "${DRAFTS:-68m,1b}" --batch-sizes "${BATCHES:-1,8,16,32}" \
         --ks "${KS:-4}" --compile-modes off,on --out "$OUT/run/compile" > "$OUT/run/compile.log" 2>&1
     grep -E "warmed up|compile (on|off): measuring" "$OUT/run/compile.log" | cut -c1-160
-    grep -A20 "^synthetic acceptance" "$OUT/run/compile.log"
+    python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['rows']:
+    print(r['draft'], 'compiled' if r['compiled'] else 'uncompiled', 'B=%d' % r['batch'], 'T_d %.2f T_v %.2f floor_v %.2f AR %.2f PSD/SD %.2f ideal %.2f' % (
+        r['t_draft_ms'], r['t_verify_ms'], r['verify_floor_ms'], r['t_ar_ms'], r['psd_over_sd'], r['ideal']))" \
+        "$OUT/run/compile/gpu_bench.json"
     timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --compile --batches "${PROFILE_BATCHES:-1,8}" \
         > "$OUT/run/profile_step_compiled.txt" 2>&1
     grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
