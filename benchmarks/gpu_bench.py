@@ -123,9 +123,9 @@ class Pair:
         # longer row is what a served step does (a cache just long enough read whole rows, faster).
         max_len = max(2048, prefix + (steps + 4) * (k + 1) * 3 + 16)
         graphs = not EAGER
-        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs, COMPILE), [],
+        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs, COMPILE, groups=2), [],
                                  synthetic_acceptance=synthetic)
-        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE))
+        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE, groups=2))
         self.k, self.batch = k, batch
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
         self.d_stream = torch.cuda.Stream(self.proposer.runner.device)
@@ -149,7 +149,7 @@ class Pair:
             seqs = self.ids[b]
             accepted = torch.tensor([self.verdict[s][0] for s in seqs])
             last = torch.tensor([self.verdict[s][1] for s in seqs])
-            proposal = self.proposer.propose(seqs, accepted, last, self.k)
+            proposal = self.proposer.propose(seqs, accepted, last, self.k, b)
             self.drafts[b] = (proposal.draft_ids, proposal.draft_probs)
             self.ready[b] = torch.cuda.Event()
             self.ready[b].record()
@@ -162,7 +162,7 @@ class Pair:
             else:
                 torch.cuda.current_stream().wait_event(self.ready[b])
                 drafts, probs = self.drafts.pop(b)
-            result = self.verifier.verify(seqs, drafts, probs)
+            result = self.verifier.verify(seqs, drafts, probs, b)
             rows = result.per_row()
             self.verdict.update({s: (a, tokens[-1]) for s, (tokens, a, _) in zip(seqs, rows)})
             if k != 0:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.model_runner import Chooser, ModelRunner
+from minedraft.model_runner import Arrangement, Chooser, ModelRunner
 from minedraft.sampling import STREAM_DRAFT, SamplingConfig, processed_probs, sample_from, seeded_uniform
 from minedraft.sequence_table import SequenceTable
 
@@ -43,10 +43,12 @@ class Proposer:
         self.last_k[rows] = 0
 
     def propose(
-        self, seq_ids: Sequence[int], num_accepted: torch.Tensor, next_tokens: torch.Tensor, k: int
+        self, seq_ids: Sequence[int], num_accepted: torch.Tensor, next_tokens: torch.Tensor, k: int,
+        batch_id: int | None = None,
     ) -> Proposal:
-        """Reconcile every row with the target's last verdict, then draft k tokens for each."""
-        rows = self.table.rows(seq_ids)
+        """Reconcile every row with the target's last verdict, then draft k tokens for each (`batch_id`: as in
+        `Verifier.verify`)."""
+        rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
         device = self.runner.device
         num_accepted, next_tokens = num_accepted.to(device), next_tokens.to(device)
         last_k = self.last_k[rows]
@@ -72,7 +74,8 @@ class Proposer:
         all_greedy |= self.greedy_drafts
         self.committed[rows] = lengths + tail_len
         choose, kind = self._chooser(all_greedy, filtered)
-        outputs = self.runner.decode(rows, tail, tail_len, k, max(widest, longest + k - 1), choose, kind)
+        outputs = self.runner.decode(rows, tail, tail_len, k, max(widest, longest + k - 1), choose, kind,
+                                     arrangement)
         self._remember(rows, outputs[0], k)
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
@@ -83,9 +86,9 @@ class Proposer:
         for all_greedy, filtered in kinds:
             choose, kind = self._chooser(all_greedy, filtered)
 
-            def proposal(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int,
+            def proposal(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
                          choose: Chooser = choose, kind: str = kind) -> object:
-                return self.runner.decode(r, i, v, k, needed, choose, kind)
+                return self.runner.decode(r, i, v, k, needed, choose, kind, view)
 
             shapes += self.runner.precapture(max_batch, 2, proposal)  # a proposal's tail is two tokens wide
         return shapes

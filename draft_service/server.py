@@ -11,7 +11,7 @@ import torch
 from draft_service.proposer import Proposer
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from minedraft.server_utils import grpc_errors, start_server, timings
-from minedraft.worker import ModelWorker, WorkerOptions, elapsed, prompts_and_configs
+from minedraft.worker import ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -53,6 +53,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise ValueError("seq_ids, num_accepted and next_token_ids must have the same length")
         if request.num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be at least 1")
+        check_batch_id(request.batch_id)
         (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request)
         return draft_pb2.ProposeResponse(drafts=payload, timings=timings(start_unix, compute_s, channel_s, queue_s))
 
@@ -63,6 +64,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             torch.tensor(list(request.num_accepted), dtype=torch.long),
             torch.tensor(list(request.next_token_ids), dtype=torch.long),
             request.num_draft_tokens,
+            request.batch_id,
         )
         start = time.perf_counter()
         payload = channel.send(request.step_id, proposal.draft_ids, proposal.draft_probs)

@@ -6,7 +6,8 @@ import gc
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -25,12 +26,22 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
-# (rows, input_ids, num_valid, kv_len, contiguous) -> outputs: one forward, or a loop of them
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], list[torch.Tensor]]
+# (rows, input_ids, num_valid, kv_len, view_start) -> outputs: one forward, or a loop of them
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "int | None"], list[torch.Tensor]]
 # (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
 Chooser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
-# (rows, input_ids, num_valid, needed) -> anything: one step of a kind that serving runs (precapture)
-PrecaptureFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], object]
+# (rows, input_ids, num_valid, needed, arrangement) -> anything: one step of a kind that serving runs (precapture)
+PrecaptureFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "Arrangement | None"], object]
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    """A batch whose K/V fill cache rows `[start, start + B)`: taken in `order`, row b of the step is cache row
+    start + b, so attention reads K/V as views (`ModelRunner.arrange`)."""
+
+    start: int
+    order: torch.Tensor | None = None  # indices putting the batch in cache-row order; None when it is already
+    inverse: torch.Tensor | None = None  # indices putting a step's outputs back in the batch's order
 
 
 def attention_layout(config: object) -> tuple[int | None, bool]:
@@ -75,8 +86,9 @@ class ModelRunner:
 
     def __init__(
         self, model: PreTrainedModel, num_slots: int, max_len: int, cuda_graphs: bool = True,
-        compile_layers: bool = False,
+        compile_layers: bool = False, groups: int = 1,
     ) -> None:
+        """`groups`: batches that `arrange` gives a block of `num_slots // groups` cache rows each."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -86,6 +98,11 @@ class ModelRunner:
         # One extra row that is never handed out: padding rows of a static-shape batch write there.
         self.scratch_row = num_slots
         self.cache = SlotKVCache(num_slots + 1, self.max_len, self.device)
+        self.groups = groups
+        self.block_size = num_slots // groups
+        # Host copies of the cache's row map (logical row -> cache row) and of its inverse.
+        self._cache_row = list(range(num_slots + 1))
+        self._logical_row = list(range(num_slots + 1))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._free = list(range(num_slots - 1, -1, -1))
         # transformers >= 5.24 names the cache argument `cache`; older 5.x call it `past_key_values`.
@@ -144,16 +161,18 @@ class ModelRunner:
         step on a compile (`eager_on_recompile`)."""
         start = time.perf_counter()
 
-        def forward(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int) -> object:
-            return self._step(r, i, v, self.step_shape(len(r), needed)[1], True, False)
+        def forward(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None
+                    ) -> object:
+            return self._step(r, i, v, self.step_shape(len(r), needed)[1], True, None if view is None else view.start)
 
         # (1 row, 1 token) first: it allocates the cache, whose K/V head count says how many rows make attention take
         # the fused kernel.
-        self._scratch_step(1, 1, 1, forward)
+        self._scratch_step(1, 1, 1, forward, None)
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.keys[0].shape[2]))
         kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
         for batch, n in kinds[1:]:  # (1, 1) ran above
-            self._scratch_step(batch, n, n, forward)
+            # Batches read K/V as views (arrange); prefills gather theirs. The strides differ, and so does the code.
+            self._scratch_step(batch, n, n, forward, self._block(0, batch) if n < SHORT_QUERY else None)
         self.cache.lengths[self.scratch_row] = 0
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
@@ -163,6 +182,52 @@ class ModelRunner:
         shape a CUDA graph is captured for (batches are padded on CUDA only)."""
         padded = next((b for b in BATCH_BUCKETS if b >= batch), batch)
         return padded, min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
+
+    def _block(self, group: int, batch: int) -> Arrangement | None:
+        """The block of cache rows that batch `group` of `batch` rows takes, if it fits with its padding."""
+        start = group * self.block_size
+        padded = self.step_shape(batch, 1)[0] if self.device.type == "cuda" else batch
+        if not 0 <= group < self.groups or batch > self.block_size or start + padded > self.num_slots + 1:
+            return None
+        return Arrangement(start)
+
+    @torch.inference_mode()
+    def arrange(self, rows: Sequence[int], group: int) -> Arrangement | None:
+        """Move the K/V of logical `rows` (batch `group`) into its block of cache rows, so that the step reads them
+        as views instead of gathering them (a quarter of an 8B verify at batch 32); None if the batch does not fit.
+
+        Rows already in the block stay: a membership change (a finished sequence, an admission, a rebalance) moves
+        one row each, with the row that held its cache row in the block swapping out. The batch keeps its order;
+        the step takes it in cache-row order (`Arrangement.order`).
+        """
+        block = self._block(group, len(rows))
+        if block is None:
+            return None
+        start, end = block.start, block.start + len(rows)
+        members = set(rows)
+        vacant = [c for c in range(start, end) if self._logical_row[c] not in members]
+        strays = [r for r in rows if not start <= self._cache_row[r] < end]
+        if strays:
+            free = set(self._free)
+            sources, destinations, changed = [], [], []
+            for row, cache_row in zip(strays, vacant, strict=True):
+                other, old = self._logical_row[cache_row], self._cache_row[row]
+                sources.append(old)
+                destinations.append(cache_row)
+                if other not in free:  # a live sequence (of the other batch, or not yet in one): swap
+                    sources.append(cache_row)
+                    destinations.append(old)
+                self._cache_row[row], self._cache_row[other] = cache_row, old
+                self._logical_row[cache_row], self._logical_row[old] = row, other
+                changed += [row, other]
+            self.cache.move(sources, destinations)
+            self.cache.physical[torch.tensor(changed, device=self.device)] = torch.tensor(
+                [self._cache_row[r] for r in changed], device=self.device)
+        offsets = [self._cache_row[r] - start for r in rows]
+        if offsets == list(range(len(rows))):
+            return block
+        order = sorted(range(len(rows)), key=offsets.__getitem__)
+        return Arrangement(start, torch.tensor(order, device=self.device), torch.tensor(offsets, device=self.device))
 
     @torch.inference_mode()
     def precapture(self, max_batch: int, n: int, step: PrecaptureFn) -> int:
@@ -175,48 +240,53 @@ class ModelRunner:
         batches = sorted({self.step_shape(b, n)[0] for b in range(1, max_batch + 1)})
         lengths = sorted({self.step_shape(1, needed)[1] for needed in range(n, self.max_len + 1)})
         if not self.cache.keys:  # the first forward allocates the cache, and runs eagerly
-            self._scratch_step(1, n, lengths[0], step)
-        for padded in batches:
-            for kv_len in lengths:
-                self._scratch_step(padded, n, kv_len, step)
+            self._scratch_step(1, n, lengths[0], step, None)
+        shapes = 0
+        for group in range(self.groups):  # each batch's block of cache rows has graphs of its own
+            for padded in batches:
+                for kv_len in lengths:
+                    self._scratch_step(padded, n, kv_len, step, self._block(group, padded))
+                    shapes += 1
         self.cache.lengths[self.scratch_row] = 0
         reserved = torch.cuda.memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         log.info("ran %d step shapes (n=%d) ahead of serving in %.1f s; %.1f GiB of GPU memory reserved",
-                 len(batches) * len(lengths), n, time.perf_counter() - start, reserved)
-        return len(batches) * len(lengths)
+                 shapes, n, time.perf_counter() - start, reserved)
+        return shapes
 
-    def _scratch_step(self, batch: int, n: int, needed: int, step: PrecaptureFn) -> None:
+    def _scratch_step(self, batch: int, n: int, needed: int, step: PrecaptureFn, view: Arrangement | None) -> None:
         """`step` on `batch` copies of the scratch row, each appending `n` tokens to an empty row."""
         rows = torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
         self.cache.lengths[self.scratch_row] = 0
         step(rows, torch.zeros(batch, n, dtype=torch.long, device=self.device),
-             torch.full((batch,), n, dtype=torch.long, device=self.device), needed)
+             torch.full((batch,), n, dtype=torch.long, device=self.device), needed, view)
 
     # -- forward ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
         self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, last_only: bool = False,
-        needed: int | None = None,
+        needed: int | None = None, arrangement: Arrangement | None = None,
     ) -> torch.Tensor:
         """Append `input_ids[b, :num_valid[b]]` to row `rows[b]` and return float32 logits.
 
         Returns `[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only` (prefill: the hidden
         states of long prompts are reduced before the vocabulary projection). `needed`, the longest row after this
         forward, spares the host sync that finds it when the caller knows it already.
+        `arrangement` (from `arrange`) lets the step read K/V as views.
         """
 
-        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool
+        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, view_start: int | None
                  ) -> list[torch.Tensor]:
-            return [self._step(r, i, v, kv_len, last_only, contiguous)]
+            return [self._step(r, i, v, kv_len, last_only, view_start)]
 
         # Prefills (last_only) run eagerly, short ones too: a graph per prompt length would be captured mid-load.
         graphable = not last_only and input_ids.shape[1] <= MAX_GRAPH_TOKENS
-        return self._run(("forward", last_only), step, rows, input_ids, num_valid, needed, graphable)[0]
+        return self._run(("forward", last_only), step, rows, input_ids, num_valid, needed, graphable,
+                         arrangement)[0]
 
     @torch.inference_mode()
     def decode(
         self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, steps: int, needed: int,
-        choose: Chooser, kind: str,
+        choose: Chooser, kind: str, arrangement: Arrangement | None = None,
     ) -> list[torch.Tensor]:
         """`steps` decode steps, the first on `input_ids`, each next on the tokens `choose` picks from the last
         logits: the tokens `[B, steps]`, then `choose`'s distributions `[B, steps, V]` if it returns any.
@@ -226,11 +296,11 @@ class ModelRunner:
         `kind` names what it does (graphs are kept per kind). `needed` is the longest row after the last step.
         """
 
-        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, contiguous: bool
+        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, view_start: int | None
                  ) -> list[torch.Tensor]:
             tokens, probs = [], []
             for step in range(steps):
-                token, q = choose(r, self._step(r, i, v, kv_len, True, contiguous), step)
+                token, q = choose(r, self._step(r, i, v, kv_len, True, view_start), step)
                 tokens.append(token)
                 if q is not None:
                     probs.append(q)
@@ -239,28 +309,44 @@ class ModelRunner:
 
         # Clones: a graph's outputs are rewritten by the next call of the same shape while these may still be on
         # their way to the target.
-        return [t.clone() for t in self._run((kind, steps), loop, rows, input_ids, num_valid, needed, True)]
+        outputs = self._run((kind, steps), loop, rows, input_ids, num_valid, needed, True, arrangement)
+        reordered = arrangement is not None and arrangement.inverse is not None  # (indexing copied them already)
+        return outputs if reordered else [t.clone() for t in outputs]
 
     def _run(
         self, tag: tuple[str, object], fn: StepFn, rows: torch.Tensor, input_ids: torch.Tensor,
-        num_valid: torch.Tensor, needed: int | None, graphable: bool,
+        num_valid: torch.Tensor, needed: int | None, graphable: bool, arrangement: Arrangement | None,
     ) -> list[torch.Tensor]:
-        """Check capacity, pick the key-length bucket, pad to a batch bucket on CUDA, then replay or run `fn`."""
+        """Check capacity, pick the key-length bucket, take the rows in cache-row order, pad to a batch bucket on
+        CUDA, then replay or run `fn`; outputs come back in the batch's order."""
         batch, n = input_ids.shape
         if needed is None:
             needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
         if needed > self.max_len:
             raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
         padded, kv_len = self.step_shape(batch, needed)
-        key = (*tag, padded, n, kv_len)
+        view_start = None if arrangement is None else arrangement.start
+        key = (*tag, padded, n, kv_len, view_start)
         if graphable:
             self.step_keys.add(key)
+        if arrangement is not None and arrangement.order is not None:
+            order = arrangement.order
+            rows, input_ids, num_valid = rows[order], input_ids[order], num_valid[order]
+        outputs = self._replay_or_run(key, fn, rows, input_ids, num_valid, kv_len, view_start, padded, graphable)
+        if arrangement is not None and arrangement.inverse is not None:
+            outputs = [t[arrangement.inverse] for t in outputs]
+        return outputs
+
+    def _replay_or_run(
+        self, key: tuple[object, ...], fn: StepFn, rows: torch.Tensor, input_ids: torch.Tensor,
+        num_valid: torch.Tensor, kv_len: int, view_start: int | None, padded: int, graphable: bool,
+    ) -> list[torch.Tensor]:
+        batch, n = input_ids.shape
         if self.device.type != "cuda":
-            contiguous = bool((rows == torch.arange(batch, device=self.device)).all())
-            return fn(rows, input_ids, num_valid, kv_len, contiguous)
+            return fn(rows, input_ids, num_valid, kv_len, view_start)
         if self.graphs is not None and graphable and self.cache.keys:
             try:
-                return self.graphs.run(key, lambda r, i, v: fn(r, i, v, kv_len, False),
+                return self.graphs.run(key, lambda r, i, v: fn(r, i, v, kv_len, view_start),
                                        rows, input_ids, num_valid, padded)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
@@ -271,11 +357,11 @@ class ModelRunner:
         input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, n)])
         num_valid = torch.cat([num_valid, num_valid.new_ones(pad)])
         self.cache.lengths[self.scratch_row] = 0
-        return [t[:batch] for t in fn(rows, input_ids, num_valid, kv_len, False)]
+        return [t[:batch] for t in fn(rows, input_ids, num_valid, kv_len, view_start)]
 
     def _step(
         self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int, last_only: bool,
-        contiguous: bool,
+        view_start: int | None,
     ) -> torch.Tensor:
         """The forward proper, free of host syncs so that a CUDA graph can capture it."""
         batch, n = input_ids.shape
@@ -288,7 +374,7 @@ class ModelRunner:
         if self.sliding_window is not None:
             windowed = self._additive(causal & (keys[None, None, :] > positions[:, :, None] - self.sliding_window))
             mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
-        self.cache.select(rows, positions, kv_len, contiguous)
+        self.cache.select(rows, positions, kv_len, view_start)
         kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
         config = self.model.config
         own, config._attn_implementation = config._attn_implementation, self._attention

@@ -34,7 +34,8 @@ def generate_offline(
     k: int,
     max_batch_size: int,
 ) -> list[OfflineResult]:
-    """Run requests to completion with standard speculative decoding (or AR when `proposer` is None)."""
+    """Run requests to completion with standard speculative decoding (or AR when `proposer` is None), as one batch
+    (batch id 0: its K/V kept in one block of cache rows, as the services keep each of their two batches)."""
     results = [OfflineResult() for _ in requests]
     waiting = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
     active: list[int] = []
@@ -55,11 +56,11 @@ def generate_offline(
             if proposer is not None:
                 accepted = torch.tensor([verdict[i][0] for i in active])
                 last = torch.tensor([verdict[i][1] for i in active])
-                proposal = proposer.propose(active, accepted, last, k)
+                proposal = proposer.propose(active, accepted, last, k, batch_id=0)
                 drafts, probs = proposal.draft_ids, proposal.draft_probs
             else:
                 drafts, probs = torch.zeros(len(active), 0, dtype=torch.long), None
-            rows = verifier.verify(active, drafts, probs).per_row()
+            rows = verifier.verify(active, drafts, probs, batch_id=0).per_row()
             for i, (_, accepted_count, _) in zip(active, rows):
                 results[i].steps += 1
                 results[i].accepted += accepted_count

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from minedraft.errors import UnknownSequenceError
-from minedraft.model_runner import ModelRunner
+from minedraft.model_runner import Arrangement, ModelRunner
 from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
 
 
@@ -78,11 +78,21 @@ class SequenceTable:
             raise
         return rows, lengths, logits
 
-    def rows(self, seq_ids: Sequence[int]) -> torch.Tensor:
+    def row_list(self, seq_ids: Sequence[int]) -> list[int]:
         missing = [s for s in seq_ids if s not in self.rows_by_id]
         if missing:
             raise UnknownSequenceError(f"unknown sequence ids {missing[:8]}")
-        return torch.tensor([self.rows_by_id[s] for s in seq_ids], dtype=torch.long, device=self.runner.device)
+        return [self.rows_by_id[s] for s in seq_ids]
+
+    def rows(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(self.row_list(seq_ids), dtype=torch.long, device=self.runner.device)
+
+    def arranged_rows(self, seq_ids: Sequence[int], batch_id: int | None) -> tuple[torch.Tensor, Arrangement | None]:
+        """The rows of a batch's step, and with `batch_id` their K/V moved into that batch's block of cache rows
+        (`ModelRunner.arrange`)."""
+        rows = self.row_list(seq_ids)
+        arrangement = None if batch_id is None else self.runner.arrange(rows, batch_id)
+        return torch.tensor(rows, dtype=torch.long, device=self.runner.device), arrangement
 
     def remove(self, seq_ids: Sequence[int]) -> None:
         """Free the rows of `seq_ids`; ids not held are ignored (release is idempotent)."""

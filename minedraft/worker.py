@@ -25,6 +25,7 @@ from minedraft.sampling import SamplingConfig
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 PROFILED_CALLS = 5
+NUM_BATCHES = 2  # the coordinator's alternating batches: each has a block of cache rows here (ModelRunner.arrange)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class ModelWorker:
         # Two batches of max_batch_size each live here at once (batch-parallel decoding).
         self.runner = ModelRunner(
             self.model, 2 * options.max_batch_size, options.max_model_len, cuda_graphs=options.cuda_graphs,
-            compile_layers=options.compile_layers,
+            compile_layers=options.compile_layers, groups=NUM_BATCHES,
         )
         self.channel: Channel | None = None
         # The compute thread's current CUDA device is the model's: whatever CUDA work names no device (a graph's
@@ -191,6 +192,11 @@ class ModelWorker:
         if self.channel is None:
             raise ValueError("no channel set up yet: the coordinator calls SetupChannel first")
         return self.channel
+
+
+def check_batch_id(batch_id: int) -> None:
+    if not 0 <= batch_id < NUM_BATCHES:
+        raise ValueError(f"batch_id must be 0 or 1 (the coordinator's two batches), got {batch_id}")
 
 
 def prompts_and_configs(

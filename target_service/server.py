@@ -12,7 +12,7 @@ import torch
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.sampling import SamplingConfig
 from minedraft.server_utils import grpc_errors, start_server, timings
-from minedraft.worker import ModelWorker, WorkerOptions, elapsed, prompts_and_configs
+from minedraft.worker import ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                      ) -> target_pb2.VerifyResponse:
         start_unix = time.time()
         seq_ids = list(request.seq_ids)
+        check_batch_id(request.batch_id)
         (results, channel_s), queue_s, compute_s = await self.worker.run_timed(
-            self._verify, seq_ids, request.drafts, request.num_draft_tokens)
+            self._verify, seq_ids, request.drafts, request.num_draft_tokens, request.batch_id)
         return target_pb2.VerifyResponse(results=results, timings=timings(start_unix, compute_s, channel_s, queue_s))
 
-    def _verify(self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int
+    def _verify(self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int, batch_id: int
                 ) -> tuple[list[target_pb2.SequenceResult], float]:
         start = time.perf_counter()
         if k == 0:  # target-only decoding: nothing travels
@@ -95,7 +96,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise ValueError(f"drafts of shape {tuple(draft_ids.shape)} for {len(seq_ids)} sequences, k={k}")
         channel_s = elapsed(start)
         # Read on the compute thread, whose CUDA stream made the results (another stream could read them unfinished).
-        return results_proto(seq_ids, self.verifier.verify(seq_ids, draft_ids, draft_probs)), channel_s
+        return results_proto(seq_ids, self.verifier.verify(seq_ids, draft_ids, draft_probs, batch_id)), channel_s
 
     @grpc_errors
     async def Release(self, request: target_pb2.TargetServiceReleaseRequest, context: grpc.aio.ServicerContext

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.model_runner import ModelRunner
+from minedraft.model_runner import Arrangement, ModelRunner
 from minedraft.sampling import SamplingConfig
 from minedraft.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
@@ -58,16 +58,18 @@ class Verifier:
         # As if the last prompt token had been pending: the same commit as a verify step.
         return self._commit(rows, lengths - 1, sampled)
 
-    def verify(self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> StepResult:
+    def verify(self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+               batch_id: int | None = None) -> StepResult:
         """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest.
 
-        k = 0 is plain autoregressive decoding through the same path.
+        k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's K/V in
+        a block of cache rows of its own, read without a copy.
         """
-        rows = self.table.rows(seq_ids)
+        rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
         starts = self.runner.cache.lengths[rows]
         k = draft_ids.shape[1]
         inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(self.runner.device)], dim=1)
-        logits = self.runner.forward(rows, inputs, torch.full_like(starts, k + 1))
+        logits = self.runner.forward(rows, inputs, torch.full_like(starts, k + 1), arrangement=arrangement)
         probs = None if draft_probs is None else draft_probs.to(self.runner.device)
         all_greedy, filtered = self.table.sampling_kind(seq_ids, logits.shape[-1])
         sampled = rejection_sample(logits, inputs[:, 1:], probs, self._params(rows), starts + 1,
@@ -79,8 +81,9 @@ class Verifier:
 
     def precapture(self, k: int, max_batch: int) -> int:
         """Run the verify forward of k drafts in every shape serving can give it (`ModelRunner.precapture`)."""
-        def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int) -> object:
-            return self.runner.forward(r, i, v, needed=needed)
+        def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None
+                   ) -> object:
+            return self.runner.forward(r, i, v, needed=needed, arrangement=view)
 
         return self.runner.precapture(max_batch, k + 1, verify)
 

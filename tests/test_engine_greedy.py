@@ -64,9 +64,9 @@ def _run(
     if batch_sizes is not None:
         verify = verifier.verify
 
-        def recording_verify(seq_ids: Sequence[int], *args: Any) -> StepResult:
+        def recording_verify(seq_ids: Sequence[int], *args: Any, **kwargs: Any) -> StepResult:
             batch_sizes.append(len(seq_ids))
-            return verify(seq_ids, *args)
+            return verify(seq_ids, *args, **kwargs)
 
         verifier.verify = recording_verify  # type: ignore[method-assign]
     results = generate_offline(verifier, proposer, requests, k, MAX_BATCH)

@@ -212,3 +212,54 @@ def test_draft_with_a_narrower_vocabulary_accepts_any_target_token() -> None:
     proposer.prefill([7], [[1, 2, 3]], [SamplingConfig(max_tokens=8)])
     proposal = proposer.propose([7], torch.tensor([0]), torch.tensor([120]), 3)  # 120: only the target knows it
     assert proposal.draft_ids.shape == (1, 3) and int(proposal.draft_ids.max()) < 100
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_batches_kept_in_blocks_of_cache_rows_read_as_views(arch: str, tiny_models) -> None:
+    """Two batches whose members come, go and change batch (as the coordinator's do): `arrange` moves their K/V
+    into each batch's block of cache rows, and every step, read as views, gives the logits and leaves the K/V that
+    the same steps give gathering rows where they were first put."""
+    model = tiny_models.target(arch, vocab=VOCAB)
+    slots, max_batch = 8, 4
+    blocks = ModelRunner(model, slots, 96, groups=2)
+    gathers = ModelRunner(model, slots, 96)
+    rng = torch.Generator().manual_seed(5)
+    batches: list[list[int]] = [[], []]
+    moved = 0
+
+    def admit(group: int) -> None:
+        row, = blocks.allocate(1)
+        assert gathers.allocate(1) == [row]  # both hand out the same logical rows
+        prompt = torch.randint(0, VOCAB, (1, int(torch.randint(2, 9, (1,), generator=rng))), generator=rng)
+        for runner in (blocks, gathers):
+            runner.forward(torch.tensor([row]), prompt, torch.tensor([prompt.shape[1]]), last_only=True)
+        batches[group].append(row)
+
+    for step in range(40):
+        group = step % 2
+        batch = batches[group]
+        if batch and torch.rand(1, generator=rng) < 0.25:  # a sequence finishes
+            gone = batch.pop(int(torch.randint(len(batch), (1,), generator=rng)))
+            blocks.release([gone])
+            gathers.release([gone])
+        if batch and len(batches[1 - group]) < max_batch and torch.rand(1, generator=rng) < 0.2:  # a rebalance
+            batches[1 - group].append(batch.pop(0))
+        while len(batch) < max_batch and blocks.free_slots and torch.rand(1, generator=rng) < 0.5:
+            admit(group)
+        if not batch:
+            continue
+        before = list(blocks._cache_row)
+        arrangement = blocks.arrange(batch, group)
+        moved += sum(a != b for a, b in zip(before, blocks._cache_row))
+        assert arrangement is not None and arrangement.start == group * (slots // 2)
+        cache_rows = sorted(blocks._cache_row[r] for r in batch)
+        assert cache_rows == list(range(arrangement.start, arrangement.start + len(batch)))
+        rows = torch.tensor(batch)
+        ids = torch.randint(0, VOCAB, (len(batch), 3), generator=rng)
+        valid = torch.randint(1, 4, (len(batch),), generator=rng)
+        got = blocks.forward(rows, ids, valid, arrangement=arrangement)
+        want = gathers.forward(rows, ids, valid)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        for row in batch:
+            assert_state_equal(blocks.cache.rows_state(row), gathers.cache.rows_state(row), f"step {step}, row {row}")
+    assert moved >= 10  # the churn above did move rows

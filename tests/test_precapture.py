@@ -50,7 +50,8 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     assert served[0] <= ahead[0] and served[1] <= ahead[1], f"not run ahead: {served[0] - ahead[0]}, " \
                                                             f"{served[1] - ahead[1]}"
     # The load went through several batch sizes, key-length buckets and kinds of proposal.
-    assert len({key[-3] for key in served[0]}) >= 3 and len({key[-1] for key in served[0]}) >= 3
+    assert len({key[-4] for key in served[0]}) >= 3 and len({key[-2] for key in served[0]}) >= 3
+    assert {key[-1] for key in served[0] | served[1]} == {0}  # every step read its batch's K/V as views
     assert {key[0] for key in served[1]} == {"greedy", "sampled", "filtered"}
 
 
@@ -69,6 +70,7 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
         finally:
             workers.stop()
         ran = [log.count("ahead of serving") for log in logs]
-        # Batch buckets 1, 2, 4 x key lengths 64, 128, 192, 256: one kind of verify, three kinds of proposal.
+        # Batch buckets 1, 2, 4 x key lengths 64, 128, 192, 256 x two batches: one kind of verify, three kinds of
+        # proposal.
         assert ran == ([1, 3] if extra else [0, 0]), logs
     assert outputs[0] == outputs[1] == outputs[2] == outputs[3]

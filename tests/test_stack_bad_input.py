@@ -142,3 +142,22 @@ def test_generate_cli_json(coordinator: Service) -> None:
             "mean_accepted_length", "acceptance_rate", "accepted_per_position", "time_to_first_token_s",
             "time_per_output_token_s"} <= set(out["usage"])
     assert out["usage"]["completion_tokens"] == 6
+
+
+def test_workers_refuse_a_batch_id_beyond_the_two_batches(llama_workers: Workers, coordinator: Service) -> None:
+    """The workers' batch RPCs check the batch id (it picks the batch's block of cache rows), and serve on."""
+    from minedraft.proto import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    calls = [
+        (llama_workers.target, lambda c: target_pb2_grpc.TargetServiceStub(c).Verify(
+            target_pb2.VerifyRequest(step_id=1, batch_id=2, seq_ids=[10**9]), timeout=10)),
+        (llama_workers.draft, lambda c: draft_pb2_grpc.DraftServiceStub(c).Propose(
+            draft_pb2.ProposeRequest(step_id=1, batch_id=7, seq_ids=[10**9], num_accepted=[0], next_token_ids=[3],
+                                     num_draft_tokens=K), timeout=10)),
+    ]
+    for service, call in calls:
+        assert service is not None
+        with grpc.insecure_channel(service.address) as channel, pytest.raises(grpc.RpcError) as error:
+            call(channel)
+        assert error.value.code() == INVALID and "batch_id must be 0 or 1" in error.value.details()
+    assert len(asyncio.run(generate(coordinator.address, _good())).token_ids) == 4
