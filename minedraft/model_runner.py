@@ -227,7 +227,8 @@ class ModelRunner:
         if offsets == list(range(len(rows))):
             return block
         order = sorted(range(len(rows)), key=offsets.__getitem__)
-        return Arrangement(start, torch.tensor(order, device=self.device), torch.tensor(offsets, device=self.device))
+        order_and_inverse = torch.tensor([order, offsets], device=self.device)  # one copy to the device
+        return Arrangement(start, order_and_inverse[0], order_and_inverse[1])
 
     @torch.inference_mode()
     def precapture(self, max_batch: int, n: int, step: PrecaptureFn) -> int:

@@ -1,4 +1,5 @@
-"""On a GPU, proposals replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same proposals run eagerly.
+"""On a GPU, proposals replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same proposals run eagerly,
+with rows gathered and with a batch's rows read as views of its block of cache rows.
 
 Also on the last GPU of a machine with several, which is not the current device: graphs must still be captured there.
 Skipped without CUDA. Also runs as a script on the GPU machine (`python tests/test_cuda_graphs.py`), which may lack
@@ -31,16 +32,20 @@ def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor,
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16).eval()
-    proposer = Proposer(ModelRunner(model, 8, 256, cuda_graphs=graphs))
+    proposer = Proposer(ModelRunner(model, 8, 256, cuda_graphs=graphs, groups=2))
     seqs = [1, 2, 3]
     prompts = [[(7 * s + j) % 500 for j in range(10 + 5 * s)] for s in seqs]
     proposer.prefill(seqs, prompts, [CONFIGS[kind]] * len(seqs))
     accepted, last = torch.zeros(3, dtype=torch.long), torch.tensor([5, 6, 7])
     out = []
-    for step in range(4):
-        proposal = proposer.propose(seqs, accepted, last, 4)
-        out.append((proposal.draft_ids.cpu(), None if proposal.draft_probs is None else proposal.draft_probs.cpu()))
-        accepted, last = torch.full((3,), step % 5), proposal.draft_ids[:, 0].cpu()
+    # Rows gathered where prefill put them, then moved into batch 1's block of cache rows and read as views (in
+    # another order the next time), then gathered from there.
+    for step, (batch_id, order) in enumerate([(None, [1, 2, 3]), (1, [1, 2, 3]), (1, [3, 1, 2]), (None, [2, 3, 1])]):
+        index, back = [seqs.index(s) for s in order], [order.index(s) for s in seqs]
+        proposal = proposer.propose(order, accepted[index], last[index], 4, batch_id=batch_id)
+        probs = None if proposal.draft_probs is None else proposal.draft_probs.cpu()[back]
+        out.append((proposal.draft_ids.cpu()[back], probs))
+        accepted, last = torch.full((3,), step % 5), out[-1][0][:, 0]
     return out
 
 
