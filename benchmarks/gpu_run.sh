@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What one device call runs, from the repository root on the GPU machine: `bash benchmarks/gpu_run.sh STAGE [ARGS]`.
 #   check               GPU tests (graphs equal eager; channels between services on GPUs) and the in-process bench
+#                       (BATCHES= empty: the tests only)
 #   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
@@ -25,6 +26,7 @@ check)
     timeout -k 10 120 python3 tests/test_cuda_graphs.py 2>&1 | tee "$OUT/run/test_cuda_graphs.log" | tail -5
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
+    [ "${BATCHES-1,8,32,64}" = "" ] && { tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"; exit 0; }  # tests only
     timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
         --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes "${BATCHES:-1,8,32,64}" --ks "${KS:-2,4,6}" \
         --in-process-psd --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
