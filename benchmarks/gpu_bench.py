@@ -82,7 +82,8 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes(runner: ModelRunner, rows: int, length: int) -> int:
-    return sum(2 * rows * length * k.shape[2] * k.shape[3] * k.element_size() for k in runner.cache.keys)
+    # The cache is [rows, kv_heads, max_len, head_dim] per layer.
+    return sum(2 * rows * length * k.shape[1] * k.shape[3] * k.element_size() for k in runner.cache.keys)
 
 
 @dataclass
