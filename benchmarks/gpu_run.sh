@@ -6,6 +6,7 @@
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
 #   compile             steps with and without compiled layers, side by side, and the compiled steps profiled
+#   calls               a served load of the demo pair on the GPUs: each worker call's time outside the worker
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
@@ -66,6 +67,13 @@ for r in json.load(open(sys.argv[1]))['rows']:
     timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --compile --batches "${PROFILE_BATCHES:-1,8}" \
         > "$OUT/run/profile_step_compiled.txt" 2>&1
     grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
+    ;;
+calls)
+    timeout -k 10 ${BENCH_SECONDS:-150} python3 -m minedraft.cli bench --modes "${MODES:-sd,ar}" --target-device cuda:0 \
+        --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts 64 --prompt-len 64 --output-len 96 \
+        --no-progress --step-trace-dir "$OUT/run/traces" > "$OUT/run/bench.log" 2>&1
+    tail -8 "$OUT/run/bench.log"
+    python3 benchmarks/call_overhead.py "$OUT/run/traces"
     ;;
 kvgather)
     python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"

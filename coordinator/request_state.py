@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minedraft.proto import generation_pb2
 from minedraft.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from coordinator.stream_outbox import StreamOutbox
 
 FINISH = generation_pb2
 
@@ -58,8 +61,9 @@ class RequestState:
             for i in range(num_accepted):
                 self.accepted_per_position[i] += 1
 
-    def emit(self, token_ids: list[int], finish_reason: int) -> None:
-        """Append what the target emitted, apply stop strings, and push one message to the client's stream.
+    def emit(self, token_ids: list[int], finish_reason: int, outbox: StreamOutbox | None = None) -> None:
+        """Append what the target emitted, apply stop strings, and push one message to the client's stream (through
+        `outbox`, which may hold it a moment).
 
         The message's text is filled in by `render` when the stream's reader takes it, off the step loop's path:
         the loop goes on to its next step meanwhile. Only requests with stop strings detokenize here, since a stop
@@ -80,7 +84,10 @@ class RequestState:
         message = generation_pb2.GenerateResponse(token_ids=token_ids, finish_reason=finish_reason)  # type: ignore[arg-type]
         if self.finished:
             message.usage.CopyFrom(self.usage())
-        self.stream.put_nowait(message)
+        if outbox is None:
+            self.stream.put_nowait(message)
+        else:
+            outbox.hold(self.stream, message)
 
     def render(self, message: generation_pb2.GenerateResponse) -> generation_pb2.GenerateResponse:
         """Fill in the text a streamed message adds: its tokens decoded, in stream order."""

@@ -15,6 +15,7 @@ import grpc
 from coordinator.batch_manager import Batch, BatchManager
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
+from coordinator.stream_outbox import StreamOutbox
 from coordinator.workers import Workers
 from minedraft.proto import common_pb2
 
@@ -39,6 +40,9 @@ class StepLoop:
         self.k = 0 if mode == "ar" else k
         self.metrics = metrics
         self.overlap_policy = OverlapPolicy(overlap)
+        # What a step emits reaches the clients' streams once the next worker calls are sent.
+        self.outbox = StreamOutbox()
+        workers.call_started = self.outbox.call_started
         self._step_ids = itertools.count()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -66,6 +70,7 @@ class StepLoop:
     async def run(self) -> None:
         while not self._stopping:
             if not self.has_work():
+                self.outbox.flush()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -120,7 +125,7 @@ class StepLoop:
             self._fail(admitted, target_reply)
             return
         for request, result in zip(admitted, target_reply.results):
-            request.emit(list(result.token_ids), result.finish_reason)
+            request.emit(list(result.token_ids), result.finish_reason, self.outbox)
         if self.metrics is not None:
             self.metrics.prefilled(admitted, target_reply.results)
 
@@ -148,7 +153,7 @@ class StepLoop:
         else:
             for request, result in zip(members, reply.results):
                 request.record_verify(k, result.num_accepted)
-                request.emit(list(result.token_ids), result.finish_reason)
+                request.emit(list(result.token_ids), result.finish_reason, self.outbox)
             if self.metrics is not None:
                 self.metrics.verified(reply.results, k)
         gone = [r for r in members + batch.joining if r.finished or r.cancelled]
@@ -185,10 +190,13 @@ class StepLoop:
 
     def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
         log.warning("failing %d requests: %s", len(requests), exc)
+        self.outbox.flush()  # what they emitted before goes first
         for request in requests:
             request.fail(exc)
 
     async def _release(self, requests: Sequence[RequestState]) -> None:
+        if any(r.cancelled and not r.finished for r in requests):
+            self.outbox.flush()  # what they emitted before goes first
         for request in requests:
             if request.cancelled and not request.finished:
                 request.finish(FINISH.FINISH_REASON_CANCELLED)
@@ -203,6 +211,7 @@ class StepLoop:
     async def shutdown(self) -> None:
         """After the loop stopped: end every open stream and free its rows, so the workers can serve a new
         coordinator at once."""
+        self.outbox.flush()
         live = [r for b in self.manager.batches for r in b.members + b.joining]
         for request in [*live, *self.manager.waiting]:
             request.cancelled = True

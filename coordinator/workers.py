@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -15,6 +15,8 @@ from minedraft.server_utils import CHANNEL_OPTIONS
 
 if TYPE_CHECKING:
     from minedraft.metrics import CoordinatorMetrics
+
+Call = TypeVar("Call")
 
 
 @dataclass
@@ -65,6 +67,12 @@ class Workers:
         self.events: list[StepEvent] = []
         self.record_events = False
         self.metrics: CoordinatorMetrics | None = None
+        self.call_started: Callable[[], None] | None = None  # told as each call is made (the step loop's outbox)
+
+    def _started(self, call: Call) -> Call:
+        if self.call_started is not None:
+            self.call_started()
+        return call
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -80,26 +88,26 @@ class Workers:
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()
-        reply = await self.target.Prefill(
+        reply = await self._started(self.target.Prefill(
             target_pb2.TargetServicePrefillRequest(sequences=[sequence_spec(r) for r in requests])
-        )
+        ))
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
     async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
         assert self.draft_stub is not None
-        await self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
-            sequences=[sequence_spec(r, resume) for r in requests]), timeout=self.draft_timeout)
+        await self._started(self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
+            sequences=[sequence_spec(r, resume) for r in requests]), timeout=self.draft_timeout))
 
     async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
                       ) -> draft_pb2.ProposeResponse:
         assert self.draft is not None
         start = time.perf_counter()
-        reply = await self.draft.Propose(draft_pb2.ProposeRequest(
+        reply = await self._started(self.draft.Propose(draft_pb2.ProposeRequest(
             step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
             num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
             num_draft_tokens=k,
-        ), timeout=self.draft_timeout)
+        ), timeout=self.draft_timeout))
         self._record("propose", batch_id, len(members), start, reply.timings)
         return reply
 
@@ -111,7 +119,7 @@ class Workers:
         )
         if drafts is not None:
             request.drafts.CopyFrom(drafts)
-        reply = await self.target.Verify(request)
+        reply = await self._started(self.target.Verify(request))
         self._record("verify", batch_id, len(members), start, reply.timings)
         return reply
 
@@ -120,11 +128,11 @@ class Workers:
         step loop to decide whether the draft is lost."""
         if not seq_ids:
             return None
-        await self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids)))
+        await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids))))
         if self.draft is not None:
             try:
-                await self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)),
-                                         timeout=self.draft_timeout)
+                await self._started(self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)),
+                                                       timeout=self.draft_timeout))
             except grpc.RpcError as exc:
                 return exc
         return None
