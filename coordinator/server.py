@@ -115,13 +115,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.draft_info = (await draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=timeout)).info
         check_pair(_vocab(self.target_info), _vocab(self.draft_info))
         self.channel = choose_channel(self.options.channel, self.target_info, self.draft_info)
-        k, batch = self.options.num_speculative_tokens, self.options.max_batch_size
+        k, batch, batches = self.options.num_speculative_tokens, self.options.max_batch_size, len(self.manager.batches)
         exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
-            channel=self.channel, num_speculative_tokens=k, max_batch_size=batch))
+            channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches))
         # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
         handshake = (await exported).handshake
         await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
-            channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch))
+            channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch,
+            num_batches=batches))
 
     async def draft_back(self) -> bool:
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo

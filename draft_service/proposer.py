@@ -79,7 +79,7 @@ class Proposer:
         self._remember(rows, outputs[0], k)
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
-    def precapture(self, k: int, max_batch: int) -> int:
+    def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
         """Run every kind of proposal of k tokens in every shape serving can give it (`ModelRunner.precapture`)."""
         kinds = [(True, False)] if self.greedy_drafts else [(True, False), (False, False), (False, True)]
         shapes = 0
@@ -90,7 +90,7 @@ class Proposer:
                          choose: Chooser = choose, kind: str = kind) -> object:
                 return self.runner.decode(r, i, v, k, needed, choose, kind, view)
 
-            shapes += self.runner.precapture(max_batch, 2, proposal)  # a proposal's tail is two tokens wide
+            shapes += self.runner.precapture(max_batch, 2, proposal, batch_ids)  # a proposal's tail: two tokens
         return shapes
 
     def _chooser(self, all_greedy: bool, filtered: bool) -> tuple[Chooser, str]:

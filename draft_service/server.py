@@ -28,7 +28,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def SetupChannel(self, request: draft_pb2.DraftServiceSetupChannelRequest,
                            context: grpc.aio.ServicerContext) -> draft_pb2.DraftServiceSetupChannelResponse:
         # Before the export: an nccl export waits (120 s at most) for the target, which attaches after this reply.
-        await self.worker.precapture(self.proposer.precapture, request.num_speculative_tokens, request.max_batch_size)
+        await self.worker.precapture(self.proposer.precapture, request.num_speculative_tokens, request.max_batch_size,
+                                     request.num_batches)
         handshake = await self.worker.setup_channel(
             request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, True
         )

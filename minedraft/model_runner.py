@@ -231,10 +231,11 @@ class ModelRunner:
         return Arrangement(start, order_and_inverse[0], order_and_inverse[1])
 
     @torch.inference_mode()
-    def precapture(self, max_batch: int, n: int, step: PrecaptureFn) -> int:
-        """Run `step(rows, input_ids, num_valid, needed)`, a step of `n` tokens, on the scratch row in every shape
-        such a step on up to `max_batch` rows can take, so that CUDA captures its graphs before serving rather than
-        while requests wait (0.2-0.5 s each, seen in the middle of a load on an H200). Returns the shapes run."""
+    def precapture(self, max_batch: int, n: int, step: PrecaptureFn, groups: Sequence[int] | None = None) -> int:
+        """Run `step(rows, input_ids, num_valid, needed, arrangement)`, a step of `n` tokens, on the scratch row in
+        every shape such a step on up to `max_batch` rows of batch `groups` (default: all) can take, so that CUDA
+        captures its graphs before serving rather than while requests wait (0.2-0.5 s each, seen in the middle of a
+        load on an H200). Returns the shapes run."""
         if self.device.type == "cuda" and self.graphs is None:  # --eager: nothing to capture
             return 0
         start = time.perf_counter()
@@ -243,7 +244,7 @@ class ModelRunner:
         if not self.cache.keys:  # the first forward allocates the cache, and runs eagerly
             self._scratch_step(1, n, lengths[0], step, None)
         shapes = 0
-        for group in range(self.groups):  # each batch's block of cache rows has graphs of its own
+        for group in range(self.groups) if groups is None else groups:  # each batch's block has graphs of its own
             for padded in batches:
                 for kv_len in lengths:
                     self._scratch_step(padded, n, kv_len, step, self._block(group, padded))

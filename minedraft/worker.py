@@ -98,7 +98,7 @@ class ModelWorker:
         # kernels then overlap on the GPU instead of queueing on the default stream.
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self._calls = 0
-        self._precaptured: set[tuple[int, int]] = set()
+        self._precaptured: set[tuple[int, int, int]] = set()  # (k, max batch size, batch id)
 
     @property
     def device(self) -> torch.device:
@@ -180,13 +180,17 @@ class ModelWorker:
         self.channel = channel
         return reply
 
-    async def precapture(self, prepare: Callable[[int, int], int], k: int, max_batch_size: int) -> None:
-        """With --precapture-graphs, `prepare(k, max_batch_size)` (the verifier's or proposer's `precapture`) once
-        for each k and batch size a coordinator sets up, before its SetupChannel returns."""
+    async def precapture(self, prepare: Callable[[int, int, list[int]], int], k: int, max_batch_size: int,
+                         num_batches: int) -> None:
+        """With --precapture-graphs, `prepare(k, max_batch_size, batch_ids)` (the verifier's or proposer's
+        `precapture`) once for each k, batch size and batch a coordinator sets up, before its SetupChannel returns
+        (`num_batches` 0, from an older coordinator: both)."""
         wanted = precaptures(self.options.precapture_graphs, self.device, self.options.cuda_graphs)
-        if wanted and (k, max_batch_size) not in self._precaptured:
-            await self.run(prepare, k, max_batch_size)
-            self._precaptured.add((k, max_batch_size))
+        batch_ids = [b for b in range(min(num_batches or NUM_BATCHES, NUM_BATCHES))
+                     if (k, max_batch_size, b) not in self._precaptured]
+        if wanted and batch_ids:
+            await self.run(prepare, k, max_batch_size, batch_ids)
+            self._precaptured.update((k, max_batch_size, b) for b in batch_ids)
 
     def require_channel(self) -> Channel:
         if self.channel is None:

@@ -79,13 +79,13 @@ class Verifier:
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)
 
-    def precapture(self, k: int, max_batch: int) -> int:
+    def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
         """Run the verify forward of k drafts in every shape serving can give it (`ModelRunner.precapture`)."""
         def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None
                    ) -> object:
             return self.runner.forward(r, i, v, needed=needed, arrangement=view)
 
-        return self.runner.precapture(max_batch, k + 1, verify)
+        return self.runner.precapture(max_batch, k + 1, verify, batch_ids)
 
     def _params(self, rows: torch.Tensor) -> RowParams:
         t = self.table

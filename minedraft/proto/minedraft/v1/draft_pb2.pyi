@@ -18,16 +18,18 @@ class DraftServiceGetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class DraftServiceSetupChannelRequest(_message.Message):
-    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size")
+    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size", "num_batches")
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     channel: str
     handshake: bytes
     num_speculative_tokens: int
     max_batch_size: int
-    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    num_batches: int
+    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
 
 class DraftServiceSetupChannelResponse(_message.Message):
     __slots__ = ("handshake",)
