@@ -87,6 +87,11 @@ class SlotKVCache(Cache):
         self.keys.append(key_states.new_zeros(self.num_slots, heads, self.max_len, head_dim))
         self.values.append(value_states.new_zeros(self.num_slots, heads, self.max_len, value_states.shape[-1]))
 
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads of the first layer (0 before the first forward allocates the cache)."""
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lengths.max().item()) if self.num_slots else 0
 

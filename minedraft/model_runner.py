@@ -168,7 +168,7 @@ class ModelRunner:
         # (1 row, 1 token) first: it allocates the cache, whose K/V head count says how many rows make attention take
         # the fused kernel.
         self._scratch_step(1, 1, 1, forward, None)
-        many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.keys[0].shape[2]))
+        many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
         kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
         for batch, n in kinds[1:]:  # (1, 1) ran above
             # Batches read K/V as views (arrange); prefills gather theirs. The strides differ, and so does the code.

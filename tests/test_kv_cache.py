@@ -263,3 +263,5 @@ def test_batches_kept_in_blocks_of_cache_rows_read_as_views(arch: str, tiny_mode
         for row in batch:
             assert_state_equal(blocks.cache.rows_state(row), gathers.cache.rows_state(row), f"step {step}, row {row}")
     assert moved >= 10  # the churn above did move rows
+    heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    assert blocks.cache.kv_heads == heads and blocks.cache.keys[0].shape[1:3] == (heads, 96)  # [rows, heads, len, dim]
