@@ -82,6 +82,8 @@ class SequenceTable:
         missing = [s for s in seq_ids if s not in self.rows_by_id]
         if missing:
             raise UnknownSequenceError(f"unknown sequence ids {missing[:8]}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("a step lists a sequence id more than once")
         return [self.rows_by_id[s] for s in seq_ids]
 
     def rows(self, seq_ids: Sequence[int]) -> torch.Tensor:

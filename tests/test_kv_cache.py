@@ -265,3 +265,12 @@ def test_batches_kept_in_blocks_of_cache_rows_read_as_views(arch: str, tiny_mode
     assert moved >= 10  # the churn above did move rows
     heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
     assert blocks.cache.kv_heads == heads and blocks.cache.keys[0].shape[1:3] == (heads, 96)  # [rows, heads, len, dim]
+
+
+def test_a_step_listing_a_sequence_twice_is_refused(tiny_models) -> None:
+    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 4, 64, groups=2), [])
+    verifier.prefill([1, 2], [[3, 4, 5], [6, 7]], [SamplingConfig(max_tokens=8)] * 2)
+    with pytest.raises(ValueError, match="more than once"):
+        verifier.verify([1, 1], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0)
+    tokens, _, _ = verifier.verify([2, 1], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()[0]
+    assert tokens  # the worker's state is intact
