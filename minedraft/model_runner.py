@@ -239,16 +239,20 @@ class ModelRunner:
         if self.device.type == "cuda" and self.graphs is None:  # --eager: nothing to capture
             return 0
         start = time.perf_counter()
-        batches = sorted({self.step_shape(b, n)[0] for b in range(1, max_batch + 1)})
         lengths = sorted({self.step_shape(1, needed)[1] for needed in range(n, self.max_len + 1)})
         if not self.cache.keys:  # the first forward allocates the cache, and runs eagerly
             self._scratch_step(1, n, lengths[0], step, None)
-        shapes = 0
-        for group in range(self.groups) if groups is None else groups:  # each batch's block has graphs of its own
-            for padded in batches:
-                for kv_len in lengths:
-                    self._scratch_step(padded, n, kv_len, step, self._block(group, padded))
-                    shapes += 1
+        # Each batch's block has graphs of its own; a batch too big for its block with its padding gathers its rows.
+        # (rows run, arrangement) per graph key; on CPUs, where nothing is padded, the fewest rows of that key.
+        runs: dict[tuple[int, Arrangement | None], int] = {}
+        for group in range(self.groups) if groups is None else groups:
+            for batch in range(1, max_batch + 1):
+                padded = self.step_shape(batch, n)[0]
+                runs.setdefault((padded, self._block(group, batch)), padded if self.device.type == "cuda" else batch)
+        for (_, view), rows in runs.items():
+            for kv_len in lengths:
+                self._scratch_step(rows, n, kv_len, step, view)
+        shapes = len(runs) * len(lengths)
         self.cache.lengths[self.scratch_row] = 0
         reserved = torch.cuda.memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         log.info("ran %d step shapes (n=%d) ahead of serving in %.1f s; %.1f GiB of GPU memory reserved",

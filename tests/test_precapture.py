@@ -34,9 +34,10 @@ def _requests() -> list[OfflineRequest]:
 
 
 def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
-    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN), [])
-    proposer = Proposer(ModelRunner(tiny_models.draft("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN))
-    shapes = verifier.precapture(K, MAX_BATCH), proposer.precapture(K, MAX_BATCH)
+    # As the workers have them: two batches, each with a block of MAX_BATCH cache rows (padded to 8 rows for 5).
+    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN, groups=2), [])
+    proposer = Proposer(ModelRunner(tiny_models.draft("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN, groups=2))
+    shapes = verifier.precapture(K, MAX_BATCH, [0]), proposer.precapture(K, MAX_BATCH, [0])
     # Batch buckets 1, 2, 4, 8 (up to 5 rows) x key lengths 64, 128, 192, 200; three kinds of proposal.
     assert shapes == (16, 3 * 16)
     ahead = [set(verifier.runner.step_keys), set(proposer.runner.step_keys)]
