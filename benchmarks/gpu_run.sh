@@ -65,6 +65,7 @@ for r in json.load(open(sys.argv[1]))['rows']:
         r['t_draft_ms'], r['t_verify_ms'], r['verify_floor_ms'], r['t_ar_ms'], r['psd_over_sd'], r['ideal']))" \
         "$OUT/run/compile/gpu_bench.json"
     timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --compile --batches "${PROFILE_BATCHES:-1,8}" \
+        --draft "${PROFILE_DRAFT:-68m}" \
         > "$OUT/run/profile_step_compiled.txt" 2>&1
     grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
     ;;

@@ -1,4 +1,4 @@
-"""Profile the 8B-shaped verify step and a 68M draft proposal on the GPU: which kernels take the time."""
+"""Profile the 8B-shaped verify step and a 68M- or 1B-shaped draft proposal on the GPU: which kernels take the time."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers")
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write Chrome traces here")
     parser.add_argument("--batches", default="1,32", help="batch sizes to profile")
+    parser.add_argument("--draft", default="68m", choices=["68m", "1b"], help="draft shape")
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     device = "cuda:0"
-    target, draft = build("8b", device), build("68m", device)
+    target, draft = build("8b", device), build(args.draft, device)
     for batch in (int(b) for b in args.batches.split(",")):
         pair = Pair(target, draft, batch, 4, 512, 0.7, 8)
         for _ in range(3):
