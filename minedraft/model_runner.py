@@ -194,7 +194,8 @@ class ModelRunner:
     @torch.inference_mode()
     def arrange(self, rows: Sequence[int], group: int) -> Arrangement | None:
         """Move the K/V of logical `rows` (batch `group`) into its block of cache rows, so that the step reads them
-        as views instead of gathering them (a quarter of an 8B verify at batch 32); None if the batch does not fit.
+        as views instead of gathering them (`SlotKVCache`: the gather was 8 of 19 ms of an 8B verify at batch 32); None
+        if the batch does not fit.
 
         Rows already in the block stay: a membership change (a finished sequence, an admission, a rebalance) moves
         one row each, with the row that held its cache row in the block swapping out. The batch keeps its order;
