@@ -28,7 +28,7 @@ SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from minedraft.cli import COMPILE_HELP, DEMO_DIR, PRECAPTURE_CHOICES, PRECAPTURE_HELP
+    from minedraft.cli import DEMO_DIR, add_graph_flags
 
     what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
     what.add_argument("--server", default=None,
@@ -49,9 +49,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--max-batch-size", type=int, default=8, help="sequences per batch (psd runs two batches)")
     stack.add_argument("--max-model-len", type=int, default=None,
                        help="cache length per sequence (default: room for the prompt and output lengths)")
-    stack.add_argument("--compile", action="store_true", help=COMPILE_HELP)
-    stack.add_argument("--precapture-graphs", default="auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES,
-                       help=PRECAPTURE_HELP)
+    add_graph_flags(stack)
     stack.add_argument("--channel", default="auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     stack.add_argument("--overlap", default="auto", choices=["auto", "always", "never"],
                        help="psd: run Verify and Propose concurrently always, never, or when it measures faster")
@@ -368,7 +366,7 @@ class LocalStack:
             max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel,
             step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
             overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance, compile=args.compile,
-            precapture_graphs=args.precapture_graphs,
+            eager=args.eager, precapture_graphs=args.precapture_graphs,
         )
         self.target_port, self.draft_port = free_port(), free_port()
         self.commands = stack_commands(ns, self.target_port, self.draft_port)

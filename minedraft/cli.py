@@ -40,12 +40,14 @@ def _env_default(flag: str, default: object) -> object:
 
 COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs); compiles at start-up (minutes)"
 PRECAPTURE_HELP = ("run every batch and key-length shape when a coordinator connects, so CUDA graphs are captured "
-                   "then and not while requests wait (0.1-0.5 s at each shape's first use); the connect takes about "
-                   "30 s longer on an H200. auto: on where CUDA graphs are (a bare flag means on)")
+                   "then and not while requests wait (0.1-0.5 s at each shape's first use); a psd connect takes "
+                   "about a minute longer on an H200 (8B target, 1B draft). auto: on where CUDA graphs are (a bare "
+                   "flag means on)")
 PRECAPTURE_CHOICES = ["auto", "on", "off"]
+Arguments = argparse.ArgumentParser | argparse._ArgumentGroup  # a parser, or one of its add_argument_group()s
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, default: object = None, **kwargs: object) -> None:
+def _add(parser: Arguments, flag: str, default: object = None, **kwargs: object) -> None:
     value = _env_default(flag, default)
     choices = kwargs.get("choices")
     if choices is not None and value != default and value not in choices:  # type: ignore[operator]
@@ -55,8 +57,8 @@ def _add(parser: argparse.ArgumentParser, flag: str, default: object = None, **k
     parser.add_argument(flag, default=value, **kwargs)  # type: ignore[arg-type]
 
 
-def _graph_flags(parser: argparse.ArgumentParser) -> None:
-    """How a worker runs its model's steps (`serve` passes them on to the workers it starts)."""
+def add_graph_flags(parser: Arguments) -> None:
+    """How a worker runs its model's steps (`serve` and `bench` pass them on to the workers they start)."""
     _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
     _add(parser, "--compile", False, action="store_true", help=COMPILE_HELP)
     _add(parser, "--precapture-graphs", "auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES, help=PRECAPTURE_HELP)
@@ -71,7 +73,7 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--max-batch-size", 32, type=int, help="sequences per batch (the worker holds two batches)")
     _add(parser, "--max-model-len", 2048, type=int, help="cache length per sequence")
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
-    _graph_flags(parser)
+    add_graph_flags(parser)
     _add(parser, "--profile-dir", None,
          help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)")
     _add(parser, "--profile-after", 100, type=int)
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--draft-device", "cpu")
     _add(serve, "--dtype", "auto")
     _add(serve, "--max-model-len", 2048, type=int)
-    _graph_flags(serve)
+    add_graph_flags(serve)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
     _add(serve, "--single-process", False, action="store_true",
          help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)")
@@ -255,8 +257,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
     common = ["--dtype", str(args.dtype), "--max-batch-size", str(args.max_batch_size),
               "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1"]
     common += ["--compile"] if args.compile else []
-    common += ["--eager"] if getattr(args, "eager", False) else []
-    common += ["--precapture-graphs", getattr(args, "precapture_graphs", "auto")]
+    common += ["--eager"] if args.eager else []
+    common += ["--precapture-graphs", args.precapture_graphs]
     commands = [py + ["target", "--model", args.target, "--port", str(target_port),
                       "--device", args.target_device, *common]]
     coordinator = py + ["coordinator", "--target", f"127.0.0.1:{target_port}", "--port", str(args.port),

@@ -86,9 +86,6 @@ class SequenceTable:
             raise ValueError("a step lists a sequence id more than once")
         return [self.rows_by_id[s] for s in seq_ids]
 
-    def rows(self, seq_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(self.row_list(seq_ids), dtype=torch.long, device=self.runner.device)
-
     def arranged_rows(self, seq_ids: Sequence[int], batch_id: int | None) -> tuple[torch.Tensor, Arrangement | None]:
         """The rows of a batch's step, and with `batch_id` their K/V moved into that batch's block of cache rows
         (`ModelRunner.arrange`)."""
