@@ -5,7 +5,8 @@
 #   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
-#   compile             steps with and without compiled layers, side by side, and the compiled steps profiled
+#   compile             steps with and without compiled layers, side by side (COMPILE_MODES), and the compiled steps
+#                       profiled (PROFILE_BATCHES= empty: not profiled)
 #   calls               a served load of the demo pair on the GPUs: each worker call's time outside the worker
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
@@ -57,13 +58,14 @@ profile)
 compile)
     timeout -s USR1 -k 20 ${BENCH_SECONDS:-330} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
         --draft-device "$DRAFT_DEVICE" --drafts "${DRAFTS:-68m,1b}" --batch-sizes "${BATCHES:-1,8,16,32}" \
-        --ks "${KS:-4}" --compile-modes off,on --out "$OUT/run/compile" > "$OUT/run/compile.log" 2>&1
+        --ks "${KS:-4}" --compile-modes "${COMPILE_MODES:-off,on}" --out "$OUT/run/compile" > "$OUT/run/compile.log" 2>&1
     grep -E "warmed up|compile (on|off): measuring" "$OUT/run/compile.log" | cut -c1-160
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))['rows']:
     print(r['draft'], 'compiled' if r['compiled'] else 'uncompiled', 'B=%d' % r['batch'], 'T_d %.2f T_v %.2f floor_v %.2f AR %.2f PSD/SD %.2f ideal %.2f' % (
         r['t_draft_ms'], r['t_verify_ms'], r['verify_floor_ms'], r['t_ar_ms'], r['psd_over_sd'], r['ideal']))" \
         "$OUT/run/compile/gpu_bench.json"
+    [ "${PROFILE_BATCHES-1,8}" = "" ] && { tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"; exit 0; }
     timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --compile --batches "${PROFILE_BATCHES:-1,8}" \
         --draft "${PROFILE_DRAFT:-68m}" \
         > "$OUT/run/profile_step_compiled.txt" 2>&1

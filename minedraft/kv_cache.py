@@ -24,14 +24,21 @@ class SlotKVCache(Cache):
     copy; any other batch gathers its rows, a copy that took 8 of the 19 ms of kernels of an 8B verify at batch 32
     on an H200 with this layout (kv_heads strided pieces per row; with positions first the gather was 3x faster,
     but attention on a few queries then had to copy K into a head-major layout for its matmuls).
+
+    With `num_layers` (a model on one device) all layers' K/V live in two stacks `[layers, rows, ...]` and
+    `keys`/`values` are views of them; without it (a model spread over GPUs) each layer's lives on its GPU.
     """
 
-    def __init__(self, num_rows: int, max_len: int, device: torch.device | str) -> None:
+    def __init__(self, num_rows: int, max_len: int, device: torch.device | str, num_layers: int | None = None
+                 ) -> None:
         super().__init__(layers=[])
-        # Allocated per layer at its first update, from the shapes the model itself produces: no need to know
-        # each architecture's head layout.
+        # Allocated at the first update, from the shapes the model itself produces: no need to know each
+        # architecture's head layout.
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.num_layers = num_layers
+        self._stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._layer_index: torch.Tensor | None = None
         self.num_slots = num_rows
         self.max_len = max_len
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
@@ -55,28 +62,55 @@ class SlotKVCache(Cache):
             return
         src = torch.tensor(sources, device=self.keys[0].device)
         dst = torch.tensor(destinations, device=self.keys[0].device)
-        for tensors in (self.keys, self.values):
-            for t in tensors:
-                if t.device != src.device:
-                    src, dst = src.to(t.device), dst.to(t.device)
-                t[dst] = t[src]
+        # (tensor, its row dimension): two copies for a stacked cache, two per layer otherwise
+        pieces = [(t, 1) for t in self._stacks] if self._stacks else [(t, 0) for t in self.keys + self.values]
+        for t, dim in pieces:
+            if t.device != src.device:
+                src, dst = src.to(t.device), dst.to(t.device)
+            t.index_copy_(dim, dst, t.index_select(dim, src))
 
-    # Outside compiled layers (compile_decoder_layers): it indexes per-layer tensors by the layer's index, a Python
-    # int that would make every layer compile anew, and writes into the cache in place.
-    @torch.compiler.disable
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._rows is not None and self._positions is not None, "SlotKVCache.select() was not called"
-        rows, positions = self._rows, self._positions
+        if self._stacks is None or self._layer_index is None:
+            return self._update_layer(key_states, value_states, layer_idx)
+        # Inside compiled layers (compile_decoder_layers) this write fuses with the K/V projections' epilogue into
+        # one kernel (it was two index_put kernels and two copies per layer, 0.5 ms of an 8B verify at batch 1).
+        # The layer index stays a symbolic int there, so that one compiled layer serves every layer: it selects
+        # in the stacks rather than indexing a Python list, which would compile each layer anew.
+        keys, values = self._stacks
+        if key_states.shape[1] != keys.shape[2] or key_states.shape[3] != keys.shape[4]:
+            raise ValueError(f"layer {layer_idx} has K/V heads of shape {tuple(key_states.shape[1::2])}, layer 0 "
+                             f"{tuple(keys.shape[2::2])}: a stacked cache needs the same in every layer")
+        # keys[layer, rows[b], :, positions[b, i]] = key_states[b, :, i]
+        index = [self._layer_index[layer_idx], self._rows[:, None], None, self._positions]
+        torch.ops.aten.index_put_(keys, index, key_states.transpose(1, 2).to(keys.dtype))  # (None: all heads)
+        torch.ops.aten.index_put_(values, index, value_states.transpose(1, 2).to(values.dtype))
+        return self._read(keys.select(0, layer_idx), values.select(0, layer_idx), self._rows)
+
+    # Outside compiled layers: the first forward allocates, and the layers of a model spread over GPUs index a list
+    # by their layer index, a Python int that would make every layer compile anew.
+    @torch.compiler.disable
+    def _update_layer(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == len(self.keys):
             self._allocate(key_states, value_states)
+            if self._stacks is not None:
+                return self.update(key_states, value_states, layer_idx)
+        assert self._rows is not None and self._positions is not None
+        rows, positions = self._rows, self._positions
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if keys.device != rows.device:  # a model spread over several GPUs: this layer lives elsewhere
             rows, positions = rows.to(keys.device), positions.to(keys.device)
         # keys[rows[b], :, positions[b, i]] = key_states[b, :, i]
         keys[rows[:, None], :, positions] = key_states.transpose(1, 2).to(keys.dtype)
         values[rows[:, None], :, positions] = value_states.transpose(1, 2).to(values.dtype)
+        return self._read(keys, values, rows)
+
+    def _read(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V of the batch's rows up to the step's key length: a view of a block, or gathered."""
         if self._view_start is not None:
             start, end = self._view_start, self._view_start + rows.numel()
             return keys[start:end, :, : self._kv_len], values[start:end, :, : self._kv_len]
@@ -84,8 +118,14 @@ class SlotKVCache(Cache):
 
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
-        self.keys.append(key_states.new_zeros(self.num_slots, heads, self.max_len, head_dim))
-        self.values.append(value_states.new_zeros(self.num_slots, heads, self.max_len, value_states.shape[-1]))
+        if self.num_layers is None:
+            self.keys.append(key_states.new_zeros(self.num_slots, heads, self.max_len, head_dim))
+            self.values.append(value_states.new_zeros(self.num_slots, heads, self.max_len, value_states.shape[-1]))
+            return
+        shape = (self.num_layers, self.num_slots, heads, self.max_len)
+        self._stacks = (key_states.new_zeros(*shape, head_dim), value_states.new_zeros(*shape, value_states.shape[-1]))
+        self.keys, self.values = list(self._stacks[0].unbind(0)), list(self._stacks[1].unbind(0))
+        self._layer_index = torch.arange(self.num_layers, device=key_states.device)
 
     @property
     def kv_heads(self) -> int:

@@ -15,6 +15,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from minedraft.attention import FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
 from minedraft.errors import CapacityError
+from minedraft.fused_projections import fuse_projections
 from minedraft.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     """`torch.compile` each decoder layer (in place, once per model): fused elementwise kernels inside the graphs.
 
     Compiled per layer rather than as a whole model: one compiled layer serves every layer of that kind, so warm-up
-    costs a few compiles, not one per layer. For that the layer index is a dynamic int and the cache write stays
-    outside the compiled code (`SlotKVCache.update`). Shapes are dynamic: key-length buckets, batch buckets and
-    prefill lengths reuse the same code.
+    costs a few compiles, not one per layer. For that the layer index is a dynamic int, which the cache write inside
+    the compiled code takes as an index into stacked K/V (`SlotKVCache.update`). Shapes are dynamic: key-length
+    buckets, batch buckets and prefill lengths reuse the same code.
     """
     if getattr(model, "_minedraft_compiled", False):
         return
@@ -89,6 +90,7 @@ class ModelRunner:
         compile_layers: bool = False, groups: int = 1,
     ) -> None:
         """`groups`: batches that `arrange` gives a block of `num_slots // groups` cache rows each."""
+        fuse_projections(model)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -97,7 +99,9 @@ class ModelRunner:
         self.num_slots = num_slots
         # One extra row that is never handed out: padding rows of a static-shape batch write there.
         self.scratch_row = num_slots
-        self.cache = SlotKVCache(num_slots + 1, self.max_len, self.device)
+        spread = len({str(p.device) for p in model.parameters()}) > 1  # over several GPUs (load_model)
+        layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        self.cache = SlotKVCache(num_slots + 1, self.max_len, self.device, None if spread else layers)
         self.groups = groups
         self.block_size = num_slots // groups
         # Host copies of the cache's row map (logical row -> cache row) and of its inverse.
@@ -128,7 +132,6 @@ class ModelRunner:
             # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
             torch.backends.cuda.enable_cudnn_sdp(False)
             # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
-            spread = len({str(p.device) for p in model.parameters()}) > 1
             if cuda_graphs and not spread:
                 self.graphs = CudaGraphs(self)
         if compile_layers:

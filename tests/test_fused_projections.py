@@ -1,0 +1,48 @@
+"""Fused query/key/value and gate/up projections compute what transformers' separate modules compute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from minedraft.fused_projections import FusedGatedMLP, FusedQKVAttention, fuse_projections
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "qwen2":  # biased q/k/v projections
+        config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             initializer_range=0.2, tie_word_embeddings=False)
+    else:
+        config = tiny_config(arch, sliding_window=6) if arch == "mistral" else tiny_config(arch)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fused_model_gives_the_same_logits_and_generations(arch: str) -> None:
+    model = _model(arch)
+    if arch == "qwen2":
+        torch.nn.init.normal_(model.model.layers[0].self_attn.k_proj.bias, std=0.5)  # (zero-initialised)
+    fused = copy.deepcopy(model)
+    swapped = fuse_projections(fused)
+
+    layers = model.config.num_hidden_layers
+    attention = sum(isinstance(m, FusedQKVAttention) for m in fused.modules())
+    assert swapped == attention + layers and sum(isinstance(m, FusedGatedMLP) for m in fused.modules()) == layers
+    assert attention == (0 if arch == "qwen3" else layers)  # Qwen3's attention normalises q and k: left as it is
+    assert fuse_projections(fused) == 0  # once
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+        # With transformers' own cache: a prefill, then one token a step.
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        got = fused.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
