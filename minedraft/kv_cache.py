@@ -75,10 +75,10 @@ class SlotKVCache(Cache):
         assert self._rows is not None and self._positions is not None, "SlotKVCache.select() was not called"
         if self._stacks is None or self._layer_index is None:
             return self._update_layer(key_states, value_states, layer_idx)
-        # Inside compiled layers (compile_decoder_layers) this write fuses with the K/V projections' epilogue into
-        # one kernel (it was two index_put kernels and two copies per layer, 0.5 ms of an 8B verify at batch 1).
-        # The layer index stays a symbolic int there, so that one compiled layer serves every layer: it selects
-        # in the stacks rather than indexing a Python list, which would compile each layer anew.
+        # Inside compiled layers (compile_decoder_layers) this write fuses with the rotary embedding into the
+        # kernels that produce K and V (outside, it was two index_put kernels and two copies per layer). The layer
+        # index stays a symbolic int there, so that one compiled layer serves every layer: it indexes the stacks,
+        # where indexing a Python list would compile each layer anew.
         keys, values = self._stacks
         if key_states.shape[1] != keys.shape[2] or key_states.shape[3] != keys.shape[4]:
             raise ValueError(f"layer {layer_idx} has K/V heads of shape {tuple(key_states.shape[1::2])}, layer 0 "
@@ -87,7 +87,7 @@ class SlotKVCache(Cache):
         index = [self._layer_index[layer_idx], self._rows[:, None], None, self._positions]
         torch.ops.aten.index_put_(keys, index, key_states.transpose(1, 2).to(keys.dtype))  # (None: all heads)
         torch.ops.aten.index_put_(values, index, value_states.transpose(1, 2).to(values.dtype))
-        return self._read(keys.select(0, layer_idx), values.select(0, layer_idx), self._rows)
+        return self._read(layer_idx, self._rows)
 
     # Outside compiled layers: the first forward allocates, and the layers of a model spread over GPUs index a list
     # by their layer index, a Python int that would make every layer compile anew.
@@ -107,10 +107,15 @@ class SlotKVCache(Cache):
         # keys[rows[b], :, positions[b, i]] = key_states[b, :, i]
         keys[rows[:, None], :, positions] = key_states.transpose(1, 2).to(keys.dtype)
         values[rows[:, None], :, positions] = value_states.transpose(1, 2).to(values.dtype)
-        return self._read(keys, values, rows)
+        return self._read(layer_idx, rows)
 
-    def _read(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K/V of the batch's rows up to the step's key length: a view of a block, or gathered."""
+    # Outside compiled layers too: the key length and the block's start are Python ints that compiled code would
+    # specialise on (a compile, or an uncompiled layer, for every block and bucket not seen in the warm-up).
+    @torch.compiler.disable
+    def _read(self, layer_idx: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s K/V of the batch's (cache) `rows` up to the step's key length: a view of a block, or
+        gathered."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self._view_start is not None:
             start, end = self._view_start, self._view_start + rows.numel()
             return keys[start:end, :, : self._kv_len], values[start:end, :, : self._kv_len]

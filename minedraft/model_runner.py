@@ -388,7 +388,8 @@ class ModelRunner:
         kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
         config = self.model.config
         own, config._attn_implementation = config._attn_implementation, self._attention
-        stance = "eager_on_recompile" if self.warmed_up else "default"
+        # The first forward allocates the cache: eagerly, or compiled code would be specialised on an empty one.
+        stance = "eager_on_recompile" if self.warmed_up else "default" if self.cache.keys else "force_eager"
         try:
             with torch.compiler.set_stance(stance):
                 hidden = self.model.base_model(
