@@ -121,6 +121,9 @@ class ModelRunner:
         own = getattr(model.config, "_attn_implementation", None)
         self._attention = GROUPED_SDPA if own == "sdpa" else own
         self.warmed_up = False  # compiled layers: every kind of step compiled (warm_up)
+        # How compiled layers meet a kind of step the warm-up missed once warmed up: run uncompiled rather than stall
+        # a step on a compile (tests make it fail instead).
+        self.unseen_step_stance = "eager_on_recompile"
         # The static shape of every step run so far, as its CUDA graph's key (any device): what `precapture` must
         # cover.
         self.step_keys: set[tuple[object, ...]] = set()
@@ -168,12 +171,13 @@ class ModelRunner:
                     ) -> object:
             return self._step(r, i, v, self.step_shape(len(r), needed)[1], True, None if view is None else view.start)
 
-        # (1 row, 1 token) first: it allocates the cache, whose K/V head count says how many rows make attention take
+        # A first step allocates the cache (eagerly), whose K/V head count says how many rows make attention take
         # the fused kernel.
-        self._scratch_step(1, 1, 1, forward, None)
+        if not self.cache.keys:
+            self._scratch_step(1, 1, 1, forward, None)
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
         kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
-        for batch, n in kinds[1:]:  # (1, 1) ran above
+        for batch, n in kinds:
             # Batches read K/V as views (arrange); prefills gather theirs. The strides differ, and so does the code.
             self._scratch_step(batch, n, n, forward, self._block(0, batch) if n < SHORT_QUERY else None)
         self.cache.lengths[self.scratch_row] = 0
@@ -389,7 +393,7 @@ class ModelRunner:
         config = self.model.config
         own, config._attn_implementation = config._attn_implementation, self._attention
         # The first forward allocates the cache: eagerly, or compiled code would be specialised on an empty one.
-        stance = "eager_on_recompile" if self.warmed_up else "default" if self.cache.keys else "force_eager"
+        stance = self.unseen_step_stance if self.warmed_up else "default" if self.cache.keys else "force_eager"
         try:
             with torch.compiler.set_stance(stance):
                 hidden = self.model.base_model(

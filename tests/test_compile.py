@@ -1,5 +1,5 @@
 """Compiled decoder layers (`--compile`) keep speculative decoding lossless: greedy output equals `generate()`; the
-start-up warm-up compiles every kind of step, so serving never waits for a compile."""
+start-up warm-up compiles every kind of step, so serving never waits for a compile nor runs a layer uncompiled."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def test_compiled_layers_give_generate_output() -> None:
         expected = [target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0,
                                                                                                           len(p):]
                     for p in prompts]
-    verifier = Verifier(ModelRunner(target, 4, 128, compile_layers=True), eos_token_ids=[])  # warms up
+    runner = ModelRunner(target, 4, 128, compile_layers=True)  # warms up
+    runner.unseen_step_stance = "fail_on_recompile"  # a kind of step the warm-up missed would run uncompiled
+    verifier = Verifier(runner, eos_token_ids=[])
     proposer = Proposer(ModelRunner(draft, 4, 128))  # uncompiled: compiling costs minutes on a CI CPU
     requests = [OfflineRequest(p, SamplingConfig(max_tokens=12, ignore_eos=True), arrival_step=i)
                 for i, p in enumerate(prompts)]  # joining mid-flight: batch sizes 1 and 2, prefills between steps
@@ -41,3 +43,8 @@ def test_compiled_layers_give_generate_output() -> None:
     assert getattr(target, "_minedraft_compiled", False) and compiled_before > 0
     assert counters["stats"]["unique_graphs"] == compiled_before  # nothing compiled while serving
     assert [o.tokens for o in outputs] == [e.tolist() for e in expected]
+    # One-token steps (a draft's, an AR step's) at 1 and 2 rows are compiled too.
+    for batch in (1, 2):
+        rows = torch.tensor(runner.allocate(batch))
+        runner.forward(rows, torch.ones(batch, 1, dtype=torch.long), torch.ones(batch, dtype=torch.long))
+        runner.release(rows.tolist())
