@@ -31,7 +31,6 @@ def test_compiled_layers_give_generate_output() -> None:
                                                                                                           len(p):]
                     for p in prompts]
     runner = ModelRunner(target, 4, 128, compile_layers=True)  # warms up
-    runner.unseen_step_stance = "fail_on_recompile"  # a kind of step the warm-up missed would run uncompiled
     verifier = Verifier(runner, eos_token_ids=[])
     proposer = Proposer(ModelRunner(draft, 4, 128))  # uncompiled: compiling costs minutes on a CI CPU
     requests = [OfflineRequest(p, SamplingConfig(max_tokens=12, ignore_eos=True), arrival_step=i)
@@ -43,8 +42,11 @@ def test_compiled_layers_give_generate_output() -> None:
     assert getattr(target, "_minedraft_compiled", False) and compiled_before > 0
     assert counters["stats"]["unique_graphs"] == compiled_before  # nothing compiled while serving
     assert [o.tokens for o in outputs] == [e.tolist() for e in expected]
-    # One-token steps (a draft's, an AR step's) at 1 and 2 rows are compiled too.
+    # One-token steps (a draft's, an AR step's) at 1 and 2 rows were compiled too: a kind the warm-up missed
+    # would run its layers uncompiled, here it fails.
+    runner.unseen_step_stance = "fail_on_recompile"
     for batch in (1, 2):
-        rows = torch.tensor(runner.allocate(batch))
-        runner.forward(rows, torch.ones(batch, 1, dtype=torch.long), torch.ones(batch, dtype=torch.long))
-        runner.release(rows.tolist())
+        rows = runner.allocate(batch)
+        runner.forward(torch.tensor(rows), torch.ones(batch, 1, dtype=torch.long), torch.ones(batch, dtype=torch.long),
+                       arrangement=runner.arrange(rows, 0))
+        runner.release(rows)
