@@ -1,4 +1,11 @@
-"""One matmul for the query, key and value projections and one for the gate and up projections of each layer."""
+"""One matmul for the query, key and value projections and one for the gate and up projections of each layer.
+
+DESIGN section 4 asks for transformers' model classes rather than model code of our own. This keeps the classes and
+swaps two submodules of the Llama family only, mirroring their forward line for line and reusing transformers'
+rotary embedding, attention interface and our `Cache`: a step on an H200 is bound by kernel count, and this removes
+three GEMMs and their splitK reductions per layer (run 10 in docs/benchmarks.md). Every other architecture keeps its
+own modules; `tests/test_fused_projections.py` pins each listed class to transformers' own output.
+"""
 
 from __future__ import annotations
 
@@ -91,16 +98,18 @@ class FusedGatedMLP(torch.nn.Module):
 
 def fuse_projections(model: torch.nn.Module) -> int:
     """Swap the attention and MLP modules of known classes for fused ones, in place (once); returns how many."""
-    swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            kind = type(child).__name__
-            if kind in ATTENTION_CLASSES:
-                swaps.append((parent, name, FusedQKVAttention(child)))
-            elif kind in GATED_MLP_CLASSES:
-                swaps.append((parent, name, FusedGatedMLP(child)))
-    for parent, name, fused in swaps:
-        setattr(parent, name, fused)  # the separate weights go with the old module
-    if swaps:
-        log.info("fused the projections of %d modules of %s", len(swaps), type(model).__name__)
-    return len(swaps)
+    found = [(parent, name, type(child).__name__) for parent in model.modules()
+             for name, child in parent.named_children()]
+    fused_class: dict[str, type[torch.nn.Module]] = {
+        **dict.fromkeys(ATTENTION_CLASSES, FusedQKVAttention), **dict.fromkeys(GATED_MLP_CLASSES, FusedGatedMLP)}
+    swapped = 0
+    for parent, name, kind in found:
+        fused = fused_class.get(kind)
+        if fused is not None:
+            # One module at a time, so that the separate weights are freed before the next copy: a model that
+            # nearly fills its GPU has room for one layer's copy, not for every layer's.
+            setattr(parent, name, fused(getattr(parent, name)))
+            swapped += 1
+    if swapped:
+        log.info("fused the projections of %d modules of %s", swapped, type(model).__name__)
+    return swapped
