@@ -96,6 +96,11 @@ class FusedGatedMLP(torch.nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+def plain_linears(module: torch.nn.Module) -> bool:
+    """Whether every projection of `module` is a plain Linear (quantized ones store their weights otherwise)."""
+    return all(type(child) is torch.nn.Linear for name, child in module.named_children() if name.endswith("_proj"))
+
+
 def fuse_projections(model: torch.nn.Module) -> int:
     """Swap the attention and MLP modules of known classes for fused ones, in place (once); returns how many."""
     found = [(parent, name, type(child).__name__) for parent in model.modules()
@@ -105,7 +110,7 @@ def fuse_projections(model: torch.nn.Module) -> int:
     swapped = 0
     for parent, name, kind in found:
         fused = fused_class.get(kind)
-        if fused is not None:
+        if fused is not None and plain_linears(getattr(parent, name)):
             # One module at a time, so that the separate weights are freed before the next copy: a model that
             # nearly fills its GPU has room for one layer's copy, not for every layer's.
             setattr(parent, name, fused(getattr(parent, name)))

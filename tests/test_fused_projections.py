@@ -46,3 +46,17 @@ def test_fused_model_gives_the_same_logits_and_generations(arch: str) -> None:
         want = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
         got = fused.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_projections_that_are_not_plain_linears_stay_as_they_are() -> None:
+    model = _model("llama")
+    attention = model.model.layers[0].self_attn
+
+    class QuantizedLinear(torch.nn.Linear):  # stands for a quantized checkpoint's own Linear class
+        pass
+
+    quantized = QuantizedLinear(attention.k_proj.in_features, attention.k_proj.out_features, bias=False)
+    attention.k_proj = quantized
+    fuse_projections(model)
+    assert model.model.layers[0].self_attn is attention and attention.k_proj is quantized
+    assert isinstance(model.model.layers[1].self_attn, FusedQKVAttention)
