@@ -28,8 +28,8 @@ def concatenated(layers: list[torch.nn.Linear]) -> torch.nn.Linear:
     """A Linear whose outputs are those of `layers`, side by side."""
     weight = torch.cat([layer.weight for layer in layers])
     biases = [layer.bias for layer in layers]
-    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None,
-                            device=weight.device, dtype=weight.dtype)
+    # On the meta device: the weights are about to be replaced, so none is allocated nor initialised.
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None, device="meta")
     fused.weight = torch.nn.Parameter(weight, requires_grad=False)
     if fused.bias is not None:
         fused.bias = torch.nn.Parameter(torch.cat([b for b in biases if b is not None]), requires_grad=False)
@@ -54,7 +54,6 @@ class FusedQKVAttention(torch.nn.Module):
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
         self.num_key_value_groups = attention.num_key_value_groups
-        self.attention_dropout = attention.attention_dropout
         self.is_causal = attention.is_causal
         self.sliding_window = getattr(attention, "sliding_window", None)
         family = sys.modules[type(attention).__module__]
