@@ -30,7 +30,7 @@ class Proposer:
         self.runner = runner
         self.table = SequenceTable(runner)
         self.greedy_drafts = greedy_drafts  # one-hot q for every row: no probabilities move, still lossless
-        slots, device = runner.num_slots, runner.device
+        slots, device = runner.num_slots + 1, runner.device  # with the scratch row, as the table
         self.committed = torch.zeros(slots, dtype=torch.long, device=device)
         self.last_k = torch.zeros(slots, dtype=torch.long, device=device)
         self.last_drafts = torch.zeros(slots, 0, dtype=torch.long, device=device)
@@ -38,7 +38,7 @@ class Proposer:
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
     ) -> None:
-        rows, lengths, _ = self.table.prefill(seq_ids, prompts, configs)
+        rows, lengths, _ = self.table.prefill(seq_ids, prompts, configs, _no_outputs, "prefill")
         self.committed[rows] = lengths
         self.last_k[rows] = 0
 
@@ -95,12 +95,11 @@ class Proposer:
 
     def _chooser(self, all_greedy: bool, filtered: bool) -> tuple[Chooser, str]:
         """The decode loop's token choice for a batch of this kind, and the kind's name (its graphs' key)."""
-        t, slots = self.table, self.runner.num_slots
+        t = self.table
 
         def choose(r: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             if all_greedy:  # no probabilities are made, and none move
                 return logits.argmax(-1), None
-            r = r.clamp(max=slots - 1)  # padding rows of a graph (the scratch row) borrow a real row's parameters
             temp = t.temperature[r]  # (with greedy_drafts every batch is all-greedy: see propose)
             q = processed_probs(logits[:, None], temp, t.top_k[r], t.top_p[r], filtered)[:, 0]
             u = seeded_uniform(t.seed[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
@@ -116,8 +115,13 @@ class Proposer:
 
     def _remember(self, rows: torch.Tensor, draft_ids: torch.Tensor, k: int) -> None:
         if self.last_drafts.shape[1] < k:
-            grown = torch.zeros(self.runner.num_slots, k, dtype=torch.long, device=self.runner.device)
+            grown = torch.zeros(len(self.last_drafts), k, dtype=torch.long, device=self.runner.device)
             grown[:, : self.last_drafts.shape[1]] = self.last_drafts
             self.last_drafts = grown
         self.last_drafts[rows, :k] = draft_ids
         self.last_k[rows] = k
+
+
+def _no_outputs(*_: torch.Tensor) -> list[torch.Tensor]:
+    """A draft's prefill only caches the prompts."""
+    return []

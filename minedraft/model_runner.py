@@ -27,8 +27,12 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
-# (rows, input_ids, num_valid, kv_len, view_start) -> outputs: one forward, or a loop of them
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "int | None"], list[torch.Tensor]]
+# (rows, input_ids, num_valid, extra inputs, kv_len, view_start) -> outputs: one forward, or a loop of them
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"],
+                  list[torch.Tensor]]
+# (rows, input_ids, num_valid, cache lengths before the step, logits, *extra inputs) -> outputs: what a step makes
+# of its logits (a verify: the accepted tokens, committed), inside the step's graph
+Finisher = Callable[..., list[torch.Tensor]]
 # (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
 Chooser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 # (rows, input_ids, num_valid, needed, arrangement) -> anything: one step of a kind that serving runs (precapture)
@@ -285,17 +289,43 @@ class ModelRunner:
         Returns `[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only` (prefill: the hidden
         states of long prompts are reduced before the vocabulary projection). `needed`, the longest row after this
         forward, spares the host sync that finds it when the caller knows it already.
-        `arrangement` (from `arrange`) lets the step read K/V as views.
+        `arrangement` (from `arrange`) lets the step read K/V as views. On CUDA the logits may live in a graph's
+        buffers, valid until that graph replays.
         """
+        return self._score(rows, input_ids, num_valid, _logits, "forward", (), last_only, needed, arrangement,
+                           copy_outputs=False)[0]
 
-        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, view_start: int | None
-                 ) -> list[torch.Tensor]:
-            return [self._step(r, i, v, kv_len, last_only, view_start)]
+    @torch.inference_mode()
+    def score(
+        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, finish: Finisher, kind: str,
+        extras: Sequence[torch.Tensor] = (), *, last_only: bool = False, needed: int | None = None,
+        arrangement: Arrangement | None = None,
+    ) -> list[torch.Tensor]:
+        """`forward`, then `finish(rows, input_ids, num_valid, lengths before, logits, *extras)` in the same CUDA graph.
+
+        A verify's acceptance and commit are a few dozen small operations: launched from Python each they cost more
+        than the kernels (about 150 launches after an 8B verify at batch 1 on an H200, 0.8 ms of a 6.2 ms step).
+        Like a decode loop's `choose`, `finish` may read only its arguments and tensors that outlive the call; `kind`
+        names what it does (graphs are kept per kind). `extras` are more per-row inputs `[B, ...]`, padded with zeros
+        like `input_ids`. The outputs are the caller's own.
+        """
+        return self._score(rows, input_ids, num_valid, finish, kind, extras, last_only, needed, arrangement,
+                           copy_outputs=True)
+
+    def _score(
+        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, finish: Finisher, kind: str,
+        extras: Sequence[torch.Tensor], last_only: bool, needed: int | None, arrangement: Arrangement | None,
+        copy_outputs: bool,
+    ) -> list[torch.Tensor]:
+        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, extra: Sequence[torch.Tensor], kv_len: int,
+                 view_start: int | None) -> list[torch.Tensor]:
+            before = self.cache.lengths[r]
+            return finish(r, i, v, before, self._step(r, i, v, kv_len, last_only, view_start), *extra)
 
         # Prefills (last_only) run eagerly, short ones too: a graph per prompt length would be captured mid-load.
         graphable = not last_only and input_ids.shape[1] <= MAX_GRAPH_TOKENS
-        return self._run(("forward", last_only), step, rows, input_ids, num_valid, needed, graphable,
-                         arrangement)[0]
+        return self._run((kind, last_only), step, rows, input_ids, num_valid, needed, graphable, arrangement, extras,
+                         copy_outputs)
 
     @torch.inference_mode()
     def decode(
@@ -310,8 +340,8 @@ class ModelRunner:
         `kind` names what it does (graphs are kept per kind). `needed` is the longest row after the last step.
         """
 
-        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, kv_len: int, view_start: int | None
-                 ) -> list[torch.Tensor]:
+        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, extra: Sequence[torch.Tensor], kv_len: int,
+                 view_start: int | None) -> list[torch.Tensor]:
             tokens, probs = [], []
             for step in range(steps):
                 token, q = choose(r, self._step(r, i, v, kv_len, True, view_start), step)
@@ -321,18 +351,16 @@ class ModelRunner:
                 i, v = token[:, None], torch.ones_like(v)
             return [torch.stack(tokens, dim=1)] + ([torch.stack(probs, dim=1)] if probs else [])
 
-        # Clones: a graph's outputs are rewritten by the next call of the same shape while these may still be on
-        # their way to the target.
-        outputs = self._run((kind, steps), loop, rows, input_ids, num_valid, needed, True, arrangement)
-        reordered = arrangement is not None and arrangement.inverse is not None  # (indexing copied them already)
-        return outputs if reordered else [t.clone() for t in outputs]
+        return self._run((kind, steps), loop, rows, input_ids, num_valid, needed, True, arrangement, (), True)
 
     def _run(
         self, tag: tuple[str, object], fn: StepFn, rows: torch.Tensor, input_ids: torch.Tensor,
         num_valid: torch.Tensor, needed: int | None, graphable: bool, arrangement: Arrangement | None,
+        extras: Sequence[torch.Tensor], copy_outputs: bool,
     ) -> list[torch.Tensor]:
         """Check capacity, pick the key-length bucket, take the rows in cache-row order, pad to a batch bucket on
-        CUDA, then replay or run `fn`; outputs come back in the batch's order."""
+        CUDA, then replay or run `fn`; outputs come back in the batch's order (copied out of a graph's buffers, which
+        the next replay of its shape rewrites, if `copy_outputs`)."""
         batch, n = input_ids.shape
         if needed is None:
             needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
@@ -340,38 +368,40 @@ class ModelRunner:
             raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
         padded, kv_len = self.step_shape(batch, needed)
         view_start = None if arrangement is None else arrangement.start
-        key = (*tag, padded, n, kv_len, view_start)
+        key = (*tag, padded, n, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in extras))
         if graphable:
             self.step_keys.add(key)
+        inputs = [rows, input_ids, num_valid, *extras]
         if arrangement is not None and arrangement.order is not None:
-            order = arrangement.order
-            rows, input_ids, num_valid = rows[order], input_ids[order], num_valid[order]
-        outputs = self._replay_or_run(key, fn, rows, input_ids, num_valid, kv_len, view_start, padded, graphable)
+            inputs = [t[arrangement.order] for t in inputs]
+        outputs = self._replay_or_run(key, fn, inputs, kv_len, view_start, padded, graphable)
         if arrangement is not None and arrangement.inverse is not None:
-            outputs = [t[arrangement.inverse] for t in outputs]
-        return outputs
+            return [t[arrangement.inverse] for t in outputs]  # (indexing copies)
+        return [t.clone() for t in outputs] if copy_outputs else outputs
 
     def _replay_or_run(
-        self, key: tuple[object, ...], fn: StepFn, rows: torch.Tensor, input_ids: torch.Tensor,
-        num_valid: torch.Tensor, kv_len: int, view_start: int | None, padded: int, graphable: bool,
+        self, key: tuple[object, ...], fn: StepFn, inputs: list[torch.Tensor], kv_len: int, view_start: int | None,
+        padded: int, graphable: bool,
     ) -> list[torch.Tensor]:
-        batch, n = input_ids.shape
+        """`inputs` are rows, input_ids, num_valid, then the extras."""
         if self.device.type != "cuda":
-            return fn(rows, input_ids, num_valid, kv_len, view_start)
+            rows, ids, valid, *extras = inputs
+            return fn(rows, ids, valid, extras, kv_len, view_start)
+        # Padding rows are copies of the scratch row, with one valid token (zeros elsewhere).
+        fills = [self.scratch_row, 0, 1] + [0] * (len(inputs) - 3)
         if self.graphs is not None and graphable and self.cache.keys:
             try:
-                return self.graphs.run(key, lambda r, i, v: fn(r, i, v, kv_len, view_start),
-                                       rows, input_ids, num_valid, padded)
+                return self.graphs.run(key, lambda r, i, v, e: fn(r, i, v, e, kv_len, view_start), inputs, fills,
+                                       padded)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
         # Eagerly, with the very shapes a graph would have, so both give identical outputs.
-        pad = padded - batch
-        rows = torch.cat([rows, rows.new_full((pad,), self.scratch_row)])
-        input_ids = torch.cat([input_ids, input_ids.new_zeros(pad, n)])
-        num_valid = torch.cat([num_valid, num_valid.new_ones(pad)])
+        batch = len(inputs[0])
+        rows, ids, valid, *extras = [torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
+                                     for t, fill in zip(inputs, fills, strict=True)]
         self.cache.lengths[self.scratch_row] = 0
-        return [t[:batch] for t in fn(rows, input_ids, num_valid, kv_len, view_start)]
+        return [t[:batch] for t in fn(rows, ids, valid, extras, kv_len, view_start)]
 
     def _step(
         self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int, last_only: bool,
@@ -415,14 +445,21 @@ class ModelRunner:
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
 
 
-GraphFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[torch.Tensor]]
+GraphFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+def _logits(rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor,
+            logits: torch.Tensor) -> list[torch.Tensor]:
+    """The finisher of a plain forward: its logits."""
+    return [logits]
 
 
 class CudaGraphs:
-    """Captured forwards of one runner, keyed by (what, padded batch, tokens, key length).
+    """Captured steps of one runner, keyed by (what, padded batch, tokens, key length, block, extra inputs).
 
-    Inputs are copied into each graph's static buffers before a replay; the returned outputs live in the graph's
-    buffers and are valid until that graph replays again (each step consumes them before the next forward).
+    Inputs are copied into static buffers before a replay; graphs of one input shape share them (replays never
+    overlap: one runner, one stream). The returned outputs live in the graph's buffers and are valid until that
+    graph replays again.
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -431,41 +468,47 @@ class CudaGraphs:
         # torch.cuda.graph's default capture stream is one per process, made on whichever device was current.
         self.capture_stream = torch.cuda.Stream(runner.device)
         self.graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.buffers: dict[tuple[object, ...], torch.Tensor] = {}
 
-    def run(self, key: tuple[object, ...], fn: GraphFn, rows: torch.Tensor, input_ids: torch.Tensor,
-            num_valid: torch.Tensor, padded: int) -> list[torch.Tensor]:
+    def run(self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
+            ) -> list[torch.Tensor]:
+        """Replay (capturing first) the graph of `key` on `inputs` (rows, input_ids, num_valid, extras), whose
+        rows past theirs up to `padded` hold `fills`."""
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.runner.device):
             runner = self.runner
-            batch, n = input_ids.shape
+            batch = len(inputs[0])
             if key not in self.graphs:
                 start = time.perf_counter()
-                self.graphs[key] = self._capture(fn, padded, n)
+                self.graphs[key] = self._capture(fn, inputs, fills, padded)
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
-            graph, (static_rows, static_ids, static_valid), outputs = self.graphs[key]
-            static_rows.fill_(runner.scratch_row)
-            static_rows[:batch].copy_(rows)
-            static_ids.zero_()
-            static_ids[:batch].copy_(input_ids)
-            static_valid.fill_(1)
-            static_valid[:batch].copy_(num_valid)
+            graph, static, outputs = self.graphs[key]
+            for buffer, value, fill in zip(static, inputs, fills, strict=True):
+                buffer[:batch].copy_(value)
+                if batch < padded:
+                    buffer[batch:].fill_(fill)
             runner.cache.lengths[runner.scratch_row] = 0
             graph.replay()
             return [t[:batch] for t in outputs]
 
-    def _capture(self, fn: GraphFn, padded: int, n: int
+    def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
                  ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]:
         runner, device = self.runner, self.runner.device
-        rows = torch.full((padded,), runner.scratch_row, dtype=torch.long, device=device)
-        ids = torch.zeros(padded, n, dtype=torch.long, device=device)
-        valid = torch.ones(padded, dtype=torch.long, device=device)
+        static = []
+        for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):
+            shape = (padded, *value.shape[1:])
+            buffer_key = (position, shape, value.dtype)
+            if buffer_key not in self.buffers:
+                self.buffers[buffer_key] = torch.empty(shape, dtype=value.dtype, device=device)
+            static.append(self.buffers[buffer_key].fill_(fill))  # every row the scratch row's while capturing
+        rows, ids, valid, *extras = static
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; scratch row only
             for _ in range(2):
                 runner.cache.lengths[runner.scratch_row] = 0
-                fn(rows, ids, valid)
+                fn(rows, ids, valid, extras)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         runner.cache.lengths[runner.scratch_row] = 0
@@ -478,8 +521,8 @@ class CudaGraphs:
         try:
             # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
-                outputs = fn(rows, ids, valid)
+                outputs = fn(rows, ids, valid, extras)
         finally:
             if collecting:
                 gc.enable()
-        return graph, [rows, ids, valid], outputs
+        return graph, static, outputs

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from minedraft.errors import UnknownSequenceError
-from minedraft.model_runner import Arrangement, ModelRunner
+from minedraft.model_runner import Arrangement, Finisher, ModelRunner
 from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
 
 
@@ -19,6 +19,8 @@ class SequenceTable:
         slots, device = runner.num_slots, runner.device
         self.rows_by_id: dict[int, int] = {}
         self.configs_by_id: dict[int, SamplingConfig] = {}  # on the host: batch-wide choices without a device sync
+        # Rows up to the runner's scratch row: padding rows of a step's graph read and write theirs.
+        slots += 1
         self.temperature = torch.zeros(slots, device=device)
         self.top_p = torch.ones(slots, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
@@ -27,6 +29,7 @@ class SequenceTable:
         self.generated = torch.zeros(slots, dtype=torch.long, device=device)
         self.ignore_eos = torch.zeros(slots, dtype=torch.bool, device=device)
         self.stop_ids = torch.full((slots, MAX_STOP_TOKEN_IDS), -1, dtype=torch.long, device=device)
+        self.max_tokens[runner.scratch_row] = 1 << 62  # the scratch row never finishes
 
     def __len__(self) -> int:
         return len(self.rows_by_id)
@@ -59,11 +62,13 @@ class SequenceTable:
         return index
 
     def prefill(
-        self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Take rows for new sequences and cache their prompts in one padded forward.
+        self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig],
+        finish: Finisher, kind: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Take rows for new sequences and cache their prompts in one padded forward, whose logits after each
+        prompt's last token go to `finish` (`ModelRunner.score`).
 
-        Returns (rows, prompt lengths, logits after each prompt's last token); on failure the rows are freed.
+        Returns (rows, prompt lengths, what `finish` made); on failure the rows are freed.
         """
         rows = self.add(seq_ids, configs)
         try:
@@ -72,11 +77,11 @@ class SequenceTable:
             ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
             for i, prompt in enumerate(prompts):
                 ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            logits = self.runner.forward(rows, ids.to(device), lengths, last_only=True)
+            outputs = self.runner.score(rows, ids.to(device), lengths, finish, kind, last_only=True)
         except Exception:
             self.remove(seq_ids)
             raise
-        return rows, lengths, logits
+        return rows, lengths, outputs
 
     def row_list(self, seq_ids: Sequence[int]) -> list[int]:
         missing = [s for s in seq_ids if s not in self.rows_by_id]
@@ -100,8 +105,10 @@ class SequenceTable:
             self.configs_by_id.pop(s, None)
         self.runner.release(rows)
 
-    def sampling_kind(self, seq_ids: Sequence[int], vocab: int) -> tuple[bool, bool]:
-        """(every sequence greedy, some sequence restricted by top-k or top-p), known on the host."""
-        configs = [self.configs_by_id[s] for s in seq_ids]
+    def sampling_kind(self, seq_ids: Sequence[int], vocab: int, configs: Sequence[SamplingConfig] | None = None
+                      ) -> tuple[bool, bool]:
+        """(every sequence greedy, some sequence restricted by top-k or top-p), known on the host; `configs`: of
+        sequences not held yet."""
+        configs = configs if configs is not None else [self.configs_by_id[s] for s in seq_ids]
         return (all(c.greedy for c in configs),
                 any(0 < c.top_k < vocab or c.top_p < 1 for c in configs))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.model_runner import Arrangement, ModelRunner
+from minedraft.model_runner import Arrangement, Finisher, ModelRunner
 from minedraft.sampling import SamplingConfig
 from minedraft.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
@@ -17,20 +17,15 @@ RUNNING, FINISHED_STOP, FINISHED_LENGTH = 0, 1, 2
 
 @dataclass
 class StepResult:
-    """Per row of a prefill or verify: the tokens it emits and whether the sequence is done."""
+    """Per row of a prefill or verify: the tokens it emits and whether the sequence is done, packed as columns
+    (emitted, accepted, finish, tokens...) so that the host reads them in one copy."""
 
-    tokens: torch.Tensor  # [B, m]; row b emits tokens[b, :num_emitted[b]]
-    num_emitted: torch.Tensor  # [B]
-    num_accepted: torch.Tensor  # [B] drafts accepted (0 for prefill and AR)
-    finish: torch.Tensor  # [B] RUNNING, FINISHED_STOP or FINISHED_LENGTH
+    packed: torch.Tensor  # [B, 3 + m]; row b emits its tokens[:emitted]; accepted drafts (0 for prefill and AR);
+    # finish is RUNNING, FINISHED_STOP or FINISHED_LENGTH
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
         """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step."""
-        counts = torch.stack([self.num_emitted, self.num_accepted, self.finish], dim=1).to(self.tokens.dtype)
-        return [
-            (row[:n], a, f)
-            for n, a, f, *row in torch.cat([counts, self.tokens], dim=1).tolist()
-        ]
+        return [(row[:n], a, f) for n, a, f, *row in self.packed.tolist()]
 
 
 class Verifier:
@@ -43,56 +38,86 @@ class Verifier:
         self.runner = runner
         self.synthetic_acceptance = synthetic_acceptance  # benchmarks only: see rejection_sample
         self.table = SequenceTable(runner)
-        self.pending = torch.zeros(runner.num_slots, dtype=torch.long, device=runner.device)
+        self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
     ) -> StepResult:
         """Cache the prompts and sample each sequence's first token (time to first token ends here)."""
-        rows, lengths, logits = self.table.prefill(seq_ids, prompts, configs)
-        no_drafts = torch.zeros(len(prompts), 0, dtype=torch.long, device=self.runner.device)
-        all_greedy, filtered = self.table.sampling_kind(seq_ids, logits.shape[-1])
-        sampled = rejection_sample(logits[:, None], no_drafts, None, self._params(rows), lengths, None,
-                                   all_greedy=all_greedy, filtered=filtered)
-        # As if the last prompt token had been pending: the same commit as a verify step.
-        return self._commit(rows, lengths - 1, sampled)
+        all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size, configs)
+        # As if the last prompt token had been pending: the same decision and commit as a verify without drafts.
+        finish = self._finisher(0, all_greedy, filtered)
+        _, _, (packed,) = self.table.prefill(seq_ids, prompts, configs, finish, self._kind(0, all_greedy, filtered))
+        return StepResult(packed)
 
     def verify(self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                batch_id: int | None = None) -> StepResult:
-        """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest.
+        """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest:
+        all in the step's CUDA graph (`ModelRunner.score`).
 
         k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's K/V in
         a block of cache rows of its own, read without a copy.
         """
         rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
-        starts = self.runner.cache.lengths[rows]
+        device = self.runner.device
         k = draft_ids.shape[1]
-        inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(self.runner.device)], dim=1)
-        logits = self.runner.forward(rows, inputs, torch.full_like(starts, k + 1), arrangement=arrangement)
-        probs = None if draft_probs is None else draft_probs.to(self.runner.device)
-        all_greedy, filtered = self.table.sampling_kind(seq_ids, logits.shape[-1])
-        sampled = rejection_sample(logits, inputs[:, 1:], probs, self._params(rows), starts + 1,
-                                   self.synthetic_acceptance, all_greedy=all_greedy, filtered=filtered)
-        return self._commit(rows, starts, sampled)
+        inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(device)], dim=1)
+        all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
+        extras = () if draft_probs is None else (self._padded(draft_probs.to(device, torch.float32)),)
+        packed, = self.runner.score(rows, inputs, torch.full_like(rows, k + 1), self._finisher(k, all_greedy, filtered),
+                                    self._kind(k, all_greedy, filtered), extras, arrangement=arrangement)
+        return StepResult(packed)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)
 
     def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
-        """Run the verify forward of k drafts in every shape serving can give it (`ModelRunner.precapture`)."""
-        def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None
-                   ) -> object:
-            return self.runner.forward(r, i, v, needed=needed, arrangement=view)
+        """Run the verify of k drafts in every shape serving can give it (`ModelRunner.precapture`), for each kind of
+        batch a proposer sends by default: all greedy (ids only), sampled and filtered (with the draft's
+        probabilities)."""
+        shapes, vocab = 0, self.runner.vocab_size
+        for all_greedy, filtered in ((True, False), (False, False), (False, True)):
+            finish, kind = self._finisher(k, all_greedy, filtered), self._kind(k, all_greedy, filtered)
 
-        return self.runner.precapture(max_batch, k + 1, verify, batch_ids)
+            def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
+                       finish: Finisher = finish, kind: str = kind, sampled: bool = not all_greedy) -> object:
+                extras = (torch.zeros(len(r), k, vocab, device=r.device),) if sampled and k else ()
+                return self.runner.score(r, i, v, finish, kind, extras, needed=needed, arrangement=view)
 
-    def _params(self, rows: torch.Tensor) -> RowParams:
-        t = self.table
-        return RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed[rows])
+            shapes += self.runner.precapture(max_batch, k + 1, verify, batch_ids)
+        return shapes
 
-    def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> StepResult:
-        """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest."""
+    def _kind(self, k: int, all_greedy: bool, filtered: bool) -> str:
+        return "verify-" + ("greedy" if all_greedy else "filtered" if filtered else "sampled")
+
+    def _finisher(self, k: int, all_greedy: bool, filtered: bool) -> Finisher:
+        """Acceptance and commit of a step whose last k input tokens are drafts (a prefill: none), for a batch of
+        this kind; runs inside the step's graph, so it reads only its arguments and the table's tensors."""
+
+        def finish(rows: torch.Tensor, inputs: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor,
+                   logits: torch.Tensor, *draft_probs: torch.Tensor) -> list[torch.Tensor]:
+            if logits.dim() == 2:  # a prefill's logits, at each prompt's last token
+                logits = logits[:, None]
+            draft_ids = inputs[:, inputs.shape[1] - k:]
+            first_position = before + num_valid - k  # sequence index of the first draft (or of the next token)
+            t = self.table
+            params = RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed[rows])
+            sampled = rejection_sample(logits, draft_ids, draft_probs[0] if draft_probs else None, params,
+                                       first_position, self.synthetic_acceptance, all_greedy=all_greedy,
+                                       filtered=filtered)
+            return [self._commit(rows, first_position - 1, sampled)]
+
+        return finish
+
+    def _padded(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""
+        missing = self.runner.vocab_size - draft_probs.shape[-1]
+        return torch.nn.functional.pad(draft_probs, (0, missing)) if missing > 0 else draft_probs
+
+    def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> torch.Tensor:
+        """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest. Returns
+        `StepResult.packed`."""
         tokens, width = sampled.tokens, sampled.tokens.shape[1]
         emitted = sampled.num_accepted + 1
         t = self.table
@@ -109,4 +134,4 @@ class Verifier:
         # Cached now: old pending + the first keep-1 emitted tokens; the last emitted one becomes pending.
         self.runner.truncate(rows, starts + keep)
         self.pending[rows] = tokens[torch.arange(len(rows), device=tokens.device), keep - 1]
-        return StepResult(tokens, keep, sampled.num_accepted, finish)
+        return torch.cat([torch.stack([keep, sampled.num_accepted, finish], dim=1), tokens], dim=1)

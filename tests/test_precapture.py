@@ -38,8 +38,8 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN, groups=2), [])
     proposer = Proposer(ModelRunner(tiny_models.draft("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN, groups=2))
     shapes = verifier.precapture(K, MAX_BATCH, [0]), proposer.precapture(K, MAX_BATCH, [0])
-    # Batch buckets 1, 2, 4, 8 (up to 5 rows) x key lengths 64, 128, 192, 200; three kinds of proposal.
-    assert shapes == (16, 3 * 16)
+    # Batch buckets 1, 2, 4, 8 (up to 5 rows) x key lengths 64, 128, 192, 200; three kinds of verify and proposal.
+    assert shapes == (3 * 16, 3 * 16)
     ahead = [set(verifier.runner.step_keys), set(proposer.runner.step_keys)]
     assert verifier.runner.cache.lengths.sum() == 0 and proposer.runner.cache.lengths.sum() == 0
     assert verifier.runner.free_slots == proposer.runner.free_slots == 2 * MAX_BATCH
@@ -51,9 +51,11 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     served = [verifier.runner.step_keys, proposer.runner.step_keys]
     assert served[0] <= ahead[0] and served[1] <= ahead[1], f"not run ahead: {served[0] - ahead[0]}, " \
                                                             f"{served[1] - ahead[1]}"
-    # The load went through several batch sizes, key-length buckets and kinds of proposal.
-    assert len({key[-4] for key in served[0]}) >= 3 and len({key[-2] for key in served[0]}) >= 3
-    assert {key[-1] for key in served[0] | served[1]} == {0}  # every step read its batch's K/V as views
+    # The load went through several batch sizes, key-length buckets and kinds of verify and proposal. Keys are
+    # (kind, steps or last_only, padded batch, tokens, key length, block start, extra inputs' shapes...).
+    assert len({key[2] for key in served[0]}) >= 3 and len({key[4] for key in served[0]}) >= 3
+    assert {key[5] for key in served[0] | served[1]} == {0}  # every step read its batch's K/V as views
+    assert {key[0] for key in served[0]} == {"verify-greedy", "verify-sampled", "verify-filtered"}
     assert {key[0] for key in served[1]} == {"greedy", "sampled", "filtered"}
 
 
@@ -73,6 +75,6 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
         finally:
             workers.stop()
         ran = [re.findall(r"ran (\d+) step shapes", log) for log in logs]
-        # Per batch: buckets 1, 2, 4 x key lengths 64, 128, 192, 256; one kind of verify, three kinds of proposal.
-        assert ran == ([["12"] * 2, ["12"] * 6] if extra else [[], []]), logs
+        # Per batch: buckets 1, 2, 4 x key lengths 64, 128, 192, 256; three kinds of verify and of proposal.
+        assert ran == ([["12"] * 6, ["12"] * 6] if extra else [[], []]), logs
     assert all(len(set(map(repr, runs))) == 1 for runs in outputs.values()), "precapture changed the output"
