@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from minedraft.model_runner import Arrangement, Chooser, ModelRunner
-from minedraft.sampling import STREAM_DRAFT, SamplingConfig, processed_probs, sample_from, seeded_uniform
+from minedraft.sampling import (
+    STREAM_DRAFT,
+    SamplingConfig,
+    greedy_tokens,
+    processed_probs,
+    sample_from,
+    seeded_uniform,
+)
 from minedraft.sequence_table import SequenceTable
 
 
@@ -99,12 +106,12 @@ class Proposer:
 
         def choose(r: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             if all_greedy:  # no probabilities are made, and none move
-                return logits.argmax(-1), None
+                return greedy_tokens(logits), None
             temp = t.temperature[r]  # (with greedy_drafts every batch is all-greedy: see propose)
             q = processed_probs(logits[:, None], temp, t.top_k[r], t.top_p[r], filtered)[:, 0]
             u = seeded_uniform(t.seed[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
             greedy = temp == 0
-            token = torch.where(greedy, logits.argmax(-1), sample_from(q, u))
+            token = torch.where(greedy, greedy_tokens(logits), sample_from(q, u))
             one_hot = torch.zeros_like(q).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot
             return token, torch.where(greedy[:, None], one_hot, q)
 

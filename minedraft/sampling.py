@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,22 @@ def seeded_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> t
     high = _mix32(key ^ (2 * stream + 0x9E3779B1 & _MASK32)) >> 5  # 27 bits
     low = _mix32(key ^ (2 * stream + 0x7F4A7C15 & _MASK32)) >> 6  # 26 bits
     return (high * (1 << 26) + low).to(torch.float64) / float(1 << 53)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`, the first of equal maxima included, in two passes over a large vocabulary.
+
+    One argmax over a 128k vocabulary is a single block's reduction per row: 28 us on an H200 at batch 1, every
+    draft step and every verify. The max of each chunk of the vocabulary, then the argmax over the chunks, spreads it
+    over the GPU.
+    """
+    vocab = logits.shape[-1]
+    chunk = math.gcd(vocab, 1024)
+    if chunk < 64 or vocab < 8 * chunk:
+        return logits.argmax(-1)
+    maxima, within = logits.unflatten(-1, (vocab // chunk, chunk)).max(dim=-1)  # the first index of a chunk's maximum
+    best = maxima.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
+    return (best * chunk + within.gather(-1, best)).squeeze(-1)
 
 
 def processed_probs(

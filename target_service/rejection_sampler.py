@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.sampling import STREAM_ACCEPT, STREAM_SAMPLE, processed_probs, sample_from, seeded_uniform
+from minedraft.sampling import (
+    STREAM_ACCEPT,
+    STREAM_SAMPLE,
+    greedy_tokens,
+    processed_probs,
+    sample_from,
+    seeded_uniform,
+)
 
 
 @dataclass
@@ -49,7 +56,7 @@ def rejection_sample(
     """
     batch, k = draft_ids.shape
     rows = torch.arange(batch, device=draft_ids.device)
-    target_argmax = target_logits.argmax(dim=-1)  # [B, k+1]
+    target_argmax = greedy_tokens(target_logits)  # [B, k+1]
     accept = draft_ids == target_argmax[:, :k]
     if synthetic_acceptance is not None:
         positions = first_position[:, None] + torch.arange(k, device=draft_ids.device)

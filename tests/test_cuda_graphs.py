@@ -1,5 +1,5 @@
-"""On a GPU, proposals replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same proposals run eagerly,
-with rows gathered and with a batch's rows read as views of its block of cache rows.
+"""On a GPU, proposals and verifies replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same steps run
+eagerly, with rows gathered and with a batch's rows read as views of its block of cache rows.
 
 Also on the last GPU of a machine with several, which is not the current device: graphs must still be captured there.
 Skipped without CUDA. Also runs as a script on the GPU machine (`python tests/test_cuda_graphs.py`), which may lack
@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from draft_service.proposer import Proposer
 from minedraft.model_runner import ModelRunner
 from minedraft.sampling import SamplingConfig
+from target_service.verifier import Verifier
 
 CONFIGS = {
     "greedy": SamplingConfig(max_tokens=1000),
@@ -26,26 +27,47 @@ CONFIGS = {
 DEVICES = sorted({"cuda:0", f"cuda:{torch.cuda.device_count() - 1}"}) if torch.cuda.is_available() else ["cuda:0"]
 
 
-def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+# Rows gathered where prefill put them, then moved into batch 1's block of cache rows and read as views (in another
+# order the next time), then gathered from there.
+STEPS = [(None, [1, 2, 3]), (1, [1, 2, 3]), (1, [3, 1, 2]), (None, [2, 3, 1])]
+SEQS = [1, 2, 3]
+PROMPTS = [[(7 * s + j) % 500 for j in range(10 + 5 * s)] for s in SEQS]
+
+
+def _model(device: str, seed: int) -> torch.nn.Module:
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16).eval()
-    proposer = Proposer(ModelRunner(model, 8, 256, cuda_graphs=graphs, groups=2))
-    seqs = [1, 2, 3]
-    prompts = [[(7 * s + j) % 500 for j in range(10 + 5 * s)] for s in seqs]
-    proposer.prefill(seqs, prompts, [CONFIGS[kind]] * len(seqs))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16).eval()
+
+
+def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    proposer = Proposer(ModelRunner(_model(device, 0), 8, 256, cuda_graphs=graphs, groups=2))
+    proposer.prefill(SEQS, PROMPTS, [CONFIGS[kind]] * len(SEQS))
     accepted, last = torch.zeros(3, dtype=torch.long), torch.tensor([5, 6, 7])
     out = []
-    # Rows gathered where prefill put them, then moved into batch 1's block of cache rows and read as views (in
-    # another order the next time), then gathered from there.
-    for step, (batch_id, order) in enumerate([(None, [1, 2, 3]), (1, [1, 2, 3]), (1, [3, 1, 2]), (None, [2, 3, 1])]):
-        index, back = [seqs.index(s) for s in order], [order.index(s) for s in seqs]
+    for step, (batch_id, order) in enumerate(STEPS):
+        index, back = [SEQS.index(s) for s in order], [order.index(s) for s in SEQS]
         proposal = proposer.propose(order, accepted[index], last[index], 4, batch_id=batch_id)
         probs = None if proposal.draft_probs is None else proposal.draft_probs.cpu()[back]
         out.append((proposal.draft_ids.cpu()[back], probs))
         accepted, last = torch.full((3,), step % 5), out[-1][0][:, 0]
+    return out
+
+
+def _verifies(graphs: bool, kind: str, device: str) -> list[list[tuple[list[int], int, int]]]:
+    """Verifies (acceptance and commit in the step's graph) of fixed drafts: ids only when greedy, with a draft's
+    probabilities otherwise."""
+    verifier = Verifier(ModelRunner(_model(device, 1), 8, 256, cuda_graphs=graphs, groups=2), [0])
+    configs = [CONFIGS[kind]] * len(SEQS)
+    out = [verifier.prefill(SEQS, PROMPTS, configs).per_row()]
+    generator = torch.Generator().manual_seed(2)
+    for batch_id, order in STEPS:
+        drafts = torch.randint(0, 512, (3, 4), generator=generator)
+        probs = None if kind == "greedy" else torch.rand(3, 4, 512, generator=generator).softmax(-1)
+        rows = verifier.verify(order, drafts, probs, batch_id).per_row()
+        out.append([rows[order.index(s)] for s in SEQS])
     return out
 
 
@@ -60,8 +82,19 @@ def test_graph_proposals_equal_eager_ones(kind: str, device: str) -> None:
         assert probs is None or torch.equal(probs, probs_e)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_graph_verifies_equal_eager_ones(kind: str, device: str) -> None:
+    replayed, eager = _verifies(True, kind, device), _verifies(False, kind, device)
+    assert replayed == eager
+    # Random drafts: a sampled row accepts some of them (its q is not the draft it came from, but u * q < p holds).
+    assert kind == "greedy" or any(accepted for step in replayed[1:] for _, accepted, _ in step)
+
+
 if __name__ == "__main__":
     for name in CONFIGS:
         for where in DEVICES:
             test_graph_proposals_equal_eager_ones(name, where)
-            print(f"{name} on {where}: graph proposals equal eager ones")
+            test_graph_verifies_equal_eager_ones(name, where)
+            print(f"{name} on {where}: graph proposals and verifies equal eager ones")

@@ -28,6 +28,7 @@ from minedraft.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingConfig,
+    greedy_tokens,
     processed_probs,
     sample_from,
     seeded_uniform,
@@ -347,3 +348,17 @@ def test_seeded_output_independent_of_batch(k: int, tiny_models) -> None:
     crowded = company[:5] + [OfflineRequest(prompt, _sampled(1234, top_p=0.9), arrival_step=2)] + company[5:]
     together = _seeded_run(tiny_models, crowded, k, max_batch=4)[5]
     assert together.tokens == alone.tokens
+
+
+@pytest.mark.parametrize("vocab", [128256, 32000, 151936, 50257, 300])
+def test_greedy_tokens_equal_argmax_ties_included(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    # Few distinct values: many ties within and across chunks, where the first index must win as in argmax.
+    logits = torch.randint(0, 4, (3, 5, vocab), generator=generator).float()
+    logits[0, 0, vocab // 2] = 9.0
+    logits[0, 0, vocab - 1] = 9.0
+    logits[1, 1] = 2.0  # all equal: index 0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits)[0, 0] == vocab // 2 and greedy_tokens(logits)[1, 1] == 0
+    noise = torch.randn(2, vocab, generator=generator)
+    assert torch.equal(greedy_tokens(noise), noise.argmax(-1))
