@@ -27,12 +27,13 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
-# (rows, input_ids, num_valid, extra inputs, kv_len, view_start) -> outputs: one forward, or a loop of them
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"],
-                  list[torch.Tensor]]
+# (rows, per-row inputs, kv_len, view_start) -> outputs: one forward, or a loop of them
+StepFn = Callable[[torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"], list[torch.Tensor]]
 # (rows, input_ids, num_valid, cache lengths before the step, logits, *extra inputs) -> outputs: what a step makes
 # of its logits (a verify: the accepted tokens, committed), inside the step's graph
 Finisher = Callable[..., list[torch.Tensor]]
+# (rows, *per-row inputs) -> (input_ids [B, n], num_valid [B]): a decode loop's first step, from its inputs
+Starter = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
 Chooser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 # (rows, input_ids, num_valid, needed, arrangement) -> anything: one step of a kind that serving runs (precapture)
@@ -317,32 +318,39 @@ class ModelRunner:
         extras: Sequence[torch.Tensor], last_only: bool, needed: int | None, arrangement: Arrangement | None,
         copy_outputs: bool,
     ) -> list[torch.Tensor]:
-        def step(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, extra: Sequence[torch.Tensor], kv_len: int,
-                 view_start: int | None) -> list[torch.Tensor]:
+        def step(r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
+                 ) -> list[torch.Tensor]:
+            i, v, *extra = inputs
             before = self.cache.lengths[r]
             return finish(r, i, v, before, self._step(r, i, v, kv_len, last_only, view_start), *extra)
 
+        n = input_ids.shape[1]
+        if needed is None:
+            needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
         # Prefills (last_only) run eagerly, short ones too: a graph per prompt length would be captured mid-load.
-        graphable = not last_only and input_ids.shape[1] <= MAX_GRAPH_TOKENS
-        return self._run((kind, last_only), step, rows, input_ids, num_valid, needed, graphable, arrangement, extras,
-                         copy_outputs)
+        graphable = not last_only and n <= MAX_GRAPH_TOKENS
+        return self._run((kind, last_only), step, rows, [input_ids, num_valid, *extras], [0, 1] + [0] * len(extras),
+                         needed, graphable, arrangement, copy_outputs)
 
     @torch.inference_mode()
     def decode(
-        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, steps: int, needed: int,
+        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], steps: int, needed: int, start: Starter,
         choose: Chooser, kind: str, arrangement: Arrangement | None = None,
     ) -> list[torch.Tensor]:
-        """`steps` decode steps, the first on `input_ids`, each next on the tokens `choose` picks from the last
-        logits: the tokens `[B, steps]`, then `choose`'s distributions `[B, steps, V]` if it returns any.
+        """`steps` decode steps, the first on the tokens `start(rows, *inputs)` gives, each next on the tokens
+        `choose` picks from the last logits: the tokens `[B, steps]`, then `choose`'s distributions `[B, steps, V]`
+        if it returns any.
 
         On CUDA the whole loop is one graph: a draft's steps are too small to pay for a launch from Python each.
-        `choose` runs inside it, so it may read only the rows it is given and tensors that outlive the call;
-        `kind` names what it does (graphs are kept per kind). `needed` is the longest row after the last step.
+        `start` and `choose` run inside it, so they may read only their arguments and tensors that outlive the call;
+        `inputs` are per-row tensors `[B, ...]` (padding rows get zeros); `kind` names what the functions do (graphs
+        are kept per kind). `needed` is the longest row after the last step.
         """
 
-        def loop(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, extra: Sequence[torch.Tensor], kv_len: int,
-                 view_start: int | None) -> list[torch.Tensor]:
+        def loop(r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
+                 ) -> list[torch.Tensor]:
             tokens, probs = [], []
+            i, v = start(r, *inputs)
             for step in range(steps):
                 token, q = choose(r, self._step(r, i, v, kv_len, True, view_start), step)
                 tokens.append(token)
@@ -351,57 +359,51 @@ class ModelRunner:
                 i, v = token[:, None], torch.ones_like(v)
             return [torch.stack(tokens, dim=1)] + ([torch.stack(probs, dim=1)] if probs else [])
 
-        return self._run((kind, steps), loop, rows, input_ids, num_valid, needed, True, arrangement, (), True)
+        return self._run((kind, steps), loop, rows, list(inputs), [0] * len(inputs), needed, True, arrangement, True)
 
     def _run(
-        self, tag: tuple[str, object], fn: StepFn, rows: torch.Tensor, input_ids: torch.Tensor,
-        num_valid: torch.Tensor, needed: int | None, graphable: bool, arrangement: Arrangement | None,
-        extras: Sequence[torch.Tensor], copy_outputs: bool,
+        self, tag: tuple[str, object], fn: StepFn, rows: torch.Tensor, inputs: list[torch.Tensor], fills: list[int],
+        needed: int, graphable: bool, arrangement: Arrangement | None, copy_outputs: bool,
     ) -> list[torch.Tensor]:
         """Check capacity, pick the key-length bucket, take the rows in cache-row order, pad to a batch bucket on
-        CUDA, then replay or run `fn`; outputs come back in the batch's order (copied out of a graph's buffers, which
-        the next replay of its shape rewrites, if `copy_outputs`)."""
-        batch, n = input_ids.shape
-        if needed is None:
-            needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
+        CUDA (padding rows: the scratch row, with `fills` in `inputs`), then replay or run `fn`; outputs come back
+        in the batch's order (copied out of a graph's buffers, which the next replay of its shape rewrites, if
+        `copy_outputs`)."""
         if needed > self.max_len:
             raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
-        padded, kv_len = self.step_shape(batch, needed)
+        padded, kv_len = self.step_shape(len(rows), needed)
         view_start = None if arrangement is None else arrangement.start
-        key = (*tag, padded, n, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in extras))
+        key = (*tag, padded, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
         if graphable:
             self.step_keys.add(key)
-        inputs = [rows, input_ids, num_valid, *extras]
+        inputs = [rows, *inputs]
         if arrangement is not None and arrangement.order is not None:
             inputs = [t[arrangement.order] for t in inputs]
-        outputs = self._replay_or_run(key, fn, inputs, kv_len, view_start, padded, graphable)
+        outputs = self._replay_or_run(key, fn, inputs, [self.scratch_row, *fills], kv_len, view_start, padded,
+                                      graphable)
         if arrangement is not None and arrangement.inverse is not None:
             return [t[arrangement.inverse] for t in outputs]  # (indexing copies)
         return [t.clone() for t in outputs] if copy_outputs else outputs
 
     def _replay_or_run(
-        self, key: tuple[object, ...], fn: StepFn, inputs: list[torch.Tensor], kv_len: int, view_start: int | None,
-        padded: int, graphable: bool,
+        self, key: tuple[object, ...], fn: StepFn, inputs: list[torch.Tensor], fills: list[int], kv_len: int,
+        view_start: int | None, padded: int, graphable: bool,
     ) -> list[torch.Tensor]:
-        """`inputs` are rows, input_ids, num_valid, then the extras."""
+        """`inputs`: the rows, then the per-row inputs."""
         if self.device.type != "cuda":
-            rows, ids, valid, *extras = inputs
-            return fn(rows, ids, valid, extras, kv_len, view_start)
-        # Padding rows are copies of the scratch row, with one valid token (zeros elsewhere).
-        fills = [self.scratch_row, 0, 1] + [0] * (len(inputs) - 3)
+            return fn(inputs[0], inputs[1:], kv_len, view_start)
         if self.graphs is not None and graphable and self.cache.keys:
             try:
-                return self.graphs.run(key, lambda r, i, v, e: fn(r, i, v, e, kv_len, view_start), inputs, fills,
-                                       padded)
+                return self.graphs.run(key, lambda r, i: fn(r, i, kv_len, view_start), inputs, fills, padded)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
         # Eagerly, with the very shapes a graph would have, so both give identical outputs.
         batch = len(inputs[0])
-        rows, ids, valid, *extras = [torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
-                                     for t, fill in zip(inputs, fills, strict=True)]
+        padded_inputs = [torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
+                         for t, fill in zip(inputs, fills, strict=True)]
         self.cache.lengths[self.scratch_row] = 0
-        return [t[:batch] for t in fn(rows, ids, valid, extras, kv_len, view_start)]
+        return [t[:batch] for t in fn(padded_inputs[0], padded_inputs[1:], kv_len, view_start)]
 
     def _step(
         self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int, last_only: bool,
@@ -445,7 +447,7 @@ class ModelRunner:
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
 
 
-GraphFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
+GraphFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
 def _logits(rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor,
@@ -455,7 +457,7 @@ def _logits(rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor
 
 
 class CudaGraphs:
-    """Captured steps of one runner, keyed by (what, padded batch, tokens, key length, block, extra inputs).
+    """Captured steps of one runner, keyed by (what, padded batch, key length, block, the inputs' shapes).
 
     Inputs are copied into static buffers before a replay; graphs of one input shape share them (replays never
     overlap: one runner, one stream). The returned outputs live in the graph's buffers and are valid until that
@@ -472,8 +474,8 @@ class CudaGraphs:
 
     def run(self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
             ) -> list[torch.Tensor]:
-        """Replay (capturing first) the graph of `key` on `inputs` (rows, input_ids, num_valid, extras), whose
-        rows past theirs up to `padded` hold `fills`."""
+        """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), whose rows past
+        theirs up to `padded` hold `fills`."""
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.runner.device):
@@ -502,13 +504,12 @@ class CudaGraphs:
             if buffer_key not in self.buffers:
                 self.buffers[buffer_key] = torch.empty(shape, dtype=value.dtype, device=device)
             static.append(self.buffers[buffer_key].fill_(fill))  # every row the scratch row's while capturing
-        rows, ids, valid, *extras = static
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; scratch row only
             for _ in range(2):
                 runner.cache.lengths[runner.scratch_row] = 0
-                fn(rows, ids, valid, extras)
+                fn(static[0], static[1:])
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         runner.cache.lengths[runner.scratch_row] = 0
@@ -521,7 +522,7 @@ class CudaGraphs:
         try:
             # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
-                outputs = fn(rows, ids, valid, extras)
+                outputs = fn(static[0], static[1:])
         finally:
             if collecting:
                 gc.enable()

@@ -67,6 +67,9 @@ def test_rollback_equals_fresh_prefill(arch: str, tiny_models) -> None:
                 proposer.runner.cache.rows_state(row), fresh_state(draft, committed[s] + drafts[b][: k - 1]),
                 f"draft seq {s}",
             )
+            # The host's copies, from which a proposal finds its key length, follow the device's.
+            assert proposer.committed_host[row] == len(committed[s]) == proposer.committed[row]
+            assert proposer.last_k_host[row] == k == proposer.last_k[row]
         result = verifier.verify(seq_ids, proposal.draft_ids, proposal.draft_probs).per_row()
         for s, (tokens, a, finish) in zip(seq_ids, result):
             assert finish == RUNNING

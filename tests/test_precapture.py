@@ -52,9 +52,9 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     assert served[0] <= ahead[0] and served[1] <= ahead[1], f"not run ahead: {served[0] - ahead[0]}, " \
                                                             f"{served[1] - ahead[1]}"
     # The load went through several batch sizes, key-length buckets and kinds of verify and proposal. Keys are
-    # (kind, steps or last_only, padded batch, tokens, key length, block start, extra inputs' shapes...).
-    assert len({key[2] for key in served[0]}) >= 3 and len({key[4] for key in served[0]}) >= 3
-    assert {key[5] for key in served[0] | served[1]} == {0}  # every step read its batch's K/V as views
+    # (kind, steps or last_only, padded batch, key length, block start, the inputs' shapes...).
+    assert len({key[2] for key in served[0]}) >= 3 and len({key[3] for key in served[0]}) >= 3
+    assert {key[4] for key in served[0] | served[1]} == {0}  # every step read its batch's K/V as views
     assert {key[0] for key in served[0]} == {"verify-greedy", "verify-sampled", "verify-filtered"}
     assert {key[0] for key in served[1]} == {"greedy", "sampled", "filtered"}
 
