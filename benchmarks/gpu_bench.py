@@ -218,6 +218,8 @@ def measure(name: str, target: torch.nn.Module, draft: torch.nn.Module, batch: i
             timeline.append({"kind": "verify", "batch": x, "start": v0 - origin, "end": v1 - origin})
             timeline.append({"kind": "propose", "batch": 1 - x, "start": p0 - origin, "end": p1 - origin})
         x = 1 - x
+    if not EAGER and (pair.verifier.runner.graphs is None or pair.proposer.runner.graphs is None):
+        raise RuntimeError("a CUDA graph capture failed (see the log): these steps ran eagerly, not measured")
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     d, v, ar = med(t_d), med(t_v), med(t_ar)
     p = med(psd) if psd else float("nan")

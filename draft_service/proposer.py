@@ -134,7 +134,7 @@ class Proposer:
                 q = torch.where(greedy[:, None], one_hot, probs)
             if step == k - 1:
                 self.final_draft[r] = token
-                self.last_k[r] = k
+                self.last_k.index_fill_(0, r, k)  # (an assignment would copy k from the host: not in a graph)
             return token, q
 
         return choose, "greedy" if all_greedy else "filtered" if filtered else "sampled"

@@ -53,6 +53,7 @@ def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor,
         probs = None if proposal.draft_probs is None else proposal.draft_probs.cpu()[back]
         out.append((proposal.draft_ids.cpu()[back], probs))
         accepted, last = torch.full((3,), step % 5), out[-1][0][:, 0]
+    assert not graphs or proposer.runner.graphs is not None, "a capture failed: the proposals ran eagerly"
     return out
 
 
@@ -68,6 +69,7 @@ def _verifies(graphs: bool, kind: str, device: str) -> list[list[tuple[list[int]
         probs = None if kind == "greedy" else torch.rand(3, 4, 512, generator=generator).softmax(-1)
         rows = verifier.verify(order, drafts, probs, batch_id).per_row()
         out.append([rows[order.index(s)] for s in SEQS])
+    assert not graphs or verifier.runner.graphs is not None, "a capture failed: the verifies ran eagerly"
     return out
 
 
