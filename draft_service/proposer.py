@@ -113,7 +113,8 @@ class Proposer:
         tail = tail.clamp(max=self.runner.vocab_size - 1)
         tail_len = 1 + full.to(torch.long)
         self.committed[rows] = kept + tail_len
-        self.committed[self.runner.scratch_row] = 0  # padding rows: the scratch row stays empty
+        # Padding rows: the scratch row stays empty. (An assignment of 0 would copy it from the host: not in a graph.)
+        self.committed.narrow(0, self.runner.scratch_row, 1).zero_()
         return tail, tail_len
 
     def _chooser(self, all_greedy: bool, filtered: bool, k: int) -> tuple[Chooser, str]:

@@ -8,8 +8,11 @@ pytest.
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from draft_service.proposer import Proposer
@@ -39,7 +42,8 @@ def _model(device: str, seed: int) -> torch.nn.Module:
                          num_attention_heads=4, num_key_value_heads=2)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16).eval()
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return AutoModelForCausalLM.from_config(config).to(device, dtype).eval()
 
 
 def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -82,6 +86,40 @@ def test_graph_proposals_equal_eager_ones(kind: str, device: str) -> None:
         assert torch.equal(ids, ids_e)
         assert (probs is None) == (probs_e is None) == (kind == "greedy")
         assert probs is None or torch.equal(probs, probs_e)
+
+
+class _HostCopies(TorchDispatchMode):
+    """Records tensors made from Python values (`lift_fresh`): on a GPU each is a copy from the host, which a CUDA
+    graph capture refuses (the runner then falls back to eager steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.lift_fresh.default:
+            self.seen.append("".join(traceback.format_stack(limit=6)[:-2]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_what_runs_in_a_graph_copies_nothing_from_the_host(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU: the functions a GPU captures (verify and proposal steps, their acceptance, commit, reconcile and
+    sampling) make no tensor from a Python value."""
+    copies = _HostCopies()
+    replay_or_run = ModelRunner._replay_or_run
+
+    def watched(self: ModelRunner, key, fn, inputs, fills, kv_len, view_start, padded, graphable):  # type: ignore[no-untyped-def]
+        def in_graph(*args):  # type: ignore[no-untyped-def]
+            with copies:
+                return fn(*args)
+        return replay_or_run(self, key, in_graph if graphable else fn, inputs, fills, kv_len, view_start, padded,
+                             graphable)
+
+    monkeypatch.setattr(ModelRunner, "_replay_or_run", watched)
+    _proposals(False, kind, "cpu")
+    _verifies(False, kind, "cpu")
+    assert not copies.seen, "made from a Python value inside a graph:\n" + copies.seen[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
