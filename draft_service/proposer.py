@@ -128,7 +128,7 @@ class Proposer:
             else:
                 temp = t.temperature[r]  # (with greedy_drafts every batch is all-greedy: see propose)
                 probs = processed_probs(logits[:, None], temp, t.top_k[r], t.top_p[r], filtered)[:, 0]
-                u = seeded_uniform(t.seed[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
+                u = seeded_uniform(t.seed_key[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
                 greedy = temp == 0
                 token = torch.where(greedy, greedy_tokens(logits), sample_from(probs, u))
                 one_hot = torch.zeros_like(probs).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot

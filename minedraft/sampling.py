@@ -43,11 +43,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-    """Uniforms in [0, 1) as float64, a pure function of (seed [B], position [B, n], stream)."""
+def seed_key(seed: torch.Tensor) -> torch.Tensor:
+    """Seeds [B] (int64 holding uint64's bits) folded into the 32-bit keys `seeded_uniform` draws from: once per
+    sequence, where it is admitted, rather than in every draw (each mix is nine small kernels in a step's graph)."""
     seed = seed.to(torch.int64)
-    key = _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))[:, None]
-    key = _mix32(key ^ (position.to(torch.int64) & _MASK32))
+    return _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
+
+
+def seeded_uniform(key: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniforms in [0, 1) as float64, a pure function of (seed, position [B, n], stream); `key` [B] is the seeds'
+    `seed_key`."""
+    key = _mix32(key[:, None] ^ (position.to(torch.int64) & _MASK32))
     high = _mix32(key ^ (2 * stream + 0x9E3779B1 & _MASK32)) >> 5  # 27 bits
     low = _mix32(key ^ (2 * stream + 0x7F4A7C15 & _MASK32)) >> 6  # 26 bits
     return (high * (1 << 26) + low).to(torch.float64) / float(1 << 53)

@@ -8,7 +8,7 @@ import torch
 
 from minedraft.errors import UnknownSequenceError
 from minedraft.model_runner import Arrangement, Finisher, ModelRunner
-from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
+from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig, seed_key
 
 
 class SequenceTable:
@@ -24,7 +24,7 @@ class SequenceTable:
         self.temperature = torch.zeros(slots, device=device)
         self.top_p = torch.ones(slots, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
-        self.seed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.seed_key = torch.zeros(slots, dtype=torch.long, device=device)  # sampling.seed_key of each seed
         self.max_tokens = torch.zeros(slots, dtype=torch.long, device=device)
         self.generated = torch.zeros(slots, dtype=torch.long, device=device)
         self.ignore_eos = torch.zeros(slots, dtype=torch.bool, device=device)
@@ -53,7 +53,8 @@ class SequenceTable:
         self.top_p[index] = column([c.top_p for c in configs], torch.float32)
         self.top_k[index] = column([c.top_k for c in configs], torch.long)
         # Seeds are uint64 on the wire; fold them into int64's range bit for bit.
-        self.seed[index] = column([c.seed - (1 << 64) if c.seed >= 1 << 63 else c.seed for c in configs], torch.long)
+        self.seed_key[index] = seed_key(
+            column([c.seed - (1 << 64) if c.seed >= 1 << 63 else c.seed for c in configs], torch.long))
         self.max_tokens[index] = column([c.max_tokens for c in configs], torch.long)
         self.generated[index] = 0
         self.ignore_eos[index] = column([c.ignore_eos for c in configs], torch.bool)

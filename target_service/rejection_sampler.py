@@ -23,7 +23,7 @@ class RowParams:
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B] float
-    seed: torch.Tensor  # [B] long
+    seed_key: torch.Tensor  # [B] long: sampling.seed_key of each row's seed
 
 
 @dataclass
@@ -60,7 +60,7 @@ def rejection_sample(
     accept = draft_ids == target_argmax[:, :k]
     if synthetic_acceptance is not None:
         positions = first_position[:, None] + torch.arange(k, device=draft_ids.device)
-        accept = seeded_uniform(params.seed, positions, STREAM_ACCEPT) < synthetic_acceptance
+        accept = seeded_uniform(params.seed_key, positions, STREAM_ACCEPT) < synthetic_acceptance
         num_accepted = _accepted_prefix(accept)
         return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
     if all_greedy:  # the common serving case: no probabilities needed at all
@@ -76,7 +76,7 @@ def rejection_sample(
         q = torch.nn.functional.pad(draft_probs.to(p.dtype), (0, vocab - draft_probs.shape[-1]))
     p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
     q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
-    u_accept = seeded_uniform(params.seed, positions[:, :k], STREAM_ACCEPT)
+    u_accept = seeded_uniform(params.seed_key, positions[:, :k], STREAM_ACCEPT)
     greedy = params.temperature == 0
     # Accept with probability min(1, p/q), written without a division: u * q < p.
     accept = torch.where(greedy[:, None], accept, u_accept * q_draft < p_draft)
@@ -88,7 +88,7 @@ def rejection_sample(
     residual = (p_next - q_next).clamp_(min=0)
     # p == q leaves no residual mass, and a rejection then has probability 0; fall back to p for safety.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-    u_sample = seeded_uniform(params.seed, positions[rows, num_accepted][:, None], STREAM_SAMPLE)[:, 0]
+    u_sample = seeded_uniform(params.seed_key, positions[rows, num_accepted][:, None], STREAM_SAMPLE)[:, 0]
     next_token = torch.where(greedy, target_argmax[rows, num_accepted], sample_from(residual, u_sample))
     return _emit(draft_ids, num_accepted, next_token)
 

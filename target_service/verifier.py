@@ -48,7 +48,7 @@ class Verifier:
         all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size, configs)
         # As if the last prompt token had been pending: the same decision and commit as a verify without drafts.
         finish = self._finisher(0, all_greedy, filtered)
-        _, _, (packed,) = self.table.prefill(seq_ids, prompts, configs, finish, self._kind(0, all_greedy, filtered))
+        _, _, (packed,) = self.table.prefill(seq_ids, prompts, configs, finish, self._kind(all_greedy, filtered))
         return StepResult(packed)
 
     def verify(self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -66,7 +66,7 @@ class Verifier:
         all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         extras = () if draft_probs is None else (self._padded(draft_probs.to(device, torch.float32)),)
         packed, = self.runner.score(rows, inputs, torch.full_like(rows, k + 1), self._finisher(k, all_greedy, filtered),
-                                    self._kind(k, all_greedy, filtered), extras, arrangement=arrangement)
+                                    self._kind(all_greedy, filtered), extras, arrangement=arrangement)
         return StepResult(packed)
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -78,7 +78,7 @@ class Verifier:
         probabilities)."""
         shapes, vocab = 0, self.runner.vocab_size
         for all_greedy, filtered in ((True, False), (False, False), (False, True)):
-            finish, kind = self._finisher(k, all_greedy, filtered), self._kind(k, all_greedy, filtered)
+            finish, kind = self._finisher(k, all_greedy, filtered), self._kind(all_greedy, filtered)
 
             def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
                        finish: Finisher = finish, kind: str = kind, sampled: bool = not all_greedy) -> object:
@@ -88,7 +88,8 @@ class Verifier:
             shapes += self.runner.precapture(max_batch, k + 1, verify, batch_ids)
         return shapes
 
-    def _kind(self, k: int, all_greedy: bool, filtered: bool) -> str:
+    def _kind(self, all_greedy: bool, filtered: bool) -> str:
+        """The name of a finisher's kind (its graphs' key)."""
         return "verify-" + ("greedy" if all_greedy else "filtered" if filtered else "sampled")
 
     def _finisher(self, k: int, all_greedy: bool, filtered: bool) -> Finisher:
@@ -102,7 +103,7 @@ class Verifier:
             draft_ids = inputs[:, inputs.shape[1] - k:]
             first_position = before + num_valid - k  # sequence index of the first draft (or of the next token)
             t = self.table
-            params = RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed[rows])
+            params = RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed_key[rows])
             sampled = rejection_sample(logits, draft_ids, draft_probs[0] if draft_probs else None, params,
                                        first_position, self.synthetic_acceptance, all_greedy=all_greedy,
                                        filtered=filtered)

@@ -31,6 +31,7 @@ from minedraft.sampling import (
     greedy_tokens,
     processed_probs,
     sample_from,
+    seed_key,
     seeded_uniform,
 )
 from target_service import rejection_sampler
@@ -257,9 +258,9 @@ def test_distribution_matches_target(k: int, draft_kind: str, small_pair) -> Non
 
 
 # -- the check has teeth: deliberately wrong acceptance rules fail it -------------------------------------------
-def _always_accept_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+def _always_accept_uniform(key: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
     """Acceptance uniforms of 0: every draft with p > 0 is accepted, whatever p/q is."""
-    uniforms = seeded_uniform(seed, position, stream)
+    uniforms = seeded_uniform(key, position, stream)
     return torch.zeros_like(uniforms) if stream == STREAM_ACCEPT else uniforms
 
 
@@ -280,7 +281,7 @@ def _resample_from_p(original: Callable[..., SamplerOutput]) -> Callable[..., Sa
         p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p,
                             bound["filtered"])[rows, out.num_accepted]
         position = first_position + out.num_accepted
-        u = seeded_uniform(params.seed, position[:, None], STREAM_SAMPLE)[:, 0]
+        u = seeded_uniform(params.seed_key, position[:, None], STREAM_SAMPLE)[:, 0]
         tokens = out.tokens.clone()
         tokens[rows, out.num_accepted] = torch.where(rejected, sample_from(p, u), tokens[rows, out.num_accepted])
         return SamplerOutput(tokens, out.num_accepted)
@@ -362,3 +363,11 @@ def test_greedy_tokens_equal_argmax_ties_included(vocab: int) -> None:
     assert greedy_tokens(logits)[0, 0] == vocab // 2 and greedy_tokens(logits)[1, 1] == 0
     noise = torch.randn(2, vocab, generator=generator)
     assert torch.equal(greedy_tokens(noise), noise.argmax(-1))
+
+
+def test_seeded_uniforms_are_pinned() -> None:
+    """A seed's uniforms (hence a seeded request's output) stay what they were: values from before the seed's mix
+    moved to admission (`seed_key`, session 8)."""
+    keys = seed_key(torch.tensor([7, -1]))  # -1: seed 2**64 - 1, as the table folds uint64 seeds
+    uniforms = seeded_uniform(keys, torch.tensor([[5, 6], [100, 101]]), STREAM_SAMPLE)
+    assert uniforms.tolist() == [[0.8882872570993229, 0.22579319078387738], [0.6123192297159459, 0.7433239305476181]]
