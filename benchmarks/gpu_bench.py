@@ -421,7 +421,10 @@ def services_plan(runs: list[str], args: argparse.Namespace, mps_available: bool
 def steady_state(psd: dict, sd: dict) -> dict:
     """PSD against SD from their step traces (`trace_stats`), full batches only: the whole-load throughput also
     counts admission, graph captures and the tail of small batches. At one batch size a step emits the same tokens
-    in both modes, so the step times give the ratio; the ideal comes from SD's calls (T_d, T_v)."""
+    in both modes, so the step times give the ratio; the ideal comes from SD's calls (T_d, T_v). Since a proposal
+    replies once its graph is launched (run 11), on the cuda-ipc and nccl channels SD's propose call holds the
+    draft's host time only and its verify call the rest of the draft's GPU time: there the ideal is not T_d/T_v's
+    (use the in-process step times)."""
     t_d, t_v = sd["propose_ms"], sd["verify_ms"]
     ideal = (t_d + t_v) / max(t_d, t_v)
     ratio = sd["step_ms"] / psd["step_ms"]
