@@ -36,7 +36,8 @@ check)
     ;;
 services)
     timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
-        --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --drafts "$(echo "${2:-68m}" | sed 's/:[a-z]*//g')" --services "${2:-68m}" \
+        --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --drafts "$(echo "${2:-68m}" | sed 's/:[a-z]*//g')" \
+        --services "${2:-68m}" \
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
         --services-timeout "${SERVICES_TIMEOUT:-300}" ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30

@@ -45,7 +45,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def seed_key(seed: torch.Tensor) -> torch.Tensor:
     """Seeds [B] (int64 holding uint64's bits) folded into the 32-bit keys `seeded_uniform` draws from: once per
-    sequence, where it is admitted, rather than in every draw (each mix is nine small kernels in a step's graph)."""
+    sequence, where it is admitted, rather than in every draw (each mix is ten small kernels in a step's graph)."""
     seed = seed.to(torch.int64)
     return _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
 
