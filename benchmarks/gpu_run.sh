@@ -8,6 +8,8 @@
 #   compile             steps with and without compiled layers, side by side (COMPILE_MODES), and the compiled steps
 #                       profiled (PROFILE_BATCHES= empty: not profiled)
 #   calls               a served load of the demo pair on the GPUs: each worker call's time outside the worker
+#   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
+#                       same paths) put over it, output in $OUT/old, then STAGE on this tree
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
@@ -23,6 +25,13 @@ GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 DRAFT_DEVICE=cuda:$((GPUS - 1))
 stage=${1:-check}
 case $stage in
+ab)
+    shift
+    [ -d .old ] || { echo "ab: put the files of the version to compare against in .old/" >&2; exit 2; }
+    rm -rf /tmp/old && mkdir /tmp/old && cp -r . /tmp/old && cp -r .old/. /tmp/old/ \
+        && (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
+    exec bash benchmarks/gpu_run.sh "$@"
+    ;;
 check)
     nvidia-smi topo -m > "$OUT/run/topology.txt" 2>&1
     timeout -k 10 120 python3 tests/test_cuda_graphs.py 2>&1 | tee "$OUT/run/test_cuda_graphs.log" | tail -5
