@@ -63,10 +63,9 @@ class Proposer:
         `Verifier.verify`), all in the proposal's CUDA graph. `num_accepted` and `next_tokens` are host tensors."""
         if k < 1:
             raise ValueError("a proposal drafts at least one token")
-        rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
+        host_rows, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
         # The lengths the proposal's steps reach, from the host copies: the first step writes both tail positions
         # of every row, valid or not, each later step appends one.
-        host_rows = self.table.row_list(seq_ids)
         kept_and_tail = [self._kept_and_tail(row, accepted) for row, accepted in zip(host_rows, num_accepted.tolist())]
         widest = max(kept for kept, _ in kept_and_tail) + 2
         longest = max(kept + tail for kept, tail in kept_and_tail)

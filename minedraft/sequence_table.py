@@ -92,12 +92,13 @@ class SequenceTable:
             raise ValueError("a step lists a sequence id more than once")
         return [self.rows_by_id[s] for s in seq_ids]
 
-    def arranged_rows(self, seq_ids: Sequence[int], batch_id: int | None) -> tuple[torch.Tensor, Arrangement | None]:
-        """The rows of a batch's step, and with `batch_id` their K/V moved into that batch's block of cache rows
-        (`ModelRunner.arrange`)."""
+    def arranged_rows(self, seq_ids: Sequence[int], batch_id: int | None
+                      ) -> tuple[list[int], torch.Tensor, Arrangement | None]:
+        """The rows of a batch's step (on the host and on the device), and with `batch_id` their K/V moved into that
+        batch's block of cache rows (`ModelRunner.arrange`)."""
         rows = self.row_list(seq_ids)
         arrangement = None if batch_id is None else self.runner.arrange(rows, batch_id)
-        return torch.tensor(rows, dtype=torch.long, device=self.runner.device), arrangement
+        return rows, torch.tensor(rows, dtype=torch.long, device=self.runner.device), arrangement
 
     def remove(self, seq_ids: Sequence[int]) -> None:
         """Free the rows of `seq_ids`; ids not held are ignored (release is idempotent)."""

@@ -73,7 +73,9 @@ def rejection_sample(
     if draft_probs is None:
         q = torch.zeros_like(p[:, :k]).scatter_(-1, draft_ids[..., None], 1.0)  # one-hot, without F.one_hot's sync
     else:
-        q = torch.nn.functional.pad(draft_probs.to(p.dtype), (0, vocab - draft_probs.shape[-1]))
+        q = draft_probs.to(p.dtype)
+        if q.shape[-1] < vocab:  # (the verifier pads them already: a pad of nothing would still copy)
+            q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
     p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
     q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
     u_accept = seeded_uniform(params.seed_key, positions[:, :k], STREAM_ACCEPT)

@@ -59,7 +59,7 @@ class Verifier:
         k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's K/V in
         a block of cache rows of its own, read without a copy.
         """
-        rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
+        _, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
         device = self.runner.device
         k = draft_ids.shape[1]
         inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(device)], dim=1)
