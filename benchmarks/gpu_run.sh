@@ -5,6 +5,7 @@
 #   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
+#   attention           the step attention's fused and two-matmul paths, compiled, at real steps' shapes
 #   compile             steps with and without compiled layers, side by side (COMPILE_MODES), and the compiled steps
 #                       profiled (PROFILE_BATCHES= empty: not profiled)
 #   calls               a served load of the demo pair on the GPUs: each worker call's time outside the worker
@@ -87,6 +88,9 @@ calls)
         --no-progress --step-trace-dir "$OUT/run/traces" > "$OUT/run/bench.log" 2>&1
     tail -8 "$OUT/run/bench.log"
     python3 benchmarks/call_overhead.py "$OUT/run/traces"
+    ;;
+attention)
+    timeout -k 10 ${BENCH_SECONDS:-300} python3 benchmarks/attention_bench.py ${EXTRA:-} 2>&1 | tee "$OUT/run/attention.txt"
     ;;
 kvgather)
     python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"

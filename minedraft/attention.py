@@ -11,9 +11,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 GROUPED_SDPA = "minedraft_grouped_sdpa"
 # Decode and verify steps have at most this many queries per K/V head (query heads sharing it x new tokens).
 SHORT_QUERY = 64
-# Below this many (batch x K/V head) blocks a fused kernel leaves most of a GPU idle (an H200 has 132 SMs): at batch
-# 32 of an 8B verify the fused kernel was faster (13.0 ms against 13.4 ms a step), at batch 1 and 8 slower.
-FUSED_MIN_BLOCKS = 128
+# Below this many (batch x K/V head) blocks a fused kernel leaves most of a GPU idle (an H200 has 132 SMs). Raised
+# from 128 in run 12b (compiled, one H200, side by side): at batch 16 the 1B draft's 4 steps took 8.80 -> 7.13 ms, the
+# 8B verify 8.07 -> 8.05 (docs/benchmarks.md, run 12).
+FUSED_MIN_BLOCKS = 256
 
 
 def grouped_sdpa_attention(
@@ -47,11 +48,21 @@ def grouped_sdpa_attention(
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
         attention_mask.shape[0], 1, groups * n, attention_mask.shape[-1]
     )
-    if groups * n <= SHORT_QUERY and batch * kv_heads < FUSED_MIN_BLOCKS:
+    if takes_matmuls(batch, kv_heads, groups * n):
         out = short_query_attention(folded, key, value, mask, scaling)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
+    """Whether a step of `queries` per K/V head runs `short_query_attention` rather than the fused kernel.
+
+    One query per K/V head (decode without GQA) makes the matmuls matrix-vector products, where the fused kernel
+    won at every batch size in `benchmarks/attention_bench.py` (a 68M draft's layer at batch 1: 7.6 us fused, 10.2
+    with matmuls; run 12a).
+    """
+    return 1 < queries <= SHORT_QUERY and batch * kv_heads < FUSED_MIN_BLOCKS
 
 
 def short_query_attention(

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from minedraft.attention import grouped_sdpa_attention
+from minedraft.attention import FUSED_MIN_BLOCKS, SHORT_QUERY, grouped_sdpa_attention, takes_matmuls
 
 
 class _Module(torch.nn.Module):
@@ -51,3 +51,15 @@ def test_short_queries_equal_sdpa() -> None:
             query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask
         ).transpose(1, 2)
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_the_path_follows_queries_per_kv_head_and_blocks() -> None:
+    """Grouped short queries take the matmuls while the blocks are few; one query per K/V head, long queries and
+    large batches the fused kernel."""
+    kv_heads = 8
+    few_rows, many_rows = FUSED_MIN_BLOCKS // kv_heads - 1, FUSED_MIN_BLOCKS // kv_heads
+    assert takes_matmuls(few_rows, kv_heads, 4 * 5)  # an 8B verify of 4 drafts
+    assert takes_matmuls(1, kv_heads, 4)  # a 1B decode step
+    assert not takes_matmuls(many_rows, kv_heads, 4 * 5)
+    assert not takes_matmuls(1, kv_heads, 1)  # decode without GQA
+    assert not takes_matmuls(1, kv_heads, SHORT_QUERY + 1)  # a prefill chunk

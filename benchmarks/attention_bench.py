@@ -1,0 +1,92 @@
+"""Time the step attention's two paths (fused SDPA, two matmuls) on the GPU at the shapes of real steps, compiled."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+import minedraft.attention as attention
+
+# name -> (query heads, K/V heads, head dim, new tokens per step): an 8B verify of k=4 drafts, 1B and 68M decode steps.
+SHAPES = {"8b-verify": (32, 8, 128, 5), "1b-decode": (32, 8, 64, 1), "68m-decode": (12, 12, 64, 1)}
+LAYERS = 32  # calls per graph, each on its own layer's K/V (one layer's K/V at batch 16 would fit in the L2 cache)
+
+
+def graph_ms(calls: list[Callable[[], object]], repeat: int = 20) -> float:
+    """Median milliseconds per call of `calls`, replayed one after another in a CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def layer_inputs(
+    shape: tuple[int, int, int, int], batch: int, prefix: int, kv_len: int, max_len: int
+) -> list[tuple[SimpleNamespace, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: a module stub, the query as projections leave it, K/V as views of a block of the layer's cache
+    rows, and the step's additive mask (rows at random lengths past the prefix)."""
+    heads, kv_heads, dim, n = shape
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
+    lengths = prefix + torch.randint(0, kv_len - prefix - n + 1, (batch,), device="cuda")
+    positions = lengths[:, None] + torch.arange(n, device="cuda")
+    allowed = torch.arange(kv_len, device="cuda")[None, None, :] <= positions[:, :, None]
+    mask = torch.zeros(allowed.shape, dtype=torch.bfloat16, device="cuda")
+    mask = mask.masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)[:, None]
+    cache = torch.randn(LAYERS, 2, batch + 1, kv_heads, max_len, dim, dtype=torch.bfloat16, device="cuda")
+    query = torch.randn(batch, n, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    return [(module, query, layer[0, :batch, :, :kv_len], layer[1, :batch, :, :kv_len], mask) for layer in cache]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,8,16,32,64")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--prefix", type=int, default=512)
+    parser.add_argument("--kv-len", type=int, default=768, help="keys read, a multiple of the cache's KV bucket")
+    parser.add_argument("--max-len", type=int, default=1024)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per layer, compiled, {LAYERS} layers in a "
+          f"CUDA graph; prefix {args.prefix}, keys read {args.kv_len}; the path takes_matmuls() picks marked *")
+    print(f"{'shape':12s} {'B':>3s} {'K/V MB':>7s} {'floor us':>8s} {'fused':>7s} {'matmuls':>7s} {'max diff':>9s}")
+    chosen = attention.takes_matmuls
+    for name in args.shapes.split(","):
+        heads, kv_heads, _, n = SHAPES[name]
+        for batch in (int(b) for b in args.batches.split(",")):
+            layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len)
+            kv_bytes = 2 * layers[0][2].numel() * layers[0][2].element_size()
+            floor_us = kv_bytes / 4.2e12 * 1e6  # run 11's measured copy bandwidth of an H200
+            times, outputs = {}, {}
+            for path, matmuls in (("fused", False), ("matmuls", True)):
+                attention.takes_matmuls = lambda *_, matmuls=matmuls: matmuls  # type: ignore[misc]
+                torch._dynamo.reset()
+                layer: Callable[..., tuple[torch.Tensor, None]] = torch.compile(
+                    attention.grouped_sdpa_attention, fullgraph=True
+                )
+                times[path] = graph_ms([functools.partial(layer, *inputs) for inputs in layers]) * 1e3
+                outputs[path] = layer(*layers[0])[0].float()
+            picked = "matmuls" if chosen(batch, kv_heads, heads // kv_heads * n) else "fused"
+            cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in ("fused", "matmuls"))
+            diff = (outputs["fused"] - outputs["matmuls"]).abs().max().item()
+            print(f"{name:12s} {batch:3d} {kv_bytes / 1e6:7.1f} {floor_us:8.1f} {cells} {diff:9.2e}", flush=True)
+            del layers
+
+
+if __name__ == "__main__":
+    main()
