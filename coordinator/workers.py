@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -128,11 +129,20 @@ class Workers:
         step loop to decide whether the draft is lost."""
         if not seq_ids:
             return None
-        await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids))))
-        if self.draft is not None:
+        on_target = self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids))))
+        draft = self.draft
+        if draft is None:
+            await on_target
+            return None
+
+        async def on_draft() -> grpc.RpcError | None:
             try:
-                await self._started(self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)),
-                                                       timeout=self.draft_timeout))
+                await self._started(draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)),
+                                                  timeout=self.draft_timeout))
             except grpc.RpcError as exc:
                 return exc
-        return None
+            return None
+
+        # Both at once: a failure on the target raises here, one on the draft is returned.
+        draft_error, _ = await asyncio.gather(on_draft(), on_target)
+        return draft_error
