@@ -58,11 +58,12 @@ def grouped_sdpa_attention(
 def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
     """Whether a step of `queries` per K/V head runs `short_query_attention` rather than the fused kernel.
 
-    One query per K/V head (decode without GQA) makes the matmuls matrix-vector products, where the fused kernel
-    won at every batch size in `benchmarks/attention_bench.py` (a 68M draft's layer at batch 1: 7.6 us fused, 10.2
-    with matmuls; run 12a).
+    Measured in whole compiled steps (run 12b), not by `benchmarks/attention_bench.py`'s layer alone: there the fused
+    kernel won for one query per K/V head (a 68M draft's layer at batch 1: 7.6 us against 10.2), but in a real step
+    it took 52 us a call at batch 16 (run 11d) where the bench gives 14, and the bench saw the 1B draft's paths
+    equal at batch 16 where the step gained 19% with the matmuls.
     """
-    return 1 < queries <= SHORT_QUERY and batch * kv_heads < FUSED_MIN_BLOCKS
+    return queries <= SHORT_QUERY and batch * kv_heads < FUSED_MIN_BLOCKS
 
 
 def short_query_attention(

@@ -54,12 +54,10 @@ def test_short_queries_equal_sdpa() -> None:
 
 
 def test_the_path_follows_queries_per_kv_head_and_blocks() -> None:
-    """Grouped short queries take the matmuls while the blocks are few; one query per K/V head, long queries and
-    large batches the fused kernel."""
+    """Short queries take the matmuls while the blocks are few; long queries and large batches the fused kernel."""
     kv_heads = 8
     few_rows, many_rows = FUSED_MIN_BLOCKS // kv_heads - 1, FUSED_MIN_BLOCKS // kv_heads
     assert takes_matmuls(few_rows, kv_heads, 4 * 5)  # an 8B verify of 4 drafts
-    assert takes_matmuls(1, kv_heads, 4)  # a 1B decode step
+    assert takes_matmuls(1, kv_heads, 4) and takes_matmuls(1, kv_heads, 1)  # decode with and without GQA
     assert not takes_matmuls(many_rows, kv_heads, 4 * 5)
-    assert not takes_matmuls(1, kv_heads, 1)  # decode without GQA
     assert not takes_matmuls(1, kv_heads, SHORT_QUERY + 1)  # a prefill chunk
