@@ -435,8 +435,12 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.output_len < 1 or args.prompt_len < 1:
         print("error: --num-prompts, --prompt-len and --output-len must be positive", file=sys.stderr)
         return 2
+    summaries: dict[str, Summary] = {}  # filled mode by mode: an interrupted run keeps the modes it finished
     try:
-        summaries = _bench_modes(args) if args.modes else _bench_server(args)
+        if args.modes:
+            _bench_modes(args, summaries)
+        else:
+            summaries.update(_bench_server(args))
     except (RuntimeError, TimeoutError, ValueError, grpc.RpcError) as exc:
         detail = str(exc)
         if isinstance(exc, grpc.RpcError):
@@ -444,7 +448,17 @@ def bench_main(args: argparse.Namespace) -> int:
         print(f"error: {detail}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if summaries:
+            print(f"interrupted: reporting the modes that finished ({', '.join(summaries)})", file=sys.stderr)
+            _report(args, summaries, interrupted=True)
         return 130
+    _report(args, summaries, interrupted=False)
+    failed = sum(s.failed for s in summaries.values())
+    return 1 if failed else 0
+
+
+def _report(args: argparse.Namespace, summaries: dict[str, Summary], interrupted: bool) -> None:
+    """The comparison table, and the JSON report with --json-out."""
     measured = ratios(summaries)
     print(format_comparison(summaries, measured), flush=True)
     if args.json_out:
@@ -454,10 +468,9 @@ def bench_main(args: argparse.Namespace) -> int:
             "config": {k: v for k, v in vars(args).items() if k != "func"},
             "results": {name: asdict(s) for name, s in summaries.items()},
             "ratios": measured,
+            "interrupted": interrupted,
         }
         Path(args.json_out).write_text(json.dumps(_no_nan(report), indent=2) + "\n")
-    failed = sum(s.failed for s in summaries.values())
-    return 1 if failed else 0
 
 
 def _no_nan(value: Any) -> Any:
@@ -483,7 +496,9 @@ def _bench_server(args: argparse.Namespace) -> dict[str, Summary]:
     return {label: summary}
 
 
-def _bench_modes(args: argparse.Namespace) -> dict[str, Summary]:
+def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> None:
+    """Each mode on a local stack of its own, one after the other; each one's summary goes into `summaries` as it
+    ends."""
     modes = _parse_modes(args)
     for name, path in (("target", args.target), ("draft", args.draft)):
         if (name == "target" or any(m != "ar" for m in modes)) and not os.path.isdir(path):
@@ -500,7 +515,6 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Summary]:
     if args.synthetic_acceptance is not None:
         print(f"BENCHMARK ONLY: synthetic acceptance {args.synthetic_acceptance}, outputs are not the target's",
               flush=True)
-    summaries: dict[str, Summary] = {}
     for mode in modes:
         stack = LocalStack(args, mode, log_dir)
         try:
@@ -517,4 +531,3 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Summary]:
             print(f"{mode}: services stopped in {time.perf_counter() - start:.1f} s", flush=True)
         summaries[mode] = summarize(mode, results, wall, info)
         print(format_summary(summaries[mode]), flush=True)
-    return summaries

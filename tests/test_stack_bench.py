@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stack import REPO, SERVICE_ENV, Service, Workers, running_coordinator
+from stack import REPO, SERVICE_ENV, Service, TinyPairs, Workers, running_coordinator
 
 from minedraft.bench import RequestResult, _parse_modes, percentile, ratios, summarize
 
@@ -69,7 +70,8 @@ def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert "TTFT (ms)" in run.stdout and "accepted length" in run.stdout
     report = json.loads(out.read_text())
-    assert set(report) == {"date", "command", "config", "results", "ratios"}
+    assert set(report) == {"date", "command", "config", "results", "ratios", "interrupted"}
+    assert report["interrupted"] is False
     result = report["results"]["psd"]
     assert (result["completed"], result["failed"]) == (6, 0)
     assert result["mean_output_tokens"] == 8 and result["output_throughput"] > 0
@@ -88,3 +90,28 @@ def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) ->
         flag = "--synthetic-acceptance"
         assert (target[target.index(flag) + 1] if flag in target else None) == expected
         assert flag not in draft and flag not in coordinator
+
+
+def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: TinyPairs, tmp_path: Path) -> None:
+    """A comparison stopped in its second mode (a benchmark's time limit, Ctrl-C) still writes the first's figures."""
+    pair, out = tiny_pairs["llama"], tmp_path / "bench.json"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "minedraft.cli", "bench", "--no-progress", "--modes", "psd,sd", "--target",
+         str(pair.target), "--draft", str(pair.draft), "--max-batch-size", "2", "--num-prompts", "4",
+         "--prompt-len", "16", "--output-len", "8", "--json-out", str(out), "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, env=SERVICE_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert bench.stdout is not None
+        for line in bench.stdout:
+            if line.startswith("psd: services stopped"):
+                break
+        bench.send_signal(signal.SIGINT)  # while the sd stack starts
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 130, stderr
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True and set(report["results"]) == {"psd"}
+    assert report["results"]["psd"]["completed"] == 4
