@@ -1,4 +1,8 @@
-"""Time the step attention's two paths (fused SDPA, two matmuls) on the GPU at the shapes of real steps, compiled."""
+"""Time the step attention's two paths (fused SDPA, two matmuls) alone on the GPU, compiled, at real steps' shapes.
+
+A layer's attention alone does not predict a whole step's (run 12, docs/benchmarks.md): set `FUSED_MIN_BLOCKS` by
+whole-step A/Bs (`benchmarks/gpu_run.sh ab compile`) and use this to see where the paths stand against the K/V floor.
+"""
 
 from __future__ import annotations
 
