@@ -2,7 +2,9 @@
 # What one device call runs, from the repository root on the GPU machine: `bash benchmarks/gpu_run.sh STAGE [ARGS]`.
 #   check               GPU tests (graphs equal eager; channels between services on GPUs) and the in-process bench
 #                       (BATCHES= empty: the tests only)
-#   services DRAFTS     PSD/SD/AR through the services (two GPUs when there are: cuda-ipc and nccl, SD baselines)
+#   services DRAFTS     PSD and SD (MODES=psd,sd,ar adds AR) through the services (two GPUs when there are:
+#                       cuda-ipc and nccl, SD baselines); an 8B pair's PSD stack takes 132 s to start with its
+#                       precapture (run 12d), so AR rarely fits in the same call
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
 #   attention           the step attention's fused and two-matmul paths, compiled, at real steps' shapes
@@ -49,7 +51,8 @@ services)
         --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --drafts "$(echo "${2:-68m}" | sed 's/:[a-z]*//g')" \
         --services "${2:-68m}" \
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
-        --services-timeout "${SERVICES_TIMEOUT:-300}" ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
+        --services-modes "${MODES:-psd,sd}" --services-timeout "${SERVICES_TIMEOUT:-330}" ${EXTRA:-} \
+        --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30
     grep -E " trace: " "$OUT/run/services.log" | cut -c1-600  # call, compute, queue and worker-handler times
     grep -E "step shapes" "$OUT"/run/services/logs_*/*.log | cut -c1-220 | head -20
