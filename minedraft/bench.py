@@ -523,11 +523,11 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
             print(f"{mode}: services up in {time.perf_counter() - start:.1f} s", flush=True)
             info = _server_info(stack.address)
             results, wall = asyncio.run(run_load(stack.address, prompts, args, mode))
+            summaries[mode] = summarize(mode, results, wall, info)  # kept, even if stopping the stack is interrupted
         except (RuntimeError, TimeoutError, grpc.RpcError) as exc:
             raise RuntimeError(f"{mode}: {exc}\n--- {stack.log_path} ---\n{stack.log_tail()}") from exc
         finally:
             start = time.perf_counter()
             stack.stop()
             print(f"{mode}: services stopped in {time.perf_counter() - start:.1f} s", flush=True)
-        summaries[mode] = summarize(mode, results, wall, info)
         print(format_summary(summaries[mode]), flush=True)
