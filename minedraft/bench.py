@@ -437,10 +437,7 @@ def bench_main(args: argparse.Namespace) -> int:
         return 2
     summaries: dict[str, Summary] = {}  # filled mode by mode: an interrupted run keeps the modes it finished
     try:
-        if args.modes:
-            _bench_modes(args, summaries)
-        else:
-            summaries.update(_bench_server(args))
+        (_bench_modes if args.modes else _bench_server)(args, summaries)
     except (RuntimeError, TimeoutError, ValueError, grpc.RpcError) as exc:
         detail = str(exc)
         if isinstance(exc, grpc.RpcError):
@@ -484,16 +481,16 @@ def _no_nan(value: Any) -> Any:
     return value
 
 
-def _bench_server(args: argparse.Namespace) -> dict[str, Summary]:
+def _bench_server(args: argparse.Namespace, summaries: dict[str, Summary]) -> None:
+    """The load against a running server; its summary goes into `summaries`."""
     address = args.server or "localhost:50051"
     info = _server_info(address)
     tokenizer = _load_tokenizer(args.tokenizer or info.get("target_model"))
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
     label = info.get("mode", "server")
     results, wall = asyncio.run(run_load(address, prompts, args, label))
-    summary = summarize(label, results, wall, info)
-    print(format_summary(summary), flush=True)
-    return {label: summary}
+    summaries[label] = summarize(label, results, wall, info)
+    print(format_summary(summaries[label]), flush=True)
 
 
 def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> None:
