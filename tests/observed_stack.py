@@ -9,8 +9,6 @@ concurrent requests (one carrying a client traceparent), a scrape of every /metr
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from stack import REPO, SERVICE_ENV, Service, TinyPairs, wait_all
+from stack import SERVICE_ENV, Service, TinyPairs, spawn, wait_all
 
 from minedraft.cli import free_port
 from minedraft.proto import generation_pb2, generation_pb2_grpc
@@ -131,15 +129,10 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> tuple[Service, int]:
-    port, metrics_port = free_port(), free_port()
-    log_path = log_dir / f"observed-{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "minedraft.cli", *args, "--host", "127.0.0.1", "--port", str(port),
-             "--metrics-port", str(metrics_port)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    return Service(name, proc, port, log_path), metrics_port
+    metrics_port = free_port()  # a metrics port must be named (0 turns the endpoint off)
+    service = spawn(f"observed-{name}", [*args, "--host", "127.0.0.1", "--metrics-port", str(metrics_port)], log_dir,
+                    env=env)
+    return service, metrics_port
 
 
 async def _requests(address: str) -> list[tuple[list[int], generation_pb2.Usage]]:

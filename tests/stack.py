@@ -17,7 +17,9 @@ import asyncio
 import atexit
 import contextlib
 import glob
+import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +32,7 @@ from typing import Any
 import grpc
 import pytest
 
-from minedraft.cli import free_port, wait_healthy
+from minedraft.cli import wait_healthy
 from minedraft.proto import (
     common_pb2,
     draft_pb2,
@@ -165,9 +167,26 @@ class Service:
 
     name: str
     proc: subprocess.Popen
-    port: int
     log_path: Path
+    requested_port: int = 0  # 0: the service binds any free port and prints it
     interrupted: bool = False
+    _bound_port: int | None = None
+
+    @property
+    def port(self) -> int:
+        """The port the service listens on, from its "listening on port N" line (waits for it)."""
+        if self.requested_port:
+            return self.requested_port
+        deadline = time.monotonic() + START_TIMEOUT
+        while self._bound_port is None:
+            found = re.search(r"listening on port (\d+)", self.log_tail(chars=1 << 20))
+            if found:
+                self._bound_port = int(found.group(1))
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} never said which port it listens on:\n{self.log_tail()}")
+            else:
+                time.sleep(0.1)
+        return self._bound_port
 
     @property
     def address(self) -> str:
@@ -207,6 +226,7 @@ def stop_all(services: Sequence[Service | None]) -> None:
 
 
 _SPAWNED: list[subprocess.Popen] = []
+_LOG_NUMBERS = itertools.count()
 
 
 @atexit.register
@@ -217,19 +237,20 @@ def _kill_leftovers() -> None:
             proc.kill()
 
 
-def spawn(name: str, args: Sequence[str], log_dir: Path, port: int | None = None) -> Service:
-    """Start `python -m minedraft.cli <args> --port <port>` (a free one by default), output to a log file; returns
-    at once."""
-    port = port or free_port()
+def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dict[str, str] | None = None) -> Service:
+    """Start `python -m minedraft.cli <args> --port <port>`, output to a log file; returns at once.
+
+    Port 0 (the default) lets the service bind a free port itself: a port picked here and handed over could be taken
+    by another socket in between (seen in CI)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}-{port}.log"
+    log_path = log_dir / f"{name}-{next(_LOG_NUMBERS)}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "minedraft.cli", *args, "--port", str(port)],
-            cwd=REPO, env=SERVICE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO, env=env or SERVICE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     _SPAWNED.append(proc)
-    return Service(name, proc, port, log_path)
+    return Service(name, proc, log_path, port)
 
 
 def wait_all(services: Sequence[Service], timeout: float = START_TIMEOUT) -> None:
