@@ -37,6 +37,8 @@ ab)
     ;;
 check)
     nvidia-smi topo -m > "$OUT/run/topology.txt" 2>&1
+    timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py 2>&1 \
+        | tee "$OUT/run/test_decode_attention.log" | tail -3
     timeout -k 10 120 python3 tests/test_cuda_graphs.py 2>&1 | tee "$OUT/run/test_cuda_graphs.log" | tail -5
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5

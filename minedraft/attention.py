@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -43,20 +44,40 @@ def grouped_sdpa_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else dim ** -0.5
+    if uses_kernel(query, key, attention_mask, groups * n):
+        return torch.ops.minedraft.short_query_attention(query, key, value, attention_mask, scale), None
     # Query head h reads K/V head h // groups (transformers' repeat_kv order).
     folded = query.reshape(batch, kv_heads, groups * n, dim)
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
         attention_mask.shape[0], 1, groups * n, attention_mask.shape[-1]
     )
     if takes_matmuls(batch, kv_heads, groups * n):
-        out = short_query_attention(folded, key, value, mask, scaling)
+        out = short_query_attention(folded, key, value, mask, scale)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def uses_kernel(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, queries: int) -> bool:
+    """Whether a CUDA step of `queries` per K/V head runs `minedraft.decode_attention`'s Triton kernels (on CPU, or
+    without Triton, the matmuls or the fused kernel)."""
+    return query.is_cuda and queries <= SHORT_QUERY and KERNELS is not None and KERNELS.supports(query, key, mask)
+
+
+def _load_kernels() -> ModuleType | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from minedraft import decode_attention
+    except ImportError:  # no Triton
+        return None
+    return decode_attention
+
+
 def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
-    """Whether a step of `queries` per K/V head runs `short_query_attention` rather than the fused kernel.
+    """Whether a step of `queries` per K/V head runs `short_query_attention` rather than the fused kernel (where the
+    Triton kernels do not run).
 
     Measured in whole compiled steps (run 12b), not by `benchmarks/attention_bench.py`'s layer alone: there the fused
     kernel won for one query per K/V head (a 68M draft's layer at batch 1: 7.6 us against 10.2), but in a real step
@@ -67,7 +88,7 @@ def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
 
 
 def short_query_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v as two batched matmuls and a softmax in float32.
 
@@ -76,9 +97,10 @@ def short_query_attention(
     keys over the whole GPU; compiled, the mask, scale and softmax fuse into one kernel. (8B verify with compiled
     layers on an H200: 8.4 -> 7.3 ms at batch 1, 9.3 -> 8.8 ms at batch 8.)
     """
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale + mask
     return torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)
 
 
+# Loaded here, not in the attention: compiled layers trace the attention, and an import has no business there.
+KERNELS = _load_kernels()
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)

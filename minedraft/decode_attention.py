@@ -1,0 +1,167 @@
+"""Short-query attention over slot-cache K/V as Triton kernels: each K/V head's keys read once for all its queries.
+
+A decode or verify step has a few queries per K/V head (query heads sharing it x new tokens) against hundreds of
+keys. The fused SDPA kernels spread their work over (batch, head, query block): at batch 1 of an 8B verify, eight
+blocks for the whole GPU. Here the keys of each (row, K/V head) are cut into chunks, one program per chunk
+(flash-decoding); each program keeps a running softmax over its chunk, and a second kernel merges the chunks by
+their log-sum-exp. Key tiles that the mask hides entirely are not read, so a row pays for its own length, not the
+batch's key bucket. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output projection
+reads, so no transpose copy follows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_KEYS = 64
+# Programs wanted per step: chunks are made until (rows x K/V heads x chunks) reaches this many per SM.
+PROGRAMS_PER_SM = 2
+# A mask value below this hides its key (transformers' masks use the dtype's minimum).
+MASKED: tl.constexpr = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _chunk_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, lse_ptr, out_ptr,
+    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, so_b, so_n, so_h,
+    kv_heads, groups, queries, rows, keys, chunk, scale,
+    ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
+    folded queries (query head h*groups + r // queries, position r % queries) of K/V head h."""
+    bh = tl.program_id(0)
+    c = tl.program_id(1)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, DIM)
+    live = r < rows
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=live[:, None], other=0.0)
+    mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
+    m_i = tl.full([ROWS], MASKED, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM], tl.float32)
+    for n0 in range(0, chunk, BLOCK_N):
+        n = c * chunk + n0 + tl.arange(0, BLOCK_N)
+        inside = n < keys
+        bias = tl.load(mask_rows + n[None, :] * sm_n, mask=live[:, None] & inside[None, :], other=float("-inf"))
+        if tl.max(tl.max(bias, 1), 0) > MASKED:  # a tile hidden from every query is not read
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=inside[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias.to(tl.float32)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+    if SPLIT:
+        part = part_ptr + (bh * tl.num_programs(1) + c) * ROWS * DIM
+        tl.store(part + r[:, None] * DIM + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + (bh * tl.num_programs(1) + c) * ROWS + r, lse)
+    else:
+        out = out_ptr + b * so_b + (r % queries)[:, None] * so_n + (h * groups + r // queries)[:, None] * so_h
+        tl.store(out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=live[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr, so_b, so_n, so_h, kv_heads, groups, queries, chunks,
+    ROWS: tl.constexpr, DIM: tl.constexpr, CHUNKS: tl.constexpr,
+):
+    """Program (row x K/V head, folded query): the chunks' outputs weighted by exp(their log-sum-exp)."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    c = tl.arange(0, CHUNKS)
+    d = tl.arange(0, DIM)
+    lse = tl.load(lse_ptr + (bh * chunks + c) * ROWS + r, mask=c < chunks, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    parts = tl.load(part_ptr + ((bh * chunks + c) * ROWS + r)[:, None] * DIM + d[None, :], mask=(c < chunks)[:, None],
+                    other=0.0)
+    merged = tl.sum(parts * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
+    out = out_ptr + b * so_b + (r % queries) * so_n + (h * groups + r // queries) * so_h
+    tl.store(out + d, merged.to(out_ptr.dtype.element_ty))
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether the kernels take these shapes: a power-of-two head size of 16 or more, contiguous along it, and a
+    mask of one row per query."""
+    dim = query.shape[-1]
+    return (dim >= 16 and dim & (dim - 1) == 0 and key.shape[-1] == dim and mask.shape[2] == query.shape[2]
+            and key.stride(-1) == 1 and mask.stride(-1) == 1)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def chunks_for(blocks: int, keys: int, device: torch.device) -> int:
+    """How many chunks each (row, K/V head) block's keys are cut into, so that the GPU has work for every SM."""
+    wanted = math.ceil(PROGRAMS_PER_SM * _sm_count(device) / blocks)
+    return max(1, min(wanted, math.ceil(keys / BLOCK_KEYS)))
+
+
+def short_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for `query` `[B, heads, n, D]` over `key`/`value` `[B, kv_heads, L, D]` (any
+    strides with a unit last one) and an additive `mask` `[B, 1, n, L]`; returns `[B, n, heads, D]`.
+
+    `chunks`: how many chunks each K/V head's keys are cut into (default: enough for every SM).
+    """
+    batch, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    rows = groups * queries
+    folded = query.reshape(batch, kv_heads, rows, dim)  # query head h*groups + g reads K/V head h
+    out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
+    chunks = chunks or chunks_for(batch * kv_heads, keys, query.device)
+    chunk = math.ceil(math.ceil(keys / chunks) / BLOCK_KEYS) * BLOCK_KEYS
+    chunks = math.ceil(keys / chunk)
+    padded_rows = max(16, triton.next_power_of_2(rows))
+    split = chunks > 1
+    part = torch.empty(batch * kv_heads * chunks * padded_rows * dim if split else 1, dtype=torch.float32,
+                       device=query.device)
+    lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    assert folded.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
+    _chunk_kernel[(batch * kv_heads, chunks)](
+        folded, key, value, mask, part, lse, out,
+        folded.stride(0), folded.stride(1), folded.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        kv_heads, groups, queries, rows, keys, chunk, scale,
+        ROWS=padded_rows, DIM=dim, BLOCK_N=BLOCK_KEYS, SPLIT=split, PRECISION=precision,
+    )
+    if split:
+        _merge_kernel[(batch * kv_heads, rows)](
+            part, lse, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, groups, queries, chunks,
+            ROWS=padded_rows, DIM=dim, CHUNKS=triton.next_power_of_2(chunks),
+        )
+    return out
+
+
+@torch.library.custom_op("minedraft::short_query_attention", mutates_args=())
+def short_query_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`short_query_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
+    return short_query_attention(query, key, value, mask, scale)
+
+
+@short_query_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    batch, heads, queries, dim = query.shape
+    return query.new_empty(batch, queries, heads, dim)

@@ -1,0 +1,79 @@
+"""The Triton short-query attention equals attention computed in float64, on the CPU through Triton's interpreter and
+on a CUDA GPU when there is one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+
+# (batch, heads, kv_heads, new tokens, head dim, keys, chunks): GQA verify and decode shapes, no GQA, one chunk,
+# several, more chunks than 64-key tiles; K/V always views of a larger cache.
+SHAPES = [
+    (2, 8, 2, 5, 32, 200, None),
+    (3, 8, 2, 5, 32, 200, 3),
+    (1, 4, 1, 1, 16, 130, 1),
+    (4, 4, 4, 1, 16, 70, 8),
+    (2, 12, 2, 3, 64, 260, 2),
+]
+
+
+def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+              ) -> torch.Tensor:
+    groups = query.shape[1] // key.shape[1]
+    k, v = key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
+    scores = query.double() @ k.transpose(-1, -2) * scale + mask.double()
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -> None:
+    """Random inputs for each of SHAPES: each row's last `n` positions are its queries, causal over its own length, so
+    whole key tiles are masked off (the kernel skips them) and lengths differ between rows."""
+    from minedraft.decode_attention import short_query_attention
+
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for batch, heads, kv_heads, n, dim, keys, chunks in SHAPES:
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(device, dtype)
+
+        query = randn(batch, heads, n, dim)
+        cache_k, cache_v = randn(batch + 2, kv_heads, keys + 40, dim), randn(batch + 2, kv_heads, keys + 40, dim)
+        key, value = cache_k[1:batch + 1, :, :keys], cache_v[1:batch + 1, :, :keys]  # strided views, as the cache's
+        lengths = torch.randint(n, keys + 1, (batch,), generator=generator)
+        lengths[0] = n  # one row with only its own new tokens: every later tile masked off
+        positions = lengths[:, None] - n + torch.arange(n)
+        allowed = torch.arange(keys)[None, None, :] <= positions[:, :, None]
+        mask = torch.zeros(batch, 1, n, keys).masked_fill_(~allowed[:, None], torch.finfo(dtype).min).to(device, dtype)
+        scale = dim ** -0.5
+
+        out = short_query_attention(query, key, value, mask, scale, chunks)
+
+        expected = reference(query.cpu(), key.cpu(), value.cpu(), mask.cpu(), scale)
+        assert out.shape == (batch, n, heads, dim)
+        assert torch.isfinite(out).all()
+        error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
+        assert error < tolerance, f"relative error {error:.2e} for shape {(batch, heads, kv_heads, n, dim, keys)}"
+
+
+@pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7),
+                    reason="Triton 3.6's interpreter passes scalar arguments as arrays, which a loop bound refuses")
+def test_the_kernels_equal_float64_attention_in_triton_interpreter() -> None:
+    """On the CPU, through TRITON_INTERPRET=1 (set before Triton compiles anything: a fresh process)."""
+    code = ("import torch, test_decode_attention as t; "
+            "t.check_against_reference('cpu', torch.float32, 1e-5); print('ok')")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_kernels_equal_float64_attention_on_a_gpu() -> None:
+    check_against_reference("cuda", torch.float32, 1e-5)
+    check_against_reference("cuda", torch.bfloat16, 2e-2)
