@@ -11,6 +11,7 @@ reads, so no transpose copy follows.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -137,19 +138,21 @@ def short_query_attention(
     lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     assert folded.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
-    _chunk_kernel[(batch * kv_heads, chunks)](
-        folded, key, value, mask, part, lse, out,
-        folded.stride(0), folded.stride(1), folded.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        kv_heads, groups, queries, rows, keys, chunk, scale,
-        ROWS=padded_rows, DIM=dim, BLOCK_N=BLOCK_KEYS, SPLIT=split, PRECISION=precision,
-    )
-    if split:
-        _merge_kernel[(batch * kv_heads, rows)](
-            part, lse, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, groups, queries, chunks,
-            ROWS=padded_rows, DIM=dim, CHUNKS=triton.next_power_of_2(chunks),
+    # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+        _chunk_kernel[(batch * kv_heads, chunks)](
+            folded, key, value, mask, part, lse, out,
+            folded.stride(0), folded.stride(1), folded.stride(2), key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
+            out.stride(0), out.stride(1), out.stride(2),
+            kv_heads, groups, queries, rows, keys, chunk, scale,
+            ROWS=padded_rows, DIM=dim, BLOCK_N=BLOCK_KEYS, SPLIT=split, PRECISION=precision,
         )
+        if split:
+            _merge_kernel[(batch * kv_heads, rows)](
+                part, lse, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, groups, queries, chunks,
+                ROWS=padded_rows, DIM=dim, CHUNKS=triton.next_power_of_2(chunks),
+            )
     return out
 
 

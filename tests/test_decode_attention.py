@@ -75,5 +75,7 @@ def test_the_kernels_equal_float64_attention_in_triton_interpreter() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_kernels_equal_float64_attention_on_a_gpu() -> None:
-    check_against_reference("cuda", torch.float32, 1e-5)
-    check_against_reference("cuda", torch.bfloat16, 2e-2)
+    """On each GPU (the kernels must launch on their tensors' GPU, whichever is current)."""
+    for index in range(torch.cuda.device_count()):
+        check_against_reference(f"cuda:{index}", torch.float32, 1e-5)
+        check_against_reference(f"cuda:{index}", torch.bfloat16, 2e-2)
