@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
 from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop
 from coordinator.workers import Workers
@@ -61,13 +59,13 @@ class TracedWorkers(Workers):
             span.set_attributes(message_attributes(reply))
             return reply
 
-    async def release(self, seq_ids: Sequence[int]) -> grpc.RpcError | None:
+    def release_later(self, seq_ids: Sequence[int]) -> None:
         if not seq_ids:
-            return None
+            return
         spans = [self._request_spans.pop(s, None) for s in seq_ids]
         attributes = {"minedraft.batch_size": len(seq_ids), "minedraft.seq_ids": list(seq_ids)}
-        with batch_span(self.tracer, "release", links_to(spans), attributes):
-            return await super().release(seq_ids)
+        with batch_span(self.tracer, "release", links_to(spans), attributes):  # queued: it rides on the next calls
+            super().release_later(seq_ids)
 
 
 class TracedStepLoop(StepLoop):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -69,6 +70,8 @@ class Workers:
         self.record_events = False
         self.metrics: CoordinatorMetrics | None = None
         self.call_started: Callable[[], None] | None = None  # told as each call is made (the step loop's outbox)
+        # Sequences to release on each worker, sent with the next call to it (`release_later`).
+        self.unreleased: dict[str, list[int]] = {"target": [], "draft": []}
 
     def _started(self, call: Call) -> Call:
         if self.call_started is not None:
@@ -89,26 +92,29 @@ class Workers:
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()
-        reply = await self._started(self.target.Prefill(
-            target_pb2.TargetServicePrefillRequest(sequences=[sequence_spec(r) for r in requests])
-        ))
+        with self._releasing("target") as released:
+            reply = await self._started(self.target.Prefill(target_pb2.TargetServicePrefillRequest(
+                sequences=[sequence_spec(r) for r in requests], release_seq_ids=released)))
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
     async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
         assert self.draft_stub is not None
-        await self._started(self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
-            sequences=[sequence_spec(r, resume) for r in requests]), timeout=self.draft_timeout))
+        with self._releasing("draft") as released:
+            await self._started(self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
+                sequences=[sequence_spec(r, resume) for r in requests], release_seq_ids=released),
+                timeout=self.draft_timeout))
 
     async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
                       ) -> draft_pb2.ProposeResponse:
         assert self.draft is not None
         start = time.perf_counter()
-        reply = await self._started(self.draft.Propose(draft_pb2.ProposeRequest(
-            step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
-            num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
-            num_draft_tokens=k,
-        ), timeout=self.draft_timeout))
+        with self._releasing("draft") as released:
+            reply = await self._started(self.draft.Propose(draft_pb2.ProposeRequest(
+                step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
+                num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
+                num_draft_tokens=k, release_seq_ids=released,
+            ), timeout=self.draft_timeout))
         self._record("propose", batch_id, len(members), start, reply.timings)
         return reply
 
@@ -120,29 +126,49 @@ class Workers:
         )
         if drafts is not None:
             request.drafts.CopyFrom(drafts)
-        reply = await self._started(self.target.Verify(request))
+        with self._releasing("target") as released:
+            request.release_seq_ids.extend(released)
+            reply = await self._started(self.target.Verify(request))
         self._record("verify", batch_id, len(members), start, reply.timings)
         return reply
 
-    async def release(self, seq_ids: Sequence[int]) -> grpc.RpcError | None:
-        """Free the rows on both workers. A failure on the target raises; one on the draft is returned, for the
-        step loop to decide whether the draft is lost."""
-        if not seq_ids:
-            return None
-        on_target = self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(seq_ids))))
-        draft = self.draft
-        if draft is None:
-            await on_target
-            return None
+    def release_later(self, seq_ids: Sequence[int]) -> None:
+        """Free the rows of `seq_ids` on both workers with the next call to each (a round trip saved per step that
+        finishes a request); `flush_releases` sends what no call took."""
+        self.unreleased["target"] += seq_ids
+        if self.draft is not None:  # a lost draft's rows are freed when it is back (draft_backlog)
+            self.unreleased["draft"] += seq_ids
+
+    @contextlib.contextmanager
+    def _releasing(self, worker: str) -> Iterator[list[int]]:
+        """The releases a call to `worker` carries; put back if the call fails (releasing is idempotent)."""
+        released, self.unreleased[worker] = self.unreleased[worker], []
+        try:
+            yield released
+        except BaseException:
+            self.unreleased[worker] = released + self.unreleased[worker]
+            raise
+
+    async def flush_releases(self, always: bool = False) -> grpc.RpcError | None:
+        """Release calls for what no other call took, on both workers at once (`always`: even with nothing to
+        release, so that their free-slots gauges are current). A failure on the target raises; one on the draft is
+        returned, for the step loop to decide whether the draft is lost."""
+
+        async def on_target() -> None:
+            if always or self.unreleased["target"]:
+                with self._releasing("target") as released:
+                    await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=released)))
 
         async def on_draft() -> grpc.RpcError | None:
+            if self.draft is None or not (always or self.unreleased["draft"]):
+                return None
             try:
-                await self._started(draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(seq_ids)),
-                                                  timeout=self.draft_timeout))
+                with self._releasing("draft") as released:
+                    await self._started(self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=released),
+                                                           timeout=self.draft_timeout))
             except grpc.RpcError as exc:
                 return exc
             return None
 
-        # Both at once: a failure on the target raises here, one on the draft is returned.
-        draft_error, _ = await asyncio.gather(on_draft(), on_target)
+        draft_error, _ = await asyncio.gather(on_draft(), on_target())
         return draft_error

@@ -39,6 +39,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Prefill(self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext
                       ) -> draft_pb2.DraftServicePrefillResponse:
         start_unix = time.time()
+        await self._release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prompts_and_configs(request.sequences)
         limit = self.worker.vocab.logits_size
         if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
@@ -50,6 +51,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
                       ) -> draft_pb2.ProposeResponse:
         start_unix = time.time()
+        await self._release_first(request.release_seq_ids)
         if not (len(request.seq_ids) == len(request.num_accepted) == len(request.next_token_ids)):
             raise ValueError("seq_ids, num_accepted and next_token_ids must have the same length")
         if request.num_draft_tokens < 1:
@@ -70,6 +72,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         start = time.perf_counter()
         payload = channel.send(request.step_id, proposal.draft_ids, proposal.draft_probs)
         return payload, elapsed(start)
+
+    async def _release_first(self, seq_ids: Sequence[int]) -> None:
+        """Releases riding on a call: applied before anything in the call can fail, so none is lost."""
+        if seq_ids:
+            await self.worker.run(self.proposer.release, list(seq_ids))
 
     @grpc_errors
     async def Release(self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.aio.ServicerContext

@@ -186,8 +186,8 @@ class WorkerMetrics:
                                        buckets=SECONDS, registry=r)
         self.batch_size = Histogram("minedraft_worker_batch_size", "Sequences per call", ["method"],
                                     buckets=BATCH_SIZES, registry=r)
-        self.free_slots = Gauge("minedraft_worker_free_slots", "Free KV cache slots (as of the last Release)",
-                                registry=r)
+        self.free_slots = Gauge("minedraft_worker_free_slots",
+                                "Free KV cache slots (as of the last Release call: the coordinator idle)", registry=r)
         self.tokens = Counter("minedraft_worker_tokens", "Tokens emitted (target: prefill and verify)", registry=r)
         self.draft_tokens = Counter(
             "minedraft_worker_draft_tokens", "Draft tokens proposed (draft) or verified (target)", registry=r

@@ -63,6 +63,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Prefill(self, request: target_pb2.TargetServicePrefillRequest, context: grpc.aio.ServicerContext
                       ) -> target_pb2.TargetServicePrefillResponse:
         start_unix = time.time()
+        await self._release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prompts_and_configs(request.sequences)
         limit = self.worker.vocab.logits_size
         if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
@@ -80,6 +81,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
                      ) -> target_pb2.VerifyResponse:
         start_unix = time.time()
+        await self._release_first(request.release_seq_ids)
         seq_ids = list(request.seq_ids)
         check_batch_id(request.batch_id)
         (results, channel_s), queue_s, compute_s = await self.worker.run_timed(
@@ -98,6 +100,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         channel_s = elapsed(start)
         # Read on the compute thread, whose CUDA stream made the results (another stream could read them unfinished).
         return results_proto(seq_ids, self.verifier.verify(seq_ids, draft_ids, draft_probs, batch_id)), channel_s
+
+    async def _release_first(self, seq_ids: Sequence[int]) -> None:
+        """Releases riding on a call: applied before anything in the call can fail, so none is lost."""
+        if seq_ids:
+            await self.worker.run(self.verifier.release, list(seq_ids))
 
     @grpc_errors
     async def Release(self, request: target_pb2.TargetServiceReleaseRequest, context: grpc.aio.ServicerContext

@@ -63,6 +63,8 @@ class ReceivedSpan:
     links: list[tuple[str, str]]
     attributes: dict[str, Any]
     status_code: int
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 class OtlpReceiver(TraceServiceServicer):
@@ -90,6 +92,7 @@ class OtlpReceiver(TraceServiceServicer):
                         links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
                         attributes={a.key: _value(a.value) for a in span.attributes},
                         status_code=span.status.code,
+                        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
                     ))
         with self._lock:
             self.spans += received

@@ -1,4 +1,4 @@
-"""A step that finishes a request releases it on both workers at once: it waits for one Release, not two in a row."""
+"""Releases ride on the next call to each worker: a step that finishes a request waits for no Release."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ async def _arrivals(address: str, request: generation_pb2.GenerateRequest) -> li
         return [time.monotonic() async for _ in call]
 
 
-def test_both_workers_release_at_once(
+def test_a_finishing_step_waits_for_no_release(
     slow_releases: Workers, llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path
 ) -> None:
     short, long = text_prompts(tiny_pairs.tokenizer, 2, 8, 16, seed=5)
@@ -84,8 +84,8 @@ def test_both_workers_release_at_once(
 
     with running_coordinator(slow_releases, stack_logs, "psd", extra=["--overlap", "always"]) as coordinator:
         short_times, long_times = asyncio.run(both(coordinator.address))
-    # The short request ended first and the long one went on streaming: one step waited for the short one's release.
+    # The short request ended first and the long one went on streaming, without waiting for the short one's release.
     assert short_times[-1] < long_times[-2]
     gaps = sorted(b - a for a, b in zip(long_times, long_times[1:]))
-    assert RELEASE_DELAY <= gaps[-1] < 1.5 * RELEASE_DELAY, f"releases one after the other? gaps {gaps[-3:]}"
+    assert gaps[-1] < RELEASE_DELAY / 2, f"a step waited for a release: gaps {gaps[-3:]}"
     assert all(free == total for free, total in wait_all_slots_free(llama_workers).values())

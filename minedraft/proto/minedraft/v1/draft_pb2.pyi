@@ -38,10 +38,12 @@ class DraftServiceSetupChannelResponse(_message.Message):
     def __init__(self, handshake: _Optional[bytes] = ...) -> None: ...
 
 class DraftServicePrefillRequest(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "release_seq_ids")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+    release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftServicePrefillResponse(_message.Message):
     __slots__ = ("timings",)
@@ -50,20 +52,22 @@ class DraftServicePrefillResponse(_message.Message):
     def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens")
+    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: _containers.RepeatedScalarFieldContainer[int]
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts", "timings")

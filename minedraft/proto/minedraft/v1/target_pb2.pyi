@@ -39,10 +39,12 @@ class TargetServiceSetupChannelResponse(_message.Message):
     def __init__(self, handshake: _Optional[bytes] = ...) -> None: ...
 
 class TargetServicePrefillRequest(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "release_seq_ids")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+    release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetServicePrefillResponse(_message.Message):
     __slots__ = ("results", "timings")
@@ -53,18 +55,20 @@ class TargetServicePrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("step_id", "batch_id", "seq_ids", "drafts", "num_draft_tokens")
+    __slots__ = ("step_id", "batch_id", "seq_ids", "drafts", "num_draft_tokens", "release_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     drafts: _common_pb2.DraftPayload
     num_draft_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "timings")
