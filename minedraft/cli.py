@@ -189,11 +189,11 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
         if kind == "target":
             from target_service.server import serve as serve_target
 
-            server, port = await serve_target(options, args.port, args.host, interceptors)
+            server, port = await serve_target(options, args.port, args.host, interceptors, metrics)
         else:
             from draft_service.server import serve as serve_draft
 
-            server, port = await serve_draft(options, args.port, args.host, args.greedy_drafts, interceptors)
+            server, port = await serve_draft(options, args.port, args.host, args.greedy_drafts, interceptors, metrics)
         await _serve_forever(server, kind, port)
     finally:
         tracing.shutdown()  # export the spans still queued

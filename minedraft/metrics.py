@@ -186,8 +186,7 @@ class WorkerMetrics:
                                        buckets=SECONDS, registry=r)
         self.batch_size = Histogram("minedraft_worker_batch_size", "Sequences per call", ["method"],
                                     buckets=BATCH_SIZES, registry=r)
-        self.free_slots = Gauge("minedraft_worker_free_slots",
-                                "Free KV cache slots (as of the last Release call: the coordinator idle)", registry=r)
+        self.free_slots = Gauge("minedraft_worker_free_slots", "Free KV cache slots", registry=r)
         self.tokens = Counter("minedraft_worker_tokens", "Tokens emitted (target: prefill and verify)", registry=r)
         self.draft_tokens = Counter(
             "minedraft_worker_draft_tokens", "Draft tokens proposed (draft) or verified (target)", registry=r
@@ -209,8 +208,6 @@ class WorkerMetrics:
             self.queue_seconds.labels(method).observe(response.timings.queue_s)
             if method in ("Propose", "Verify"):
                 self.channel_seconds.labels(method).observe(response.timings.channel_s)
-        if "free_slots" in response.DESCRIPTOR.fields_by_name:
-            self.free_slots.set(response.free_slots)
         if "results" in response.DESCRIPTOR.fields_by_name:
             self.tokens.inc(sum(len(r.token_ids) for r in response.results))
         if method == "Verify" and request.num_draft_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -14,6 +15,9 @@ from minedraft.sampling import SamplingConfig
 from minedraft.server_utils import grpc_errors, start_server, timings
 from minedraft.worker import ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
+
+if TYPE_CHECKING:
+    from minedraft.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +118,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 async def serve(options: WorkerOptions, port: int, host: str = "[::]",
-                interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> tuple[grpc.aio.Server, int]:
+                interceptors: Sequence[grpc.aio.ServerInterceptor] = (), metrics: WorkerMetrics | None = None
+                ) -> tuple[grpc.aio.Server, int]:
     servicer = TargetServicer(options)
+    if metrics is not None:
+        metrics.free_slots.set_function(lambda: servicer.worker.runner.free_slots)
     return await start_server(
         port,
         [lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)],

@@ -135,7 +135,6 @@ def test_worker_metrics_from_messages() -> None:
     assert value("minedraft_worker_compute_seconds_sum", {"method": "Verify"}) == pytest.approx(0.02)
     assert value("minedraft_worker_channel_seconds_sum", {"method": "Verify"}) == pytest.approx(0.001)
     assert value("minedraft_worker_queue_seconds_sum", {"method": "Verify"}) == pytest.approx(0.004)
-    assert value("minedraft_worker_free_slots") == 15
 
 
 def test_metrics_served_over_http() -> None:
