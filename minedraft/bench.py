@@ -353,23 +353,19 @@ class LocalStack:
     """target, draft (not in ar) and coordinator processes, as `minedraft serve` starts them; stopped by SIGINT."""
 
     def __init__(self, args: argparse.Namespace, mode: str, log_dir: Path) -> None:
-        from minedraft.cli import free_port, stack_commands
-
         self.mode = "sd" if mode == SD_2B else mode
         batch = args.max_batch_size * (2 if mode == SD_2B else 1)
         max_len = args.max_model_len or _default_max_len(args)
-        self.port = free_port()
-        ns = argparse.Namespace(
+        self.port = 0  # the coordinator's, known once started
+        self.args = argparse.Namespace(
             target=args.target, draft=args.draft, target_device=args.target_device, draft_device=args.draft_device,
-            dtype=args.dtype, max_batch_size=batch, max_model_len=max_len, port=self.port, host="127.0.0.1",
+            dtype=args.dtype, max_batch_size=batch, max_model_len=max_len, port=0, host="127.0.0.1",
             mode=self.mode, num_speculative_tokens=args.num_speculative_tokens,
             max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel,
             step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
             overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance, compile=args.compile,
             eager=args.eager, precapture_graphs=args.precapture_graphs,
         )
-        self.target_port, self.draft_port = free_port(), free_port()
-        self.commands = stack_commands(ns, self.target_port, self.draft_port)
         self.env = dict(os.environ)
         if args.threads:
             self.env["OMP_NUM_THREADS"] = self.env["MKL_NUM_THREADS"] = str(args.threads)
@@ -381,22 +377,14 @@ class LocalStack:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from minedraft.cli import wait_healthy
+        from minedraft.cli import start_stack
 
         with open(self.log_path, "w") as log:
-            def spawn(cmd: list[str]) -> subprocess.Popen:
-                proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            def popen(command: list[str]) -> subprocess.Popen:
+                return subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-                self.processes.append(proc)
-                return proc
 
-            for cmd in self.commands[:-1]:
-                spawn(cmd)
-            wait_healthy(f"127.0.0.1:{self.target_port}", self.processes)
-            if self.mode != "ar":
-                wait_healthy(f"127.0.0.1:{self.draft_port}", self.processes)
-            spawn(self.commands[-1])
-            wait_healthy(self.address, self.processes)
+            self.port = start_stack(self.args, popen, self.processes)
 
     def stop(self) -> None:
         from minedraft.cli import stop_processes

@@ -12,8 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -44,6 +45,7 @@ PRECAPTURE_HELP = ("run every batch and key-length shape when a coordinator conn
                    "about a minute longer on an H200 (8B target, 1B draft). auto: on where CUDA graphs are (a bare "
                    "flag means on)")
 PRECAPTURE_CHOICES = ["auto", "on", "off"]
+PORT_FILE_HELP = "once listening, write the port to this file (for a launcher that passes --port 0)"
 Arguments = argparse.ArgumentParser | argparse._ArgumentGroup  # a parser, or one of its add_argument_group()s
 
 
@@ -73,6 +75,7 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--max-batch-size", 32, type=int, help="sequences per batch (the worker holds two batches)")
     _add(parser, "--max-model-len", 2048, type=int, help="cache length per sequence")
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
+    _add(parser, "--port-file", None, help=PORT_FILE_HELP)
     add_graph_flags(parser)
     _add(parser, "--profile-dir", None,
          help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)")
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(coord, "--host", "[::]")
     _add(coord, "--tokenizer", None, help="tokenizer directory (default: the target's model directory)")
     _add(coord, "--metrics-port", 0, type=int)
+    _add(coord, "--port-file", None, help=PORT_FILE_HELP)
     _coordinator_flags(coord)
 
     gen = sub.add_parser("generate", help="send one request and stream the answer")
@@ -158,12 +162,16 @@ def _run_until_signal(main: object) -> None:
     asyncio.run(main)  # type: ignore[arg-type]
 
 
-async def _serve_forever(server: grpc.aio.Server, name: str, port: int, on_stop: object = None) -> None:
+async def _serve_forever(server: grpc.aio.Server, name: str, port: int, on_stop: object = None,
+                         port_file: str | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"{name} listening on port {port}", flush=True)
+    if port_file:
+        Path(port_file + ".tmp").write_text(str(port))
+        os.replace(port_file + ".tmp", port_file)  # a reader never sees it half written
     await stop.wait()
     if on_stop is not None:
         await on_stop  # type: ignore[misc]
@@ -194,7 +202,7 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
             from draft_service.server import serve as serve_draft
 
             server, port = await serve_draft(options, args.port, args.host, args.greedy_drafts, interceptors, metrics)
-        await _serve_forever(server, kind, port)
+        await _serve_forever(server, kind, port, port_file=args.port_file)
     finally:
         tracing.shutdown()  # export the spans still queued
 
@@ -216,7 +224,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         start_metrics_server(args.metrics_port, args.host, metrics.registry)
     try:
         server, port, servicer = await serve(options, args.port, args.host, tracing, metrics)
-        await _serve_forever(server, "coordinator", port, servicer.stop())
+        await _serve_forever(server, "coordinator", port, servicer.stop(), args.port_file)
     finally:
         tracing.shutdown()  # export the spans still queued
 
@@ -249,6 +257,40 @@ def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: f
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"{address} did not become healthy in {timeout:.0f} s")
+
+
+def wait_port_file(path: Path, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> int:
+    """The port a service started with `--port-file path` listens on, once it has written it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return int(path.read_text())
+        for proc in processes:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
+        time.sleep(0.1)
+    raise TimeoutError(f"no service wrote {path} in {timeout:.0f} s")
+
+
+def start_stack(args: argparse.Namespace, popen: Callable[[list[str]], subprocess.Popen],
+                processes: list[subprocess.Popen]) -> int:
+    """Start the services of `stack_commands(args, ...)`, workers first, each on a port it binds itself (a port
+    picked here and handed over could be taken in between); appends them to `processes` as they start and returns
+    the coordinator's port once it serves (`args.port`, or the one it picked for 0)."""
+    with tempfile.TemporaryDirectory(prefix="minedraft-ports-") as directory:
+        def launch(command: list[str], name: str) -> int:
+            path = Path(directory) / name
+            processes.append(popen([*command, "--port-file", str(path)]))
+            return wait_port_file(path, processes)
+
+        names = ["target", "draft"]
+        worker_ports = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], names)]
+        for port in worker_ports:
+            wait_healthy(f"127.0.0.1:{port}", processes)
+        target_port, draft_port = worker_ports[0], worker_ports[-1] if len(worker_ports) > 1 else 0
+        port = launch(stack_commands(args, target_port, draft_port)[-1], "coordinator")
+    wait_healthy(f"127.0.0.1:{port}", processes)
+    return port
 
 
 def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
@@ -337,18 +379,10 @@ def serve_main(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C during start-up
             _run_until_signal(_single_process_main(args))
         return 0
-    target_port, draft_port = free_port(), free_port()
-    commands = stack_commands(args, target_port, draft_port)
     processes: list[subprocess.Popen] = []
     try:
-        workers = [subprocess.Popen(cmd, start_new_session=True) for cmd in commands[:-1]]
-        processes += workers
-        wait_healthy(f"127.0.0.1:{target_port}", processes)
-        if args.mode != "ar":
-            wait_healthy(f"127.0.0.1:{draft_port}", processes)
-        processes.append(subprocess.Popen(commands[-1], start_new_session=True))
-        public = f"localhost:{args.port}"
-        wait_healthy(f"127.0.0.1:{args.port}", processes)
+        port = start_stack(args, lambda command: subprocess.Popen(command, start_new_session=True), processes)
+        public = f"localhost:{port}"
         print(f"minedraft serving {args.mode} on {public} (target {args.target}, draft {args.draft})", flush=True)
         if args.generate:
             print(f"$ minedraft generate --server {public} --prompt {args.generate!r}", flush=True)

@@ -82,11 +82,11 @@ def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
 
 def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) -> None:
     from minedraft.bench import LocalStack
-    from minedraft.cli import build_parser
+    from minedraft.cli import build_parser, stack_commands
 
     for extra, expected in (([], None), (["--synthetic-acceptance", "0.7"], "0.7")):
         args = build_parser().parse_args(["bench", "--modes", "psd", *extra])
-        target, draft, coordinator = LocalStack(args, "psd", tmp_path).commands
+        target, draft, coordinator = stack_commands(LocalStack(args, "psd", tmp_path).args, 0, 0)
         flag = "--synthetic-acceptance"
         assert (target[target.index(flag) + 1] if flag in target else None) == expected
         assert flag not in draft and flag not in coordinator
