@@ -1,7 +1,8 @@
-"""Time the step attention's two paths (fused SDPA, two matmuls) alone on the GPU, compiled, at real steps' shapes.
+"""Time the step attention's paths (Triton kernels, fused SDPA, two matmuls) alone on the GPU, compiled, at real steps'
+shapes.
 
-A layer's attention alone does not predict a whole step's (run 12, docs/benchmarks.md): set `FUSED_MIN_BLOCKS` by
-whole-step A/Bs (`benchmarks/gpu_run.sh ab compile`) and use this to see where the paths stand against the K/V floor.
+A layer's attention alone does not predict a whole step's (run 12, docs/benchmarks.md): choose paths by whole-step
+A/Bs (`benchmarks/gpu_run.sh ab compile`) and use this to see where the paths stand against the K/V floor.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import minedraft.attention as attention
 
 # name -> (query heads, K/V heads, head dim, new tokens per step): an 8B verify of k=4 drafts, 1B and 68M decode steps.
 SHAPES = {"8b-verify": (32, 8, 128, 5), "1b-decode": (32, 8, 64, 1), "68m-decode": (12, 12, 64, 1)}
+PATHS = ("kernel", "fused", "matmuls")
 LAYERS = 32  # calls per graph, each on its own layer's K/V (one layer's K/V at batch 16 would fit in the L2 cache)
 
 
@@ -67,9 +69,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per layer, compiled, {LAYERS} layers in a "
-          f"CUDA graph; prefix {args.prefix}, keys read {args.kv_len}; the path takes_matmuls() picks marked *")
-    print(f"{'shape':12s} {'B':>3s} {'K/V MB':>7s} {'floor us':>8s} {'fused':>7s} {'matmuls':>7s} {'max diff':>9s}")
-    chosen = attention.takes_matmuls
+          f"CUDA graph; prefix {args.prefix}, keys read {args.kv_len}; the path a step takes marked *; max diff "
+          "against the matmuls")
+    print(f"{'shape':12s} {'B':>3s} {'K/V MB':>7s} {'floor us':>8s} {'kernel':>7s} {'fused':>7s} {'matmuls':>7s} "
+          f"{'max diff':>9s}")
+    kernels, chosen = attention.KERNELS, attention.takes_matmuls
     for name in args.shapes.split(","):
         heads, kv_heads, _, n = SHAPES[name]
         for batch in (int(b) for b in args.batches.split(",")):
@@ -77,17 +81,22 @@ def main() -> None:
             kv_bytes = 2 * layers[0][2].numel() * layers[0][2].element_size()
             floor_us = kv_bytes / 4.2e12 * 1e6  # run 11's measured copy bandwidth of an H200
             times, outputs = {}, {}
-            for path, matmuls in (("fused", False), ("matmuls", True)):
-                attention.takes_matmuls = lambda *_, matmuls=matmuls: matmuls  # type: ignore[misc]
+            for path in PATHS:
+                # The kernels run whenever KERNELS is set; without them takes_matmuls() picks the other two.
+                attention.KERNELS = kernels if path == "kernel" else None
+                attention.takes_matmuls = lambda *_, matmuls=path == "matmuls": matmuls  # type: ignore[misc]
                 torch._dynamo.reset()
                 layer: Callable[..., tuple[torch.Tensor, None]] = torch.compile(
                     attention.grouped_sdpa_attention, fullgraph=True
                 )
                 times[path] = graph_ms([functools.partial(layer, *inputs) for inputs in layers]) * 1e3
                 outputs[path] = layer(*layers[0])[0].float()
-            picked = "matmuls" if chosen(batch, kv_heads, heads // kv_heads * n) else "fused"
-            cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in ("fused", "matmuls"))
-            diff = (outputs["fused"] - outputs["matmuls"]).abs().max().item()
+            attention.KERNELS, attention.takes_matmuls = kernels, chosen
+            _, query, key, _, mask = layers[0]
+            picked = ("kernel" if attention.uses_kernel(query, key, mask, heads // kv_heads * n)
+                      else "matmuls" if chosen(batch, kv_heads, heads // kv_heads * n) else "fused")
+            cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in PATHS)
+            diff = max((outputs[p] - outputs["matmuls"]).abs().max().item() for p in PATHS)
             print(f"{name:12s} {batch:3d} {kv_bytes / 1e6:7.1f} {floor_us:8.1f} {cells} {diff:9.2e}", flush=True)
             del layers
 
