@@ -29,7 +29,7 @@ MASKED: tl.constexpr = tl.constexpr(-1.0e30)
 @triton.jit
 def _chunk_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, lse_ptr, out_ptr,
-    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, so_b, so_n, so_h,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, so_b, so_n, so_h,
     kv_heads, groups, queries, rows, keys, chunk, scale,
     ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -42,7 +42,8 @@ def _chunk_kernel(
     r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM)
     live = r < rows
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=live[:, None], other=0.0)
+    q_rows = q_ptr + b * sq_b + (h * groups + r // queries)[:, None] * sq_h + (r % queries)[:, None] * sq_n
+    q = tl.load(q_rows + d[None, :], mask=live[:, None], other=0.0)
     mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -118,7 +119,8 @@ def short_query_attention(
     chunks: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for `query` `[B, heads, n, D]` over `key`/`value` `[B, kv_heads, L, D]` (any
-    strides with a unit last one) and an additive `mask` `[B, 1, n, L]`; returns `[B, n, heads, D]`.
+    strides with a unit last one: the query as the projections leave it, transposed, is read without a copy) and an
+    additive `mask` `[B, 1, n, L]`; returns `[B, n, heads, D]`.
 
     `chunks`: how many chunks each K/V head's keys are cut into (default: enough for every SM).
     """
@@ -126,7 +128,6 @@ def short_query_attention(
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     rows = groups * queries
-    folded = query.reshape(batch, kv_heads, rows, dim)  # query head h*groups + g reads K/V head h
     out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
     chunks = chunks or chunks_for(batch * kv_heads, keys, query.device)
     chunk = math.ceil(math.ceil(keys / chunks) / BLOCK_KEYS) * BLOCK_KEYS
@@ -137,12 +138,12 @@ def short_query_attention(
                        device=query.device)
     lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    assert folded.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
+    assert query.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         _chunk_kernel[(batch * kv_heads, chunks)](
-            folded, key, value, mask, part, lse, out,
-            folded.stride(0), folded.stride(1), folded.stride(2), key.stride(0), key.stride(1), key.stride(2),
+            query, key, value, mask, part, lse, out,
+            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
             out.stride(0), out.stride(1), out.stride(2),
             kv_heads, groups, queries, rows, keys, chunk, scale,

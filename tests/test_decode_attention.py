@@ -42,7 +42,8 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator).to(device, dtype)
 
-        query = randn(batch, heads, n, dim)
+        # As the projections leave it ([B, n, heads, D] transposed), or contiguous.
+        query = randn(batch, n, heads, dim).transpose(1, 2) if n > 1 else randn(batch, heads, n, dim)
         cache_k, cache_v = randn(batch + 2, kv_heads, keys + 40, dim), randn(batch + 2, kv_heads, keys + 40, dim)
         key, value = cache_k[1:batch + 1, :, :keys], cache_v[1:batch + 1, :, :keys]  # strided views, as the cache's
         lengths = torch.randint(n, keys + 1, (batch,), generator=generator)
