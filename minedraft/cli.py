@@ -278,17 +278,18 @@ def start_stack(args: argparse.Namespace, popen: Callable[[list[str]], subproces
     picked here and handed over could be taken in between); appends them to `processes` as they start and returns
     the coordinator's port once it serves (`args.port`, or the one it picked for 0)."""
     with tempfile.TemporaryDirectory(prefix="minedraft-ports-") as directory:
-        def launch(command: list[str], name: str) -> int:
+        def launch(command: list[str], name: str) -> Path:
             path = Path(directory) / name
             processes.append(popen([*command, "--port-file", str(path)]))
-            return wait_port_file(path, processes)
+            return path
 
-        names = ["target", "draft"]
-        worker_ports = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], names)]
+        # Both workers load their models at once.
+        files = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], ("target", "draft"))]
+        worker_ports = [wait_port_file(path, processes) for path in files]
         for port in worker_ports:
             wait_healthy(f"127.0.0.1:{port}", processes)
         target_port, draft_port = worker_ports[0], worker_ports[-1] if len(worker_ports) > 1 else 0
-        port = launch(stack_commands(args, target_port, draft_port)[-1], "coordinator")
+        port = wait_port_file(launch(stack_commands(args, target_port, draft_port)[-1], "coordinator"), processes)
     wait_healthy(f"127.0.0.1:{port}", processes)
     return port
 
