@@ -92,8 +92,8 @@ def main() -> None:
                 times[path] = graph_ms([functools.partial(layer, *inputs) for inputs in layers]) * 1e3
                 outputs[path] = layer(*layers[0])[0].float()
             attention.KERNELS, attention.takes_matmuls = kernels, chosen
-            _, query, key, _, mask = layers[0]
-            picked = ("kernel" if attention.uses_kernel(query, key, mask, heads // kv_heads * n)
+            _, query, key, value, mask = layers[0]
+            picked = ("kernel" if attention.uses_kernel(query, key, value, mask, heads // kv_heads * n)
                       else "matmuls" if chosen(batch, kv_heads, heads // kv_heads * n) else "fused")
             cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in PATHS)
             diff = max((outputs[p] - outputs["matmuls"]).abs().max().item() for p in PATHS)

@@ -45,7 +45,7 @@ def grouped_sdpa_attention(
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim ** -0.5
-    if uses_kernel(query, key, attention_mask, groups * n):
+    if uses_kernel(query, key, value, attention_mask, groups * n):
         return torch.ops.minedraft.short_query_attention(query, key, value, attention_mask, scale), None
     # Query head h reads K/V head h // groups (transformers' repeat_kv order).
     folded = query.reshape(batch, kv_heads, groups * n, dim)
@@ -59,10 +59,12 @@ def grouped_sdpa_attention(
     return out.reshape(batch, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def uses_kernel(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, queries: int) -> bool:
+def uses_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, queries: int
+                ) -> bool:
     """Whether a CUDA step of `queries` per K/V head runs `minedraft.decode_attention`'s Triton kernels (on CPU, or
     without Triton, the matmuls or the fused kernel)."""
-    return query.is_cuda and queries <= SHORT_QUERY and KERNELS is not None and KERNELS.supports(query, key, mask)
+    return (query.is_cuda and queries <= SHORT_QUERY and KERNELS is not None
+            and KERNELS.supports(query, key, value, mask))
 
 
 def _load_kernels() -> ModuleType | None:

@@ -95,12 +95,13 @@ def _merge_kernel(
     tl.store(out + d, merged.to(out_ptr.dtype.element_ty))
 
 
-def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether the kernels take these shapes: a power-of-two head size of 16 or more, contiguous along it, and a
-    mask of one row per query."""
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether the kernels take these shapes: one power-of-two head size of 16 or more for queries, keys and values,
+    contiguous along it, and a mask of one row per query."""
     dim = query.shape[-1]
-    return (dim >= 16 and dim & (dim - 1) == 0 and key.shape[-1] == dim and mask.shape[2] == query.shape[2]
-            and key.stride(-1) == 1 and mask.stride(-1) == 1)
+    return (dim >= 16 and dim & (dim - 1) == 0 and key.shape[-1] == value.shape[-1] == dim
+            and mask.shape[2] == query.shape[2]
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1)
 
 
 @functools.cache

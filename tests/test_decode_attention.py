@@ -80,3 +80,21 @@ def test_the_kernels_equal_float64_attention_on_a_gpu() -> None:
     for index in range(torch.cuda.device_count()):
         check_against_reference(f"cuda:{index}", torch.float32, 1e-5)
         check_against_reference(f"cuda:{index}", torch.bfloat16, 2e-2)
+
+
+def test_the_kernels_take_only_the_shapes_they_handle() -> None:
+    """Power-of-two head sizes, one size for q/k/v, unit last strides, a mask row per query; CPU steps never."""
+    from minedraft.attention import uses_kernel
+    from minedraft.decode_attention import supports
+
+    def inputs(dim: int = 64, value_dim: int = 64, n: int = 5) -> list[torch.Tensor]:
+        return [torch.randn(2, 8, n, dim), torch.randn(2, 2, 40, dim), torch.randn(2, 2, 40, value_dim),
+                torch.zeros(2, 1, n, 40)]
+
+    assert supports(*inputs())
+    assert not supports(*inputs(dim=80, value_dim=80))  # a 80-wide head: not a power of two
+    assert not supports(*inputs(value_dim=32))
+    query, key, value, mask = inputs()
+    assert not supports(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, mask)
+    assert not supports(query, key, value, torch.zeros(2, 1, 1, 40))  # one mask row for five queries
+    assert not uses_kernel(query, key, value, mask, 4 * 5)  # on the CPU
