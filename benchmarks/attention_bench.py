@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -66,7 +67,13 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--kv-len", type=int, default=768, help="keys read, a multiple of the cache's KV bucket")
     parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the kernels' parameters (decode_attention's BLOCK_KEYS, PROGRAMS_PER_SM, "
+                             "NUM_WARPS) instead of the three paths")
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args)
+        return
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per layer, compiled, {LAYERS} layers in a "
           f"CUDA graph; prefix {args.prefix}, keys read {args.kv_len}; the path a step takes marked *; max diff "
@@ -98,6 +105,35 @@ def main() -> None:
             cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in PATHS)
             diff = max((outputs[p] - outputs["matmuls"]).abs().max().item() for p in PATHS)
             print(f"{name:12s} {batch:3d} {kv_bytes / 1e6:7.1f} {floor_us:8.1f} {cells} {diff:9.2e}", flush=True)
+            del layers
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """The kernel path alone, over its parameters: us per layer of each setting, best first (defaults marked *)."""
+    from minedraft import decode_attention as kernels
+
+    names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS")
+    defaults = tuple(getattr(kernels, name) for name in names)
+    settings = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 4, 8)))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
+          f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *")
+    # The kernels are opaque to the compiler: one compile serves every setting.
+    layer: Callable[..., tuple[torch.Tensor, None]] = torch.compile(attention.grouped_sdpa_attention, fullgraph=True)
+    for name in args.shapes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len)
+            reference = layer(*layers[0])[0].float()
+            times = {}
+            for setting in settings:
+                for attribute, value in zip(names, setting):
+                    setattr(kernels, attribute, value)
+                times[setting] = graph_ms([functools.partial(layer, *inputs) for inputs in layers]) * 1e3
+                assert (layer(*layers[0])[0].float() - reference).abs().max().item() < 0.05, setting
+            for attribute, value in zip(names, defaults):
+                setattr(kernels, attribute, value)
+            ranked = sorted(times, key=times.__getitem__)
+            cells = " ".join(f"{s}:{times[s]:.1f}{'*' if s == defaults else ''}" for s in ranked[:5])
+            print(f"{name:12s} {batch:3d} default {times[defaults]:6.1f}  best {cells}", flush=True)
             del layers
 
 

@@ -19,9 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+# Not tuned yet (`benchmarks/attention_bench.py --sweep` tries others); read at each call.
 BLOCK_KEYS = 64
 # Programs wanted per step: chunks are made until (rows x K/V heads x chunks) reaches this many per SM.
 PROGRAMS_PER_SM = 2
+NUM_WARPS = 4  # of the chunk kernel
 # A mask value below this hides its key (transformers' masks use the dtype's minimum).
 MASKED: tl.constexpr = tl.constexpr(-1.0e30)
 
@@ -148,7 +150,7 @@ def short_query_attention(
             value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
             out.stride(0), out.stride(1), out.stride(2),
             kv_heads, groups, queries, rows, keys, chunk, scale,
-            ROWS=padded_rows, DIM=dim, BLOCK_N=BLOCK_KEYS, SPLIT=split, PRECISION=precision,
+            ROWS=padded_rows, DIM=dim, BLOCK_N=BLOCK_KEYS, SPLIT=split, PRECISION=precision, num_warps=NUM_WARPS,
         )
         if split:
             _merge_kernel[(batch * kv_heads, rows)](
