@@ -1,5 +1,4 @@
-"""The Triton short-query attention equals attention computed in float64, on the CPU through Triton's interpreter and
-on a CUDA GPU when there is one."""
+"""The Triton short-query attention equals float64 attention: on the CPU through Triton's interpreter, and on GPUs."""
 
 from __future__ import annotations
 
