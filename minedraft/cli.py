@@ -13,8 +13,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -272,6 +273,22 @@ def wait_port_file(path: Path, processes: Sequence[subprocess.Popen], timeout: f
     raise TimeoutError(f"no service wrote {path} in {timeout:.0f} s")
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT until the block is done, then deliver it (to the previous handler) if one came."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)
+
+
 def start_stack(args: argparse.Namespace, popen: Callable[[list[str]], subprocess.Popen],
                 processes: list[subprocess.Popen]) -> int:
     """Start the services of `stack_commands(args, ...)`, workers first, each on a port it binds itself (a port
@@ -280,7 +297,8 @@ def start_stack(args: argparse.Namespace, popen: Callable[[list[str]], subproces
     with tempfile.TemporaryDirectory(prefix="minedraft-ports-") as directory:
         def launch(command: list[str], name: str) -> Path:
             path = Path(directory) / name
-            processes.append(popen([*command, "--port-file", str(path)]))
+            with _interrupts_deferred():  # a Ctrl-C inside Popen would leave its child running, untracked
+                processes.append(popen([*command, "--port-file", str(path)]))
             return path
 
         # Both workers load their models at once.
