@@ -19,7 +19,6 @@ import contextlib
 import glob
 import itertools
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 import grpc
 import pytest
 
-from minedraft.cli import wait_healthy
+from minedraft.cli import wait_healthy, wait_port_file
 from minedraft.proto import (
     common_pb2,
     draft_pb2,
@@ -168,24 +167,25 @@ class Service:
     name: str
     proc: subprocess.Popen
     log_path: Path
-    requested_port: int = 0  # 0: the service binds any free port and prints it
+    requested_port: int = 0  # 0: the service binds any free port and writes it to `port_file`
     interrupted: bool = False
     _bound_port: int | None = None
 
     @property
+    def port_file(self) -> Path:
+        return self.log_path.with_suffix(".port")
+
+    @property
     def port(self) -> int:
-        """The port the service listens on, from its "listening on port N" line (waits for it)."""
+        """The port the service listens on (waits for a service started on port 0 to say which)."""
         if self.requested_port:
             return self.requested_port
-        deadline = time.monotonic() + START_TIMEOUT
-        while self._bound_port is None:
-            found = re.search(r"listening on port (\d+)", self.log_tail(chars=1 << 20))
-            if found:
-                self._bound_port = int(found.group(1))
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} never said which port it listens on:\n{self.log_tail()}")
-            else:
-                time.sleep(0.1)
+        if self._bound_port is None:
+            try:
+                self._bound_port = wait_port_file(self.port_file, [self.proc], START_TIMEOUT)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"{self.name} never said which port it listens on: {exc}\n{self.log_tail()}"
+                                   ) from exc
         return self._bound_port
 
     @property
@@ -244,9 +244,10 @@ def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dic
     by another socket in between (seen in CI)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{next(_LOG_NUMBERS)}.log"
+    port_file = ["--port-file", str(log_path.with_suffix(".port"))] if port == 0 else []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "minedraft.cli", *args, "--port", str(port)],
+            [sys.executable, "-m", "minedraft.cli", *args, "--port", str(port), *port_file],
             cwd=REPO, env=env or SERVICE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     _SPAWNED.append(proc)
