@@ -32,6 +32,11 @@ class Batch:
     def awaiting_verify(self) -> bool:
         return self.drafts is not None
 
+    @property
+    def drafts_to_verify(self) -> int:
+        """k of the batch's next verify: 0 when it was not drafted (a plain decode step)."""
+        return self.num_drafts if self.awaiting_verify else 0
+
     def open_membership(self) -> None:
         """After a verify: drop what finished or was cancelled, and let the joiners in."""
         self.drafts = None

@@ -154,11 +154,11 @@ class StepLoop:
             self._verifying[batch.batch_id] = asyncio.ensure_future(self._call_verify(batch))
 
     def _call_verify(self, batch: Batch) -> Awaitable[target_pb2.VerifyResponse]:
-        k = batch.num_drafts if batch.awaiting_verify else 0
-        return self.workers.verify(next(self._step_ids), batch.batch_id, batch.members, batch.drafts, k)
+        return self.workers.verify(next(self._step_ids), batch.batch_id, batch.members, batch.drafts,
+                                   batch.drafts_to_verify)
 
     async def _verify(self, batch: Batch) -> None:
-        members, k = batch.members, batch.num_drafts if batch.awaiting_verify else 0
+        members, k = batch.members, batch.drafts_to_verify
         try:
             reply = await (self._verifying.pop(batch.batch_id, None) or self._call_verify(batch))
         except Exception as exc:

@@ -236,6 +236,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _raise_if_one_exited(processes: Sequence[subprocess.Popen]) -> None:
+    for proc in processes:
+        if proc.poll() is not None:
+            raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
+
+
 def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> None:
     """Block until `address` answers SERVING on grpc.health.v1, or fail if a process died."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -247,9 +253,7 @@ def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: f
     with grpc.insecure_channel(address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            for proc in processes:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
+            _raise_if_one_exited(processes)
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -266,9 +270,7 @@ def wait_port_file(path: Path, processes: Sequence[subprocess.Popen], timeout: f
     while time.monotonic() < deadline:
         if path.exists():
             return int(path.read_text())
-        for proc in processes:
-            if proc.poll() is not None:
-                raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
+        _raise_if_one_exited(processes)
         time.sleep(0.1)
     raise TimeoutError(f"no service wrote {path} in {timeout:.0f} s")
 

@@ -29,6 +29,13 @@ MASKED: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _folded_offset(b, h, r, groups, queries, s_b, s_n, s_h):
+    """Offset of folded query `r` of K/V head `h` in row `b` of a `[B, n, heads]`-strided tensor: query head
+    h*groups + r // queries (transformers' repeat_kv order), position r % queries."""
+    return b * s_b + (r % queries) * s_n + (h * groups + r // queries) * s_h
+
+
+@triton.jit
 def _chunk_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, lse_ptr, out_ptr,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, so_b, so_n, so_h,
@@ -36,7 +43,7 @@ def _chunk_kernel(
     ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
-    folded queries (query head h*groups + r // queries, position r % queries) of K/V head h."""
+    folded queries of K/V head h (`_folded_offset`)."""
     bh = tl.program_id(0)
     c = tl.program_id(1)
     b = bh // kv_heads
@@ -44,8 +51,8 @@ def _chunk_kernel(
     r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM)
     live = r < rows
-    q_rows = q_ptr + b * sq_b + (h * groups + r // queries)[:, None] * sq_h + (r % queries)[:, None] * sq_n
-    q = tl.load(q_rows + d[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(q_ptr + _folded_offset(b, h, r, groups, queries, sq_b, sq_n, sq_h)[:, None] + d[None, :],
+                mask=live[:, None], other=0.0)
     mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -70,7 +77,7 @@ def _chunk_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(lse_ptr + (bh * tl.num_programs(1) + c) * ROWS + r, lse)
     else:
-        out = out_ptr + b * so_b + (r % queries)[:, None] * so_n + (h * groups + r // queries)[:, None] * so_h
+        out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)[:, None]
         tl.store(out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
                  mask=live[:, None])
 
@@ -93,7 +100,7 @@ def _merge_kernel(
     parts = tl.load(part_ptr + ((bh * chunks + c) * ROWS + r)[:, None] * DIM + d[None, :], mask=(c < chunks)[:, None],
                     other=0.0)
     merged = tl.sum(parts * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
-    out = out_ptr + b * so_b + (r % queries) * so_n + (h * groups + r // queries) * so_h
+    out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)
     tl.store(out + d, merged.to(out_ptr.dtype.element_ty))
 
 
