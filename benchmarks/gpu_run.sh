@@ -11,6 +11,8 @@
 #   compile             steps with and without compiled layers, side by side (COMPILE_MODES), and the compiled steps
 #                       profiled (PROFILE_BATCHES= empty: not profiled)
 #   calls               a served load of the demo pair on the GPUs: each worker call's time outside the worker
+#   steps               the 8B verify and a draft's proposal in process: step times, host time before and during
+#                       each graph's launch, kernels (COMPILE=1: compiled layers; PROFILE_BATCHES, PROFILE_DRAFT)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
@@ -93,6 +95,11 @@ calls)
         --no-progress --step-trace-dir "$OUT/run/traces" > "$OUT/run/bench.log" 2>&1
     tail -8 "$OUT/run/bench.log"
     python3 benchmarks/call_overhead.py "$OUT/run/traces"
+    ;;
+steps)
+    timeout -k 10 ${PROFILE_SECONDS:-240} python3 benchmarks/profile_step.py ${COMPILE:+--compile} \
+        --batches "${PROFILE_BATCHES:-1,16}" --draft "${PROFILE_DRAFT:-1b}" --trace-dir "" > "$OUT/run/steps.txt" 2>&1
+    grep -E "ms:|phases|launch|kernels" "$OUT/run/steps.txt" | cut -c1-200
     ;;
 attention)
     timeout -k 10 ${BENCH_SECONDS:-300} python3 benchmarks/attention_bench.py ${EXTRA:-} 2>&1 | tee "$OUT/run/attention.txt"

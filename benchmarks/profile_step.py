@@ -58,9 +58,47 @@ def main() -> None:
             print(f"B={batch} {name}: {len(kernels)} kernels, {busy:.2f} ms of kernel time", flush=True)
             if args.trace_dir:
                 prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_b{batch}.json"))
+        host_phases(pair, batch)
         launch_times(pair, batch)
         del pair
         torch.cuda.empty_cache()
+
+
+def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
+    """Where a step's time goes outside its graph, without the profiler: from the call to the graph's launch (host
+    work before it: the GPU idles), the launch itself, and from the launch's return to the step's return (the
+    graph's GPU time, then copying results out). Medians over `repeats` steps."""
+    replay = torch.cuda.CUDAGraph.replay
+    marks: list[float] = []
+
+    def timed_replay(graph: torch.cuda.CUDAGraph) -> None:
+        marks.append(time.perf_counter())
+        replay(graph)
+        marks.append(time.perf_counter())
+
+    torch.cuda.CUDAGraph.replay = timed_replay  # type: ignore[method-assign]
+    try:
+        for name in ("propose", "verify"):
+            phases: list[tuple[float, float, float]] = []
+            for _ in range(repeats):
+                if name == "verify":
+                    pair.propose(0)
+                torch.cuda.synchronize()
+                marks.clear()
+                start = time.perf_counter()
+                (pair.verify if name == "verify" else pair.propose)(0)
+                torch.cuda.synchronize()
+                end = time.perf_counter()
+                if len(marks) == 2:
+                    phases.append((marks[0] - start, marks[1] - marks[0], end - marks[1]))
+            if not phases:
+                print(f"B={batch} {name}: no graph replayed", flush=True)
+                continue
+            before, launch, after = (sorted(p[i] for p in phases)[len(phases) // 2] * 1e3 for i in range(3))
+            print(f"B={batch} {name} host phases (median ms): {before:.3f} before the launch, {launch:.3f} launching, "
+                  f"{after:.3f} from the launch's return to the step's end", flush=True)
+    finally:
+        torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
 
 
 def launch_times(pair: Pair, batch: int) -> None:

@@ -71,7 +71,7 @@ class Proposer:
         longest = max(kept + tail for kept, tail in kept_and_tail)
         all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         choose, kind = self._chooser(all_greedy or self.greedy_drafts, filtered, k)
-        verdicts = torch.stack([num_accepted, next_tokens], dim=1).to(self.runner.device)
+        verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
         outputs = self.runner.decode(rows, [verdicts], k, max(widest, longest + k - 1), self._start, choose, kind,
                                      arrangement)
         for row, (kept, tail) in zip(host_rows, kept_and_tail):

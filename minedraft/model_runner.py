@@ -32,8 +32,9 @@ StepFn = Callable[[torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"], l
 # (rows, input_ids, num_valid, cache lengths before the step, logits, *extra inputs) -> outputs: what a step makes
 # of its logits (a verify: the accepted tokens, committed), inside the step's graph
 Finisher = Callable[..., list[torch.Tensor]]
-# (rows, *per-row inputs) -> (input_ids [B, n], num_valid [B]): a decode loop's first step, from its inputs
-Starter = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (rows, *per-row inputs) -> (input_ids [B, n], num_valid [B], *extras): a step's tokens (a decode loop's first
+# step's), from its inputs, inside its graph
+Starter = Callable[..., tuple[torch.Tensor, ...]]
 # (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
 Chooser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 # (rows, input_ids, num_valid, needed, arrangement) -> anything: one step of a kind that serving runs (precapture)
@@ -293,44 +294,48 @@ class ModelRunner:
         `arrangement` (from `arrange`) lets the step read K/V as views. On CUDA the logits may live in a graph's
         buffers, valid until that graph replays.
         """
-        return self._score(rows, input_ids, num_valid, _logits, "forward", (), last_only, needed, arrangement,
-                           copy_outputs=False)[0]
+        n = input_ids.shape[1]
+        needed = self.longest_after(rows, n) if needed is None else needed
+        return self._score(rows, [input_ids, num_valid], _as_given, _logits, "forward", last_only, needed,
+                           not last_only and n <= MAX_GRAPH_TOKENS, arrangement, copy_outputs=False)[0]
 
     @torch.inference_mode()
     def score(
-        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, finish: Finisher, kind: str,
-        extras: Sequence[torch.Tensor] = (), *, last_only: bool = False, needed: int | None = None,
-        arrangement: Arrangement | None = None,
+        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], finish: Finisher, kind: str, *, needed: int,
+        start: Starter | None = None, last_only: bool = False, arrangement: Arrangement | None = None,
     ) -> list[torch.Tensor]:
-        """`forward`, then `finish(rows, input_ids, num_valid, lengths before, logits, *extras)` in the same CUDA graph.
+        """A forward and `finish(rows, input_ids, num_valid, lengths before, logits, *extras)` in one CUDA graph, on
+        `(input_ids, num_valid, *extras) = start(rows, *inputs)` (default: `inputs` as they are).
 
         A verify's acceptance and commit are a few dozen small operations (148 launches from Python at batch 1): in
         the graph they cost no host time, and run without launch gaps (run 11a on an H200: the verify 1% faster; they
-        had mostly run while the forward's graph ran). Like a decode loop's `choose`, `finish` may read only its
-        arguments and tensors that outlive the call; `kind` names what it does (graphs are kept per kind). `extras`
-        are more per-row inputs `[B, ...]`, padded with zeros like `input_ids`. The outputs are the caller's own.
+        had mostly run while the forward's graph ran). So does `start` (a verify gathers its pending tokens there):
+        every operation before a graph's launch leaves the GPU idle, 30-40 us each on the H200 machine's host. Like
+        a decode loop's `choose`, `start` and `finish` may read only their arguments and tensors that outlive the
+        call; `kind` names what they do (graphs are kept per kind). `inputs` are per-row tensors `[B, ...]` (on
+        the host or the device), padded with zeros; `needed` is the longest row after the step. Prefills
+        (`last_only`) run eagerly: a graph per prompt length would be captured mid-load. The outputs are the
+        caller's own.
         """
-        return self._score(rows, input_ids, num_valid, finish, kind, extras, last_only, needed, arrangement,
-                           copy_outputs=True)
+        return self._score(rows, list(inputs), start or _as_given, finish, kind, last_only, needed, not last_only,
+                           arrangement, copy_outputs=True)
+
+    def longest_after(self, rows: torch.Tensor, n: int) -> int:
+        """The longest of `rows` after appending `n` tokens each: a host sync, for callers that do not know it."""
+        return int((self.cache.lengths[rows.to(self.device)] + n).max())
 
     def _score(
-        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, finish: Finisher, kind: str,
-        extras: Sequence[torch.Tensor], last_only: bool, needed: int | None, arrangement: Arrangement | None,
-        copy_outputs: bool,
+        self, rows: torch.Tensor, inputs: list[torch.Tensor], start: Starter, finish: Finisher, kind: str,
+        last_only: bool, needed: int, graphable: bool, arrangement: Arrangement | None, copy_outputs: bool,
     ) -> list[torch.Tensor]:
         def step(r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
                  ) -> list[torch.Tensor]:
-            i, v, *extra = inputs
+            i, v, *extras = start(r, *inputs)
             before = self.cache.lengths[r]
-            return finish(r, i, v, before, self._step(r, i, v, kv_len, last_only, view_start), *extra)
+            return finish(r, i, v, before, self._step(r, i, v, kv_len, last_only, view_start), *extras)
 
-        n = input_ids.shape[1]
-        if needed is None:
-            needed = int((self.cache.lengths[rows] + n).max())  # the one host sync of a step
-        # Prefills (last_only) run eagerly, short ones too: a graph per prompt length would be captured mid-load.
-        graphable = not last_only and n <= MAX_GRAPH_TOKENS
-        return self._run((kind, last_only), step, rows, [input_ids, num_valid, *extras], [0, 1] + [0] * len(extras),
-                         needed, graphable, arrangement, copy_outputs)
+        return self._run((kind, last_only), step, rows, inputs, [0] * len(inputs), needed, graphable, arrangement,
+                         copy_outputs)
 
     @torch.inference_mode()
     def decode(
@@ -350,7 +355,7 @@ class ModelRunner:
         def loop(r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
                  ) -> list[torch.Tensor]:
             tokens, probs = [], []
-            i, v = start(r, *inputs)
+            i, v = start(r, *inputs)[:2]
             for step in range(steps):
                 token, q = choose(r, self._step(r, i, v, kv_len, True, view_start), step)
                 tokens.append(token)
@@ -378,7 +383,7 @@ class ModelRunner:
             self.step_keys.add(key)
         inputs = [rows, *inputs]
         if arrangement is not None and arrangement.order is not None:
-            inputs = [t[arrangement.order] for t in inputs]
+            inputs = [t.to(self.device, non_blocking=True)[arrangement.order] for t in inputs]
         outputs = self._replay_or_run(key, fn, inputs, [self.scratch_row, *fills], kv_len, view_start, padded,
                                       graphable)
         if arrangement is not None and arrangement.inverse is not None:
@@ -389,19 +394,25 @@ class ModelRunner:
         self, key: tuple[object, ...], fn: StepFn, inputs: list[torch.Tensor], fills: list[int], kv_len: int,
         view_start: int | None, padded: int, graphable: bool,
     ) -> list[torch.Tensor]:
-        """`inputs`: the rows, then the per-row inputs."""
+        """`inputs`: the rows, then the per-row inputs (on the host or the device)."""
         if self.device.type != "cuda":
             return fn(inputs[0], inputs[1:], kv_len, view_start)
         if self.graphs is not None and graphable and self.cache.keys:
+
+            def graphed(r: torch.Tensor, i: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+                self.cache.lengths.narrow(0, self.scratch_row, 1).zero_()  # padding rows begin empty, in the graph
+                return fn(r, i, kv_len, view_start)
+
             try:
-                return self.graphs.run(key, lambda r, i: fn(r, i, kv_len, view_start), inputs, fills, padded)
+                return self.graphs.run(key, graphed, inputs, fills, padded)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
         # Eagerly, with the very shapes a graph would have, so both give identical outputs.
         batch = len(inputs[0])
+        on_device = [t.to(self.device, non_blocking=True) for t in inputs]
         padded_inputs = [torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
-                         for t, fill in zip(inputs, fills, strict=True)]
+                         for t, fill in zip(on_device, fills, strict=True)]
         self.cache.lengths[self.scratch_row] = 0
         return [t[:batch] for t in fn(padded_inputs[0], padded_inputs[1:], kv_len, view_start)]
 
@@ -450,6 +461,11 @@ class ModelRunner:
 GraphFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
+def _as_given(rows: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The starter of a step whose inputs are its tokens already: (input_ids, num_valid, *extras)."""
+    return inputs
+
+
 def _logits(rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor,
             logits: torch.Tensor) -> list[torch.Tensor]:
     """The finisher of a plain forward: its logits."""
@@ -479,7 +495,6 @@ class CudaGraphs:
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.runner.device):
-            runner = self.runner
             batch = len(inputs[0])
             if key not in self.graphs:
                 start = time.perf_counter()
@@ -487,16 +502,15 @@ class CudaGraphs:
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
             graph, static, outputs = self.graphs[key]
             for buffer, value, fill in zip(static, inputs, fills, strict=True):
-                buffer[:batch].copy_(value)
+                buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
                 if batch < padded:
                     buffer[batch:].fill_(fill)
-            runner.cache.lengths[runner.scratch_row] = 0
             graph.replay()
             return [t[:batch] for t in outputs]
 
     def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
                  ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]:
-        runner, device = self.runner, self.runner.device
+        device = self.runner.device
         static = []
         for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):
             shape = (padded, *value.shape[1:])
@@ -508,11 +522,9 @@ class CudaGraphs:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; scratch row only
             for _ in range(2):
-                runner.cache.lengths[runner.scratch_row] = 0
                 fn(static[0], static[1:])
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        runner.cache.lengths[runner.scratch_row] = 0
         # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
         # that capture: seen on an H200. So collect first, and not during. (Cheap in a service: its start-up
         # objects are frozen, see server_utils.start_server.)

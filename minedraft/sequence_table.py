@@ -74,11 +74,12 @@ class SequenceTable:
         rows = self.add(seq_ids, configs)
         try:
             device = self.runner.device
+            longest = max(len(p) for p in prompts)
             lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-            ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+            ids = torch.zeros(len(prompts), longest, dtype=torch.long)
             for i, prompt in enumerate(prompts):
                 ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            outputs = self.runner.score(rows, ids.to(device), lengths, finish, kind, last_only=True)
+            outputs = self.runner.score(rows, [ids.to(device), lengths], finish, kind, needed=longest, last_only=True)
         except Exception:
             self.remove(seq_ids)
             raise
@@ -94,11 +95,11 @@ class SequenceTable:
 
     def arranged_rows(self, seq_ids: Sequence[int], batch_id: int | None
                       ) -> tuple[list[int], torch.Tensor, Arrangement | None]:
-        """The rows of a batch's step (on the host and on the device), and with `batch_id` their K/V moved into that
-        batch's block of cache rows (`ModelRunner.arrange`)."""
+        """The rows of a batch's step (a list, and a host tensor that a step copies straight into its graph's
+        inputs), and with `batch_id` their K/V moved into that batch's block of cache rows (`ModelRunner.arrange`)."""
         rows = self.row_list(seq_ids)
         arrangement = None if batch_id is None else self.runner.arrange(rows, batch_id)
-        return rows, torch.tensor(rows, dtype=torch.long, device=self.runner.device), arrangement
+        return rows, torch.tensor(rows, dtype=torch.long), arrangement
 
     def remove(self, seq_ids: Sequence[int]) -> None:
         """Free the rows of `seq_ids`; ids not held are ignored (release is idempotent)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +22,14 @@ class StepResult:
 
     packed: torch.Tensor  # [B, 3 + m]; row b emits its tokens[:emitted]; accepted drafts (0 for prefill and AR);
     # finish is RUNNING, FINISHED_STOP or FINISHED_LENGTH
+    on_read: Callable[[list[int]], None] | None = None  # told each row's emitted count once the host has it
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
         """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step."""
-        return [(row[:n], a, f) for n, a, f, *row in self.packed.tolist()]
+        rows = self.packed.tolist()
+        if self.on_read is not None:
+            self.on_read([n for n, *_ in rows])
+        return [(row[:n], a, f) for n, a, f, *row in rows]
 
 
 class Verifier:
@@ -39,6 +43,9 @@ class Verifier:
         self.synthetic_acceptance = synthetic_acceptance  # benchmarks only: see rejection_sample
         self.table = SequenceTable(runner)
         self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
+        # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
+        # length without waiting for the device (a row missing here costs one host sync).
+        self.cached: dict[int, int] = {}
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
 
     def prefill(
@@ -49,7 +56,8 @@ class Verifier:
         # As if the last prompt token had been pending: the same decision and commit as a verify without drafts.
         finish = self._finisher(0, all_greedy, filtered)
         _, _, (packed,) = self.table.prefill(seq_ids, prompts, configs, finish, self._kind(all_greedy, filtered))
-        return StepResult(packed)
+        rows = self.table.row_list(seq_ids)
+        return StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]))  # the last one is pending
 
     def verify(self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                batch_id: int | None = None) -> StepResult:
@@ -59,18 +67,44 @@ class Verifier:
         k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's K/V in
         a block of cache rows of its own, read without a copy.
         """
-        _, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
-        device = self.runner.device
+        host_rows, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
         k = draft_ids.shape[1]
-        inputs = torch.cat([self.pending[rows][:, None], draft_ids.to(device)], dim=1)
+        if all(r in self.cached for r in host_rows):
+            before = [self.cached[r] for r in host_rows]
+        else:  # a row whose last result was not read (a failed call): ask the device
+            before = self.runner.cache.lengths[rows.to(self.runner.device)].tolist()
         all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
-        extras = () if draft_probs is None else (self._padded(draft_probs.to(device, torch.float32)),)
-        packed, = self.runner.score(rows, inputs, torch.full_like(rows, k + 1), self._finisher(k, all_greedy, filtered),
-                                    self._kind(all_greedy, filtered), extras, arrangement=arrangement)
-        return StepResult(packed)
+        probs = () if draft_probs is None else (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
+        packed, = self._score(rows, draft_ids, probs, all_greedy, filtered, max(before) + k + 1, arrangement)
+        for r in host_rows:  # unknown until the result is read
+            self.cached.pop(r, None)
+        return StepResult(packed, self._recorder(host_rows, before))
 
     def release(self, seq_ids: Sequence[int]) -> None:
+        for row in self.table.row_list([s for s in seq_ids if s in self.table.rows_by_id]):
+            self.cached.pop(row, None)
         self.table.remove(seq_ids)
+
+    def _score(self, rows: torch.Tensor, draft_ids: torch.Tensor, probs: tuple[torch.Tensor, ...], all_greedy: bool,
+               filtered: bool, needed: int, arrangement: Arrangement | None) -> list[torch.Tensor]:
+        """The verify step proper: its inputs are the drafts (and their probabilities); the pending tokens are
+        gathered inside its graph, which leaves the host only the copies into the graph's inputs."""
+        k = draft_ids.shape[1]
+
+        def start(r: torch.Tensor, drafts: torch.Tensor, *probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return torch.cat([self.pending[r][:, None], drafts], dim=1), torch.full_like(r, k + 1), *probs
+
+        return self.runner.score(rows, [draft_ids, *probs], self._finisher(k, all_greedy, filtered),
+                                 self._kind(all_greedy, filtered), needed=needed, start=start, arrangement=arrangement)
+
+    def _recorder(self, rows: list[int], starts: list[int]) -> Callable[[list[int]], None]:
+        """What a step's result tells the host once read: each row now caches its start plus what it emitted
+        (`_commit`)."""
+
+        def record(emitted: list[int]) -> None:
+            self.cached.update((row, start + n) for row, start, n in zip(rows, starts, emitted, strict=True))
+
+        return record
 
     def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
         """Run the verify of k drafts in every shape serving can give it (`ModelRunner.precapture`), for each kind of
@@ -78,12 +112,10 @@ class Verifier:
         probabilities)."""
         shapes, vocab = 0, self.runner.vocab_size
         for all_greedy, filtered in ((True, False), (False, False), (False, True)):
-            finish, kind = self._finisher(k, all_greedy, filtered), self._kind(all_greedy, filtered)
-
             def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
-                       finish: Finisher = finish, kind: str = kind, sampled: bool = not all_greedy) -> object:
-                extras = (torch.zeros(len(r), k, vocab, device=r.device),) if sampled and k else ()
-                return self.runner.score(r, i, v, finish, kind, extras, needed=needed, arrangement=view)
+                       all_greedy: bool = all_greedy, filtered: bool = filtered) -> object:
+                probs = (torch.zeros(len(r), k, vocab, device=r.device),) if not all_greedy and k else ()
+                return self._score(r, i[:, 1:], probs, all_greedy, filtered, needed, view)
 
             shapes += self.runner.precapture(max_batch, k + 1, verify, batch_ids)
         return shapes

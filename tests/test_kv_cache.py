@@ -80,9 +80,30 @@ def test_rollback_equals_fresh_prefill(arch: str, tiny_models) -> None:
             assert_state_equal(
                 verifier.runner.cache.rows_state(row), fresh_state(target, committed[s][:-1]), f"target seq {s}"
             )
+            # The host's copy, from which a verify finds its key length, follows the device's.
+            assert verifier.cached[row] == len(committed[s]) - 1 == verifier.runner.cache.lengths[row]
         accepted = torch.tensor([a for _, a, _ in result])
         last = torch.tensor([tokens[-1] for tokens, _, _ in result])
     assert 0 in seen and any(0 < a < k for a in seen), f"drafts were not partly rejected: accepted counts {seen}"
+
+
+def test_a_verify_after_an_unread_result_asks_the_device(tiny_models) -> None:
+    """A result never read (a call that failed after its step ran) leaves the host without its rows' lengths: the
+    next verify reads them from the device, and emits what it would have."""
+    model = tiny_models.target("llama", vocab=VOCAB)
+    drafts = [torch.tensor([[5, 9, 2], [7, 7, 1]]), torch.tensor([[3, 3, 8], [4, 0, 6]])]
+    outputs = []
+    for read_first in (True, False):
+        verifier = Verifier(ModelRunner(model, 2, 96), [])
+        verifier.prefill([1, 2], [[4, 8, 15], [16, 23, 42, 4, 8]], [SamplingConfig(max_tokens=64)] * 2).per_row()
+        first = verifier.verify([1, 2], drafts[0], None)
+        if read_first:
+            first.per_row()
+        rows = [verifier.table.rows_by_id[s] for s in (1, 2)]
+        assert all((row in verifier.cached) == read_first for row in rows)
+        outputs.append(verifier.verify([1, 2], drafts[1], None).per_row())
+        assert [verifier.cached[row] for row in rows] == verifier.runner.cache.lengths[rows].tolist()
+    assert outputs[0] == outputs[1]
 
 
 def test_truncate_then_append_on_scattered_rows(tiny_models) -> None:
