@@ -109,12 +109,12 @@ def main() -> None:
 
 
 def sweep(args: argparse.Namespace) -> None:
-    """The kernel path alone, over its parameters: us per layer of each setting, best first (defaults marked *)."""
+    """The kernel path alone, over its parameters: us per layer of every setting, best first (defaults marked *)."""
     from minedraft import decode_attention as kernels
 
     names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS")
-    defaults = tuple(getattr(kernels, name) for name in names)
-    settings = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 4, 8)))
+    defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)
+    settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 4, 8))]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
           f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *")
     # The kernels are opaque to the compiler: one compile serves every setting.
@@ -132,8 +132,8 @@ def sweep(args: argparse.Namespace) -> None:
             for attribute, value in zip(names, defaults):
                 setattr(kernels, attribute, value)
             ranked = sorted(times, key=times.__getitem__)
-            cells = " ".join(f"{s}:{times[s]:.1f}{'*' if s == defaults else ''}" for s in ranked[:5])
-            print(f"{name:12s} {batch:3d} default {times[defaults]:6.1f}  best {cells}", flush=True)
+            cells = " ".join(f"{s}:{times[s]:.1f}{'*' if s == defaults else ''}" for s in ranked)
+            print(f"{name:12s} {batch:3d} default {times[defaults]:6.1f}  best first: {cells}", flush=True)
             del layers
 
 

@@ -19,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Not tuned yet (`benchmarks/attention_bench.py --sweep` tries others); read at each call.
-BLOCK_KEYS = 64
-# Programs wanted per step: chunks are made until (rows x K/V heads x chunks) reaches this many per SM.
-PROGRAMS_PER_SM = 2
+# Keys per tile, and programs wanted per SM (chunks are made until rows x K/V heads x chunks reaches that many per
+# SM): None chooses them per step (`tiles`); a number forces it (`benchmarks/attention_bench.py --sweep`). Read at
+# each call.
+BLOCK_KEYS: int | None = None
+PROGRAMS_PER_SM: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
 # A mask value below this hides its key (transformers' masks use the dtype's minimum).
 MASKED: tl.constexpr = tl.constexpr(-1.0e30)
@@ -118,10 +119,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def chunks_for(blocks: int, keys: int, device: torch.device) -> int:
+def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int]:
+    """(keys per tile, programs per SM) for a step of `blocks` (row, K/V head) blocks and `queries` tokens per row.
+
+    From the sweep on an H200 (run 14, us per layer at prefix 512): 64-key tiles while the blocks are fewer than
+    the SMs (batch 1: 128 cost 8.7 against 7.9 for an 8B verify), 128 beyond (8B verify at batch 16 and 32: 31.1 ->
+    25.9 and 53.3 -> 40.1; 68M decode at 16 and 32: 21.0 -> 17.1 and 35.5 -> 27.9); one program per SM for steps of
+    several tokens, each reading its keys for all of them (two made the 8B verify at batch 16 35.8), two for
+    one-token decodes (one made the 68M decode at batch 16 22.4).
+    """
+    block_keys = BLOCK_KEYS or (64 if blocks < _sm_count(device) else 128)
+    return block_keys, PROGRAMS_PER_SM or (1 if queries > 1 else 2)
+
+
+def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
     """How many chunks each (row, K/V head) block's keys are cut into, so that the GPU has work for every SM."""
-    wanted = math.ceil(PROGRAMS_PER_SM * _sm_count(device) / blocks)
-    return max(1, min(wanted, math.ceil(keys / BLOCK_KEYS)))
+    wanted = math.ceil(programs_per_sm * _sm_count(device) / blocks)
+    return max(1, min(wanted, math.ceil(keys / block_keys)))
 
 
 def short_query_attention(
@@ -139,8 +153,9 @@ def short_query_attention(
     groups = heads // kv_heads
     rows = groups * queries
     out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
-    chunks = chunks or chunks_for(batch * kv_heads, keys, query.device)
-    chunk = math.ceil(math.ceil(keys / chunks) / BLOCK_KEYS) * BLOCK_KEYS
+    block_keys, programs_per_sm = tiles(batch * kv_heads, queries, query.device)
+    chunks = chunks or chunks_for(batch * kv_heads, keys, block_keys, programs_per_sm, query.device)
+    chunk = math.ceil(math.ceil(keys / chunks) / block_keys) * block_keys
     chunks = math.ceil(keys / chunk)
     padded_rows = max(16, triton.next_power_of_2(rows))
     split = chunks > 1
@@ -157,7 +172,7 @@ def short_query_attention(
             value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
             out.stride(0), out.stride(1), out.stride(2),
             kv_heads, groups, queries, rows, keys, chunk, scale,
-            ROWS=padded_rows, DIM=dim, BLOCK_N=BLOCK_KEYS, SPLIT=split, PRECISION=precision, num_warps=NUM_WARPS,
+            ROWS=padded_rows, DIM=dim, BLOCK_N=block_keys, SPLIT=split, PRECISION=precision, num_warps=NUM_WARPS,
         )
         if split:
             _merge_kernel[(batch * kv_heads, rows)](

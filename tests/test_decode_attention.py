@@ -12,14 +12,15 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
-# (batch, heads, kv_heads, new tokens, head dim, keys, chunks): GQA verify and decode shapes, no GQA, one chunk,
-# several, more chunks than 64-key tiles; K/V always views of a larger cache.
+# (batch, heads, kv_heads, new tokens, head dim, keys, chunks, keys per tile): GQA verify and decode shapes, no GQA,
+# one chunk, several, more chunks than tiles; both tiles that steps choose between (`decode_attention.tiles` picks by
+# SM count: on a CPU always the larger); K/V always views of a larger cache.
 SHAPES = [
-    (2, 8, 2, 5, 32, 200, None),
-    (3, 8, 2, 5, 32, 200, 3),
-    (1, 4, 1, 1, 16, 130, 1),
-    (4, 4, 4, 1, 16, 70, 8),
-    (2, 12, 2, 3, 64, 260, 2),
+    (2, 8, 2, 5, 32, 200, None, 64),
+    (3, 8, 2, 5, 32, 300, 3, 128),
+    (1, 4, 1, 1, 16, 130, 1, 128),
+    (4, 4, 4, 1, 16, 70, 8, 64),
+    (2, 12, 2, 3, 64, 260, 2, 128),
 ]
 
 
@@ -34,10 +35,12 @@ def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -> None:
     """Random inputs for each of SHAPES: each row's last `n` positions are its queries, causal over its own length, so
     whole key tiles are masked off (the kernel skips them) and lengths differ between rows."""
+    from minedraft import decode_attention
     from minedraft.decode_attention import short_query_attention
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    for batch, heads, kv_heads, n, dim, keys, chunks in SHAPES:
+    for batch, heads, kv_heads, n, dim, keys, chunks, block_keys in SHAPES:
+
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator).to(device, dtype)
 
@@ -52,7 +55,11 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
         mask = torch.zeros(batch, 1, n, keys).masked_fill_(~allowed[:, None], torch.finfo(dtype).min).to(device, dtype)
         scale = dim ** -0.5
 
-        out = short_query_attention(query, key, value, mask, scale, chunks)
+        decode_attention.BLOCK_KEYS = block_keys
+        try:
+            out = short_query_attention(query, key, value, mask, scale, chunks)
+        finally:
+            decode_attention.BLOCK_KEYS = None
 
         expected = reference(query.cpu(), key.cpu(), value.cpu(), mask.cpu(), scale)
         assert out.shape == (batch, n, heads, dim)
