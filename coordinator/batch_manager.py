@@ -70,12 +70,6 @@ class BatchManager:
         """Admitted requests still decoding, in every batch."""
         return [r for b in self.batches for r in b.members + b.joining if not (r.finished or r.cancelled)]
 
-    def can_admit(self) -> bool:
-        """Whether the next step would admit a waiting request: one waits, and a batch has room once its finished
-        and cancelled sequences are gone."""
-        live = (sum(not (r.finished or r.cancelled) for r in b.members + b.joining) for b in self.batches)
-        return bool(self.waiting) and min(live) < self.max_batch_size
-
     def take_admissions(self) -> list[tuple[Batch, list[RequestState]]]:
         """Pop waiting requests into the emptier batch, one at a time, while there is room (balance by count).
 

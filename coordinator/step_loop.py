@@ -148,10 +148,9 @@ class StepLoop:
             batch.drafts, batch.members, batch.joining = None, batch.members + batch.joining, []
             return
         batch.drafts, batch.num_drafts = reply.drafts, self.k
-        # Sent ahead, unless the next step admits waiting requests: their prefill on the target would queue behind
-        # this verify, and that step would wait for it before drafting the other batch. (Requests waiting for room
-        # in full batches are no reason: at saturation they always wait.)
-        if not self.manager.can_admit():
+        # Sent ahead, unless requests wait: their prefill on the target would queue behind this verify, and the
+        # step that admits them would wait for it before drafting the other batch.
+        if not self.manager.waiting:
             self._verifying[batch.batch_id] = asyncio.ensure_future(self._call_verify(batch))
 
     def _call_verify(self, batch: Batch) -> Awaitable[target_pb2.VerifyResponse]:

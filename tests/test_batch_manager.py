@@ -28,23 +28,6 @@ def test_admission_fills_the_emptier_batch_and_respects_the_limit() -> None:
     assert manager.queue_length == 2  # the rest waits: nothing beyond max_batch_size per batch
 
 
-def test_waiting_requests_are_admitted_only_where_there_is_room() -> None:
-    """`can_admit` (the step loop sends a verify ahead unless it is true): requests waiting for room in full batches
-    cannot be admitted; a batch's finished or cancelled sequences make room."""
-    manager = BatchManager(max_batch_size=2, max_queue_size=10, num_batches=2)
-    assert not manager.can_admit()  # nothing waits
-    for i in range(5):
-        manager.submit(_request(i))
-    assert manager.can_admit()
-    manager.take_admissions()
-    assert manager.queue_length == 1 and not manager.can_admit()  # both batches full
-    manager.batches[1].members[0].cancelled = True
-    assert manager.can_admit()
-    assert [r.seq_id for _, placed in manager.take_admissions() for r in placed] == []  # (room once it is removed)
-    manager.remove_finished(manager.batches[1])
-    assert [r.seq_id for _, placed in manager.take_admissions() for r in placed] == [4]
-
-
 def test_queue_is_bounded() -> None:
     manager = BatchManager(max_batch_size=1, max_queue_size=2, num_batches=1)
     manager.submit(_request(0))
