@@ -502,6 +502,7 @@ def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                    "--output-len", str(args.services_output_len), "--no-progress", "--json-out", str(json_out),
                    "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
         command += ["--compile"] if COMPILE else []
+        command += ["--concurrency", str(args.services_concurrency)] if args.services_concurrency else []
         command += ["--precapture-graphs", args.services_precapture]
         print(f"[services {i + 1}/{len(plan)}] {label}: {' '.join(command)}", flush=True)
         bench = subprocess.Popen(command, env=env)
@@ -633,6 +634,8 @@ def main() -> None:
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
     parser.add_argument("--services-prompts", type=int, default=None,
                         help="requests per services run (default: two full batches; more gives steadier figures)")
+    parser.add_argument("--services-concurrency", type=int, default=None,
+                        help="requests in flight per services run (default: two full batches; more keeps some waiting)")
     parser.add_argument("--services-overlap", default="always", choices=["always", "auto", "never"],
                         help="the coordinator's --overlap in the services runs (always: measure the overlap itself; "
                              "auto: what users get, sequential calls where overlapping does not pay)")
