@@ -297,12 +297,12 @@ class ModelRunner:
         n = input_ids.shape[1]
         needed = self.longest_after(rows, n) if needed is None else needed
         return self._score(rows, [input_ids, num_valid], _as_given, _logits, "forward", last_only, needed,
-                           not last_only and n <= MAX_GRAPH_TOKENS, arrangement, copy_outputs=False)[0]
+                           _graphable(n, last_only), arrangement, copy_outputs=False)[0]
 
     @torch.inference_mode()
     def score(
         self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], finish: Finisher, kind: str, *, needed: int,
-        start: Starter | None = None, last_only: bool = False, arrangement: Arrangement | None = None,
+        tokens: int, start: Starter | None = None, last_only: bool = False, arrangement: Arrangement | None = None,
     ) -> list[torch.Tensor]:
         """A forward and `finish(rows, input_ids, num_valid, lengths before, logits, *extras)` in one CUDA graph, on
         `(input_ids, num_valid, *extras) = start(rows, *inputs)` (default: `inputs` as they are).
@@ -313,12 +313,12 @@ class ModelRunner:
         every operation before a graph's launch leaves the GPU idle, 30-40 us each on the H200 machine's host. Like
         a decode loop's `choose`, `start` and `finish` may read only their arguments and tensors that outlive the
         call; `kind` names what they do (graphs are kept per kind). `inputs` are per-row tensors `[B, ...]` (on
-        the host or the device), padded with zeros; `needed` is the longest row after the step. Prefills
-        (`last_only`) run eagerly: a graph per prompt length would be captured mid-load. The outputs are the
-        caller's own.
+        the host or the device), padded with zeros; `needed` is the longest row after the step, `tokens` the
+        tokens each row appends. Prefills (`last_only`) run eagerly: a graph per prompt length would be captured
+        mid-load. The outputs are the caller's own.
         """
-        return self._score(rows, list(inputs), start or _as_given, finish, kind, last_only, needed, not last_only,
-                           arrangement, copy_outputs=True)
+        return self._score(rows, list(inputs), start or _as_given, finish, kind, last_only, needed,
+                           _graphable(tokens, last_only), arrangement, copy_outputs=True)
 
     def longest_after(self, rows: torch.Tensor, n: int) -> int:
         """The longest of `rows` after appending `n` tokens each: a host sync, for callers that do not know it."""
@@ -459,6 +459,11 @@ class ModelRunner:
 
 
 GraphFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+def _graphable(tokens: int, last_only: bool) -> bool:
+    """Whether a step of `tokens` per row runs as a CUDA graph: short steps, not prefills."""
+    return not last_only and tokens <= MAX_GRAPH_TOKENS
 
 
 def _as_given(rows: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

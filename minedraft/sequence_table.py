@@ -79,7 +79,8 @@ class SequenceTable:
             ids = torch.zeros(len(prompts), longest, dtype=torch.long)
             for i, prompt in enumerate(prompts):
                 ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            outputs = self.runner.score(rows, [ids.to(device), lengths], finish, kind, needed=longest, last_only=True)
+            outputs = self.runner.score(rows, [ids.to(device), lengths], finish, kind, needed=longest, tokens=longest,
+                                        last_only=True)
         except Exception:
             self.remove(seq_ids)
             raise
@@ -101,12 +102,13 @@ class SequenceTable:
         arrangement = None if batch_id is None else self.runner.arrange(rows, batch_id)
         return rows, torch.tensor(rows, dtype=torch.long), arrangement
 
-    def remove(self, seq_ids: Sequence[int]) -> None:
-        """Free the rows of `seq_ids`; ids not held are ignored (release is idempotent)."""
+    def remove(self, seq_ids: Sequence[int]) -> list[int]:
+        """Free the rows of `seq_ids` and return them; ids not held are ignored (release is idempotent)."""
         rows = [self.rows_by_id.pop(s) for s in seq_ids if s in self.rows_by_id]
         for s in seq_ids:
             self.configs_by_id.pop(s, None)
         self.runner.release(rows)
+        return rows
 
     def sampling_kind(self, seq_ids: Sequence[int], vocab: int, configs: Sequence[SamplingConfig] | None = None
                       ) -> tuple[bool, bool]:

@@ -81,9 +81,8 @@ class Verifier:
         return StepResult(packed, self._recorder(host_rows, before))
 
     def release(self, seq_ids: Sequence[int]) -> None:
-        for row in self.table.row_list([s for s in seq_ids if s in self.table.rows_by_id]):
+        for row in self.table.remove(seq_ids):
             self.cached.pop(row, None)
-        self.table.remove(seq_ids)
 
     def _score(self, rows: torch.Tensor, draft_ids: torch.Tensor, probs: tuple[torch.Tensor, ...], all_greedy: bool,
                filtered: bool, needed: int, arrangement: Arrangement | None) -> list[torch.Tensor]:
@@ -95,7 +94,8 @@ class Verifier:
             return torch.cat([self.pending[r][:, None], drafts], dim=1), torch.full_like(r, k + 1), *probs
 
         return self.runner.score(rows, [draft_ids, *probs], self._finisher(k, all_greedy, filtered),
-                                 self._kind(all_greedy, filtered), needed=needed, start=start, arrangement=arrangement)
+                                 self._kind(all_greedy, filtered), needed=needed, tokens=k + 1, start=start,
+                                 arrangement=arrangement)
 
     def _recorder(self, rows: list[int], starts: list[int]) -> Callable[[list[int]], None]:
         """What a step's result tells the host once read: each row now caches its start plus what it emitted
