@@ -45,9 +45,10 @@ def graph_ms(calls: list[Callable[[], object]], repeat: int = 20) -> float:
 
 def layer_inputs(
     shape: tuple[int, int, int, int], batch: int, prefix: int, kv_len: int, max_len: int
-) -> list[tuple[SimpleNamespace, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer: a module stub, the query as projections leave it, K/V as views of a block of the layer's cache
-    rows, and the step's additive mask (rows at random lengths past the prefix)."""
+) -> list[Callable[[Callable[..., tuple[torch.Tensor, None]]], torch.Tensor]]:
+    """Per layer, a call of an attention function on: a module stub, the query as projections leave it, K/V as
+    views of a block of the layer's cache rows, the step's additive mask (rows at random lengths past the prefix)
+    and its positions, as the decoder layers pass them on."""
     heads, kv_heads, dim, n = shape
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
     lengths = prefix + torch.randint(0, kv_len - prefix - n + 1, (batch,), device="cuda")
@@ -57,7 +58,12 @@ def layer_inputs(
     mask = mask.masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)[:, None]
     cache = torch.randn(LAYERS, 2, batch + 1, kv_heads, max_len, dim, dtype=torch.bfloat16, device="cuda")
     query = torch.randn(batch, n, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
-    return [(module, query, layer[0, :batch, :, :kv_len], layer[1, :batch, :, :kv_len], mask) for layer in cache]
+
+    def call(layer: torch.Tensor, attend: Callable[..., tuple[torch.Tensor, None]]) -> torch.Tensor:
+        return attend(module, query, layer[0, :batch, :, :kv_len], layer[1, :batch, :, :kv_len], mask,
+                      position_ids=positions)[0]
+
+    return [functools.partial(call, layer) for layer in cache]
 
 
 def main() -> None:
@@ -69,7 +75,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--sweep", action="store_true",
                         help="time the kernels' parameters (decode_attention's BLOCK_KEYS, PROGRAMS_PER_SM, "
-                             "NUM_WARPS) instead of the three paths")
+                             "NUM_WARPS, NUM_STAGES) instead of the three paths")
     args = parser.parse_args()
     if args.sweep:
         sweep(args)
@@ -85,7 +91,7 @@ def main() -> None:
         heads, kv_heads, _, n = SHAPES[name]
         for batch in (int(b) for b in args.batches.split(",")):
             layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len)
-            kv_bytes = 2 * layers[0][2].numel() * layers[0][2].element_size()
+            kv_bytes = 2 * batch * kv_heads * args.prefix * SHAPES[name][2] * 2  # bf16 K and V up to the prefix
             floor_us = kv_bytes / 4.2e12 * 1e6  # run 11's measured copy bandwidth of an H200
             times, outputs = {}, {}
             for path in PATHS:
@@ -96,11 +102,10 @@ def main() -> None:
                 layer: Callable[..., tuple[torch.Tensor, None]] = torch.compile(
                     attention.grouped_sdpa_attention, fullgraph=True
                 )
-                times[path] = graph_ms([functools.partial(layer, *inputs) for inputs in layers]) * 1e3
-                outputs[path] = layer(*layers[0])[0].float()
+                times[path] = graph_ms([functools.partial(call, layer) for call in layers]) * 1e3
+                outputs[path] = layers[0](layer).float()
             attention.KERNELS, attention.takes_matmuls = kernels, chosen
-            _, query, key, value, mask = layers[0]
-            picked = ("kernel" if attention.uses_kernel(query, key, value, mask, heads // kv_heads * n)
+            picked = ("kernel" if kernels is not None
                       else "matmuls" if chosen(batch, kv_heads, heads // kv_heads * n) else "fused")
             cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in PATHS)
             diff = max((outputs[p] - outputs["matmuls"]).abs().max().item() for p in PATHS)
@@ -112,9 +117,9 @@ def sweep(args: argparse.Namespace) -> None:
     """The kernel path alone, over its parameters: us per layer of every setting, best first (defaults marked *)."""
     from minedraft import decode_attention as kernels
 
-    names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS")
+    names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES")
     defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)
-    settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 4, 8))]
+    settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4))]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
           f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *")
     # The kernels are opaque to the compiler: one compile serves every setting.
@@ -122,13 +127,13 @@ def sweep(args: argparse.Namespace) -> None:
     for name in args.shapes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len)
-            reference = layer(*layers[0])[0].float()
+            reference = layers[0](layer).float()
             times = {}
             for setting in settings:
                 for attribute, value in zip(names, setting):
                     setattr(kernels, attribute, value)
-                times[setting] = graph_ms([functools.partial(layer, *inputs) for inputs in layers]) * 1e3
-                assert (layer(*layers[0])[0].float() - reference).abs().max().item() < 0.05, setting
+                times[setting] = graph_ms([functools.partial(call, layer) for call in layers]) * 1e3
+                assert (layers[0](layer).float() - reference).abs().max().item() < 0.05, setting
             for attribute, value in zip(names, defaults):
                 setattr(kernels, attribute, value)
             ranked = sorted(times, key=times.__getitem__)

@@ -46,7 +46,9 @@ def grouped_sdpa_attention(
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim ** -0.5
     if uses_kernel(query, key, value, attention_mask, groups * n):
-        return torch.ops.minedraft.short_query_attention(query, key, value, attention_mask, scale), None
+        # The decoder layers pass the step's positions on to here: the kernels read each row's keys up to them.
+        positions = kwargs.get("position_ids")
+        return torch.ops.minedraft.short_query_attention(query, key, value, attention_mask, scale, positions), None
     # Query head h reads K/V head h // groups (transformers' repeat_kv order).
     folded = query.reshape(batch, kv_heads, groups * n, dim)
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(

@@ -4,9 +4,10 @@ A decode or verify step has a few queries per K/V head (query heads sharing it x
 keys. The fused SDPA kernels spread their work over (batch, head, query block): at batch 1 of an 8B verify, eight
 blocks for the whole GPU. Here the keys of each (row, K/V head) are cut into chunks, one program per chunk
 (flash-decoding); each program keeps a running softmax over its chunk, and a second kernel merges the chunks by
-their log-sum-exp. Key tiles that the mask hides entirely are not read, so a row pays for its own length, not the
-batch's key bucket. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output projection
-reads, so no transpose copy follows.
+their log-sum-exp. Given the queries' positions, a row's keys are read only up to its last query's position, so a
+row pays for its own length, not the batch's key bucket; the loop then has no branch and Triton pipelines its
+loads. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output projection reads, so
+no transpose copy follows.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Keys per tile, and programs wanted per SM (chunks are made until rows x K/V heads x chunks reaches that many per
-# SM): None chooses them per step (`tiles`); a number forces it (`benchmarks/attention_bench.py --sweep`). Read at
-# each call.
+# Keys per tile, programs wanted per SM (chunks are made until rows x K/V heads x chunks reaches that many per SM)
+# and tiles in flight per program (Triton's software pipelining of the chunk loop): None chooses them per step
+# (`tiles`); a number forces it (`benchmarks/attention_bench.py --sweep`). Read at each call.
 BLOCK_KEYS: int | None = None
 PROGRAMS_PER_SM: int | None = None
+NUM_STAGES: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
-# A mask value below this hides its key (transformers' masks use the dtype's minimum).
+# Where each query's running maximum starts: above any masking value (transformers' masks use the dtype's minimum),
+# so keys the mask hides add exp(minimum - MASKED) = 0 even before a visible one.
 MASKED: tl.constexpr = tl.constexpr(-1.0e30)
 
 
@@ -38,10 +41,11 @@ def _folded_offset(b, h, r, groups, queries, s_b, s_n, s_h):
 
 @triton.jit
 def _chunk_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, lse_ptr, out_ptr,
-    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, so_b, so_n, so_h,
+    q_ptr, k_ptr, v_ptr, mask_ptr, pos_ptr, part_ptr, lse_ptr, out_ptr,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, sp_b, sp_n, so_b, so_n, so_h,
     kv_heads, groups, queries, rows, keys, chunk, scale,
     ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
     folded queries of K/V head h (`_folded_offset`)."""
@@ -55,23 +59,26 @@ def _chunk_kernel(
     q = tl.load(q_ptr + _folded_offset(b, h, r, groups, queries, sq_b, sq_n, sq_h)[:, None] + d[None, :],
                 mask=live[:, None], other=0.0)
     mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
+    end = keys
+    if POSITIONS:  # causal: no query of the row sees a key past its own position
+        last = tl.max(tl.load(pos_ptr + b * sp_b + (r % queries) * sp_n, mask=live, other=0), 0)
+        end = tl.minimum(end, last + 1)
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
-    for n0 in range(0, chunk, BLOCK_N):
-        n = c * chunk + n0 + tl.arange(0, BLOCK_N)
-        inside = n < keys
+    for start in range(c * chunk, tl.minimum(c * chunk + chunk, end), BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        inside = n < end
         bias = tl.load(mask_rows + n[None, :] * sm_n, mask=live[:, None] & inside[None, :], other=float("-inf"))
-        if tl.max(tl.max(bias, 1), 0) > MASKED:  # a tile hidden from every query is not read
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=inside[:, None], other=0.0)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=inside[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias.to(tl.float32)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=inside[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias.to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     if SPLIT:
         part = part_ptr + (bh * tl.num_programs(1) + c) * ROWS * DIM
         tl.store(part + r[:, None] * DIM + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None])
@@ -119,17 +126,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int]:
-    """(keys per tile, programs per SM) for a step of `blocks` (row, K/V head) blocks and `queries` tokens per row.
+def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, int]:
+    """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` (row, K/V head) blocks and `queries`
+    tokens per row.
 
-    From the sweep on an H200 (run 14, us per layer at prefix 512): 64-key tiles while the blocks are fewer than
-    the SMs (batch 1: 128 cost 8.7 against 7.9 for an 8B verify), 128 beyond (8B verify at batch 16 and 32: 31.1 ->
-    25.9 and 53.3 -> 40.1; 68M decode at 16 and 32: 21.0 -> 17.1 and 35.5 -> 27.9); one program per SM for steps of
-    several tokens, each reading its keys for all of them (two made the 8B verify at batch 16 35.8), two for
-    one-token decodes (one made the 68M decode at batch 16 22.4).
+    From the sweep on an H200 (run 15a, us per layer at prefix 512, rows at 512-768 keys): steps of several tokens
+    take 64-key tiles, one program per SM (each reads its keys for all of them) and three stages (8B verify at
+    batch 1, 16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token decodes take 64-key tiles while the blocks
+    are fewer than the SMs, 128 beyond, two programs per SM and two stages (68M decode at 1, 16, 32: 5.5, 15.0, 22.3;
+    three stages 5.7, 18.2, 27.2).
     """
-    block_keys = BLOCK_KEYS or (64 if blocks < _sm_count(device) else 128)
-    return block_keys, PROGRAMS_PER_SM or (1 if queries > 1 else 2)
+    several = queries > 1
+    block_keys = BLOCK_KEYS or (64 if several or blocks < _sm_count(device) else 128)
+    return block_keys, PROGRAMS_PER_SM or (1 if several else 2), NUM_STAGES or (3 if several else 2)
 
 
 def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
@@ -140,20 +149,22 @@ def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, de
 
 def short_query_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
-    chunks: int | None = None,
+    positions: torch.Tensor | None = None, chunks: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for `query` `[B, heads, n, D]` over `key`/`value` `[B, kv_heads, L, D]` (any
     strides with a unit last one: the query as the projections leave it, transposed, is read without a copy) and an
     additive `mask` `[B, 1, n, L]`; returns `[B, n, heads, D]`.
 
-    `chunks`: how many chunks each K/V head's keys are cut into (default: enough for every SM).
+    `positions` (`[B, n]`, optional): the queries' positions in a causal step, whose mask hides every key past them;
+    each row then reads keys only up to its last query's. `chunks`: how many chunks each K/V head's keys are cut
+    into (default: enough for every SM).
     """
     batch, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     rows = groups * queries
     out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
-    block_keys, programs_per_sm = tiles(batch * kv_heads, queries, query.device)
+    block_keys, programs_per_sm, stages = tiles(batch * kv_heads, queries, query.device)
     chunks = chunks or chunks_for(batch * kv_heads, keys, block_keys, programs_per_sm, query.device)
     chunk = math.ceil(math.ceil(keys / chunks) / block_keys) * block_keys
     chunks = math.ceil(keys / chunk)
@@ -164,15 +175,17 @@ def short_query_attention(
     lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
+    limits = positions if positions is not None and tuple(positions.shape) == (batch, queries) else None
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         _chunk_kernel[(batch * kv_heads, chunks)](
-            query, key, value, mask, part, lse, out,
+            query, key, value, mask, lse if limits is None else limits, part, lse, out,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
-            out.stride(0), out.stride(1), out.stride(2),
+            *((0, 0) if limits is None else limits.stride()), out.stride(0), out.stride(1), out.stride(2),
             kv_heads, groups, queries, rows, keys, chunk, scale,
-            ROWS=padded_rows, DIM=dim, BLOCK_N=block_keys, SPLIT=split, PRECISION=precision, num_warps=NUM_WARPS,
+            ROWS=padded_rows, DIM=dim, BLOCK_N=block_keys, SPLIT=split, PRECISION=precision,
+            POSITIONS=limits is not None, num_warps=NUM_WARPS, num_stages=stages,
         )
         if split:
             _merge_kernel[(batch * kv_heads, rows)](
@@ -184,13 +197,15 @@ def short_query_attention(
 
 @torch.library.custom_op("minedraft::short_query_attention", mutates_args=())
 def short_query_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`short_query_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
-    return short_query_attention(query, key, value, mask, scale)
+    return short_query_attention(query, key, value, mask, scale, positions)
 
 
 @short_query_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+      positions: torch.Tensor | None = None) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -13,8 +14,8 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 # (batch, heads, kv_heads, new tokens, head dim, keys, chunks, keys per tile): GQA verify and decode shapes, no GQA,
-# one chunk, several, more chunks than tiles; both tiles that steps choose between (`decode_attention.tiles` picks by
-# SM count: on a CPU always the larger); K/V always views of a larger cache.
+# one chunk, several, more chunks than tiles; both tiles that steps choose between (`decode_attention.tiles`); K/V
+# always views of a larger cache.
 SHAPES = [
     (2, 8, 2, 5, 32, 200, None, 64),
     (3, 8, 2, 5, 32, 300, 3, 128),
@@ -34,12 +35,13 @@ def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 
 def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -> None:
     """Random inputs for each of SHAPES: each row's last `n` positions are its queries, causal over its own length, so
-    whole key tiles are masked off (the kernel skips them) and lengths differ between rows."""
+    whole key tiles are masked off and lengths differ between rows. Given the positions, the kernels must not read
+    past them: the cache holds NaN there, as a rolled-back row's garbage might."""
     from minedraft import decode_attention
     from minedraft.decode_attention import short_query_attention
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    for batch, heads, kv_heads, n, dim, keys, chunks, block_keys in SHAPES:
+    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys), given in itertools.product(SHAPES, (False, True)):
 
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator).to(device, dtype)
@@ -47,9 +49,12 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
         # As the projections leave it ([B, n, heads, D] transposed), or contiguous.
         query = randn(batch, n, heads, dim).transpose(1, 2) if n > 1 else randn(batch, heads, n, dim)
         cache_k, cache_v = randn(batch + 2, kv_heads, keys + 40, dim), randn(batch + 2, kv_heads, keys + 40, dim)
-        key, value = cache_k[1:batch + 1, :, :keys], cache_v[1:batch + 1, :, :keys]  # strided views, as the cache's
         lengths = torch.randint(n, keys + 1, (batch,), generator=generator)
         lengths[0] = n  # one row with only its own new tokens: every later tile masked off
+        if given:
+            for row, length in enumerate(lengths.tolist()):
+                cache_k[row + 1, :, length:] = cache_v[row + 1, :, length:] = float("nan")
+        key, value = cache_k[1:batch + 1, :, :keys], cache_v[1:batch + 1, :, :keys]  # strided views, as the cache's
         positions = lengths[:, None] - n + torch.arange(n)
         allowed = torch.arange(keys)[None, None, :] <= positions[:, :, None]
         mask = torch.zeros(batch, 1, n, keys).masked_fill_(~allowed[:, None], torch.finfo(dtype).min).to(device, dtype)
@@ -57,15 +62,17 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
 
         decode_attention.BLOCK_KEYS = block_keys
         try:
-            out = short_query_attention(query, key, value, mask, scale, chunks)
+            out = short_query_attention(query, key, value, mask, scale, positions.to(device) if given else None,
+                                        chunks)
         finally:
             decode_attention.BLOCK_KEYS = None
 
-        expected = reference(query.cpu(), key.cpu(), value.cpu(), mask.cpu(), scale)
+        expected = reference(query.cpu(), key.cpu().nan_to_num(), value.cpu().nan_to_num(), mask.cpu(), scale)
+        shape = (batch, heads, kv_heads, n, dim, keys, "positions" if given else "mask only")
         assert out.shape == (batch, n, heads, dim)
-        assert torch.isfinite(out).all()
+        assert torch.isfinite(out).all(), f"non-finite output for {shape}"
         error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
-        assert error < tolerance, f"relative error {error:.2e} for shape {(batch, heads, kv_heads, n, dim, keys)}"
+        assert error < tolerance, f"relative error {error:.2e} for {shape}"
 
 
 @pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7),
