@@ -83,6 +83,13 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
         log.warning("no decoder layers found in %s: running uncompiled", type(model).__name__)
     for layer in layers:
         layer.compile(dynamic=True)
+    # The base model's rotary embedding and final norm run once a step, outside the layers: a dozen small kernels
+    # eagerly (the cosines and sines in float32, the norm's power, mean, rsqrt and products), one or two compiled.
+    # In a draft's decode loop they are repeated every step, beside only a few layers.
+    for name in ("rotary_emb", "norm"):
+        module = getattr(getattr(model, "base_model", model), name, None)
+        if isinstance(module, torch.nn.Module):
+            module.compile(dynamic=True)
     model._minedraft_compiled = True  # type: ignore[assignment]
     log.info("compiling %d decoder layers of %s (each kind of step compiles on first use)", len(layers),
              type(model).__name__)
@@ -133,8 +140,10 @@ class ModelRunner:
         # The static shape of every step run so far, as its CUDA graph's key (any device): what `precapture` must
         # cover.
         self.step_keys: set[tuple[object, ...]] = set()
+        self._masks = self._step_masks
         if compile_layers:
             compile_decoder_layers(model)
+            self._masks = torch.compile(self._step_masks, dynamic=True)
         self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
@@ -421,24 +430,20 @@ class ModelRunner:
         view_start: int | None,
     ) -> torch.Tensor:
         """The forward proper, free of host syncs so that a CUDA graph can capture it."""
-        batch, n = input_ids.shape
-        starts = self.cache.lengths[rows]
-        positions = starts[:, None] + torch.arange(n, device=self.device)
-        keys = torch.arange(kv_len, device=self.device)
-        causal = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: committed + new, in order
-        full = self._additive(causal)
-        mask: torch.Tensor | dict[str, torch.Tensor] = full
-        if self.sliding_window is not None:
-            windowed = self._additive(causal & (keys[None, None, :] > positions[:, :, None] - self.sliding_window))
-            mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
-        self.cache.select(rows, positions, kv_len, view_start)
-        kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
-        config = self.model.config
-        own, config._attn_implementation = config._attn_implementation, self._attention
+        batch = input_ids.shape[0]
         # The first forward allocates the cache: eagerly, or compiled code would be specialised on an empty one.
         stance = self.unseen_step_stance if self.warmed_up else "default" if self.cache.keys else "force_eager"
+        config = self.model.config
+        own, config._attn_implementation = config._attn_implementation, self._attention
         try:
             with torch.compiler.set_stance(stance):
+                starts = self.cache.lengths[rows]
+                positions, full, windowed = self._masks(starts, input_ids.shape[1], kv_len)
+                mask: torch.Tensor | dict[str, torch.Tensor] = full
+                if windowed is not None:
+                    mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
+                self.cache.select(rows, positions, kv_len, view_start)
+                kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
                 hidden = self.model.base_model(
                     input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
                 ).last_hidden_state
@@ -451,6 +456,20 @@ class ModelRunner:
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+    def _step_masks(self, starts: torch.Tensor, n: int, kv_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(the positions of `n` new tokens after rows of lengths `starts`, the additive causal mask `[B, 1, n,
+        kv_len]`, the same within the sliding window if the model has one). Compiled with the layers (`_masks`):
+        eagerly it is about ten small kernels a step. Takes only tensors made inside the step: compiled code
+        guards on whether its inputs are inference tensors, and callers' rows and ids may not be."""
+        positions = starts[:, None] + torch.arange(n, device=starts.device)
+        keys = torch.arange(kv_len, device=starts.device)
+        causal = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: committed + new, in order
+        windowed = None
+        if self.sliding_window is not None:
+            windowed = self._additive(causal & (keys[None, None, :] > positions[:, :, None] - self.sliding_window))
+        return positions, self._additive(causal), windowed
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """[B, n, kv] booleans -> the [B, 1, n, kv] additive mask that eager and SDPA attention both accept."""
