@@ -1,5 +1,6 @@
 """On a GPU, proposals and verifies replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same steps run
-eagerly, with rows gathered and with a batch's rows read as views of its block of cache rows.
+eagerly, with rows gathered and with a batch's rows read as views of its block of cache rows; compiled steps equal
+uncompiled ones.
 
 Also on the last GPU of a machine with several, which is not the current device: graphs must still be captured there.
 Skipped without CUDA. Also runs as a script on the GPU machine (`python tests/test_cuda_graphs.py`), which may lack
@@ -132,7 +133,32 @@ def test_graph_verifies_equal_eager_ones(kind: str, device: str) -> None:
     assert kind == "greedy" or any(accepted for step in replayed[1:] for _, accepted, _ in step)
 
 
+def _compiled_steps(compiled: bool) -> list[torch.Tensor]:
+    """Logits of a prefill, verify-sized steps and one-token steps, in float32 (so that compiled and eager code agree
+    to rounding)."""
+    runner = ModelRunner(_model("cuda:0", 0).float(), 8, 256, cuda_graphs=compiled, compile_layers=compiled,
+                         groups=2)
+    rows = torch.tensor(runner.allocate(3))
+    generator = torch.Generator().manual_seed(4)
+    out = [runner.forward(rows, torch.tensor([p[:10] for p in PROMPTS]), torch.full((3,), 10), last_only=True)]
+    for n in (5, 5, 1, 1, 5):
+        ids = torch.randint(0, 512, (3, n), generator=generator)
+        out.append(runner.forward(rows, ids, torch.full((3,), n), arrangement=runner.arrange(rows.tolist(), 0)))
+    assert not compiled or runner.graphs is not None, "a capture failed: the steps ran eagerly"
+    return [t.cpu() for t in out]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_steps_equal_uncompiled_ones() -> None:
+    """Compiled layers, masks, rotary embedding and norm, replayed from graphs, against the same steps eagerly."""
+    for compiled, eager in zip(_compiled_steps(True), _compiled_steps(False), strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-3)
+        assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+
+
 if __name__ == "__main__":
+    test_compiled_steps_equal_uncompiled_ones()
+    print("compiled steps equal uncompiled ones")
     for name in CONFIGS:
         for where in DEVICES:
             test_graph_proposals_equal_eager_ones(name, where)
