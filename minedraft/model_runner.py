@@ -301,7 +301,7 @@ class ModelRunner:
         states of long prompts are reduced before the vocabulary projection). `needed`, the longest row after this
         forward, spares the host sync that finds it when the caller knows it already.
         `arrangement` (from `arrange`) lets the step read K/V as views. On CUDA the logits may live in a graph's
-        buffers, valid until that graph replays.
+        buffers, valid until the runner's next graphed step (`CudaGraphs`).
         """
         n = input_ids.shape[1]
         needed = self.longest_after(rows, n) if needed is None else needed
@@ -500,8 +500,9 @@ class CudaGraphs:
     """Captured steps of one runner, keyed by (what, padded batch, key length, block, the inputs' shapes).
 
     Inputs are copied into static buffers before a replay; graphs of one input shape share them (replays never
-    overlap: one runner, one stream). The returned outputs live in the graph's buffers and are valid until that
-    graph replays again.
+    overlap: one runner, one stream). The returned outputs live in the graphs' shared memory pool and are valid until
+    the runner's next replay of any graph: one captured later may have its outputs where an earlier one keeps its
+    intermediates (seen on an H200: a one-token step's logits overwritten by the next verify-sized replay).
     """
 
     def __init__(self, runner: ModelRunner) -> None:
