@@ -87,6 +87,59 @@ def test_the_kernels_equal_float64_attention_in_triton_interpreter() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
+def check_a_model_on_the_kernels() -> None:
+    """A Llama-shaped model's steps through `ModelRunner` (a prefill, verify-sized and one-token steps, rows of
+    different lengths) give the same logits on the kernels as on the matmul path, and every kernel call got the
+    step's positions from the decoder layers (its cut-off; without them the kernels still read every key)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import minedraft.attention as attention
+    from minedraft import decode_attention
+    from minedraft.model_runner import ModelRunner
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    given: list[bool] = []
+    plain = decode_attention.short_query_attention
+
+    def watched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        given.append(positions is not None)
+        return plain(query, key, value, mask, scale, positions)
+
+    def steps(on_kernels: bool) -> list[torch.Tensor]:
+        # On the CPU the kernels run only if asked (here through Triton's interpreter).
+        attention.KERNELS = decode_attention if on_kernels else None
+        attention.uses_kernel = (lambda q, k, v, m, queries: queries <= attention.SHORT_QUERY  # type: ignore
+                                 and decode_attention.supports(q, k, v, m))
+        runner = ModelRunner(model, 4, 256)
+        rows = torch.tensor(runner.allocate(2))
+        generator = torch.Generator().manual_seed(1)
+        out = [runner.forward(rows, torch.randint(0, 300, (2, 12), generator=generator), torch.tensor([12, 7]),
+                              last_only=True)]
+        for n in (5, 1, 5):
+            out.append(runner.forward(rows, torch.randint(0, 300, (2, n), generator=generator), torch.full((2,), n)))
+        return out
+
+    decode_attention.short_query_attention = watched  # type: ignore[assignment]
+    for kernels, matmuls in zip(steps(True), steps(False), strict=True):
+        torch.testing.assert_close(kernels, matmuls, atol=1e-4, rtol=1e-4)
+    assert given and all(given), given
+
+
+@pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7),
+                    reason="Triton 3.6's interpreter passes scalar arguments as arrays, which a loop bound refuses")
+def test_a_model_on_the_kernels_equals_the_matmul_path_in_triton_interpreter() -> None:
+    code = "import test_decode_attention as t; t.check_a_model_on_the_kernels(); print('ok')"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_kernels_equal_float64_attention_on_a_gpu() -> None:
     """On each GPU (the kernels must launch on their tensors' GPU, whichever is current)."""
