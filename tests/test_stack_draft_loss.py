@@ -179,8 +179,10 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
         assert all(c.usage.draft_tokens > 0 for c in after)
         # Tokens streamed while the draft ran its step shapes: the steps did not wait for its channel set-up.
         start, end = precapture_window(restarted.log_tail(10**7))
-        assert end - start > 0.5, (start, end)  # long enough to tell
-        assert sum(start < t < end for t in arrivals) > 30, (start, end)  # 267 here; 3 when steps waited
+        # The window and the token rate both scale with the CPU's speed (0.52-0.57 s and 468-615 tokens on this
+        # 2-core machine, 0.49 s in one clean-clone run, which failed a 0.5 s bound): what tells is the count.
+        assert end - start > 0.2, (start, end)
+        assert sum(start < t < end for t in arrivals) > 30, (start, end)  # 3 when steps waited
     finally:
         workers.stop()
 
