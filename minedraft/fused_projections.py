@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from minedraft.kv_cache import SlotKVCache
+
 log = logging.getLogger(__name__)
 
 # Classes whose forward is exactly what the fused modules below compute (transformers' Llama code, which Mistral and
@@ -71,7 +73,12 @@ class FusedQKVAttention(torch.nn.Module):
                              for t in self.qkv_proj(hidden_states).split(self.splits, dim=-1))
         cos, sin = position_embeddings
         query, key = self.rotate(query, key, cos, sin)
-        if cache is not None:
+        if isinstance(cache, SlotKVCache) and cache.stacked:
+            # Written here and read here: `read`'s graph break then falls in this frame, and the write compiles with
+            # the rotary embedding above (`SlotKVCache.write`).
+            cache.write(key, value, self.layer_idx)
+            key, value = cache.read(self.layer_idx)
+        elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, self.eager_attention)
         if self.sliding_window is not None:

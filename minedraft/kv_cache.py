@@ -73,12 +73,26 @@ class SlotKVCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._rows is not None and self._positions is not None, "SlotKVCache.select() was not called"
-        if self._stacks is None or self._layer_index is None:
+        if not self.stacked:
             return self._update_layer(key_states, value_states, layer_idx)
-        # Inside compiled layers (compile_decoder_layers) this write fuses with the rotary embedding into the
-        # kernels that produce K and V (outside, it was two index_put kernels and two copies per layer). The layer
-        # index stays a symbolic int there, so that one compiled layer serves every layer: it indexes the stacks,
-        # where indexing a Python list would compile each layer anew.
+        self.write(key_states, value_states, layer_idx)
+        return self.read(layer_idx)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether all layers' K/V live in two stacks (allocated, on one device): `write` and `read` apply."""
+        return self._stacks is not None
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Write a stacked cache's new K/V of layer `layer_idx` (`update` without the read).
+
+        Compiled layers (compile_decoder_layers) that call this and then `read` from their own code compile the write
+        with the rotary embedding that produces K: `update` holds `read`'s graph break, so the write called through
+        it lands in a graph of its own, a kernel or two more per layer. The layer index stays a symbolic int there,
+        so that one compiled layer serves every layer: it indexes the stacks, where indexing a Python list would
+        compile each layer anew.
+        """
+        assert self._stacks is not None and self._layer_index is not None and self._rows is not None
         keys, values = self._stacks
         if key_states.shape[1] != keys.shape[2] or key_states.shape[3] != keys.shape[4]:
             raise ValueError(f"layer {layer_idx} has K/V heads of shape {tuple(key_states.shape[1::2])}, layer 0 "
@@ -87,6 +101,13 @@ class SlotKVCache(Cache):
         index = [self._layer_index[layer_idx], self._rows[:, None], None, self._positions]
         torch.ops.aten.index_put_(keys, index, key_states.transpose(1, 2).to(keys.dtype))  # (None: all heads)
         torch.ops.aten.index_put_(values, index, value_states.transpose(1, 2).to(values.dtype))
+
+    # Outside compiled layers: the key length and the block's start are Python ints that compiled code would
+    # specialise on (a compile, or an uncompiled layer, for every block and bucket not seen in the warm-up).
+    @torch.compiler.disable
+    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s K/V of the selected rows up to the step's key length (see `_read`)."""
+        assert self._rows is not None
         return self._read(layer_idx, self._rows)
 
     # Outside compiled layers: the first forward allocates, and the layers of a model spread over GPUs index a list
@@ -109,9 +130,6 @@ class SlotKVCache(Cache):
         values[rows[:, None], :, positions] = value_states.transpose(1, 2).to(values.dtype)
         return self._read(layer_idx, rows)
 
-    # Outside compiled layers too: the key length and the block's start are Python ints that compiled code would
-    # specialise on (a compile, or an uncompiled layer, for every block and bucket not seen in the warm-up).
-    @torch.compiler.disable
     def _read(self, layer_idx: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s K/V of the batch's (cache) `rows` up to the step's key length: a view of a block, or
         gathered."""
