@@ -60,3 +60,31 @@ def test_projections_that_are_not_plain_linears_stay_as_they_are() -> None:
     fuse_projections(model)
     assert model.model.layers[0].self_attn is attention and attention.k_proj is quantized
     assert isinstance(model.model.layers[1].self_attn, FusedQKVAttention)
+
+
+def test_a_compiled_layer_writes_its_kv_in_the_graph_of_its_rotary_embedding() -> None:
+    """The slot cache's read breaks a compiled layer's graph; the K/V write must land before the break, in the graph
+    that computes K's rotary embedding, so that the compiler fuses them (a graph of its own cost a kernel or two per
+    layer on an H200)."""
+    from minedraft.model_runner import ModelRunner
+
+    model = _model("llama")
+    runner = ModelRunner(model, 4, 64)
+    rows = torch.tensor(runner.allocate(2))
+    runner.forward(rows, torch.ones(2, 3, dtype=torch.long), torch.full((2,), 3))  # allocates the stacked cache
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    layer = model.model.layers[0]
+    model.model.layers[0] = torch.compile(layer, backend=keep, dynamic=True)
+    try:
+        runner.forward(rows, torch.ones(2, 2, dtype=torch.long), torch.full((2,), 2))
+    finally:
+        model.model.layers[0] = layer
+    ops = [{str(node.target) for node in graph.graph.nodes if node.op == "call_function"} for graph in graphs]
+    writes = [names for names in ops if any("index_put" in name for name in names)]
+    assert len(graphs) > 1 and writes, ops  # the read's break, and the writes traced
+    assert all("<built-in function neg>" in names for names in writes), ops  # rotate_half's negation
