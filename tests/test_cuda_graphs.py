@@ -140,13 +140,13 @@ def _compiled_steps(compiled: bool) -> list[torch.Tensor]:
                          groups=2)
     rows = torch.tensor(runner.allocate(3))
     generator = torch.Generator().manual_seed(4)
-    out = [runner.forward(rows, torch.tensor([p[:10] for p in PROMPTS]), torch.full((3,), 10), last_only=True)]
+    # Each copied at once: a replayed step's logits live in its graph's buffers, which later replays reuse.
+    out = [runner.forward(rows, torch.tensor([p[:10] for p in PROMPTS]), torch.full((3,), 10), last_only=True).cpu()]
     for n in (5, 5, 1, 1, 5):
         ids = torch.randint(0, 512, (3, n), generator=generator)
-        # Copied at once: a replayed step's logits live in its graph's buffers, which later replays reuse.
         out.append(runner.forward(rows, ids, torch.full((3,), n), arrangement=runner.arrange(rows.tolist(), 0)).cpu())
     assert not compiled or runner.graphs is not None, "a capture failed: the steps ran eagerly"
-    return [t.cpu() for t in out]  # (the prefill ran eagerly: its own tensor)
+    return out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
