@@ -65,9 +65,10 @@ def main() -> None:
 
 
 def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
-    """Where a step's time goes outside its graph, without the profiler: from the call to the graph's launch (host
-    work before it: the GPU idles), the launch itself, and from the launch's return to the step's return (the
-    graph's GPU time, then copying results out). Medians over `repeats` steps."""
+    """Where a step's time goes outside its graphs, without the profiler: from the call to the first graph's launch
+    (host work before it: the GPU idles), that launch, the launches of the rest of the step's chain (the GPU runs
+    meanwhile), and from the last launch's return to the step's return (the GPU finishing, then copying results
+    out). Medians over `repeats` steps."""
     replay = torch.cuda.CUDAGraph.replay
     marks: list[float] = []
 
@@ -79,7 +80,7 @@ def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
     torch.cuda.CUDAGraph.replay = timed_replay  # type: ignore[method-assign]
     try:
         for name in ("propose", "verify"):
-            phases: list[tuple[float, float, float]] = []
+            phases: list[tuple[float, ...]] = []
             for _ in range(repeats):
                 if name == "verify":
                     pair.propose(0)
@@ -89,33 +90,38 @@ def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
                 (pair.verify if name == "verify" else pair.propose)(0)
                 torch.cuda.synchronize()
                 end = time.perf_counter()
-                if len(marks) == 2:
-                    phases.append((marks[0] - start, marks[1] - marks[0], end - marks[1]))
+                if marks:
+                    phases.append((marks[0] - start, marks[1] - marks[0], marks[-1] - marks[1], end - marks[-1]))
             if not phases:
                 print(f"B={batch} {name}: no graph replayed", flush=True)
                 continue
-            before, launch, after = (sorted(p[i] for p in phases)[len(phases) // 2] * 1e3 for i in range(3))
-            print(f"B={batch} {name} host phases (median ms): {before:.3f} before the launch, {launch:.3f} launching, "
-                  f"{after:.3f} from the launch's return to the step's end", flush=True)
+            before, first, rest, after = (sorted(p[i] for p in phases)[len(phases) // 2] * 1e3 for i in range(4))
+            print(f"B={batch} {name} host phases (median ms): {before:.3f} before the first launch, {first:.3f} "
+                  f"launching the first graph, {rest:.3f} launching the other {len(marks) // 2 - 1}, {after:.3f} "
+                  f"from the last launch's return to the step's end", flush=True)
     finally:
         torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
 
 
 def launch_times(pair: Pair, batch: int) -> None:
-    """Host time of one `graph.replay()` per captured graph, without the profiler (CUPTI slows launches down):
-    what a step pays on the host before the GPU starts, against the graph's GPU time. Replays advance the rows of
-    their last inputs: run it on a pair about to be dropped."""
+    """Host time of the `replay()`s of each captured step's chain of graphs, without the profiler (CUPTI slows
+    launches down): the first launch is what a step pays on the host before the GPU starts, against the chain's GPU
+    time. Replays advance the rows of their last inputs: run it on a pair about to be dropped."""
     for role, runner in (("target", pair.verifier.runner), ("draft", pair.proposer.runner)):
-        for key, (graph, _, _) in (runner.graphs.graphs.items() if runner.graphs else []):
-            host, total = [], []
+        for key, (graphs, _, _) in (runner.graphs.graphs.items() if runner.graphs else []):
+            first, host, total = [], [], []
             for _ in range(5):
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                graph.replay()
+                graphs[0].replay()
+                first.append(time.perf_counter() - start)
+                for graph in graphs[1:]:
+                    graph.replay()
                 host.append(time.perf_counter() - start)
                 torch.cuda.synchronize()
                 total.append(time.perf_counter() - start)
-            print(f"B={batch} {role} graph {key}: launch {sorted(host)[2] * 1e3:.3f} ms on the host, "
+            print(f"B={batch} {role} graphs {key}: {len(graphs)} in its chain, the first launched in "
+                  f"{sorted(first)[2] * 1e3:.3f} ms on the host, all in {sorted(host)[2] * 1e3:.3f} ms, "
                   f"{sorted(total)[2] * 1e3:.2f} ms to finish", flush=True)
 
 

@@ -6,6 +6,7 @@ import gc
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
+# A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 2, 4, 8, ... (0-based):
+# the GPU starts on the first while the host launches the rest (`CudaGraphs`). False: one graph per step.
+SPLIT_LAUNCH = True
 # (rows, per-row inputs, kv_len, view_start) -> outputs: one forward, or a loop of them
 StepFn = Callable[[torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"], list[torch.Tensor]]
 # (rows, input_ids, num_valid, cache lengths before the step, logits, *extra inputs) -> outputs: what a step makes
@@ -65,6 +69,11 @@ def attention_layout(config: object) -> tuple[int | None, bool]:
     return int(window), kinds != {"sliding_attention"}
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' layer base class), in order; empty for a model without them."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def compile_decoder_layers(model: torch.nn.Module) -> None:
     """`torch.compile` each decoder layer (in place, once per model): fused elementwise kernels inside the graphs.
 
@@ -78,11 +87,13 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     # Batch 1, one-token steps and several attention kinds each specialise: more variants than the default 8.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     if not layers:
         log.warning("no decoder layers found in %s: running uncompiled", type(model).__name__)
     for layer in layers:
-        layer.compile(dynamic=True)
+        # The forward, not the module's call: hooks stay outside the compiled code (the runner's layer hook, which
+        # splits a graph's capture, must run eagerly).
+        layer.forward = torch.compile(layer.forward, dynamic=True)
     # The base model's rotary embedding and final norm run once a step, outside the layers: a dozen small kernels
     # eagerly (the cosines and sines in float32, the norm's power, mean, rsqrt and products), one or two compiled.
     # In a draft's decode loop they are repeated every step, beside only a few layers.
@@ -141,6 +152,18 @@ class ModelRunner:
         # cover.
         self.step_keys: set[tuple[object, ...]] = set()
         self._masks = self._step_masks
+        # Called at the start of each decoder layer's forward while set (`CudaGraphs` splits a capture there). The
+        # hook holds the runner weakly: runners made and dropped over one model must not stay alive through it.
+        self.before_layer: Callable[[], None] | None = None
+        runner = weakref.ref(self)
+
+        def before_layer(module: torch.nn.Module, args: object) -> None:
+            hook = getattr(runner(), "before_layer", None)
+            if hook is not None:
+                hook()
+
+        for layer in decoder_layers(model):
+            layer.register_forward_pre_hook(before_layer)
         if compile_layers:
             compile_decoder_layers(model)
             self._masks = torch.compile(self._step_masks, dynamic=True)
@@ -510,7 +533,9 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph's default capture stream is one per process, made on whichever device was current.
         self.capture_stream = torch.cuda.Stream(runner.device)
-        self.graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]] = {}
+        # key -> (the step's chain of graphs, its input buffers, its outputs)
+        self.graphs: dict[tuple[object, ...], tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor],
+                                                    list[torch.Tensor]]] = {}
         self.buffers: dict[tuple[object, ...], torch.Tensor] = {}
 
     def run(self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
@@ -525,16 +550,17 @@ class CudaGraphs:
                 start = time.perf_counter()
                 self.graphs[key] = self._capture(fn, inputs, fills, padded)
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
-            graph, static, outputs = self.graphs[key]
+            graphs, static, outputs = self.graphs[key]
             for buffer, value, fill in zip(static, inputs, fills, strict=True):
                 buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
                 if batch < padded:
                     buffer[batch:].fill_(fill)
-            graph.replay()
+            for graph in graphs:
+                graph.replay()
             return [t[:batch] for t in outputs]
 
     def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
-                 ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], list[torch.Tensor]]:
+                 ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]:
         device = self.runner.device
         static = []
         for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):
@@ -549,18 +575,39 @@ class CudaGraphs:
             for _ in range(2):
                 fn(static[0], static[1:])
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
         # that capture: seen on an H200. So collect first, and not during. (Cheap in a service: its start-up
         # objects are frozen, see server_utils.start_server.)
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()
+        # A chain of graphs rather than one: launching a graph takes the host ~0.3 us a kernel (0.2 ms for an 8B
+        # verify's ~600), and the GPU starts only at the launch's end. Each next graph of the chain is about as long
+        # as all before it, so its launch runs while they do: the GPU waits only for the first (one layer's kernels).
+        # They share the pool and always replay in capture order, so each finds the tensors the one before left.
+        graphs = [torch.cuda.CUDAGraph()]
+        layer_calls = 0
+
+        def next_graph_at_doubling() -> None:
+            nonlocal layer_calls
+            layer_calls += 1
+            if layer_calls > 1 and layer_calls & (layer_calls - 1) == 0:
+                graphs[-1].capture_end()
+                graphs.append(torch.cuda.CUDAGraph())
+                graphs[-1].capture_begin(self.pool, capture_error_mode="thread_local")
+
+        torch.cuda.synchronize(device)
         try:
             # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
-                outputs = fn(static[0], static[1:])
+            with torch.cuda.stream(self.capture_stream):
+                graphs[0].capture_begin(self.pool, capture_error_mode="thread_local")
+                try:
+                    self.runner.before_layer = next_graph_at_doubling if SPLIT_LAUNCH else None
+                    outputs = fn(static[0], static[1:])
+                finally:
+                    self.runner.before_layer = None
+                    graphs[-1].capture_end()
         finally:
             if collecting:
                 gc.enable()
-        return graph, static, outputs
+        return graphs, static, outputs

@@ -59,6 +59,7 @@ def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor,
         out.append((proposal.draft_ids.cpu()[back], probs))
         accepted, last = torch.full((3,), step % 5), out[-1][0][:, 0]
     assert not graphs or proposer.runner.graphs is not None, "a capture failed: the proposals ran eagerly"
+    assert not graphs or _chained(proposer.runner)
     return out
 
 
@@ -75,7 +76,16 @@ def _verifies(graphs: bool, kind: str, device: str) -> list[list[tuple[list[int]
         rows = verifier.verify(order, drafts, probs, batch_id).per_row()
         out.append([rows[order.index(s)] for s in SEQS])
     assert not graphs or verifier.runner.graphs is not None, "a capture failed: the verifies ran eagerly"
+    assert not graphs or _chained(verifier.runner)
     return out
+
+
+def _chained(runner: ModelRunner) -> bool:
+    """Whether every step was captured as a chain of graphs, a new one at layer calls 1, 3, 7... (so what is compared
+    with eager ran across graphs: 2 for a verify of the two-layer models, 4 for a proposal of 4 steps)."""
+    assert runner.graphs is not None
+    chains = [len(graphs) for graphs, _, _ in runner.graphs.graphs.values()]
+    return bool(chains) and min(chains) > 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -146,6 +156,7 @@ def _compiled_steps(compiled: bool) -> list[torch.Tensor]:
         ids = torch.randint(0, 512, (3, n), generator=generator)
         out.append(runner.forward(rows, ids, torch.full((3,), n), arrangement=runner.arrange(rows.tolist(), 0)).cpu())
     assert not compiled or runner.graphs is not None, "a capture failed: the steps ran eagerly"
+    assert not compiled or _chained(runner)
     return out
 
 
