@@ -126,6 +126,7 @@ class Pair:
         graphs = not EAGER
         self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs, COMPILE, groups=2), [],
                                  synthetic_acceptance=synthetic)
+        self.verifier.warm_up(k)
         self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE, groups=2))
         self.k, self.batch = k, batch
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)

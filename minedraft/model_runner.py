@@ -151,6 +151,7 @@ class ModelRunner:
         # The static shape of every step run so far, as its CUDA graph's key (any device): what `precapture` must
         # cover.
         self.step_keys: set[tuple[object, ...]] = set()
+        self.compiles = compile_layers
         self._masks = self._step_masks
         # Called at the start of each decoder layer's forward while set (`CudaGraphs` splits a capture there). The
         # hook holds the runner weakly: runners made and dropped over one model must not stay alive through it.
@@ -214,13 +215,20 @@ class ModelRunner:
         if not self.cache.keys:
             self._scratch_step(1, 1, 1, forward, None)
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
-        kinds = [(batch, n) for batch in (1, 2, many) for n in (1, 2, min(SHORT_QUERY + 1, self.max_len))]
-        for batch, n in kinds:
-            # Batches read K/V as views (arrange); prefills gather theirs. The strides differ, and so does the code.
-            self._scratch_step(batch, n, n, forward, self._block(0, batch) if n < SHORT_QUERY else None)
+        # Batches read K/V as views (arrange); prefills gather theirs, short ones too. The strides differ, and so
+        # does the code.
+        kinds = [(batch, n, view) for batch in (1, 2, many)
+                 for n, view in ((1, True), (2, True), (2, False), (min(SHORT_QUERY + 1, self.max_len), False))]
+        for batch, n, view in kinds:
+            self._scratch_step(batch, n, n, forward, self._block(0, batch) if view else None)
         self.cache.lengths[self.scratch_row] = 0
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
+
+    def stance(self) -> str:
+        """How compiled code meets a kind of step it was not compiled for: compiles it until warmed up, then runs it
+        uncompiled rather than stall a step (`unseen_step_stance`)."""
+        return self.unseen_step_stance if self.warmed_up else "default"
 
     def step_shape(self, batch: int, needed: int) -> tuple[int, int]:
         """(padded batch, key length) of a step on `batch` rows whose longest reaches `needed` tokens: the static
@@ -428,6 +436,8 @@ class ModelRunner:
     ) -> list[torch.Tensor]:
         """`inputs`: the rows, then the per-row inputs (on the host or the device)."""
         if self.device.type != "cuda":
+            # As a graph's buffers and a padded batch are: inference tensors, which compiled code guards on.
+            inputs = [t if t.is_inference() else t.clone() for t in inputs]
             return fn(inputs[0], inputs[1:], kv_len, view_start)
         if self.graphs is not None and graphable and self.cache.keys:
 
@@ -455,7 +465,7 @@ class ModelRunner:
         """The forward proper, free of host syncs so that a CUDA graph can capture it."""
         batch = input_ids.shape[0]
         # The first forward allocates the cache: eagerly, or compiled code would be specialised on an empty one.
-        stance = self.unseen_step_stance if self.warmed_up else "default" if self.cache.keys else "force_eager"
+        stance = self.stance() if self.cache.keys else "force_eager"
         config = self.model.config
         own, config._attn_implementation = config._attn_implementation, self._attention
         try:

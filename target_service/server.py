@@ -59,6 +59,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, False
         )
         # After the attach: the draft's side of an nccl rendezvous is waiting for it.
+        await self.worker.run(self.verifier.warm_up, request.num_speculative_tokens)
         await self.worker.precapture(self.verifier.precapture, request.num_speculative_tokens, request.max_batch_size,
                                      request.num_batches)
         return target_pb2.TargetServiceSetupChannelResponse(handshake=handshake)

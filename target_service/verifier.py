@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,6 +15,10 @@ from minedraft.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
 
 RUNNING, FINISHED_STOP, FINISHED_LENGTH = 0, 1, 2
+# (all greedy, filtered) of the kinds of batch a proposer sends by default: ids only; sampled and filtered with the
+# draft's probabilities.
+KINDS = ((True, False), (False, False), (False, True))
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +53,11 @@ class Verifier:
         # length without waiting for the device (a row missing here costs one host sync).
         self.cached: dict[int, int] = {}
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
+        # With compiled layers the acceptance and commit compile too: in a greedy verify's graph they were 55 small
+        # kernels (99 with synthetic acceptance), ~0.1 ms of an 8B verify at batch 1. `warm_up` compiles them.
+        self._accept_and_commit = (torch.compile(self._accept_and_commit_eagerly, dynamic=True) if runner.compiles
+                                   else self._accept_and_commit_eagerly)
+        self._warmed_up: set[int] = set()  # draft counts (0: prefills) whose acceptance and commit are compiled
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
@@ -111,7 +122,7 @@ class Verifier:
         batch a proposer sends by default: all greedy (ids only), sampled and filtered (with the draft's
         probabilities)."""
         shapes, vocab = 0, self.runner.vocab_size
-        for all_greedy, filtered in ((True, False), (False, False), (False, True)):
+        for all_greedy, filtered in KINDS:
             def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
                        all_greedy: bool = all_greedy, filtered: bool = filtered) -> object:
                 probs = (torch.zeros(len(r), k, vocab, device=r.device),) if not all_greedy and k else ()
@@ -119,6 +130,29 @@ class Verifier:
 
             shapes += self.runner.precapture(max_batch, k + 1, verify, batch_ids)
         return shapes
+
+    @torch.inference_mode()
+    def warm_up(self, k: int) -> None:
+        """With compiled layers, compile the acceptance and commit of verifies of k drafts and of prefills and
+        target-only steps (none), for every kind of batch, at one row and at several, before serving: afterwards a
+        kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile."""
+        if not self.runner.compiles or {0, k} <= self._warmed_up:
+            return
+        start, row, vocab, device = time.perf_counter(), self.runner.scratch_row, self.runner.vocab_size, \
+            self.runner.device
+        for drafts in sorted({0, k}):
+            for all_greedy, filtered in KINDS:
+                for batch in (1, 2):
+                    rows = torch.full((batch,), row, device=device)
+                    tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
+                    probs = (torch.zeros(batch, drafts, vocab, device=device),) if not all_greedy and drafts else ()
+                    logits = torch.zeros(batch, drafts + 1, vocab, device=device)
+                    self._finisher(drafts, all_greedy, filtered)(rows, tokens, torch.full_like(rows, drafts + 1),
+                                                                 torch.zeros_like(rows), logits, *probs)
+        self.table.generated[row] = 0
+        self.runner.cache.lengths[row] = 0
+        self._warmed_up.update({0, k})
+        log.info("acceptance and commit compiled for k=%d in %.1f s", k, time.perf_counter() - start)
 
     def _kind(self, all_greedy: bool, filtered: bool) -> str:
         """The name of a finisher's kind (its graphs' key)."""
@@ -132,16 +166,24 @@ class Verifier:
                    logits: torch.Tensor, *draft_probs: torch.Tensor) -> list[torch.Tensor]:
             if logits.dim() == 2:  # a prefill's logits, at each prompt's last token
                 logits = logits[:, None]
-            draft_ids = inputs[:, inputs.shape[1] - k:]
-            first_position = before + num_valid - k  # sequence index of the first draft (or of the next token)
-            t = self.table
-            params = RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed_key[rows])
-            sampled = rejection_sample(logits, draft_ids, draft_probs[0] if draft_probs else None, params,
-                                       first_position, self.synthetic_acceptance, all_greedy=all_greedy,
-                                       filtered=filtered)
-            return [self._commit(rows, first_position - 1, sampled)]
+            # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
+            draft_ids = inputs[:, inputs.shape[1] - k:] if k else inputs.new_zeros(len(inputs), 0)
+            with torch.compiler.set_stance(self.runner.stance() if k in self._warmed_up else "default"):
+                return [self._accept_and_commit(rows, draft_ids, before + num_valid - k, logits,
+                                                draft_probs[0] if draft_probs else None, all_greedy, filtered)]
 
         return finish
+
+    def _accept_and_commit_eagerly(self, rows: torch.Tensor, draft_ids: torch.Tensor, first_position: torch.Tensor,
+                                   logits: torch.Tensor, draft_probs: torch.Tensor | None, all_greedy: bool,
+                                   filtered: bool) -> torch.Tensor:
+        """`rejection_sample`, then `_commit`; `first_position` is each row's sequence index of its first draft (or
+        of its next token)."""
+        t = self.table
+        params = RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed_key[rows])
+        sampled = rejection_sample(logits, draft_ids, draft_probs, params, first_position, self.synthetic_acceptance,
+                                   all_greedy=all_greedy, filtered=filtered)
+        return self._commit(rows, first_position - 1, sampled)
 
     def _padded(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""

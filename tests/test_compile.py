@@ -32,7 +32,10 @@ def test_compiled_layers_give_generate_output() -> None:
                     for p in prompts]
     runner = ModelRunner(target, 4, 128, compile_layers=True)  # warms up
     verifier = Verifier(runner, eos_token_ids=[])
+    verifier.warm_up(3)  # the acceptance and commit of verifies of 3 drafts, prefills and target-only steps
     proposer = Proposer(ModelRunner(draft, 4, 128))  # uncompiled: compiling costs minutes on a CI CPU
+    # From here a kind of step or of batch that the warm-ups missed fails instead of running uncompiled.
+    runner.unseen_step_stance = "fail_on_recompile"
     requests = [OfflineRequest(p, SamplingConfig(max_tokens=12, ignore_eos=True), arrival_step=i)
                 for i, p in enumerate(prompts)]  # joining mid-flight: batch sizes 1 and 2, prefills between steps
     compiled_before = counters["stats"]["unique_graphs"]
@@ -42,9 +45,13 @@ def test_compiled_layers_give_generate_output() -> None:
     assert getattr(target, "_minedraft_compiled", False) and compiled_before > 0
     assert counters["stats"]["unique_graphs"] == compiled_before  # nothing compiled while serving
     assert [o.tokens for o in outputs] == [e.tolist() for e in expected]
-    # One-token steps (a draft's, an AR step's) at 1 and 2 rows were compiled too: a kind the warm-up missed
-    # would run its layers uncompiled, here it fails.
-    runner.unseen_step_stance = "fail_on_recompile"
+    # Sampled and filtered batches (with the draft's probabilities), and target-only steps, at 1 and 2 rows.
+    for config in (SamplingConfig(temperature=0.9, seed=1, max_tokens=6, ignore_eos=True),
+                   SamplingConfig(temperature=0.9, top_k=8, seed=2, max_tokens=6, ignore_eos=True)):
+        for drafter, k in ((proposer, 3), (None, 0)):
+            requests = [OfflineRequest(p, config, arrival_step=i) for i, p in enumerate(prompts[:2])]
+            assert [len(o.tokens) for o in generate_offline(verifier, drafter, requests, k, 2)] == [6, 6]
+    # One-token steps (a draft's, an AR step's) at 1 and 2 rows were compiled too.
     for batch in (1, 2):
         rows = runner.allocate(batch)
         runner.forward(torch.tensor(rows), torch.ones(batch, 1, dtype=torch.long), torch.ones(batch, dtype=torch.long),
