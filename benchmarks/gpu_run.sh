@@ -7,6 +7,7 @@
 #                       precapture (run 12d), so AR rarely fits in the same call
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
+#   linear              a step's projections: cuBLAS against the few-row Triton kernel (EXTRA="--sweep": its tiles)
 #   attention           the step attention's fused and two-matmul paths, compiled, at real steps' shapes
 #   compile             steps with and without compiled layers, side by side (COMPILE_MODES), and the compiled steps
 #                       profiled (PROFILE_BATCHES= empty: not profiled)
@@ -103,6 +104,10 @@ steps)
     ;;
 attention)
     timeout -k 10 ${BENCH_SECONDS:-300} python3 benchmarks/attention_bench.py ${EXTRA:-} 2>&1 | tee "$OUT/run/attention.txt"
+    ;;
+linear)
+    timeout -k 10 ${BENCH_SECONDS:-300} python3 tests/test_skinny_linear.py 2>&1 | tee "$OUT/run/test_skinny_linear.log" | tail -3
+    timeout -k 10 ${BENCH_SECONDS:-300} python3 benchmarks/linear_bench.py ${EXTRA:-} 2>&1 | tee "$OUT/run/linear.txt"
     ;;
 kvgather)
     python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import needs_interpreter, run_in_interpreter
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -75,25 +73,9 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
         assert error < tolerance, f"relative error {error:.2e} for {shape}"
 
 
-# Triton's interpreter runs the kernels on the CPU; Triton 3.6's passes scalar arguments as arrays, which a loop
-# bound refuses.
-needs_interpreter = pytest.mark.skipif(tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7),
-                                       reason="Triton < 3.7: its interpreter refuses scalar loop bounds")
-
-
-def run_in_interpreter(call: str) -> None:
-    """`call` (on this module, as `t`) in a fresh process with TRITON_INTERPRET=1, which must be set before Triton
-    compiles anything; it must print nothing but the final 'ok'."""
-    code = f"import torch, test_decode_attention as t; {call}; print('ok')"
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])])}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
-
-
 @needs_interpreter
 def test_the_kernels_equal_float64_attention_in_triton_interpreter() -> None:
-    run_in_interpreter("t.check_against_reference('cpu', torch.float32, 1e-5)")
+    run_in_interpreter("test_decode_attention", "t.check_against_reference('cpu', torch.float32, 1e-5)")
 
 
 def check_a_model_on_the_kernels() -> None:
@@ -141,7 +123,7 @@ def check_a_model_on_the_kernels() -> None:
 
 @needs_interpreter
 def test_a_model_on_the_kernels_equals_the_matmul_path_in_triton_interpreter() -> None:
-    run_in_interpreter("t.check_a_model_on_the_kernels()")
+    run_in_interpreter("test_decode_attention", "t.check_a_model_on_the_kernels()")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
