@@ -170,3 +170,23 @@ def test_greedy_matches_target_alone(mode: str, all_workers: dict[str, Workers],
     for arch, workers in all_workers.items():
         seen = wait_all_slots_free(workers)
         assert all(free == total for free, total in seen.values()), f"{arch} workers hold sequences: {seen}"
+
+
+def test_compiled_services_match_target_alone(tiny_pairs: TinyPairs, cases: dict[str, list[Case]],
+                                              stack_logs: Path) -> None:
+    """With `--compile` (compiled layers, and the target's acceptance and commit, warmed up when the coordinator
+    connects), PSD through the services still gives `generate()`'s tokens."""
+    some = cases["llama"][:12]  # a prefill-only request, text and token prompts, EOS stops, joins mid-flight
+    workers = start_workers(tiny_pairs["llama"], stack_logs, extra=["--compile"])
+    coordinator = None
+    try:
+        coordinator = spawn("coordinator-llama-compiled", coordinator_args(
+            workers, "psd", k=K["llama"], max_batch_size=COORDINATOR_BATCH), stack_logs)
+        wait_all([coordinator], timeout=600)
+        got = asyncio.run(_run_all({"llama": coordinator.address}, {"llama": some}))["llama"]
+        target_log = workers.target.log_tail(10**7)
+    finally:
+        stop_all([coordinator])
+        workers.stop()
+    assert "acceptance and commit compiled for k=4" in target_log
+    assert [(c.token_ids, c.finish_reason) for c in got] == [(c.expected, c.expected_finish) for c in some]
