@@ -68,8 +68,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes this product: a 2-D contiguous weight whose K is a multiple of the K step, rows with
     a unit last stride, and at most `MAX_ROWS` of them."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (weight.dim() == 2 and weight.is_contiguous() and x.stride(-1) == 1 and 0 < rows <= MAX_ROWS
-            and x.dtype == weight.dtype and weight.shape[1] % tiles(rows)[2] == 0)
+    return (weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1] and x.stride(-1) == 1
+            and 0 < rows <= MAX_ROWS and x.dtype == weight.dtype and weight.shape[1] % tiles(rows)[2] == 0)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

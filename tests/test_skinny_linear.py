@@ -39,6 +39,7 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
     # More rows than a step has, or a K the loop step does not divide: not the kernel's (cuBLAS's, in the operator).
     assert not skinny_linear.supports(randn(skinny_linear.MAX_ROWS + 1, 256), randn(64, 256))
     assert not skinny_linear.supports(randn(4, 200), randn(64, 200))
+    assert not skinny_linear.supports(randn(4, 256), randn(64, 512))  # mismatched K: F.linear's error, not garbage
 
 
 def check_the_operator_in_compiled_code(device: str) -> None:
