@@ -78,7 +78,7 @@ def test_steps_with_the_kernel_equal_steps_with_cublas() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from minedraft import skinny_linear
-    from minedraft.model_runner import ModelRunner
+    from minedraft.model_runner import BATCH_BUCKETS, ModelRunner
 
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -86,8 +86,15 @@ def test_steps_with_the_kernel_equal_steps_with_cublas() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to("cuda").eval()
 
+    plain, calls = skinny_linear.skinny_linear, []
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return plain(x, weight, bias)
+
     def steps(enabled: bool) -> list[torch.Tensor]:
         skinny_linear.ENABLED = enabled
+        skinny_linear.skinny_linear = counted  # type: ignore[assignment]
         try:
             runner = ModelRunner(model, 4, 256)
             rows = torch.tensor(runner.allocate(3))
@@ -100,9 +107,17 @@ def test_steps_with_the_kernel_equal_steps_with_cublas() -> None:
             return out
         finally:
             skinny_linear.ENABLED = False
+            skinny_linear.skinny_linear = plain  # type: ignore[assignment]
 
-    for kernel, cublas in zip(steps(True), steps(False), strict=True):
+    with_kernel = steps(True)
+    # Every projection of the verify-sized and one-token steps (their 3 rows padded to a batch bucket), none of the
+    # prefill's (60 tokens a row: too many rows).
+    padded = next(b for b in BATCH_BUCKETS if b >= 3)
+    assert calls and set(calls) == {5 * padded, padded}, calls
+    calls.clear()
+    for kernel, cublas in zip(with_kernel, steps(False), strict=True):
         torch.testing.assert_close(kernel, cublas, atol=1e-3, rtol=1e-3)
+    assert not calls
 
 
 if __name__ == "__main__":  # the GPU machine may lack pytest's plugins: `python tests/test_skinny_linear.py`
