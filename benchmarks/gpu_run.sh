@@ -15,7 +15,8 @@
 #   steps               the 8B verify and a draft's proposal in process: step times, host time before and during
 #                       each graph's launch, kernels (COMPILE=1: compiled layers; PROFILE_BATCHES, PROFILE_DRAFT)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
-#                       same paths) put over it, output in $OUT/old, then STAGE on this tree
+#                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
+#                       this tree first)
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
@@ -34,9 +35,16 @@ case $stage in
 ab)
     shift
     [ -d .old ] || { echo "ab: put the files of the version to compare against in .old/" >&2; exit 2; }
-    rm -rf /tmp/old && mkdir /tmp/old && cp -r . /tmp/old && cp -r .old/. /tmp/old/ \
-        && (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
-    exec bash benchmarks/gpu_run.sh "$@"
+    rm -rf /tmp/old && mkdir /tmp/old && cp -r . /tmp/old && cp -r .old/. /tmp/old/ || exit 1
+    # The half that runs second has met a warmer (or busier) GPU: AB_ORDER=new-first swaps them (run 16c/d).
+    if [ "${AB_ORDER:-old-first}" = new-first ]; then
+        bash benchmarks/gpu_run.sh "$@"
+        (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
+    else
+        (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
+        bash benchmarks/gpu_run.sh "$@"
+    fi
+    exit
     ;;
 check)
     nvidia-smi topo -m > "$OUT/run/topology.txt" 2>&1
