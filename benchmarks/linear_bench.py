@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
+from attention_bench import graph_ms
 
 from minedraft import skinny_linear
 
@@ -25,26 +26,6 @@ SHAPES = {
     "1b-qkv": (3072, 2048), "1b-o": (2048, 2048), "1b-gate-up": (16384, 2048), "1b-down": (2048, 8192),
 }
 LAYERS = 32
-
-
-def graph_us(calls: list[Callable[[], object]], repeat: int = 20) -> float:
-    """Median microseconds per call of `calls`, replayed one after another in a CUDA graph."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
 def calls(shape: tuple[int, int], rows: int, kernel: bool) -> tuple[list[Callable[[], object]], float]:
@@ -83,7 +64,7 @@ def main() -> None:
                     continue
                 try:
                     fns, size = calls(SHAPES[name], rows, True)
-                    us = graph_us(fns)
+                    us = graph_ms(fns) * 1e3
                 except Exception as exc:  # a tile too large for shared memory: skipped  # noqa: BLE001
                     print(f"{name} {rows} {config}: {type(exc).__name__}", flush=True)
                     continue
@@ -97,7 +78,7 @@ def main() -> None:
     for name, rows in itertools.product(shapes, rows_list):
         cublas_fns, size = calls(SHAPES[name], rows, False)
         kernel_fns, _ = calls(SHAPES[name], rows, True)
-        cublas, kernel = graph_us(cublas_fns), graph_us(kernel_fns)
+        cublas, kernel = graph_ms(cublas_fns) * 1e3, graph_ms(kernel_fns) * 1e3
         print(f"{name:>11} {rows:>4} {cublas:>9.1f} {size / cublas / 1e6:>5.2f} {kernel:>9.1f} "
               f"{size / kernel / 1e6:>5.2f} {kernel / cublas:>13.2f} {check(SHAPES[name], rows):>10.1e}", flush=True)
         del cublas_fns, kernel_fns
