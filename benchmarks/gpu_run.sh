@@ -7,13 +7,13 @@
 #                       precapture (run 12d), so AR rarely fits in the same call
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
-#   linear              a step's projections: cuBLAS against the few-row Triton kernel (EXTRA="--sweep": its tiles)
 #   attention           the step attention's fused and two-matmul paths, compiled, at real steps' shapes
 #   compile             steps with and without compiled layers, side by side (COMPILE_MODES), and the compiled steps
 #                       profiled (PROFILE_BATCHES= empty: not profiled)
 #   calls               a served load of the demo pair on the GPUs: each worker call's time outside the worker
 #   steps               the 8B verify and a draft's proposal in process: step times, host time before and during
-#                       each graph's launch, kernels (COMPILE=1: compiled layers; PROFILE_BATCHES, PROFILE_DRAFT)
+#                       each graph's launch, the host's calls, kernels (COMPILE=1: compiled layers; PROFILE_BATCHES,
+#                       PROFILE_DRAFT; EXTRA=--one-graph: a graph per step, not a chain)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first)
@@ -107,15 +107,12 @@ calls)
     ;;
 steps)
     timeout -k 10 ${PROFILE_SECONDS:-240} python3 benchmarks/profile_step.py ${COMPILE:+--compile} \
-        --batches "${PROFILE_BATCHES:-1,16}" --draft "${PROFILE_DRAFT:-1b}" --trace-dir "" > "$OUT/run/steps.txt" 2>&1
+        --batches "${PROFILE_BATCHES:-1,16}" --draft "${PROFILE_DRAFT:-1b}" --trace-dir "" ${EXTRA:-} > "$OUT/run/steps.txt" 2>&1
     grep -E "ms:|phases|launch|kernels" "$OUT/run/steps.txt" | cut -c1-200
+    grep -A12 "host calls" "$OUT/run/steps.txt" | cut -c1-140
     ;;
 attention)
     timeout -k 10 ${BENCH_SECONDS:-300} python3 benchmarks/attention_bench.py ${EXTRA:-} 2>&1 | tee "$OUT/run/attention.txt"
-    ;;
-linear)
-    timeout -k 10 ${BENCH_SECONDS:-300} python3 tests/test_skinny_linear.py 2>&1 | tee "$OUT/run/test_skinny_linear.log" | tail -3
-    timeout -k 10 ${BENCH_SECONDS:-300} python3 benchmarks/linear_bench.py ${EXTRA:-} 2>&1 | tee "$OUT/run/linear.txt"
     ;;
 kvgather)
     python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, ".")
 import benchmarks.gpu_bench as gpu_bench  # noqa: E402
 from benchmarks.gpu_bench import Pair, build  # noqa: E402
+from minedraft import model_runner  # noqa: E402
 
 
 def main() -> None:
@@ -22,8 +25,10 @@ def main() -> None:
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write Chrome traces here")
     parser.add_argument("--batches", default="1,32", help="batch sizes to profile")
     parser.add_argument("--draft", default="68m", choices=["68m", "1b"], help="draft shape")
+    parser.add_argument("--one-graph", action="store_true", help="one CUDA graph per step, not a chain")
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
+    model_runner.SPLIT_LAUNCH = not args.one_graph
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     device = "cuda:0"
@@ -59,6 +64,7 @@ def main() -> None:
             if args.trace_dir:
                 prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_b{batch}.json"))
         host_phases(pair, batch)
+        host_calls(pair, batch)
         launch_times(pair, batch)
         del pair
         torch.cuda.empty_cache()
@@ -101,6 +107,28 @@ def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
                   f"from the last launch's return to the step's end", flush=True)
     finally:
         torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+
+
+def host_calls(pair: Pair, batch: int, repeats: int = 50, rows: int = 22) -> None:
+    """The Python functions and CUDA calls a step spends its host time in (cProfile: each builtin's own time
+    includes the CUDA API call it makes), per step, over `repeats` steps. The step's wait for the GPU shows up in the
+    call that reads its result (`tolist`, `synchronize`)."""
+    for name in ("propose", "verify"):
+        profiler = cProfile.Profile()
+        for _ in range(repeats):
+            if name == "verify":
+                pair.propose(0)
+            torch.cuda.synchronize()
+            profiler.enable()
+            (pair.verify if name == "verify" else pair.propose)(0)
+            torch.cuda.synchronize()
+            profiler.disable()
+        stats = pstats.Stats(profiler)
+        top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:rows]  # type: ignore[attr-defined]
+        print(f"B={batch} {name} host calls (own time per step, us; calls per step):", flush=True)
+        for (file, line, function), (_, calls, own, _, _) in top:
+            where = function if file == "~" else f"{Path(file).name}:{line} {function}"
+            print(f"  {own / repeats * 1e6:8.1f} {calls / repeats:5.1f}  {where[:110]}", flush=True)
 
 
 def launch_times(pair: Pair, batch: int) -> None:

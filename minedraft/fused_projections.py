@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -25,28 +24,6 @@ log = logging.getLogger(__name__)
 # Qwen2 copy; Qwen2 and Mistral also pass their sliding window on). Others keep their own modules.
 ATTENTION_CLASSES = {"LlamaAttention", "MistralAttention", "Qwen2Attention"}
 GATED_MLP_CLASSES = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
-
-
-def _load_skinny_linear() -> ModuleType | None:
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from minedraft import skinny_linear
-    except ImportError:  # no Triton
-        return None
-    return skinny_linear
-
-
-# Loaded here, not in the forwards: compiled layers trace them, and an import has no business there.
-SKINNY_LINEAR = _load_skinny_linear()
-
-
-def project(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """`layer(x)`, a plain Linear; on a GPU with `skinny_linear.ENABLED`, through its operator (few rows: the
-    Triton kernel, else cuBLAS)."""
-    if SKINNY_LINEAR is not None and SKINNY_LINEAR.ENABLED and x.is_cuda:
-        return torch.ops.minedraft.linear(x, layer.weight, layer.bias)
-    return layer(x)
 
 
 def concatenated(layers: list[torch.nn.Linear]) -> torch.nn.Linear:
@@ -93,7 +70,7 @@ class FusedQKVAttention(torch.nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query, key, value = (t.view(hidden_shape).transpose(1, 2)
-                             for t in project(hidden_states, self.qkv_proj).split(self.splits, dim=-1))
+                             for t in self.qkv_proj(hidden_states).split(self.splits, dim=-1))
         cos, sin = position_embeddings
         query, key = self.rotate(query, key, cos, sin)
         if isinstance(cache, SlotKVCache) and cache.stacked:
@@ -108,7 +85,7 @@ class FusedQKVAttention(torch.nn.Module):
             kwargs["sliding_window"] = self.sliding_window
         output, weights = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                                  **kwargs)
-        return project(output.reshape(*input_shape, -1).contiguous(), self.o_proj), weights
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
 class FusedGatedMLP(torch.nn.Module):
@@ -121,8 +98,8 @@ class FusedGatedMLP(torch.nn.Module):
         self.act_fn: torch.nn.Module = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
-        return project(self.act_fn(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 def plain_linears(module: torch.nn.Module) -> bool:
