@@ -31,13 +31,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     async def SetupChannel(self, request: draft_pb2.DraftServiceSetupChannelRequest,
                            context: grpc.aio.ServicerContext) -> draft_pb2.DraftServiceSetupChannelResponse:
-        # Before the export: an nccl export waits (120 s at most) for the target, which attaches after this reply.
-        await self.worker.precapture(self.proposer.precapture, request.num_speculative_tokens, request.max_batch_size,
-                                     request.num_batches)
+        # Before the export (a no-op after Prepare): an nccl export waits (120 s at most) for the target, which
+        # attaches after this reply.
+        await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
         handshake = await self.worker.setup_channel(
             request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, True
         )
         return draft_pb2.DraftServiceSetupChannelResponse(handshake=handshake)
+
+    @grpc_errors
+    async def Prepare(self, request: draft_pb2.DraftServicePrepareRequest, context: grpc.aio.ServicerContext
+                      ) -> draft_pb2.DraftServicePrepareResponse:
+        await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
+        return draft_pb2.DraftServicePrepareResponse()
+
+    async def _prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
+        await self.worker.precapture(self.proposer.precapture, k, max_batch_size, num_batches)
 
     @grpc_errors
     async def Prefill(self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
 # A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 2, 4, 8, ... (0-based):
 # the GPU starts on the first while the host launches the rest (`CudaGraphs`). False: one graph per step.
 SPLIT_LAUNCH = True
+_CAPTURING = threading.Lock()  # held by the thread capturing a CUDA graph (`CudaGraphs._capture`)
 # (rows, per-row inputs, kv_len, view_start) -> outputs: one forward, or a loop of them
 StepFn = Callable[[torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"], list[torch.Tensor]]
 # (rows, input_ids, num_valid, cache lengths before the step, logits, *extra inputs) -> outputs: what a step makes
@@ -585,12 +587,6 @@ class CudaGraphs:
             for _ in range(2):
                 fn(static[0], static[1:])
         torch.cuda.current_stream(device).wait_stream(side)
-        # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
-        # that capture: seen on an H200. So collect first, and not during. (Cheap in a service: its start-up
-        # objects are frozen, see server_utils.start_server.)
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
         # A chain of graphs rather than one: launching a graph takes the host ~0.3 us a kernel (0.2 ms for an 8B
         # verify's ~600), and the GPU starts only at the launch's end. Each next graph of the chain is about as long
         # as all before it, so its launch runs while they do: the GPU waits only for the first (one layer's kernels).
@@ -606,18 +602,26 @@ class CudaGraphs:
                 graphs.append(torch.cuda.CUDAGraph())
                 graphs[-1].capture_begin(self.pool, capture_error_mode="thread_local")
 
-        torch.cuda.synchronize(device)
-        try:
-            # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
-            with torch.cuda.stream(self.capture_stream):
-                graphs[0].capture_begin(self.pool, capture_error_mode="thread_local")
-                try:
-                    self.runner.before_layer = next_graph_at_doubling if SPLIT_LAUNCH else None
-                    outputs = fn(static[0], static[1:])
-                finally:
-                    self.runner.before_layer = None
-                    graphs[-1].capture_end()
-        finally:
-            if collecting:
-                gc.enable()
+        with _CAPTURING:
+            # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
+            # that capture: seen on an H200. So collect first, and not during. (Cheap in a service: its start-up
+            # objects are frozen, see server_utils.start_server.) One capture at a time per process: the collector's
+            # switch is process-wide, and two workers of one process (`serve --single-process`) prepare at once.
+            gc.collect()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                torch.cuda.synchronize(device)
+                # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
+                with torch.cuda.stream(self.capture_stream):
+                    graphs[0].capture_begin(self.pool, capture_error_mode="thread_local")
+                    try:
+                        self.runner.before_layer = next_graph_at_doubling if SPLIT_LAUNCH else None
+                        outputs = fn(static[0], static[1:])
+                    finally:
+                        self.runner.before_layer = None
+                        graphs[-1].capture_end()
+            finally:
+                if collecting:
+                    gc.enable()
         return graphs, static, outputs

@@ -183,7 +183,7 @@ class ModelWorker:
     async def precapture(self, prepare: Callable[[int, int, list[int]], int], k: int, max_batch_size: int,
                          num_batches: int) -> None:
         """With --precapture-graphs, `prepare(k, max_batch_size, batch_ids)` (the verifier's or proposer's
-        `precapture`) once for each k, batch size and batch a coordinator sets up, before its SetupChannel returns
+        `precapture`) once for each k, batch size and batch a coordinator sets up, in its Prepare (or SetupChannel)
         (`num_batches` 0, from an older coordinator: both)."""
         wanted = precaptures(self.options.precapture_graphs, self.device, self.options.cuda_graphs)
         batch_ids = [b for b in range(min(num_batches or NUM_BATCHES, NUM_BATCHES))

@@ -58,11 +58,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         handshake = await self.worker.setup_channel(
             request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, False
         )
-        # After the attach: the draft's side of an nccl rendezvous is waiting for it.
-        await self.worker.run(self.verifier.warm_up, request.num_speculative_tokens)
-        await self.worker.precapture(self.verifier.precapture, request.num_speculative_tokens, request.max_batch_size,
-                                     request.num_batches)
+        # After the attach (a no-op after Prepare): the draft's side of an nccl rendezvous is waiting for it.
+        await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
         return target_pb2.TargetServiceSetupChannelResponse(handshake=handshake)
+
+    @grpc_errors
+    async def Prepare(self, request: target_pb2.TargetServicePrepareRequest, context: grpc.aio.ServicerContext
+                      ) -> target_pb2.TargetServicePrepareResponse:
+        await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
+        return target_pb2.TargetServicePrepareResponse()
+
+    async def _prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
+        """The acceptance compiled (with --compile), then the step shapes run (with --precapture-graphs): each once."""
+        await self.worker.run(self.verifier.warm_up, k)
+        await self.worker.precapture(self.verifier.precapture, k, max_batch_size, num_batches)
 
     @grpc_errors
     async def Prefill(self, request: target_pb2.TargetServicePrefillRequest, context: grpc.aio.ServicerContext

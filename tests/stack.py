@@ -19,12 +19,14 @@ import contextlib
 import glob
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +374,17 @@ async def collect(call: grpc.aio.UnaryStreamCall) -> Completion:
         if message.finish_reason:
             finish, usage = message.finish_reason, message.usage
     return Completion(ids, text, finish, usage, messages)
+
+
+def precapture_spans(log: str) -> list[tuple[float, float]]:
+    """Wall-clock (start, end) of each step-shape run ahead of serving that a worker's log reports, in order."""
+    spans = []
+    for line in log.splitlines():
+        took = re.search(r"ahead of serving in ([0-9.]+) s", line)
+        if took:
+            end = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            spans.append((end - float(took.group(1)), end))
+    return spans
 
 
 def worker_info(address: str, kind: str) -> common_pb2.WorkerInfo:

@@ -11,7 +11,15 @@ import random
 import re
 from pathlib import Path
 
-from stack import TinyPairs, generate_all, mixed_requests, run_async, running_coordinator, start_workers
+from stack import (
+    TinyPairs,
+    generate_all,
+    mixed_requests,
+    precapture_spans,
+    run_async,
+    running_coordinator,
+    start_workers,
+)
 
 from draft_service.proposer import Proposer
 from minedraft.model_runner import ModelRunner
@@ -60,9 +68,9 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
 
 
 def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
-    """The flag through real services: both workers run the step shapes of the batches a coordinator keeps during
-    its SetupChannel (sd: one batch; psd: two), each batch's once, and then serve as usual (the same tokens as
-    workers without the flag)."""
+    """The flag through real services: both workers run the step shapes of the batches a coordinator keeps when it
+    connects (sd: one batch; psd: two), each batch's once and both workers at once, and then serve as usual (the
+    same tokens as workers without the flag)."""
     requests = mixed_requests(tiny_pairs.tokenizer)
     outputs: dict[str, list[object]] = {"sd": [], "psd": []}
     for extra in ([], ["--precapture-graphs"]):
@@ -77,4 +85,8 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
         ran = [re.findall(r"ran (\d+) step shapes", log) for log in logs]
         # Per batch: buckets 1, 2, 4 x key lengths 64, 128, 192, 256; three kinds of verify and of proposal.
         assert ran == ([["12"] * 6, ["12"] * 6] if extra else [[], []]), logs
+        if extra:  # the coordinator's Prepare calls: both workers at once, not one after the other
+            (target_start, target_end), (draft_start, draft_end) = (
+                (spans[0][0], spans[2][1]) for spans in map(precapture_spans, logs))
+            assert target_start < draft_end and draft_start < target_end, logs
     assert all(len(set(map(repr, runs))) == 1 for runs in outputs.values()), "precapture changed the output"

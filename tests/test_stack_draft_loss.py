@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -17,6 +15,7 @@ from stack import (
     TinyPairs,
     collect,
     generate,
+    precapture_spans,
     run_async,
     running_coordinator,
     spawn,
@@ -34,15 +33,6 @@ pytest_plugins = ["stack"]
 
 # The restarted draft runs its step shapes at the connect (1-2 s here on a CPU): are steps going on meanwhile?
 PRECAPTURE = ["--precapture-graphs", "on"]
-
-
-def precapture_window(log: str) -> tuple[float, float]:
-    """Wall-clock start and end of a worker's precapture, from its log's timestamps."""
-    lines = [line for line in log.splitlines() if "ahead of serving" in line]
-    first = re.search(r"in ([0-9.]+) s", lines[0])
-    assert first is not None, lines
-    stamp = lambda line: datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # noqa: E731
-    return stamp(lines[0]) - float(first.group(1)), stamp(lines[-1])
 
 
 async def _generate_timed(address: str, request: generation_pb2.GenerateRequest, arrivals: list[float]) -> Completion:
@@ -178,7 +168,8 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
             (c.usage.draft_tokens, c.usage.accepted_tokens) for c in handed_over]
         assert all(c.usage.draft_tokens > 0 for c in after)
         # Tokens streamed while the draft ran its step shapes: the steps did not wait for its channel set-up.
-        start, end = precapture_window(restarted.log_tail(10**7))
+        spans = precapture_spans(restarted.log_tail(10**7))
+        start, end = spans[0][0], spans[-1][1]
         # The window and the token rate both scale with the CPU's speed (0.52-0.57 s and 468-615 tokens on this
         # 2-core machine, 0.49 s in one clean-clone run, which failed a 0.5 s bound): what tells is the count.
         assert end - start > 0.2, (start, end)

@@ -37,6 +37,20 @@ class DraftServiceSetupChannelResponse(_message.Message):
     handshake: bytes
     def __init__(self, handshake: _Optional[bytes] = ...) -> None: ...
 
+class DraftServicePrepareRequest(_message.Message):
+    __slots__ = ("num_speculative_tokens", "max_batch_size", "num_batches")
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    num_speculative_tokens: int
+    max_batch_size: int
+    num_batches: int
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
+
+class DraftServicePrepareResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DraftServicePrefillRequest(_message.Message):
     __slots__ = ("sequences", "release_seq_ids")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]

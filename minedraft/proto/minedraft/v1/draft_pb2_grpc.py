@@ -46,6 +46,11 @@ class DraftServiceStub:
                 request_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceSetupChannelRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceSetupChannelResponse.FromString,
                 _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/minedraft.v1.DraftService/Prepare',
+                request_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServicePrepareRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServicePrepareResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/minedraft.v1.DraftService/Prefill',
                 request_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServicePrefillRequest.SerializeToString,
@@ -77,6 +82,15 @@ class DraftServiceServicer:
 
     def SetupChannel(self, request, context):
         """SetupChannel sets up the draft's end of the data-plane channel.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prepare(self, request, context):
+        """Prepare readies the worker for a coordinator's batches before serving: with --precapture-graphs it runs every
+        step shape they can take. SetupChannel does
+        the same when Prepare was not called; a coordinator calls both workers' Prepare at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +130,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.SetupChannel,
                     request_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceSetupChannelRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceSetupChannelResponse.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServicePrepareRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServicePrepareResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -189,6 +208,33 @@ class DraftService:
             '/minedraft.v1.DraftService/SetupChannel',
             minedraft_dot_v1_dot_draft__pb2.DraftServiceSetupChannelRequest.SerializeToString,
             minedraft_dot_v1_dot_draft__pb2.DraftServiceSetupChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.DraftService/Prepare',
+            minedraft_dot_v1_dot_draft__pb2.DraftServicePrepareRequest.SerializeToString,
+            minedraft_dot_v1_dot_draft__pb2.DraftServicePrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,11 @@ class TargetServiceStub:
                 request_serializer=minedraft_dot_v1_dot_target__pb2.TargetServiceSetupChannelRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServiceSetupChannelResponse.FromString,
                 _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/minedraft.v1.TargetService/Prepare',
+                request_serializer=minedraft_dot_v1_dot_target__pb2.TargetServicePrepareRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServicePrepareResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/minedraft.v1.TargetService/Prefill',
                 request_serializer=minedraft_dot_v1_dot_target__pb2.TargetServicePrefillRequest.SerializeToString,
@@ -79,6 +84,15 @@ class TargetServiceServicer:
 
     def SetupChannel(self, request, context):
         """SetupChannel sets up the target's end of the data-plane channel.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prepare(self, request, context):
+        """Prepare readies the worker for a coordinator's batches before serving: with --precapture-graphs it runs every
+        step shape they can take, and with --compile it compiles the acceptance first. SetupChannel does
+        the same when Prepare was not called; a coordinator calls both workers' Prepare at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +131,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.SetupChannel,
                     request_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServiceSetupChannelRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_target__pb2.TargetServiceSetupChannelResponse.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServicePrepareRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_target__pb2.TargetServicePrepareResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -191,6 +210,33 @@ class TargetService:
             '/minedraft.v1.TargetService/SetupChannel',
             minedraft_dot_v1_dot_target__pb2.TargetServiceSetupChannelRequest.SerializeToString,
             minedraft_dot_v1_dot_target__pb2.TargetServiceSetupChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.TargetService/Prepare',
+            minedraft_dot_v1_dot_target__pb2.TargetServicePrepareRequest.SerializeToString,
+            minedraft_dot_v1_dot_target__pb2.TargetServicePrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,
