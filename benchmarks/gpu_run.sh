@@ -66,7 +66,7 @@ services)
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
         --services-modes "${MODES:-psd,sd}" --services-timeout "${SERVICES_TIMEOUT:-330}" ${EXTRA:-} \
         --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
-    grep -E "^\[services|: \{'psd|timed out|Error" "$OUT/run/services.log" | tail -30
+    grep -E "^\[services|: \{'psd|timed out|Error|services up" "$OUT/run/services.log" | tail -30
     grep -E " trace: " "$OUT/run/services.log" | cut -c1-600  # call, compute, queue and worker-handler times
     grep -E "step shapes" "$OUT"/run/services/logs_*/*.log | cut -c1-220 | head -20
     grep -c "captured a CUDA graph" "$OUT"/run/services/logs_*/*.log
