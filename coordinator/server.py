@@ -8,9 +8,10 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import grpc
 
@@ -63,6 +64,17 @@ def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_
 
 def _vocab(info: common_pb2.WorkerInfo) -> VocabInfo:
     return VocabInfo(info.logits_size, info.tokenizer_size, info.tokenizer_hash, tuple(info.eos_token_ids))
+
+
+async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], request: object) -> None:
+    """A worker's Prepare call. A worker older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel,
+    as it always did: a rolling upgrade can start a new coordinator before its workers."""
+    try:
+        await rpc(request)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        log.info("a worker without Prepare: it prepares in SetupChannel")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -120,9 +132,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # it done): run 17d's compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
         # restarted draft, the target's is a no-op.
         await asyncio.gather(
-            draft.Prepare(draft_pb2.DraftServicePrepareRequest(
+            prepare_worker(draft.Prepare, draft_pb2.DraftServicePrepareRequest(
                 num_speculative_tokens=k, max_batch_size=batch, num_batches=batches)),
-            self.workers.target.Prepare(target_pb2.TargetServicePrepareRequest(
+            prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
                 num_speculative_tokens=k, max_batch_size=batch, num_batches=batches)))
         exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
             channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches))

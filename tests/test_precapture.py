@@ -7,10 +7,12 @@ proposals, verifies, batches of every size, sequences growing through several ke
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 from pathlib import Path
 
+import grpc
 from stack import (
     TinyPairs,
     generate_all,
@@ -21,9 +23,11 @@ from stack import (
     start_workers,
 )
 
+from coordinator.server import prepare_worker
 from draft_service.proposer import Proposer
 from minedraft.model_runner import ModelRunner
 from minedraft.offline import OfflineRequest, generate_offline
+from minedraft.proto import target_pb2, target_pb2_grpc
 from minedraft.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
@@ -90,3 +94,31 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
                 (spans[0][0], spans[2][1]) for spans in map(precapture_spans, logs))
             assert target_start < draft_end and draft_start < target_end, logs
     assert all(len(set(map(repr, runs))) == 1 for runs in outputs.values()), "precapture changed the output"
+
+
+def test_a_worker_without_prepare_is_prepared_by_its_setup_channel() -> None:
+    """A worker older than the Prepare RPC (a rolling upgrade starts the new coordinator first) answers UNIMPLEMENTED:
+    the coordinator goes on to SetupChannel, which prepares such a worker. Any other error still fails the connect."""
+    class Refusing(target_pb2_grpc.TargetServiceServicer):
+        async def Prepare(self, request: object, context: grpc.aio.ServicerContext) -> object:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of GPU memory")
+
+    async def prepare(servicer: target_pb2_grpc.TargetServiceServicer) -> None:
+        server = grpc.aio.server()
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                await prepare_worker(stub.Prepare, target_pb2.TargetServicePrepareRequest(num_speculative_tokens=4))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(prepare(target_pb2_grpc.TargetServiceServicer()))  # the generated base: every RPC unimplemented
+    try:
+        asyncio.run(prepare(Refusing()))
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    else:
+        raise AssertionError("a worker's failed Prepare passed for an old worker's")
