@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -90,19 +89,25 @@ class ModelWorker:
             compile_layers=options.compile_layers, groups=NUM_BATCHES,
         )
         self.channel: Channel | None = None
-        # The compute thread's current CUDA device is the model's: whatever CUDA work names no device (a graph's
-        # capture stream, a stream or event made without one) then lands on the model's GPU, not on GPU 0.
-        on_device = partial(torch.cuda.set_device, self.runner.device) if self.runner.device.type == "cuda" else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=on_device)
         # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
         # kernels then overlap on the GPU instead of queueing on the default stream.
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=self._on_device)
         self._calls = 0
         self._precaptured: set[tuple[int, int, int]] = set()  # (k, max batch size, batch id)
 
     @property
     def device(self) -> torch.device:
         return self.runner.device
+
+    def _on_device(self) -> None:
+        """The compute thread's current CUDA device is the model's, so that whatever CUDA work names no device (a
+        graph's capture stream, a stream or event made without one) lands on the model's GPU, not on GPU 0; and its
+        current stream is the worker's, set once rather than by a context around each call (whose device lookups
+        ranked high among a step's host calls in run 17b)."""
+        if self.stream is not None:
+            torch.cuda.set_device(self.runner.device)
+            torch.cuda.set_stream(self.stream)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the compute thread, so the event loop keeps serving RPCs meanwhile."""
@@ -125,13 +130,7 @@ class ModelWorker:
         first = self.options.profile_after + 1
         if self.options.profile_dir and first <= self._calls < first + PROFILED_CALLS:
             return self._profiled(fn, *args)
-        return self._call(fn, *args)
-
-    def _call(self, fn: Callable[..., T], *args: object) -> T:
-        if self.stream is None:
-            return fn(*args)
-        with torch.cuda.stream(self.stream):
-            return fn(*args)
+        return fn(*args)
 
     def _profiled(self, fn: Callable[..., T], *args: object) -> T:
         """One call under the PyTorch profiler, as `<call>_<pid>_<n>.json.gz` (Perfetto or chrome://tracing)."""
@@ -140,7 +139,7 @@ class ModelWorker:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         start = time.perf_counter()
         with torch.profiler.profile(activities=activities) as prof:
-            result = self._call(fn, *args)
+            result = fn(*args)
             if self.stream is not None:
                 self.stream.synchronize()
         wall = time.perf_counter() - start
