@@ -66,15 +66,18 @@ def _vocab(info: common_pb2.WorkerInfo) -> VocabInfo:
     return VocabInfo(info.logits_size, info.tokenizer_size, info.tokenizer_hash, tuple(info.eos_token_ids))
 
 
-async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], request: object) -> None:
-    """A worker's Prepare call. A worker older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel,
-    as it always did: a rolling upgrade can start a new coordinator before its workers."""
+async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], request: object) -> float:
+    """A worker's Prepare call; returns the seconds it took. A worker older than that RPC answers UNIMPLEMENTED and
+    prepares in its SetupChannel, as it always did: a rolling upgrade can start a new coordinator before its
+    workers."""
+    start = time.perf_counter()
     try:
         await rpc(request)
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
             raise
         log.info("a worker without Prepare: it prepares in SetupChannel")
+    return time.perf_counter() - start
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -131,11 +134,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Both workers' start-up work at once, not one after the other inside the SetupChannels below (which then find
         # it done): run 17d's compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
         # restarted draft, the target's is a no-op.
-        await asyncio.gather(
+        draft_s, target_s = await asyncio.gather(
             prepare_worker(draft.Prepare, draft_pb2.DraftServicePrepareRequest(
                 num_speculative_tokens=k, max_batch_size=batch, num_batches=batches)),
             prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
                 num_speculative_tokens=k, max_batch_size=batch, num_batches=batches)))
+        start = time.perf_counter()
         exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
             channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches))
         # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
@@ -143,6 +147,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
             channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch,
             num_batches=batches))
+        log.info("workers prepared in %.1f s (draft %.1f s, target %.1f s, at once); %s channel set up in %.1f s",
+                 max(draft_s, target_s), draft_s, target_s, self.channel, time.perf_counter() - start)
 
     async def draft_back(self) -> bool:
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
