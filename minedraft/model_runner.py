@@ -165,8 +165,14 @@ class ModelRunner:
             if hook is not None:
                 hook()
 
-        for layer in decoder_layers(model):
-            layer.register_forward_pre_hook(before_layer)
+        hooks = [layer.register_forward_pre_hook(before_layer) for layer in decoder_layers(model)]
+
+        def remove_hooks() -> None:
+            for hook in hooks:
+                hook.remove()
+
+        # Gone with the runner: a model that outlives many runners (benchmarks, tests) would run every dead one's.
+        weakref.finalize(self, remove_hooks)
         if compile_layers:
             compile_decoder_layers(model)
             self._masks = torch.compile(self._step_masks, dynamic=True)

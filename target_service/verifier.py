@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -138,8 +139,8 @@ class Verifier:
         kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile."""
         if not self.runner.compiles or {0, k} <= self._warmed_up:
             return
-        start, row, vocab, device = time.perf_counter(), self.runner.scratch_row, self.runner.vocab_size, \
-            self.runner.device
+        start = time.perf_counter()
+        row, vocab, device = self.runner.scratch_row, self.runner.vocab_size, self.runner.device
         for drafts in sorted({0, k}):
             for all_greedy, filtered in KINDS:
                 for batch in (1, 2):
@@ -168,7 +169,9 @@ class Verifier:
                 logits = logits[:, None]
             # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
             draft_ids = inputs[:, inputs.shape[1] - k:] if k else inputs.new_zeros(len(inputs), 0)
-            with torch.compiler.set_stance(self.runner.stance() if k in self._warmed_up else "default"):
+            stance = (torch.compiler.set_stance(self.runner.stance() if k in self._warmed_up else "default")
+                      if self.runner.compiles else contextlib.nullcontext())
+            with stance:
                 return [self._accept_and_commit(rows, draft_ids, before + num_valid - k, logits,
                                                 draft_probs[0] if draft_probs else None, all_greedy, filtered)]
 
