@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 # Attention reads keys up to a multiple of this, so few distinct shapes occur (masks hide the extra entries).
 KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
-# On CUDA batches are padded to these sizes (rows of padding write only to a scratch row): static shapes for
-# CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
+# On CUDA batches of short steps are padded to these sizes (rows of padding write only to a scratch row): static
+# shapes for CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
+# Prefills, never graphed, run at their own batch size.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
 # A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 2, 4, 8, ... (0-based):
@@ -425,6 +426,8 @@ class ModelRunner:
         if needed > self.max_len:
             raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
         padded, kv_len = self.step_shape(len(rows), needed)
+        if not graphable:  # never a graph (prefills): padding would only add work (39 prompts ran as 64, run 18b)
+            padded = len(rows)
         view_start = None if arrangement is None else arrangement.start
         key = (*tag, padded, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
         if graphable:
@@ -458,7 +461,7 @@ class ModelRunner:
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
-        # Eagerly, with the very shapes a graph would have, so both give identical outputs.
+        # Eagerly, with the very shapes a graph would have, so both give identical outputs (prefills unpadded).
         batch = len(inputs[0])
         on_device = [t.to(self.device, non_blocking=True) for t in inputs]
         padded_inputs = [torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])

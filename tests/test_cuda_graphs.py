@@ -168,7 +168,23 @@ def test_compiled_steps_equal_uncompiled_ones() -> None:
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_only_graphed_steps_are_padded() -> None:
+    """A prefill of 3 prompts runs on 3 rows (never a graph, so padding would only add work); a verify of the same 3
+    rows runs padded to the batch bucket of 4, as its graph."""
+    model = _model("cuda:0", 1)
+    verifier = Verifier(ModelRunner(model, 8, 256, groups=2), [0])
+    batches: list[int] = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, output: batches.append(args[0].shape[0]))
+    verifier.prefill(SEQS, PROMPTS, [CONFIGS["greedy"]] * len(SEQS)).per_row()
+    assert batches == [3], batches
+    verifier.verify(SEQS, torch.zeros(3, 4, dtype=torch.long), None, 1).per_row()
+    assert batches[1:] and set(batches[1:]) == {4}, batches
+
+
 if __name__ == "__main__":
+    test_only_graphed_steps_are_padded()
+    print("prefills run unpadded, verifies padded")
     test_compiled_steps_equal_uncompiled_ones()
     print("compiled steps equal uncompiled ones")
     for name in CONFIGS:
