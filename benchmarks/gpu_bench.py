@@ -408,7 +408,8 @@ def services_plan(runs: list[str], args: argparse.Namespace, mps_available: bool
             for i, channel in enumerate(channels):  # AR does not use the channel: measured once
                 plan.append(ServicesRun(f"{name}_2gpu_{channel}{suffix}", name,
                                         args.services_modes if i == 0 else "psd,sd", args.draft_device, channel))
-            plan.append(ServicesRun(f"{name}_sd_draft_on_target_gpu{suffix}", name, "sd", args.target_device))
+            if not args.services_no_sd_on_target:
+                plan.append(ServicesRun(f"{name}_sd_draft_on_target_gpu{suffix}", name, "sd", args.target_device))
             continue
         for way in [sharing] if sharing else ["timesliced", "mps"]:
             if way == "mps" and not mps_available:
@@ -629,6 +630,8 @@ def main() -> None:
                         help="channels of the services runs, comma-separated (auto: cuda-ipc on one host)")
     parser.add_argument("--services-modes", default="psd,sd,ar", help="modes of each services run")
     parser.add_argument("--services-output-len", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--services-no-sd-on-target", action="store_true",
+                        help="on two GPUs, skip SD with the draft on the target's GPU (the paper's baseline)")
     parser.add_argument("--services-precapture", default="auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES,
                         help="workers' --precapture-graphs: every step shape run when the coordinator connects")
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")

@@ -5,6 +5,8 @@
 #   services DRAFTS     PSD and SD (MODES=psd,sd,ar adds AR) through the services (two GPUs when there are:
 #                       cuda-ipc and nccl, SD baselines); an 8B pair's PSD stack takes 132 s to start with its
 #                       precapture (run 12d), so AR rarely fits in the same call
+#   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s
+#                       (COMPILE=1: compiled layers)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
 #   attention           the step attention's fused and two-matmul paths, compiled, at real steps' shapes
@@ -72,6 +74,10 @@ services)
     grep -c "captured a CUDA graph" "$OUT"/run/services/logs_*/*.log
     python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; print(json.dumps(s.get('two_gpu'), indent=1))" \
         "$OUT/run/services/gpu_bench.json"
+    ;;
+prefill)
+    timeout -k 10 ${BENCH_SECONDS:-200} python3 benchmarks/prefill_bench.py ${COMPILE:+--compile} \
+        --batches "${BATCHES:-1,8,16,24,32,39,48,64}" 2>&1 | tee "$OUT/run/prefill.txt"
     ;;
 profile)
     timeout -s USR1 -k 30 ${BENCH_SECONDS:-400} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \

@@ -41,6 +41,7 @@ class CoordinatorOptions:
     num_speculative_tokens: int = 4
     max_batch_size: int = 32
     max_queue_size: int = 256
+    max_prefill_tokens: int = 8192  # prompt tokens per step's prefill (0: no limit), `BatchManager`
     channel: str = "auto"
     tokenizer: str | None = None
     step_trace: str | None = None
@@ -90,7 +91,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         workers_class = Workers if self.tracer is None else partial(TracedWorkers, tracer=self.tracer)
         self.workers = workers_class(options.target, options.draft if options.mode != "ar" else None)
         num_batches = 2 if options.mode == "psd" else 1
-        self.manager = BatchManager(options.max_batch_size, options.max_queue_size, num_batches)
+        self.manager = BatchManager(options.max_batch_size, options.max_queue_size, num_batches,
+                                    options.max_prefill_tokens)
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
         self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
                                metrics=metrics, overlap=options.overlap)

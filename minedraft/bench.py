@@ -47,6 +47,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     stack.add_argument("--num-speculative-tokens", type=int, default=4)
     stack.add_argument("--max-batch-size", type=int, default=8, help="sequences per batch (psd runs two batches)")
+    stack.add_argument("--max-prefill-tokens", type=int, default=None,
+                       help="the coordinator's --max-prefill-tokens (default: its own)")
     stack.add_argument("--max-model-len", type=int, default=None,
                        help="cache length per sequence (default: room for the prompt and output lengths)")
     add_graph_flags(stack)
@@ -361,7 +363,8 @@ class LocalStack:
             target=args.target, draft=args.draft, target_device=args.target_device, draft_device=args.draft_device,
             dtype=args.dtype, max_batch_size=batch, max_model_len=max_len, port=0, host="127.0.0.1",
             mode=self.mode, num_speculative_tokens=args.num_speculative_tokens,
-            max_queue_size=max(256, args.num_prompts + args.num_warmup), channel=args.channel,
+            max_queue_size=max(256, args.num_prompts + args.num_warmup), max_prefill_tokens=args.max_prefill_tokens,
+            channel=args.channel,
             step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
             overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance, compile=args.compile,
             eager=args.eager, precapture_graphs=args.precapture_graphs,

@@ -46,6 +46,9 @@ PRECAPTURE_HELP = ("run every batch and key-length shape when a coordinator conn
                    "about a minute longer on an H200 (8B target, 1B draft). auto: on where CUDA graphs are (a bare "
                    "flag means on)")
 PRECAPTURE_CHOICES = ["auto", "on", "off"]
+MAX_PREFILL_TOKENS_HELP = ("prompt tokens one step prefills at most, each prompt counted at the longest one's length "
+                           "(0: no limit): a burst of requests is admitted over several steps, so the first start "
+                           "sooner and running requests wait less")
 PORT_FILE_HELP = "once listening, write the port to this file (for a launcher that passes --port 0)"
 Arguments = argparse.ArgumentParser | argparse._ArgumentGroup  # a parser, or one of its add_argument_group()s
 
@@ -88,6 +91,7 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--num-speculative-tokens", 4, type=int)
     _add(parser, "--max-batch-size", 32, type=int)
     _add(parser, "--max-queue-size", 256, type=int)
+    _add(parser, "--max-prefill-tokens", 8192, type=int, help=MAX_PREFILL_TOKENS_HELP)
     _add(parser, "--channel", "auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     _add(parser, "--step-trace", None, help="write every worker call as JSON lines here on shutdown")
     _add(parser, "--overlap", "auto", choices=["auto", "always", "never"],
@@ -215,8 +219,9 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
 
     options = CoordinatorOptions(
         target=args.target, draft=args.draft, mode=args.mode, num_speculative_tokens=args.num_speculative_tokens,
-        max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size, channel=args.channel,
-        tokenizer=args.tokenizer, step_trace=args.step_trace, overlap=args.overlap,
+        max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size,
+        max_prefill_tokens=args.max_prefill_tokens, channel=args.channel, tokenizer=args.tokenizer,
+        step_trace=args.step_trace, overlap=args.overlap,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
     )
     tracing = setup_tracing("minedraft-coordinator")
@@ -329,7 +334,7 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--num-speculative-tokens", str(args.num_speculative_tokens),
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
                         "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
-    for flag in ("--draft-retry-interval", "--draft-timeout"):  # `serve` has them; a bench stack keeps the defaults
+    for flag in ("--max-prefill-tokens", "--draft-retry-interval", "--draft-timeout"):  # absent: the defaults
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             coordinator += [flag, str(value)]
@@ -378,7 +383,8 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     coordinator_options = CoordinatorOptions(
         target=f"127.0.0.1:{target_port}", draft=draft_address, mode=args.mode,
         num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
-        max_queue_size=args.max_queue_size, channel="local" if args.channel == "auto" else args.channel,
+        max_queue_size=args.max_queue_size, max_prefill_tokens=args.max_prefill_tokens,
+        channel="local" if args.channel == "auto" else args.channel,
         tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
     )

@@ -13,8 +13,8 @@ from minedraft.proto import common_pb2
 from minedraft.sampling import SamplingConfig
 
 
-def _request(seq_id: int) -> RequestState:
-    return RequestState(seq_id, [1, 2, 3], SamplingConfig(), (), None)
+def _request(seq_id: int, prompt_len: int = 3) -> RequestState:
+    return RequestState(seq_id, list(range(1, prompt_len + 1)), SamplingConfig(), (), None)
 
 
 def test_admission_fills_the_emptier_batch_and_respects_the_limit() -> None:
@@ -26,6 +26,23 @@ def test_admission_fills_the_emptier_batch_and_respects_the_limit() -> None:
     assert sizes == {0: 3, 1: 3}
     assert [len(b.members) for b in manager.batches] == [3, 3]
     assert manager.queue_length == 2  # the rest waits: nothing beyond max_batch_size per batch
+
+
+def test_a_burst_is_admitted_in_prefills_of_at_most_max_prefill_tokens() -> None:
+    """Counted as computed, every prompt padded to the longest; a first prompt longer than the limit still goes in
+    (alone), and what is left waits for the next step."""
+    manager = BatchManager(max_batch_size=8, max_queue_size=20, num_batches=2, max_prefill_tokens=100)
+    for i, length in enumerate([20, 30, 10, 20, 5, 150, 40, 40, 10]):
+        manager.submit(_request(i, length))
+    admitted = []
+    while manager.waiting:
+        admitted.append(sorted(r.seq_id for _, requests in manager.take_admissions() for r in requests))
+    # 3 x 30 = 90 fits, a fourth makes 4 x 30; 20 and 5 (150 would make 3 x 150); 150 alone; 40 twice; 10.
+    assert admitted == [[0, 1, 2], [3, 4], [5], [6, 7], [8]]
+    unlimited = BatchManager(max_batch_size=8, max_queue_size=20, num_batches=2)
+    for i in range(9):
+        unlimited.submit(_request(i, 150))
+    assert sum(len(requests) for _, requests in unlimited.take_admissions()) == 9
 
 
 def test_queue_is_bounded() -> None:

@@ -38,8 +38,8 @@ def test_chart_metadata() -> None:
 def test_values_have_the_documented_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     expected = {
-        "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "channel", "tokenizer",
-                        "draftRetryInterval", "draftTimeout"],
+        "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "maxPrefillTokens",
+                        "channel", "tokenizer", "draftRetryInterval", "draftTimeout"],
         "target": [
             "model",
             "port",
@@ -89,6 +89,7 @@ def test_templates_name_the_env_vars_and_probes() -> None:
         "MINEDRAFT_DRAFT",
         "MINEDRAFT_TOKENIZER",
         "MINEDRAFT_DRAFT_RETRY_INTERVAL",
+        "MINEDRAFT_MAX_PREFILL_TOKENS",
         "MINEDRAFT_COMPILE",
         "MINEDRAFT_PRECAPTURE_GRAPHS",
         "OTEL_EXPORTER_OTLP_ENDPOINT",

@@ -33,6 +33,7 @@ NUM_REQUESTS = 32
 COORDINATOR_BATCH = 6  # 32 requests > 2 x 6: requests queue, join and leave mid-flight
 K = {"llama": 4, "gpt2": 3}
 EOS = 0
+MAX_PREFILL_TOKENS = 160
 
 
 @dataclass
@@ -140,7 +141,9 @@ def test_greedy_matches_target_alone(mode: str, all_workers: dict[str, Workers],
     coordinators: dict[str, Service] = {}
     try:
         for arch, workers in all_workers.items():
-            args = coordinator_args(workers, mode, k=K[arch], max_batch_size=COORDINATOR_BATCH)
+            # Prompts of 4-80 tokens: bursts are admitted a few at a time, between running steps.
+            args = coordinator_args(workers, mode, k=K[arch], max_batch_size=COORDINATOR_BATCH,
+                                    extra=["--max-prefill-tokens", str(MAX_PREFILL_TOKENS)])
             coordinators[arch] = spawn(f"coordinator-{arch}-{mode}", args, stack_logs)
         wait_all(list(coordinators.values()))
         results = asyncio.run(_run_all({a: c.address for a, c in coordinators.items()}, cases))
