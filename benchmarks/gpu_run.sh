@@ -5,8 +5,8 @@
 #   services DRAFTS     PSD and SD (MODES=psd,sd,ar adds AR) through the services (two GPUs when there are:
 #                       cuda-ipc and nccl, SD baselines); an 8B pair's PSD stack takes 132 s to start with its
 #                       precapture (run 12d), so AR rarely fits in the same call
-#   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s
-#                       (COMPILE=1: compiled layers)
+#   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s,
+#                       and prompts of mixed lengths grouped by length against one forward (COMPILE=1: compiled)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
 #   attention           the step attention's fused and two-matmul paths, compiled, at real steps' shapes

@@ -1,4 +1,5 @@
-"""Prefill time of the 8B-shaped target (or a draft shape) on the GPU: batches of prompts, tokens/s and TFLOP/s."""
+"""Prefill time of the 8B-shaped target (or a draft shape): batches of prompts, tokens/s and TFLOP/s; prompts of mixed
+lengths grouped by length against one padded forward."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import torch
 
 sys.path.insert(0, ".")
 from benchmarks.gpu_bench import VOCAB, build  # noqa: E402
+from minedraft import sequence_table  # noqa: E402
 from minedraft.model_runner import ModelRunner  # noqa: E402
 from minedraft.sampling import SamplingConfig  # noqa: E402
 from target_service.verifier import Verifier  # noqa: E402
+
+ONE_FORWARD = 1 << 40  # a forward cost that puts every prompt in one forward
 
 
 def prefill_flops(model: torch.nn.Module, batch: int, length: int) -> float:
@@ -29,46 +33,72 @@ def prefill_flops(model: torch.nn.Module, batch: int, length: int) -> float:
     return batch * (2 * body * length + 2 * head.numel() + attention)
 
 
+def parse_lengths(spec: str) -> list[int]:
+    """Prompt lengths from a spec such as `2000,100*15` (one of 2000 tokens, 15 of 100): `L*N` is N prompts of L."""
+    lengths: list[int] = []
+    for part in spec.split(","):
+        length, _, count = part.partition("*")
+        lengths += [int(length)] * int(count or 1)
+    return lengths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="8b", choices=["8b", "1b", "68m"])
-    parser.add_argument("--batches", default="1,8,16,24,32,39,48,64", help="prompts per prefill")
+    parser.add_argument("--batches", default="1,8,16,24,32,39,48,64", help="prompts per prefill (empty: none)")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--mixed", default="2000,100*15;1500*2,500*6,100*8;512*16",
+                        help="prefills of prompts of mixed lengths (`;` between prefills, `L*N`: N prompts of L "
+                             "tokens), each grouped by length (the workers' default) and in one padded forward, "
+                             "side by side (empty: none)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers (as --compile serves)")
     parser.add_argument("--device", default="cuda:0")
     args = parser.parse_args()
     device = args.device
-
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
     model = build(args.shape, device)
-    batches = [int(b) for b in args.batches.split(",")]
-    runner = ModelRunner(model, max(batches), 2048, compile_layers=args.compile)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    mixed = [parse_lengths(spec) for spec in args.mixed.split(";") if spec]
+    runner = ModelRunner(model, max(batches + [len(m) for m in mixed]), 2048, compile_layers=args.compile)
     verifier = Verifier(runner, [])
     if args.compile:
         verifier.warm_up(4)
     generator = torch.Generator().manual_seed(0)
     config = SamplingConfig(max_tokens=1, ignore_eos=True)
-    print(f"{args.shape} prefill, prompts of {args.prompt_len} tokens, {'compiled' if args.compile else 'uncompiled'}"
-          f" layers, median of {args.repeats}", flush=True)
+
+    def prefill_seconds(prompts: list[list[int]], forward_cost: int) -> float:
+        sequence_table.PREFILL_FORWARD_COST = forward_cost
+        seqs = list(range(len(prompts)))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        verifier.prefill(seqs, prompts, [config] * len(prompts)).per_row()  # the host reads the first tokens
+        seconds = time.perf_counter() - start
+        verifier.release(seqs)
+        return seconds
+
+    grouped_cost = sequence_table.PREFILL_FORWARD_COST
+    print(f"{args.shape} prefill, {'compiled' if args.compile else 'uncompiled'} layers, median of {args.repeats}",
+          flush=True)
     for batch in batches:
         prompts = torch.randint(0, VOCAB, (batch, args.prompt_len), generator=generator).tolist()
-        seqs = list(range(batch))
-        times = []
-        for repeat in range(args.repeats + 1):  # the first: allocations, and a compile of a new size
-            sync()
-            start = time.perf_counter()
-            verifier.prefill(seqs, prompts, [config] * batch).per_row()
-            sync()
-            if repeat:
-                times.append(time.perf_counter() - start)
-            verifier.release(seqs)
-        seconds = statistics.median(times)
+        # The first: allocations, and a compile of a new size.
+        seconds = statistics.median([prefill_seconds(prompts, grouped_cost) for _ in range(args.repeats + 1)][1:])
         tokens = batch * args.prompt_len
-        print(f"B={batch:3d}: {seconds * 1e3:8.1f} ms  {tokens / seconds:8.0f} prompt tok/s  "
+        print(f"B={batch:3d} x {args.prompt_len}: {seconds * 1e3:8.1f} ms  {tokens / seconds:8.0f} prompt tok/s  "
               f"{prefill_flops(model, batch, args.prompt_len) / seconds / 1e12:6.0f} TFLOP/s", flush=True)
+    for lengths in mixed:
+        prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+        times: dict[int, list[float]] = {grouped_cost: [], ONE_FORWARD: []}
+        for repeat in range(args.repeats + 1):
+            for cost in (grouped_cost, ONE_FORWARD) if repeat % 2 else (ONE_FORWARD, grouped_cost):
+                times[cost].append(prefill_seconds(prompts, cost))
+        grouped, one = (statistics.median(times[c][1:]) for c in (grouped_cost, ONE_FORWARD))
+        groups = sequence_table.prefill_groups(lengths, grouped_cost)
+        padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+        print(f"{len(lengths)} prompts, {sum(lengths)} tokens: grouped {grouped * 1e3:8.1f} ms ({len(groups)} "
+              f"forwards, {padded} tokens computed), one forward {one * 1e3:8.1f} ms ({len(lengths) * max(lengths)} "
+              f"tokens computed): {one / grouped:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -47,10 +47,9 @@ class Batch:
 class BatchManager:
     def __init__(self, max_batch_size: int, max_queue_size: int, num_batches: int, max_prefill_tokens: int = 0
                  ) -> None:
-        """`max_prefill_tokens`: the most prompt tokens one step's prefill takes (0: no limit), counted as the
-        workers compute them, every prompt padded to the longest: a burst of arrivals is admitted over several steps,
-        so that the first of them start decoding sooner and running sequences are not held for the whole burst's
-        prefill (run 18b: 39 prompts of 512 tokens held an 8B target for 1.07 s)."""
+        """`max_prefill_tokens`: the most prompt tokens one step's prefill takes (0: no limit): a burst of arrivals
+        is admitted over several steps, so that the first of them start decoding sooner and running sequences are
+        not held for the whole burst's prefill (run 18b: 39 prompts of 512 tokens held an 8B target for 1.07 s)."""
         self.max_batch_size = max_batch_size
         self.max_queue_size = max_queue_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -84,7 +83,7 @@ class BatchManager:
         sequences as joiners; the others take them as members at once.
         """
         placed: dict[int, list[RequestState]] = {}
-        count, longest = 0, 0
+        tokens = 0
         while self.waiting:
             request = self.waiting[0]
             if request.cancelled:
@@ -93,9 +92,8 @@ class BatchManager:
             batch = min(self.batches, key=lambda b: (b.size, b.awaiting_verify))
             if batch.size >= self.max_batch_size:
                 break
-            longest = max(longest, len(request.prompt_ids))
-            count += 1
-            if self.max_prefill_tokens and count > 1 and count * longest > self.max_prefill_tokens:
+            tokens += len(request.prompt_ids)
+            if self.max_prefill_tokens and placed and tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
             (batch.joining if batch.awaiting_verify else batch.members).append(request)

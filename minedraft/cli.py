@@ -46,9 +46,9 @@ PRECAPTURE_HELP = ("run every batch and key-length shape when a coordinator conn
                    "about a minute longer on an H200 (8B target, 1B draft). auto: on where CUDA graphs are (a bare "
                    "flag means on)")
 PRECAPTURE_CHOICES = ["auto", "on", "off"]
-MAX_PREFILL_TOKENS_HELP = ("prompt tokens one step prefills at most, each prompt counted at the longest one's length "
-                           "(0: no limit): a burst of requests is admitted over several steps, so the first start "
-                           "sooner and running requests wait less")
+MAX_PREFILL_TOKENS_HELP = ("prompt tokens one step prefills at most (0: no limit; a longer prompt goes alone): a burst "
+                           "of requests is admitted over several steps, so the first start sooner and running "
+                           "requests wait less")
 PORT_FILE_HELP = "once listening, write the port to this file (for a launcher that passes --port 0)"
 Arguments = argparse.ArgumentParser | argparse._ArgumentGroup  # a parser, or one of its add_argument_group()s
 

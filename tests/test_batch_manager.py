@@ -29,16 +29,14 @@ def test_admission_fills_the_emptier_batch_and_respects_the_limit() -> None:
 
 
 def test_a_burst_is_admitted_in_prefills_of_at_most_max_prefill_tokens() -> None:
-    """Counted as computed, every prompt padded to the longest; a first prompt longer than the limit still goes in
-    (alone), and what is left waits for the next step."""
+    """A first prompt longer than the limit still goes in (alone), and what is left waits for the next step."""
     manager = BatchManager(max_batch_size=8, max_queue_size=20, num_batches=2, max_prefill_tokens=100)
     for i, length in enumerate([20, 30, 10, 20, 5, 150, 40, 40, 10]):
         manager.submit(_request(i, length))
     admitted = []
     while manager.waiting:
         admitted.append(sorted(r.seq_id for _, requests in manager.take_admissions() for r in requests))
-    # 3 x 30 = 90 fits, a fourth makes 4 x 30; 20 and 5 (150 would make 3 x 150); 150 alone; 40 twice; 10.
-    assert admitted == [[0, 1, 2], [3, 4], [5], [6, 7], [8]]
+    assert admitted == [[0, 1, 2, 3, 4], [5], [6, 7, 8]]  # 85 tokens (with the next, 235); 150; 90
     unlimited = BatchManager(max_batch_size=8, max_queue_size=20, num_batches=2)
     for i in range(9):
         unlimited.submit(_request(i, 150))

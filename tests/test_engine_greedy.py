@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
+from minedraft import sequence_table
 from minedraft.model_runner import ModelRunner
 from minedraft.offline import OfflineRequest, OfflineResult, generate_offline
 from minedraft.sampling import SamplingConfig
@@ -130,6 +131,48 @@ def test_speculative_self_draft_accepts_everything(
         assert result.accepted == k * result.steps, "a draft identical to the target was rejected"
         # Prefill emits one token, then each verify step k + 1 (the last one trimmed to the budget).
         assert result.steps == -(-(budget - 1) // (k + 1))
+
+
+def test_prefill_groups_pad_little_and_keep_each_prompt_once() -> None:
+    groups = sequence_table.prefill_groups
+    assert groups([512] * 16, 1024) == [list(range(16))]  # similar lengths: one forward, prompts as they came
+    assert groups([100, 2000] + [100] * 14, 1024) == [[1], [0] + list(range(2, 16))]  # 3500 tokens computed, not 32000
+    assert groups([30, 500, 32, 480, 29], 64) == [[1, 3], [0, 2, 4]]
+    assert groups([5, 9, 5, 9], 0) == [[1, 3], [0, 2]]  # nothing padded
+    assert groups([5, 9, 5, 9], 10**6) == [[0, 1, 2, 3]]  # one forward
+    lengths = torch.randint(1, 3000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert sorted(i for g in groups(lengths, 1024) for i in g) == list(range(40))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prompts_prefilled_in_groups_by_length_match_hf(arch: str, tiny_models, hf_reference: HFReference,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a forward costing little, each step's prompts (2-40 tokens) are prefilled in several forwards, grouped
+    by length and put back in order (`prefill_groups`); output and every later step are unchanged."""
+    monkeypatch.setattr(sequence_table, "PREFILL_FORWARD_COST", 4)
+    target = tiny_models.target(arch, vocab=VOCAB)
+    forwards: list[int] = []  # rows of each prefill forward
+    prefills: list[int] = []  # prompts of each prefill
+    score, prefill = ModelRunner.score, sequence_table.SequenceTable.prefill
+
+    def counting_score(runner: ModelRunner, rows: torch.Tensor, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        if kwargs.get("last_only"):
+            forwards.append(len(rows))
+        return score(runner, rows, *args, **kwargs)
+
+    def counting_prefill(table: sequence_table.SequenceTable, seq_ids: Sequence[int], *args: Any) -> Any:
+        prefills.append(len(seq_ids))
+        return prefill(table, seq_ids, *args)
+
+    monkeypatch.setattr(ModelRunner, "score", counting_score)
+    monkeypatch.setattr(sequence_table.SequenceTable, "prefill", counting_prefill)
+    for k, draft in ((0, None), (3, tiny_models.noisy_draft(arch, vocab=VOCAB))):
+        forwards.clear()
+        prefills.clear()
+        results = _run(target, draft, _greedy_requests(), k)
+        assert [r.tokens for r in results] == _references(target, hf_reference)
+        assert sum(forwards) == sum(prefills) == (2 if draft else 1) * NUM_PROMPTS
+        assert len(forwards) > len(prefills) + 5, f"prefills of {prefills} prompts ran as forwards of {forwards}"
 
 
 @pytest.mark.parametrize("greedy_drafts", [False, True])
