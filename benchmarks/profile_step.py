@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import os
 import pstats
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,7 +19,18 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, ".")
 import benchmarks.gpu_bench as gpu_bench  # noqa: E402
 from benchmarks.gpu_bench import Pair, build  # noqa: E402
+from draft_service.proposer import Proposer  # noqa: E402
 from minedraft import model_runner  # noqa: E402
+from minedraft.sequence_table import SequenceTable  # noqa: E402
+from target_service.verifier import Verifier  # noqa: E402
+
+# The functions a step's host path passes through before its graphs launch, outermost first
+HOST_PATH: list[tuple[type, str]] = [
+    (Verifier, "verify"), (Proposer, "propose"), (SequenceTable, "arranged_rows"),
+    (model_runner.ModelRunner, "arrange"), (SequenceTable, "sampling_kind"), (model_runner.ModelRunner, "score"),
+    (model_runner.ModelRunner, "decode"), (model_runner.ModelRunner, "_run"),
+    (model_runner.ModelRunner, "_replay_or_run"), (model_runner.CudaGraphs, "run"), (torch.cuda.CUDAGraph, "replay"),
+]
 
 
 def main() -> None:
@@ -64,6 +78,7 @@ def main() -> None:
             if args.trace_dir:
                 prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_b{batch}.json"))
         host_phases(pair, batch)
+        host_marks(pair, batch)
         host_calls(pair, batch)
         launch_times(pair, batch)
         del pair
@@ -107,6 +122,53 @@ def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
                   f"from the last launch's return to the step's end", flush=True)
     finally:
         torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+
+
+def host_marks(pair: Pair, batch: int, repeats: int = 20) -> None:
+    """When a step's host path enters and leaves each of its functions (`HOST_PATH`), in us from the step's call,
+    medians over `repeats` steps, without a profiler (each mark costs ~1 us): which part of the host's time before the
+    first graph's launch, while the GPU idles, goes where."""
+    marks: list[tuple[str, float]] = []
+
+    def marked(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        @functools.wraps(fn)
+        def call(*args: object, **kwargs: object) -> object:
+            marks.append((f"{name} enter", time.perf_counter()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.append((f"{name} leave", time.perf_counter()))
+
+        return call
+
+    originals = [(cls, name, getattr(cls, name)) for cls, name in HOST_PATH]
+    for cls, name, fn in originals:
+        setattr(cls, name, marked(f"{cls.__name__}.{name}", fn))
+    try:
+        for step in ("propose", "verify"):
+            seen: dict[str, list[float]] = {}
+            for _ in range(repeats):
+                if step == "verify":
+                    pair.propose(0)
+                torch.cuda.synchronize()
+                marks.clear()
+                start = time.perf_counter()
+                (pair.verify if step == "verify" else pair.propose)(0)
+                torch.cuda.synchronize()
+                first: dict[str, float] = {}
+                for mark, at in marks:  # a function called several times (replay): its first entry, last exit
+                    if mark.endswith("enter"):
+                        first.setdefault(mark, at - start)
+                    else:
+                        first[mark] = at - start
+                for mark, at in first.items():
+                    seen.setdefault(mark, []).append(at * 1e6)
+            path = sorted((statistics.median(times), mark) for mark, times in seen.items())
+            print(f"B={batch} {step} host path (us from the call, medians): "
+                  + "; ".join(f"{mark} {at:.0f}" for at, mark in path), flush=True)
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
 
 
 def host_calls(pair: Pair, batch: int, repeats: int = 50, rows: int = 22) -> None:
