@@ -58,8 +58,6 @@ class StepLoop:
         # starts on them the moment it is done with the other batch's (a call's round trip, ~1.5 ms on two H200s,
         # left the target idle in every step); awaited by the step that verifies the batch.
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
-        # Steps begun since the last one that prefilled, this one included (`_admission_due`).
-        self._steps_since_prefill = 1 << 30
 
     def wake(self) -> None:
         self._wake.set()
@@ -90,9 +88,7 @@ class StepLoop:
         await self._release([r for b in self.manager.batches if not b.awaiting_verify
                              for r in self.manager.remove_finished(b)])
         await self._maybe_reconnect_draft()
-        self._steps_since_prefill += 1
-        if self._admission_due() and await self._admit():
-            self._steps_since_prefill = 0
+        await self._admit()
         batches = self.manager.batches
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
@@ -119,35 +115,24 @@ class StepLoop:
             if not other_has_work:  # fallback: standard SD on the only batch with work
                 await self._verify(to_propose)
 
-    def _admission_due(self, steps_ahead: int = 0) -> bool:
-        """Whether the step `steps_ahead` from this one may prefill: once every batch with sequences has had a step
-        since the last prefill. A running sequence then waits for at most one prefill between two of its verifies,
-        however many requests queue (run 18d: a burst admitted in chunks at every step held each psd sequence for two
-        0.27 s prefills between its tokens); waiting requests start at most a step later."""
-        running = sum(1 for b in self.manager.batches if b.members or b.joining)
-        return self._steps_since_prefill + steps_ahead >= running
-
-    async def _admit(self) -> bool:
-        """Prefill what `take_admissions` lets in, on both workers at once; whether there was any (a failed prefill
-        counts: it held the workers too)."""
+    async def _admit(self) -> None:
         admitted = [r for _, requests in self.manager.take_admissions() for r in requests]
         if not admitted:
-            return False
+            return
         drafting = self.workers.prefill_draft(admitted) if self.workers.draft is not None else asyncio.sleep(0)
         target_reply, draft_reply = await asyncio.gather(
             self.workers.prefill_target(admitted), drafting, return_exceptions=True
         )
         if isinstance(draft_reply, BaseException) and not self._lose_draft(draft_reply):
             self._fail(admitted, draft_reply)
-            return True
+            return
         if isinstance(target_reply, BaseException):
             self._fail(admitted, target_reply)
-            return True
+            return
         for request, result in zip(admitted, target_reply.results):
             request.emit(list(result.token_ids), result.finish_reason, self.outbox)
         if self.metrics is not None:
             self.metrics.prefilled(admitted, target_reply.results)
-        return True
 
     async def _propose(self, batch: Batch) -> None:
         # The membership is frozen from here: a rebalance by the concurrent Verify of the other batch must put
@@ -163,9 +148,9 @@ class StepLoop:
             batch.drafts, batch.members, batch.joining = None, batch.members + batch.joining, []
             return
         batch.drafts, batch.num_drafts = reply.drafts, self.k
-        # Sent ahead, unless the next step prefills waiting requests: their prefill on the target would queue behind
-        # this verify, and that step would wait for it before drafting the other batch.
-        if not (self.manager.waiting and self._admission_due(steps_ahead=1)):
+        # Sent ahead, unless requests wait: their prefill on the target would queue behind this verify, and the
+        # step that admits them would wait for it before drafting the other batch.
+        if not self.manager.waiting:
             self._verifying[batch.batch_id] = asyncio.ensure_future(self._call_verify(batch))
 
     def _call_verify(self, batch: Batch) -> Awaitable[target_pb2.VerifyResponse]:
