@@ -181,7 +181,9 @@ def main() -> None:
         settings = [DraftSetting("SD, demo draft", draft), DraftSetting("SD, target as its own draft", target)]
     else:
         vocab = 1024
-        target, draft = random_llama(*args.target_shape, vocab, 0), random_llama(*args.draft_shape, vocab, 1)
+        (target_hidden, target_layers), (draft_hidden, draft_layers) = args.target_shape, args.draft_shape
+        target = random_llama(target_hidden, target_layers, vocab, 0)
+        draft = random_llama(draft_hidden, draft_layers, vocab, 1)
         prompts = random_prompts(vocab, count, args.prompt_len)
         what = f"random weights: target {describe(target)}; draft {describe(draft)}; random prompts"
         settings = [

@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig, PreTrainedModel
 
 from draft_service.proposer import Proposer
 from minedraft.cli import PRECAPTURE_CHOICES
@@ -44,7 +45,7 @@ from target_service.verifier import Verifier
 VOCAB = 128256
 EAGER = False  # --eager: no CUDA graphs
 COMPILE = False  # the mode of --compile-modes being measured: torch.compile'd decoder layers
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -54,8 +55,10 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: str) -> torch.nn.Module:
-    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0, **SHAPES[shape])
+def build(shape: str, device: str) -> PreTrainedModel:
+    # transformers 5 still takes rope_theta (into rope_parameters), but LlamaConfig's typed signature lacks it.
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0,  # type: ignore[call-arg]
+                         **SHAPES[shape])
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -118,7 +121,7 @@ def timed(fn: Callable[[], object], devices: list[str]) -> float:
 class Pair:
     """Verifier and proposer over two batches, driven step by step like the coordinator would."""
 
-    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module, batch: int, k: int, prefix: int,
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, batch: int, k: int, prefix: int,
                  synthetic: float | None, steps: int) -> None:
         # A cache as long as the services' default (--max-model-len 2048): reading a row's first kv_len keys out of a
         # longer row is what a served step does (a cache just long enough read whole rows, faster).
@@ -170,7 +173,7 @@ class Pair:
             if k != 0:
                 self.accepted.append(sum(a for _, a, _ in rows) / len(rows))
 
-    def psd_step(self, x: int) -> tuple[float, float, float, float]:
+    def psd_step(self, x: int) -> tuple[float, float, float, float, float]:
         """Verify(x) and Propose(1-x) at once, each from its own thread; returns (step, start/end offsets)."""
         spans: dict[str, tuple[float, float]] = {}
 
@@ -190,10 +193,10 @@ class Pair:
         for t in threads:
             t.join()
         end = time.perf_counter()
-        return end - start, *spans["verify"], *spans["propose"]  # type: ignore[return-value]
+        return end - start, *spans["verify"], *spans["propose"]
 
 
-def measure(name: str, target: torch.nn.Module, draft: torch.nn.Module, batch: int, k: int, args: argparse.Namespace,
+def measure(name: str, target: PreTrainedModel, draft: PreTrainedModel, batch: int, k: int, args: argparse.Namespace,
             bandwidth: float, timeline: list[dict] | None) -> Row:
     devices = [args.target_device, args.draft_device]
     steps = args.steps
@@ -247,7 +250,10 @@ def channel_costs(device: str, out: dict) -> None:
     probs = torch.rand(32, 4, VOCAB, device=device)
     channel = GrpcBytesChannel(torch.device(device))
     for name, p in (("ids", None), ("ids+probs", probs)):
-        times = [timed(lambda p=p: channel.receive(channel.send(0, ids, p)), [device]) for _ in range(5)]
+        # The default binds this iteration's p; mypy infers no type for such a lambda against Callable[[], object]
+        # without the cast.
+        times = [timed(cast(Callable[[], object], lambda p=p: channel.receive(channel.send(0, ids, p))), [device])
+                 for _ in range(5)]
         out[f"grpc_{name}_ms"] = sorted(times)[2] * 1e3
 
 
@@ -286,7 +292,9 @@ def cuda_ipc_costs(target_device: str, draft_device: str, out: dict) -> None:
         raw, ids_cpu, probs_sum = parent.recv()
         payload = common_pb2.DraftPayload.FromString(raw)
         holder: list = []
-        elapsed = timed(lambda h=holder, p=payload: h.append(channel.receive(p)), [target_device])
+        # As in channel_costs: mypy infers no type for this lambda with defaults without the cast.
+        elapsed = timed(cast(Callable[[], object], lambda h=holder, p=payload: h.append(channel.receive(p))),
+                        [target_device])
         ids, probs = holder[0]
         ok &= bool((ids.cpu() == ids_cpu).all())
         if probs_sum is not None:
@@ -300,7 +308,7 @@ def cuda_ipc_costs(target_device: str, draft_device: str, out: dict) -> None:
     out["cuda_ipc_transfer_exact"] = ok
 
 
-def graphs_match_eager(model: torch.nn.Module, device: str, out: dict) -> None:
+def graphs_match_eager(model: PreTrainedModel, device: str, out: dict) -> None:
     """CUDA-graph replays give exactly the eager outputs (same padded shapes, same kernels).
 
     With compiled layers (COMPILE), also how far they are from the uncompiled model (fused kernels round bf16
@@ -330,7 +338,7 @@ def graphs_match_eager(model: torch.nn.Module, device: str, out: dict) -> None:
         out["compiled_vs_uncompiled_same_argmax"] = float(torch.stack(same).mean())
 
 
-def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.Namespace, out: dict) -> None:
+def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, args: argparse.Namespace, out: dict) -> None:
     """Tokens/s at batch 1: Hugging Face assisted generation against our SD loop, same models, real acceptance."""
     from minedraft.offline import OfflineRequest, generate_offline
 
@@ -340,9 +348,11 @@ def hf_assisted(target: torch.nn.Module, draft: torch.nn.Module, args: argparse.
     # Assisted generation wants both models on one device: a copy of the draft joins the target's.
     assistant = draft if args.draft_device == args.target_device else copy.deepcopy(draft).to(args.target_device)
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, assistant_model=assistant)
+    # A causal LM's generate() comes from GenerationMixin, which the PreTrainedModel type lacks.
+    hf_target = cast(GenerationMixin, target)
     with torch.compiler.set_stance("force_eager"):  # transformers as it comes, even once our runs compiled layers
-        target.generate(prompt.to(args.target_device), **kwargs)  # warm-up
-        hf_s = timed(lambda: target.generate(prompt.to(args.target_device), **kwargs), [args.target_device])
+        hf_target.generate(prompt.to(args.target_device), **kwargs)  # warm-up
+        hf_s = timed(lambda: hf_target.generate(prompt.to(args.target_device), **kwargs), [args.target_device])
     verifier = Verifier(ModelRunner(target, 2, args.prefix + new + 16, not EAGER, COMPILE), [])
     proposer = Proposer(ModelRunner(draft, 2, args.prefix + new + 16, not EAGER, COMPILE))
     request = OfflineRequest(prompt[0].tolist(), SamplingConfig(max_tokens=new, ignore_eos=True))
@@ -460,7 +470,7 @@ def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
     return out
 
 
-def services_comparison(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], runs: list[str],
+def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedModel], runs: list[str],
                         args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
     """PSD, SD and AR through the real services (separate processes): `minedraft bench --modes ...` on random-weight
     checkpoints, as `services_plan` lays out (`runs` are draft shapes, on one GPU optionally `SHAPE:timesliced` or

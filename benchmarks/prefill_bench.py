@@ -9,6 +9,7 @@ import sys
 import time
 
 import torch
+from transformers import PreTrainedModel
 
 sys.path.insert(0, ".")
 from benchmarks.gpu_bench import VOCAB, build  # noqa: E402
@@ -20,14 +21,15 @@ from target_service.verifier import Verifier  # noqa: E402
 ONE_FORWARD = 1 << 40  # a forward cost that puts every prompt in one forward
 
 
-def prefill_flops(model: torch.nn.Module, batch: int, length: int) -> float:
+def prefill_flops(model: PreTrainedModel, batch: int, length: int) -> float:
     """Multiply-adds x 2 of a prefill: every weight but the input embedding once per token, the LM head once per
     prompt (its last token only), and causal attention's two matmuls."""
     config = model.config
-    embedding = model.get_input_embeddings().weight.numel()
+    embeddings = model.get_input_embeddings()
+    assert isinstance(embeddings, torch.nn.Embedding)  # typed as any Module, whose weight could be a Module
+    embedding = embeddings.weight.numel()
     head = model.get_output_embeddings().weight
-    body = sum(p.numel() for p in model.parameters()) - embedding - (0 if head is model.get_input_embeddings().weight
-                                                                      else head.numel())
+    body = sum(p.numel() for p in model.parameters()) - embedding - (0 if head is embeddings.weight else head.numel())
     head_dim = config.hidden_size // config.num_attention_heads
     attention = 2 * length * length * head_dim * config.num_attention_heads * config.num_hidden_layers  # causal half
     return batch * (2 * body * length + 2 * head.numel() + attention)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from draft_service.proposer import Proposer
 from minedraft.model_runner import ModelRunner
@@ -14,7 +14,7 @@ from minedraft.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
 
-def _llama(hidden: int, layers: int, seed: int) -> torch.nn.Module:
+def _llama(hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     config._attn_implementation = "sdpa"

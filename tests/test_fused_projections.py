@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel, Qwen2Config
 
 from minedraft.fused_projections import FusedGatedMLP, FusedQKVAttention, fuse_projections
 from tests.conftest import tiny_config
@@ -14,8 +14,9 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _model(arch: str) -> torch.nn.Module:
+def _model(arch: str) -> PreTrainedModel:
     torch.manual_seed(0)
+    config: PretrainedConfig
     if arch == "qwen2":  # biased q/k/v projections
         config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -29,6 +30,7 @@ def _model(arch: str) -> torch.nn.Module:
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_fused_model_gives_the_same_logits_and_generations(arch: str) -> None:
     model = _model(arch)
+    assert isinstance(model, GenerationMixin)  # a causal LM: it has generate(), which the PreTrainedModel type lacks
     if arch == "qwen2":
         torch.nn.init.normal_(model.model.layers[0].self_attn.k_proj.bias, std=0.5)  # (zero-initialised)
     fused = copy.deepcopy(model)

@@ -31,7 +31,8 @@ def gpu_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
 def _generate_reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda:0").eval()
+    # typeshed types the @functools.wraps-decorated PreTrainedModel.to as unbound: it wants the model as argument 1.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda:0").eval()  # type: ignore[arg-type]
     model.generation_config.eos_token_id = None
     out = []
     with torch.inference_mode():

@@ -100,7 +100,7 @@ def test_a_worker_without_prepare_is_prepared_by_its_setup_channel() -> None:
     """A worker older than the Prepare RPC (a rolling upgrade starts the new coordinator first) answers UNIMPLEMENTED:
     the coordinator goes on to SetupChannel, which prepares such a worker. Any other error still fails the connect."""
     class Refusing(target_pb2_grpc.TargetServiceServicer):
-        async def Prepare(self, request: object, context: grpc.aio.ServicerContext) -> object:
+        async def Prepare(self, request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of GPU memory")
 
     async def prepare(servicer: target_pb2_grpc.TargetServiceServicer) -> None:

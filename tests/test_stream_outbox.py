@@ -19,6 +19,7 @@ def test_held_messages_arrive_after_the_calls_made_in_the_same_pass() -> None:
     two tasks of one loop pass. Both sends run before any client stream is woken."""
 
     async def main() -> list[str]:
+        streams: list[asyncio.Queue[generation_pb2.GenerateResponse]]
         outbox, streams, order = StreamOutbox(), [asyncio.Queue(), asyncio.Queue()], []
         for i, stream in enumerate(streams):
             outbox.hold(stream, _message(i))
@@ -46,6 +47,7 @@ def test_held_messages_arrive_after_the_calls_made_in_the_same_pass() -> None:
 
 def test_nothing_is_held_longer_than_the_bound() -> None:
     async def main() -> tuple[float, list[int]]:
+        stream: asyncio.Queue[generation_pb2.GenerateResponse]
         outbox, stream = StreamOutbox(), asyncio.Queue()
         start = time.perf_counter()
         outbox.hold(stream, _message(1))
@@ -61,6 +63,7 @@ def test_nothing_is_held_longer_than_the_bound() -> None:
 
 def test_a_flush_delivers_at_once_and_cancels_the_deadline() -> None:
     async def main() -> int:
+        stream: asyncio.Queue[generation_pb2.GenerateResponse]
         outbox, stream = StreamOutbox(), asyncio.Queue()
         outbox.hold(stream, _message(7))
         outbox.flush()
