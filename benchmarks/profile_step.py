@@ -85,6 +85,18 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
+def one_step(pair: Pair, name: str, marks: list) -> tuple[float, float]:
+    """A proposal, or a verify of a fresh one, on an idle GPU, `marks` emptied just before its call: (start, end)."""
+    if name == "verify":
+        pair.propose(0)
+    torch.cuda.synchronize()
+    marks.clear()
+    start = time.perf_counter()
+    (pair.verify if name == "verify" else pair.propose)(0)
+    torch.cuda.synchronize()
+    return start, time.perf_counter()
+
+
 def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
     """Where a step's time goes outside its graphs, without the profiler: from the call to the first graph's launch
     (host work before it: the GPU idles), that launch, the launches of the rest of the step's chain (the GPU runs
@@ -103,14 +115,7 @@ def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
         for name in ("propose", "verify"):
             phases: list[tuple[float, ...]] = []
             for _ in range(repeats):
-                if name == "verify":
-                    pair.propose(0)
-                torch.cuda.synchronize()
-                marks.clear()
-                start = time.perf_counter()
-                (pair.verify if name == "verify" else pair.propose)(0)
-                torch.cuda.synchronize()
-                end = time.perf_counter()
+                start, end = one_step(pair, name, marks)
                 if marks:
                     phases.append((marks[0] - start, marks[1] - marks[0], marks[-1] - marks[1], end - marks[-1]))
             if not phases:
@@ -148,13 +153,7 @@ def host_marks(pair: Pair, batch: int, repeats: int = 20) -> None:
         for step in ("propose", "verify"):
             seen: dict[str, list[float]] = {}
             for _ in range(repeats):
-                if step == "verify":
-                    pair.propose(0)
-                torch.cuda.synchronize()
-                marks.clear()
-                start = time.perf_counter()
-                (pair.verify if step == "verify" else pair.propose)(0)
-                torch.cuda.synchronize()
+                start, _ = one_step(pair, step, marks)
                 first: dict[str, float] = {}
                 for mark, at in marks:  # a function called several times (replay): its first entry, last exit
                     if mark.endswith("enter"):

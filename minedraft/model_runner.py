@@ -464,8 +464,9 @@ class ModelRunner:
         # Eagerly, with the very shapes a graph would have, so both give identical outputs (prefills unpadded).
         batch = len(inputs[0])
         on_device = [t.to(self.device, non_blocking=True) for t in inputs]
-        padded_inputs = [torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
-                         for t, fill in zip(on_device, fills, strict=True)]
+        padded_inputs = on_device if padded == batch else [  # (prefills are not padded)
+            torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
+            for t, fill in zip(on_device, fills, strict=True)]
         self.cache.lengths[self.scratch_row] = 0
         return [t[:batch] for t in fn(padded_inputs[0], padded_inputs[1:], kv_len, view_start)]
 
