@@ -52,6 +52,11 @@ class SequenceTable:
         self.ignore_eos = torch.zeros(slots, dtype=torch.bool, device=device)
         self.stop_ids = torch.full((slots, MAX_STOP_TOKEN_IDS), -1, dtype=torch.long, device=device)
         self.max_tokens[runner.scratch_row] = 1 << 62  # the scratch row never finishes
+        # What a batch's steps ask of the table again and again while its members stay (a batch id or None -> its
+        # sequence ids, their rows, the rows as a host tensor; sequence ids -> their sampling kind): forgotten
+        # whenever a sequence comes or goes. Host time before a step's launch leaves the GPU idle.
+        self._rows_of_batch: dict[int | None, tuple[tuple[int, ...], list[int], torch.Tensor]] = {}
+        self._kinds: dict[tuple[int, ...], tuple[bool, bool]] = {}
 
     def __len__(self) -> int:
         return len(self.rows_by_id)
@@ -64,6 +69,7 @@ class SequenceTable:
             if len(cfg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids per request")
         rows = self.runner.allocate(len(seq_ids))
+        self._forget_batches()
         self.rows_by_id.update(zip(seq_ids, rows))
         self.configs_by_id.update(zip(seq_ids, configs))
         index = torch.tensor(rows, dtype=torch.long, device=self.runner.device)
@@ -130,12 +136,18 @@ class SequenceTable:
                       ) -> tuple[list[int], torch.Tensor, Arrangement | None]:
         """The rows of a batch's step (a list, and a host tensor that a step copies straight into its graph's
         inputs), and with `batch_id` their K/V moved into that batch's block of cache rows (`ModelRunner.arrange`)."""
-        rows = self.row_list(seq_ids)
+        ids = tuple(seq_ids)
+        known = self._rows_of_batch.get(batch_id)
+        if known is None or known[0] != ids:
+            rows = self.row_list(seq_ids)
+            known = self._rows_of_batch[batch_id] = (ids, rows, torch.tensor(rows, dtype=torch.long))
+        _, rows, host = known
         arrangement = None if batch_id is None else self.runner.arrange(rows, batch_id)
-        return rows, torch.tensor(rows, dtype=torch.long), arrangement
+        return rows, host, arrangement
 
     def remove(self, seq_ids: Sequence[int]) -> list[int]:
         """Free the rows of `seq_ids` and return them; ids not held are ignored (release is idempotent)."""
+        self._forget_batches()
         rows = [self.rows_by_id.pop(s) for s in seq_ids if s in self.rows_by_id]
         for s in seq_ids:
             self.configs_by_id.pop(s, None)
@@ -146,6 +158,16 @@ class SequenceTable:
                       ) -> tuple[bool, bool]:
         """(every sequence greedy, some sequence restricted by top-k or top-p), known on the host; `configs`: of
         sequences not held yet."""
-        configs = configs if configs is not None else [self.configs_by_id[s] for s in seq_ids]
+        if configs is None:
+            ids = tuple(seq_ids)
+            if ids not in self._kinds:
+                if len(self._kinds) >= 8:  # a batch's ids repeat; a caller varying them must not grow this
+                    self._kinds.clear()
+                self._kinds[ids] = self.sampling_kind(ids, vocab, [self.configs_by_id[s] for s in ids])
+            return self._kinds[ids]
         return (all(c.greedy for c in configs),
                 any(0 < c.top_k < vocab or c.top_p < 1 for c in configs))
+
+    def _forget_batches(self) -> None:
+        self._rows_of_batch.clear()
+        self._kinds.clear()

@@ -275,6 +275,7 @@ def test_batches_kept_in_blocks_of_cache_rows_read_as_views(arch: str, tiny_mode
         before = list(blocks._cache_row)
         arrangement = blocks.arrange(batch, group)
         moved += sum(a != b for a, b in zip(before, blocks._cache_row))
+        assert blocks.arrange(list(batch), group) is arrangement  # the same rows again: nothing to look at
         assert arrangement is not None and arrangement.start == group * (slots // 2)
         cache_rows = sorted(blocks._cache_row[r] for r in batch)
         assert cache_rows == list(range(arrangement.start, arrangement.start + len(batch)))
@@ -298,3 +299,20 @@ def test_a_step_listing_a_sequence_twice_is_refused(tiny_models) -> None:
         verifier.verify([1, 1], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0)
     tokens, _, _ = verifier.verify([2, 1], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()[0]
     assert tokens  # the worker's state is intact
+
+
+def test_a_batch_whose_sequences_come_and_go_steps_on_their_current_rows(tiny_models) -> None:
+    """The table remembers a batch's rows between its steps; a sequence that leaves and comes back under its id
+    (on another row) is looked up afresh."""
+    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 4, 64, groups=2), [])
+    table = verifier.table
+    verifier.prefill([1, 2], [[3, 4, 5], [6, 7]], [SamplingConfig(max_tokens=8)] * 2)
+    verifier.verify([1, 2], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()
+    first = table.arranged_rows([1, 2], 0)[0]
+    verifier.release([1])
+    verifier.prefill([5], [[8, 9]], [SamplingConfig(max_tokens=8)])  # takes sequence 1's row
+    verifier.prefill([1], [[3, 4, 5]], [SamplingConfig(max_tokens=8, temperature=1.0)])  # another row, sampled
+    rows, host, _ = table.arranged_rows([1, 2], 0)
+    assert rows == [table.rows_by_id[1], table.rows_by_id[2]] != first and host.tolist() == rows
+    assert table.sampling_kind([1, 2], VOCAB) == (False, False)
+    verifier.verify([1, 2], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()
