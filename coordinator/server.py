@@ -14,10 +14,11 @@ from functools import partial
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health
 
 from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.request_state import RequestState
-from coordinator.step_loop import StepLoop
+from coordinator.step_loop import CoordinatorStopped, StepLoop
 from coordinator.tracing import TracedStepLoop, TracedWorkers
 from coordinator.workers import Workers
 from minedraft.errors import ModelLoadError
@@ -48,6 +49,7 @@ class CoordinatorOptions:
     overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
     draft_retry_interval: float = 5.0  # seconds between tries to reach a lost draft service again
     draft_timeout: float = 30.0  # a draft call that takes longer counts the draft service as lost
+    drain_timeout: float = 30.0  # seconds a SIGTERM leaves the admitted requests to finish (`drain`)
 
 
 def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> str:
@@ -112,6 +114,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # A random base: a restarted coordinator never collides with ids a worker may still hold.
         self._seq_ids = itertools.count(secrets.randbits(48))
         self._task: asyncio.Task[None] | None = None
+        self.health = health.aio.HealthServicer()  # NOT_SERVING from the start of a drain
+        self.draining = False
+        self.open_streams = 0  # Generate calls admitted and not ended
 
     async def start(self) -> None:
         """Check the pair, set up the channel through both workers' control RPCs, start the step loop."""
@@ -184,6 +189,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.draft = draft
         log.warning("draft service back: speculative decoding again (%d running requests handed over)", len(running))
 
+    async def drain(self, cut_short: asyncio.Event) -> None:
+        """Stop taking requests and let the admitted ones finish, for up to `drain_timeout` seconds or until
+        `cut_short` is set (a SIGTERM's graceful shutdown, before `stop`): health reports NOT_SERVING, so a load
+        balancer or Kubernetes sends new requests elsewhere, and a new Generate call gets UNAVAILABLE."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        timeout = self.options.drain_timeout
+        log.info("draining: %d requests to finish, for up to %.0f s", self.open_streams, timeout)
+        deadline = time.monotonic() + timeout
+        while self.open_streams and time.monotonic() < deadline and not cut_short.is_set():
+            await asyncio.sleep(0.05)
+        if self.open_streams:
+            log.warning("drain ended with %d requests unfinished: they end as cancelled", self.open_streams)
+
     async def stop(self) -> None:
         self.loop.stop()
         if self._task is not None:
@@ -212,6 +231,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if self.draining:
+            self._rejected("draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this coordinator is shutting down: send the request to another replica or retry")
         try:
             state = self._new_request(request)
             self.manager.submit(state)
@@ -228,11 +251,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             })
         self.loop.wake()
         usage, error = None, None
+        self.open_streams += 1
         try:
             while True:
                 item = await state.stream.get()
                 if isinstance(item, BaseException):
-                    code = item.code() if isinstance(item, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+                    code = (item.code() if isinstance(item, grpc.aio.AioRpcError)
+                            else grpc.StatusCode.UNAVAILABLE if isinstance(item, CoordinatorStopped)
+                            else grpc.StatusCode.INTERNAL)
                     details = item.details() if isinstance(item, grpc.aio.AioRpcError) else str(item)
                     error = details or "generation failed"
                     await context.abort(code, error)
@@ -246,6 +272,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not state.finished:  # the client went away or its deadline passed: free it at the next step
                 state.cancelled = True
                 self.loop.wake()
+            self.open_streams -= 1
             self._ended(state, usage, error)
 
     def _rejected(self, reason: str) -> None:
@@ -317,5 +344,6 @@ async def serve(options: CoordinatorOptions, port: int, host: str = "[::]", trac
         [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
         [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name],
         host,
+        health_servicer=servicer.health,
     )
     return server, bound, servicer

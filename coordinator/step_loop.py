@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+class CoordinatorStopped(Exception):
+    """Ends the streams of requests still open when the coordinator stops (their clients get UNAVAILABLE)."""
+
 MODES = ("psd", "sd", "ar")
 
 
@@ -227,11 +231,12 @@ class StepLoop:
             log.warning("release failed on the draft: %s", draft_error)
 
     async def shutdown(self) -> None:
-        """After the loop stopped: end every open stream and free its rows, so the workers can serve a new
-        coordinator at once."""
+        """After the loop stopped: end every open stream (UNAVAILABLE, after the tokens it was sent: the client may
+        retry elsewhere) and free its rows, so the workers can serve a new coordinator at once."""
         self.outbox.flush()
         live = [r for b in self.manager.batches for r in b.members + b.joining]
         for request in [*live, *self.manager.waiting]:
+            request.fail(CoordinatorStopped("the coordinator stopped before this request finished: send it again"))
             request.cancelled = True
         self.manager.waiting.clear()
         for call in self._verifying.values():  # their results would go nowhere; the rows are released below

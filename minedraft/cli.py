@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -100,6 +100,9 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
          help="seconds between tries to reach a lost draft service again (requests go on with the target alone)")
     _add(parser, "--draft-timeout", 30.0, type=float,
          help="seconds a draft call may take before the draft service counts as lost (a hung draft)")
+    _add(parser, "--drain-timeout", 30.0, type=float,
+         help="on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new "
+              "requests get UNAVAILABLE; SIGINT (Ctrl-C) stops at once")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,16 +171,26 @@ def _run_until_signal(main: object) -> None:
 
 
 async def _serve_forever(server: grpc.aio.Server, name: str, port: int, on_stop: object = None,
-                         port_file: str | None = None) -> None:
-    stop = asyncio.Event()
+                         port_file: str | None = None,
+                         drain: Callable[[asyncio.Event], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM; after a SIGTERM first `drain(cut_short)`, which another signal cuts short."""
+    stop, terminated = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_sigterm() -> None:
+        terminated.set()
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     print(f"{name} listening on port {port}", flush=True)
     if port_file:
         Path(port_file + ".tmp").write_text(str(port))
         os.replace(port_file + ".tmp", port_file)  # a reader never sees it half written
     await stop.wait()
+    if drain is not None and terminated.is_set():
+        stop.clear()
+        await drain(stop)
     if on_stop is not None:
         await on_stop  # type: ignore[misc]
     await server.stop(grace=2)
@@ -223,6 +236,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         max_prefill_tokens=args.max_prefill_tokens, channel=args.channel, tokenizer=args.tokenizer,
         step_trace=args.step_trace, overlap=args.overlap,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
+        drain_timeout=args.drain_timeout,
     )
     tracing = setup_tracing("minedraft-coordinator")
     metrics = CoordinatorMetrics() if args.metrics_port else None
@@ -230,7 +244,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         start_metrics_server(args.metrics_port, args.host, metrics.registry)
     try:
         server, port, servicer = await serve(options, args.port, args.host, tracing, metrics)
-        await _serve_forever(server, "coordinator", port, servicer.stop(), args.port_file)
+        await _serve_forever(server, "coordinator", port, servicer.stop(), args.port_file, servicer.drain)
     finally:
         tracing.shutdown()  # export the spans still queued
 
@@ -334,7 +348,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--num-speculative-tokens", str(args.num_speculative_tokens),
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
                         "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
-    for flag in ("--max-prefill-tokens", "--draft-retry-interval", "--draft-timeout"):  # absent: the defaults
+    # absent (bench's own arguments): the defaults
+    for flag in ("--max-prefill-tokens", "--draft-retry-interval", "--draft-timeout", "--drain-timeout"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             coordinator += [flag, str(value)]
@@ -387,6 +402,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         channel="local" if args.channel == "auto" else args.channel,
         tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
+        drain_timeout=args.drain_timeout,
     )
     server, port, servicer = await serve_coordinator(coordinator_options, args.port, args.host)
     print(f"minedraft serving {args.mode} on localhost:{port} in one process "
@@ -394,7 +410,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     if args.generate:
         request = ["generate", "--server", f"localhost:{port}", "--prompt", args.generate]
         await asyncio.to_thread(generate_main, build_parser().parse_args(request))
-    await _serve_forever(server, "coordinator", port, servicer.stop())
+    await _serve_forever(server, "coordinator", port, servicer.stop(), drain=servicer.drain)
     for worker_server in servers:
         await worker_server.stop(grace=2)
 
@@ -407,6 +423,12 @@ def serve_main(args: argparse.Namespace) -> int:
             _run_until_signal(_single_process_main(args))
         return 0
     processes: list[subprocess.Popen] = []
+    terminated: list[bool] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.append(True)
+        raise KeyboardInterrupt
+
     try:
         port = start_stack(args, lambda command: subprocess.Popen(command, start_new_session=True), processes)
         public = f"localhost:{port}"
@@ -415,7 +437,7 @@ def serve_main(args: argparse.Namespace) -> int:
             print(f"$ minedraft generate --server {public} --prompt {args.generate!r}", flush=True)
             generate_main(build_parser().parse_args(["generate", "--server", public, "--prompt", args.generate]))
             print("serving until Ctrl-C", flush=True)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, on_sigterm)
         while all(p.poll() is None for p in processes):
             time.sleep(0.5)
         print("a service exited; stopping the others", file=sys.stderr)
@@ -426,7 +448,17 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if terminated:  # the coordinator (started last) lets its admitted requests finish first
+            drain_process(processes[-1], args.drain_timeout)
         stop_processes(processes)
+
+
+def drain_process(proc: subprocess.Popen, drain_timeout: float) -> None:
+    """SIGTERM a coordinator and wait while it drains (up to its `--drain-timeout`); a signal meanwhile ends the
+    wait."""
+    proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.wait(drain_timeout + 10)
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 20.0) -> None:

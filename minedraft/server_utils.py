@@ -67,15 +67,17 @@ async def start_server(
     service_names: Sequence[str],
     host: str = "[::]",
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    health_servicer: health.aio.HealthServicer | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server with the given services plus grpc.health.v1 and reflection; return it and its port."""
+    """Start a grpc.aio server with the given services plus grpc.health.v1 (`health_servicer`, if the caller wants
+    to change what it reports later) and reflection; return it and its port."""
     server = grpc.aio.server(
         interceptors=list(interceptors),
         options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)],
     )
     for add in register:
         add(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -39,7 +39,7 @@ def test_values_have_the_documented_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     expected = {
         "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "maxPrefillTokens",
-                        "channel", "tokenizer", "draftRetryInterval", "draftTimeout"],
+                        "channel", "tokenizer", "draftRetryInterval", "draftTimeout", "drainTimeout"],
         "target": [
             "model",
             "port",
@@ -90,6 +90,8 @@ def test_templates_name_the_env_vars_and_probes() -> None:
         "MINEDRAFT_TOKENIZER",
         "MINEDRAFT_DRAFT_RETRY_INTERVAL",
         "MINEDRAFT_MAX_PREFILL_TOKENS",
+        "MINEDRAFT_DRAIN_TIMEOUT",
+        "terminationGracePeriodSeconds",
         "MINEDRAFT_COMPILE",
         "MINEDRAFT_PRECAPTURE_GRAPHS",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -168,6 +170,8 @@ def test_helm_template_defaults() -> None:
     assert "nvidia.com/gpu" not in str(container(objs, "coordinator").get("resources", {}))
     assert coordinator["MINEDRAFT_TOKENIZER"] == "/models/target"  # text prompts need the tokenizer
     assert "MINEDRAFT_DRAFT_RETRY_INTERVAL" not in coordinator  # empty: the CLI's default
+    assert coordinator["MINEDRAFT_DRAIN_TIMEOUT"] == "30"  # the pod outlives its drain before the SIGKILL
+    assert deployment(objs, "coordinator")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 45
     (mount,) = container(objs, "coordinator")["volumeMounts"]
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
 
