@@ -201,7 +201,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         while self.open_streams and time.monotonic() < deadline and not cut_short.is_set():
             await asyncio.sleep(0.05)
         if self.open_streams:
-            log.warning("drain ended with %d requests unfinished: they end as cancelled", self.open_streams)
+            log.warning("drain ended with %d requests unfinished: their clients get UNAVAILABLE", self.open_streams)
 
     async def stop(self) -> None:
         self.loop.stop()

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 class CoordinatorStopped(Exception):
     """Ends the streams of requests still open when the coordinator stops (their clients get UNAVAILABLE)."""
 
+
 MODES = ("psd", "sd", "ar")
 
 

@@ -77,7 +77,7 @@ async def start_server(
     )
     for add in register:
         add(server)
-    health_servicer = health_servicer or health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer() if health_servicer is None else health_servicer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
