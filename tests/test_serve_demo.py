@@ -11,16 +11,19 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 
 from minedraft.cli import free_port, wait_healthy
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 from minedraft.demo_models import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="the demo pair is not in minedraft/demo_models")
 
 
 def test_serve_demo_pair_and_generate_json() -> None:
-    """`serve --port 0`: every service, the public coordinator too, binds a port of its own choosing."""
+    """`serve --port 0`: every service, the public coordinator too, binds a port of its own choosing. A SIGTERM
+    (a container's stop) then lets the request in flight finish before all three stop."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     serve = subprocess.Popen(
         [sys.executable, "-m", "minedraft.cli", "serve", "--port", "0", "--host", "127.0.0.1",
@@ -60,12 +63,31 @@ def test_serve_demo_pair_and_generate_json() -> None:
         # The distilled draft agrees with the target often: speculation really happens.
         assert usage["accepted_tokens"] > 0
         assert usage["mean_accepted_length"] == pytest.approx(1 + usage["accepted_tokens"] / usage["steps"], 1e-3)
-    finally:
-        serve.send_signal(signal.SIGINT)
+        assert _tokens_streamed_across_a_sigterm(serve, f"127.0.0.1:{port}", 200) == (200, "FINISH_REASON_LENGTH")
         serve.wait(timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGINT)
+            serve.wait(timeout=60)
         reader.join(timeout=10)
     output = "".join(lines)
-    assert serve.returncode == 0, output  # Ctrl-C stops all three cleanly
+    assert serve.returncode == 0, output  # all three stopped cleanly
+    assert "draining: 1 requests to finish" in output, output
+
+
+def _tokens_streamed_across_a_sigterm(serve: subprocess.Popen, address: str, max_tokens: int) -> tuple[int, str]:
+    """Stream a request, SIGTERM `serve` after its first message; (tokens received, finish reason)."""
+    request = generation_pb2.GenerateRequest(
+        prompt="def fib(n):", params=generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    with grpc.insecure_channel(address) as channel:
+        stream = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
+        tokens, finish = 0, 0
+        for i, message in enumerate(stream):
+            if i == 0:
+                serve.send_signal(signal.SIGTERM)
+            tokens += len(message.token_ids)
+            finish = message.finish_reason or finish
+    return tokens, generation_pb2.FinishReason.Name(finish)
 
 
 def _children(pid: int) -> list[int]:
