@@ -29,7 +29,8 @@ HOST_PATH: list[tuple[type, str]] = [
     (Verifier, "verify"), (Proposer, "propose"), (SequenceTable, "arranged_rows"),
     (model_runner.ModelRunner, "arrange"), (SequenceTable, "sampling_kind"), (model_runner.ModelRunner, "score"),
     (model_runner.ModelRunner, "decode"), (model_runner.ModelRunner, "_run"),
-    (model_runner.ModelRunner, "_replay_or_run"), (model_runner.CudaGraphs, "run"), (torch.cuda.CUDAGraph, "replay"),
+    (model_runner.ModelRunner, "_replay_or_run"), (model_runner.CudaGraphs, "run"),
+    (model_runner.CudaGraphs, "_copy_inputs"), (torch.cuda.CUDAGraph, "replay"),
 ]
 
 

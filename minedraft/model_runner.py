@@ -591,13 +591,19 @@ class CudaGraphs:
                 self.graphs[key] = self._capture(fn, inputs, fills, padded)
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
             graphs, static, outputs = self.graphs[key]
-            for buffer, value, fill in zip(static, inputs, fills, strict=True):
-                buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
-                if batch < padded:
-                    buffer[batch:].fill_(fill)
+            self._copy_inputs(static, inputs, fills, padded)
             for graph in graphs:
                 graph.replay()
             return [t[:batch] for t in outputs]
+
+    def _copy_inputs(self, static: list[torch.Tensor], inputs: list[torch.Tensor], fills: list[int], padded: int
+                     ) -> None:
+        """Into a graph's input buffers: `inputs`, then `fills` in the padding rows up to `padded`."""
+        batch = len(inputs[0])
+        for buffer, value, fill in zip(static, inputs, fills, strict=True):
+            buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
+            if batch < padded:
+                buffer[batch:].fill_(fill)
 
     def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
                  ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]:
