@@ -14,11 +14,11 @@ from functools import partial
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.request_state import RequestState
-from coordinator.step_loop import CoordinatorStopped, StepLoop
+from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.tracing import TracedStepLoop, TracedWorkers
 from coordinator.workers import Workers
 from minedraft.errors import ModelLoadError
@@ -30,6 +30,7 @@ from minedraft.server_utils import start_server
 from minedraft.telemetry import Tracing, end_request_span, start_request_span
 
 log = logging.getLogger(__name__)
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -100,6 +101,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                metrics=metrics, overlap=options.overlap)
         self.loop.draft_back = self.draft_back
         self.loop.hand_over_draft = self.hand_over_draft
+        self.loop.target_back = self.target_back
+        self.loop.on_target_lost = self._target_lost
         self.loop.draft_retry_interval = options.draft_retry_interval
         self.workers.record_events = options.step_trace is not None
         self.workers.draft_timeout = options.draft_timeout
@@ -189,6 +192,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.draft = draft
         log.warning("draft service back: speculative decoding again (%d running requests handed over)", len(running))
 
+    async def target_back(self) -> bool:
+        """While the target service is lost (the step loop's, every --draft-retry-interval): whether it answers a
+        GetInfo within 2 s, serves a model the draft still pairs with, and takes the channel set-up again."""
+        try:
+            info = (await self.workers.target.GetInfo(target_pb2.TargetServiceGetInfoRequest(), timeout=2.0)).info
+            if _vocab(info) != _vocab(self.target_info):
+                raise ModelLoadError(f"the target came back serving {info.model}, not {self.target_info.model}")
+            self.target_info = info
+            if self.workers.draft is not None:
+                await self._connect_draft(timeout=2.0)
+        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.info("target service not back yet: %s", detail)
+            return False
+        return True
+
+    async def _target_lost(self, lost: bool) -> None:
+        """Health follows the target: NOT_SERVING while it is lost, so that a load balancer sends requests elsewhere."""
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if lost else health_pb2.HealthCheckResponse.SERVING
+        for name in ("", GENERATION_SERVICE):
+            await self.health.set(name, status)
+
     async def drain(self, cut_short: asyncio.Event) -> None:
         """Stop taking requests and let the admitted ones finish, for up to `drain_timeout` seconds or until
         `cut_short` is set (a SIGTERM's graceful shutdown, before `stop`): health reports NOT_SERVING, so a load
@@ -235,6 +260,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self._rejected("draining")
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "this coordinator is shutting down: send the request to another replica or retry")
+        if self.loop.target_lost:
+            self._rejected("target_lost")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target service is unreachable; the coordinator "
+                                f"tries it again every {self.options.draft_retry_interval:g} s: retry shortly")
         try:
             state = self._new_request(request)
             self.manager.submit(state)
@@ -257,7 +286,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 item = await state.stream.get()
                 if isinstance(item, BaseException):
                     code = (item.code() if isinstance(item, grpc.aio.AioRpcError)
-                            else grpc.StatusCode.UNAVAILABLE if isinstance(item, CoordinatorStopped)
+                            else grpc.StatusCode.UNAVAILABLE if isinstance(item, Unavailable)
                             else grpc.StatusCode.INTERNAL)
                     details = item.details() if isinstance(item, grpc.aio.AioRpcError) else str(item)
                     error = details or "generation failed"
@@ -342,7 +371,7 @@ async def serve(options: CoordinatorOptions, port: int, host: str = "[::]", trac
     server, bound = await start_server(
         port,
         [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
-        [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name],
+        [GENERATION_SERVICE],
         host,
         health_servicer=servicer.health,
     )

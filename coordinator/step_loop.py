@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -25,8 +26,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class CoordinatorStopped(Exception):
-    """Ends the streams of requests still open when the coordinator stops (their clients get UNAVAILABLE)."""
+class Unavailable(Exception):
+    """Ends a request's stream with UNAVAILABLE: the coordinator stopped, or lost the target, before it finished;
+    the client may send it again."""
+
+
+# Target call failures that mean the target is gone or has restarted (its sequences, and its channel, lost)
+TARGET_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                     grpc.StatusCode.FAILED_PRECONDITION)
 
 
 MODES = ("psd", "sd", "ar")
@@ -58,6 +65,11 @@ class StepLoop:
         self.hand_over_draft: Callable[[], Awaitable[None]] | None = None
         self.draft_retry_interval = 5.0
         self._next_draft_retry = 0.0
+        # While the target is lost (unreachable, or restarted and without its channel): whether it is back, channel
+        # set up (set by the server; tried every `draft_retry_interval`), and what to do when it is lost.
+        self.target_lost = False
+        self.target_back: Callable[[], Coroutine[Any, Any, bool]] | None = None
+        self.on_target_lost: Callable[[bool], Awaitable[None]] | None = None  # told False when it is back
         self._draft_probe: asyncio.Task[bool] | None = None
         # Verify calls sent ahead, by batch id: made as soon as the batch's drafts are back, so that the target
         # starts on them the moment it is done with the other batch's (a call's round trip, ~1.5 ms on two H200s,
@@ -78,6 +90,9 @@ class StepLoop:
 
     async def run(self) -> None:
         while not self._stopping:
+            if self.target_lost:
+                await self._reconnect_target()
+                continue
             if not self.has_work():
                 self._wake.clear()  # before any await: a wake (new work, stop) meanwhile must not be lost
                 await self._flush_releases(always=True)  # nothing else goes to the workers now
@@ -90,10 +105,12 @@ class StepLoop:
                 log.exception("step failed")
 
     async def step(self) -> None:
-        await self._release([r for b in self.manager.batches if not b.awaiting_verify
-                             for r in self.manager.remove_finished(b)])
+        await self._remove_finished()
         await self._maybe_reconnect_draft()
-        await self._admit()
+        if not await self._admit():
+            await self._remove_finished()  # a failed prefill's requests leave before the step's calls
+        if self.target_lost:
+            return
         batches = self.manager.batches
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
@@ -120,24 +137,31 @@ class StepLoop:
             if not other_has_work:  # fallback: standard SD on the only batch with work
                 await self._verify(to_propose)
 
-    async def _admit(self) -> None:
+    async def _remove_finished(self) -> None:
+        await self._release([r for b in self.manager.batches if not b.awaiting_verify
+                             for r in self.manager.remove_finished(b)])
+
+    async def _admit(self) -> bool:
+        """Prefill what the batches have room for; False if the prefill failed (its requests failed with it)."""
         admitted = [r for _, requests in self.manager.take_admissions() for r in requests]
         if not admitted:
-            return
+            return True
         drafting = self.workers.prefill_draft(admitted) if self.workers.draft is not None else asyncio.sleep(0)
         target_reply, draft_reply = await asyncio.gather(
             self.workers.prefill_target(admitted), drafting, return_exceptions=True
         )
+        if isinstance(target_reply, BaseException):
+            if not self._lose_target(target_reply):
+                self._fail(admitted, target_reply)
+            return False
         if isinstance(draft_reply, BaseException) and not self._lose_draft(draft_reply):
             self._fail(admitted, draft_reply)
-            return
-        if isinstance(target_reply, BaseException):
-            self._fail(admitted, target_reply)
-            return
+            return False
         for request, result in zip(admitted, target_reply.results):
             request.emit(list(result.token_ids), result.finish_reason, self.outbox)
         if self.metrics is not None:
             self.metrics.prefilled(admitted, target_reply.results)
+        return True
 
     async def _propose(self, batch: Batch) -> None:
         # The membership is frozen from here: a rebalance by the concurrent Verify of the other batch must put
@@ -167,7 +191,8 @@ class StepLoop:
         try:
             reply = await (self._verifying.pop(batch.batch_id, None) or self._call_verify(batch))
         except Exception as exc:
-            self._fail(members, exc)
+            if not self._lose_target(exc):
+                self._fail(members, exc)
         else:
             for request, result in zip(members, reply.results):
                 request.record_verify(k, result.num_accepted)
@@ -208,6 +233,49 @@ class StepLoop:
             self.workers.unreleased["draft"] = []
         return True
 
+    def _lose_target(self, exc: BaseException) -> bool:
+        """A target that is unreachable, hung or restarted has lost every sequence it held: fail all requests
+        (UNAVAILABLE: their clients may send them again) and refuse new ones until `_reconnect_target` finds it
+        back, channel set up. Whether `exc` is such a loss."""
+        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TARGET_LOST_CODES):
+            return False
+        if not self.target_lost:
+            log.error("target service lost (%s: %s): failing every request until it is back", exc.code().name,
+                      exc.details())
+            self.target_lost = True
+            live = [r for b in self.manager.batches for r in b.members + b.joining]
+            self._fail([*live, *self.manager.waiting], Unavailable(
+                "the target service became unreachable or restarted before this request finished: send it again"))
+            self.manager.waiting.clear()
+        return True
+
+    async def _reconnect_target(self) -> None:
+        """While the target is lost: release what the failed requests held, and try `target_back` every
+        `draft_retry_interval` seconds (a stop cuts the wait short)."""
+        if self.on_target_lost is not None:
+            await self.on_target_lost(True)
+        for call in self._verifying.values():  # failed, or will: their results are not wanted
+            call.cancel()
+        await asyncio.gather(*self._verifying.values(), return_exceptions=True)
+        self._verifying.clear()
+        held = [r for b in self.manager.batches for r in b.members + b.joining]
+        for batch in self.manager.batches:
+            batch.drafts, batch.members, batch.joining = None, [], []
+        await self._release(held)
+        while not self._stopping:
+            if self.target_back is not None and await self.target_back():
+                break
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.draft_retry_interval)
+        else:
+            return
+        self.target_lost = False
+        await self._flush_releases(always=True)  # a target that was only unreachable still holds them
+        log.warning("target service back: serving again")
+        if self.on_target_lost is not None:
+            await self.on_target_lost(False)
+
     def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
         log.warning("failing %d requests: %s", len(requests), exc)
         self.outbox.flush()  # what they emitted before goes first
@@ -226,7 +294,8 @@ class StepLoop:
         try:
             draft_error = await self.workers.flush_releases(always)
         except grpc.RpcError as exc:
-            log.warning("release failed: %s", exc)
+            if not self._lose_target(exc):
+                log.warning("release failed: %s", exc)
             return
         if draft_error is not None and not self._lose_draft(draft_error):
             log.warning("release failed on the draft: %s", draft_error)
@@ -237,7 +306,7 @@ class StepLoop:
         self.outbox.flush()
         live = [r for b in self.manager.batches for r in b.members + b.joining]
         for request in [*live, *self.manager.waiting]:
-            request.fail(CoordinatorStopped("the coordinator stopped before this request finished: send it again"))
+            request.fail(Unavailable("the coordinator stopped before this request finished: send it again"))
             request.cancelled = True
         self.manager.waiting.clear()
         for call in self._verifying.values():  # their results would go nowhere; the rows are released below

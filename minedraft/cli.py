@@ -97,7 +97,8 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--overlap", "auto", choices=["auto", "always", "never"],
          help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto)")
     _add(parser, "--draft-retry-interval", 5.0, type=float,
-         help="seconds between tries to reach a lost draft service again (requests go on with the target alone)")
+         help="seconds between tries to reach a lost draft service again (requests go on with the target alone), "
+              "or a lost target service (requests are refused meanwhile)")
     _add(parser, "--draft-timeout", 30.0, type=float,
          help="seconds a draft call may take before the draft service counts as lost (a hung draft)")
     _add(parser, "--drain-timeout", 30.0, type=float,

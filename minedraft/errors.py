@@ -11,3 +11,7 @@ class CapacityError(RuntimeError):
 
 class UnknownSequenceError(KeyError):
     """A control message named a sequence this worker does not hold (finished, released, or never prefilled)."""
+
+
+class ChannelNotSetUpError(RuntimeError):
+    """A data-plane call before SetupChannel: the worker restarted since its coordinator set the channel up."""

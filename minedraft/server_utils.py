@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from minedraft.errors import CapacityError, ModelLoadError, UnknownSequenceError
+from minedraft.errors import CapacityError, ChannelNotSetUpError, ModelLoadError, UnknownSequenceError
 from minedraft.proto import common_pb2
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 

@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 
 from minedraft.channels import Channel, make_channel
+from minedraft.errors import ChannelNotSetUpError
 from minedraft.model_runner import ModelRunner
 from minedraft.models import VocabInfo, load_model, load_tokenizer
 from minedraft.proto import common_pb2, generation_pb2
@@ -193,7 +194,7 @@ class ModelWorker:
 
     def require_channel(self) -> Channel:
         if self.channel is None:
-            raise ValueError("no channel set up yet: the coordinator calls SetupChannel first")
+            raise ChannelNotSetUpError("no channel set up yet: the coordinator calls SetupChannel first")
         return self.channel
 
 

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from minedraft.cli import free_port, wait_healthy
-from minedraft.proto import generation_pb2, generation_pb2_grpc
 from minedraft.demo_models import available
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.skipif(not available(), reason="the demo pair is not in minedraft/demo_models")
 

@@ -1,0 +1,137 @@
+"""A target service that dies and comes back on its address: the requests it held end with UNAVAILABLE (their
+clients may send them again), new ones are refused while it is gone (health NOT_SERVING), and once it answers the
+coordinator sets the channel up again and serves, losslessly."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack import (
+    Completion,
+    Service,
+    TinyPairs,
+    Workers,
+    generate,
+    running_coordinator,
+    spawn,
+    start_workers,
+    text_prompts,
+    wait_all,
+    wait_all_slots_free,
+    worker_args,
+)
+
+from minedraft.proto import generation_pb2, generation_pb2_grpc
+
+pytest_plugins = ["stack"]
+
+LOST = "UNAVAILABLE: the target service became unreachable or restarted before this request finished: send it again"
+
+
+def _requests(tiny_pairs: TinyPairs) -> list[generation_pb2.GenerateRequest]:
+    params = generation_pb2.SamplingParams(max_tokens=120, ignore_eos=True)
+    return [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params)
+            for p in text_prompts(tiny_pairs.tokenizer, 6, 4, 20, seed=31)]
+
+
+def _wave(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[Completion | str]:
+    """Each request's completion, or how its call failed (code: details)."""
+
+    async def one(request: generation_pb2.GenerateRequest) -> Completion | str:
+        try:
+            return await generate(address, request, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+
+    async def run_all() -> list[Completion | str]:
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    return asyncio.run(run_all())
+
+
+async def _kill_while_streaming(address: str, requests: list[generation_pb2.GenerateRequest], target: Service
+                                ) -> list[str]:
+    """SIGKILL the target once every request has streamed; how each stream ended."""
+    started = [asyncio.Event() for _ in requests]
+
+    async def stream(request: generation_pb2.GenerateRequest, first: asyncio.Event) -> str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
+            try:
+                async for message in call:
+                    first.set()
+                    if message.finish_reason:
+                        return generation_pb2.FinishReason.Name(message.finish_reason)
+            except grpc.aio.AioRpcError as exc:
+                first.set()
+                return f"{exc.code().name}: {exc.details()}"
+        return "no finish"
+
+    tasks = [asyncio.create_task(stream(r, e)) for r, e in zip(requests, started, strict=True)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    target.proc.send_signal(signal.SIGKILL)
+    return list(await asyncio.gather(*tasks))
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def _wait_health(address: str, status: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _health(address) != status:
+        assert time.monotonic() < deadline, f"health never became {status}"
+        time.sleep(0.1)
+
+
+def _restart_target(workers: Workers, log_dir: Path) -> None:
+    restarted = spawn("llama-target-restarted", worker_args("target", workers.pair.target, workers.max_batch_size),
+                      log_dir, port=workers.target.port)
+    workers.target = restarted
+    wait_all([restarted])
+
+
+def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "target-back")
+    try:
+        requests = _requests(tiny_pairs)
+        with running_coordinator(workers, stack_logs, "psd", extra=["--draft-retry-interval", "0.2"]) as coordinator:
+            address = coordinator.address
+            expected = _wave(address, requests)
+            assert all(isinstance(c, Completion) and len(c.token_ids) == 120 for c in expected), expected
+
+            # Killed while serving: every request it held ends with UNAVAILABLE; while it is gone, the coordinator
+            # says NOT_SERVING and refuses new requests at once.
+            ended = asyncio.run(_kill_while_streaming(address, requests, workers.target))
+            assert ended == [LOST] * len(requests), ended
+            _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+            refused = _wave(address, requests[:1])
+            assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
+                                                                         "unreachable"), refused
+
+            # Back on its address: the coordinator sets the channel up again and serves the same tokens.
+            _restart_target(workers, stack_logs / "target-back")
+            _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+            after = _wave(address, requests)
+            assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
+
+            # Restarted while the coordinator was idle: the first wave finds out (the new process has no channel),
+            # its requests end with UNAVAILABLE, and a retry once healthy again is served.
+            workers.target.proc.send_signal(signal.SIGKILL)
+            workers.target.proc.wait()
+            _restart_target(workers, stack_logs / "target-back")
+            first = _wave(address, requests)
+            assert all(c == LOST or isinstance(c, Completion) for c in first), first
+            _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+            retried = _wave(address, requests)
+            assert [c.token_ids for c in retried] == [c.token_ids for c in expected]  # type: ignore[union-attr]
+        seen = wait_all_slots_free(workers, timeout=15)
+        assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+    finally:
+        workers.stop()
