@@ -97,7 +97,8 @@ class StepLoop:
                 self._wake.clear()  # before any await: a wake (new work, stop) meanwhile must not be lost
                 await self._flush_releases(always=True)  # nothing else goes to the workers now
                 self.outbox.flush()
-                await self._wake.wait()
+                if not self.target_lost:  # (found lost by those releases: reconnect at once)
+                    await self._wake.wait()
                 continue
             try:
                 await self.step()

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
+# A health service name that stays SERVING while the process serves (a liveness probe's), whatever the others say
+LIVENESS = "liveness"
 # Exceptions a handler may raise on bad input or exhausted capacity, and the status a caller gets for each.
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
@@ -90,7 +92,7 @@ async def start_server(
     gc.collect()
     gc.freeze()
     await server.start()
-    for name in ("", *service_names):
+    for name in ("", LIVENESS, *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
 

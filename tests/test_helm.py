@@ -154,6 +154,7 @@ def test_helm_template_defaults() -> None:
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             assert c[probe]["grpc"]["port"] == port, (component, probe)
+        assert c["livenessProbe"]["grpc"]["service"] == "liveness" and "service" not in c["readinessProbe"]["grpc"]
         e = env(objs, component)
         assert e["OTEL_SERVICE_NAME"] == f"minedraft-{component}"
         assert e["MINEDRAFT_PORT"] == str(port)

@@ -86,7 +86,9 @@ the CLI's default applies. Whole numbers print as integers (Helm reads YAML numb
 {{- end }}
 {{- end }}
 
-{{/* gRPC health probes (grpc.health.v1) on a port. */}}
+{{/* gRPC health probes (grpc.health.v1) on a port. Liveness asks for the "liveness" service, which stays SERVING
+     while the process serves: a coordinator whose target is lost (or that drains) reports NOT_SERVING overall, so
+     that it gets no traffic, but must not be restarted for it. */}}
 {{- define "minedraft.probes" -}}
 startupProbe:
   grpc:
@@ -96,6 +98,7 @@ startupProbe:
 livenessProbe:
   grpc:
     port: {{ .port }}
+    service: liveness
   periodSeconds: {{ .root.Values.probes.periodSeconds }}
   failureThreshold: 3
 readinessProbe:
