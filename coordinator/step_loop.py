@@ -244,9 +244,10 @@ class StepLoop:
             log.error("target service lost (%s: %s): failing every request until it is back", exc.code().name,
                       exc.details())
             self.target_lost = True
-            live = [r for b in self.manager.batches for r in b.members + b.joining]
-            self._fail([*live, *self.manager.waiting], Unavailable(
-                "the target service became unreachable or restarted before this request finished: send it again"))
+            held = [r for b in self.manager.batches for r in b.members + b.joining if not r.finished]
+            if held or self.manager.waiting:
+                self._fail([*held, *self.manager.waiting], Unavailable(
+                    "the target service became unreachable or restarted before this request finished: send it again"))
             self.manager.waiting.clear()
         return True
 
@@ -273,6 +274,8 @@ class StepLoop:
             return
         self.target_lost = False
         await self._flush_releases(always=True)  # a target that was only unreachable still holds them
+        if self.target_lost:  # gone again at once
+            return
         log.warning("target service back: serving again")
         if self.on_target_lost is not None:
             await self.on_target_lost(False)
