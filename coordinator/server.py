@@ -50,6 +50,7 @@ class CoordinatorOptions:
     overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
     draft_retry_interval: float = 5.0  # seconds between tries to reach a lost draft service again
     draft_timeout: float = 30.0  # a draft call that takes longer counts the draft service as lost
+    target_timeout: float = 120.0  # a target step call that takes longer counts the target service as lost (0: never)
     drain_timeout: float = 30.0  # seconds a SIGTERM leaves the admitted requests to finish (`drain`)
 
 
@@ -106,6 +107,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.loop.draft_retry_interval = options.draft_retry_interval
         self.workers.record_events = options.step_trace is not None
         self.workers.draft_timeout = options.draft_timeout
+        self.workers.target_timeout = options.target_timeout or None
         self.workers.metrics = metrics
         if metrics is not None:
             metrics.track_state(lambda: self.manager.queue_length, lambda: self.manager.num_running,

@@ -64,8 +64,10 @@ class Workers:
                                                             interceptors=list(interceptors)))
             self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
-        # A draft call that outlives this is a lost draft (a hung process must not stall the target's decoding).
+        # A draft call that outlives this is a lost draft (a hung process must not stall the target's decoding);
+        # a target call that outlives its own is a lost target (`StepLoop._lose_target`). None: no deadline.
         self.draft_timeout: float | None = 30.0
+        self.target_timeout: float | None = 120.0
         self.events: list[StepEvent] = []
         self.record_events = False
         self.metrics: CoordinatorMetrics | None = None
@@ -94,7 +96,8 @@ class Workers:
         start = time.perf_counter()
         with self._releasing("target") as released:
             reply = await self._started(self.target.Prefill(target_pb2.TargetServicePrefillRequest(
-                sequences=[sequence_spec(r) for r in requests], release_seq_ids=released)))
+                sequences=[sequence_spec(r) for r in requests], release_seq_ids=released),
+                timeout=self.target_timeout))
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
@@ -128,7 +131,7 @@ class Workers:
             request.drafts.CopyFrom(drafts)
         with self._releasing("target") as released:
             request.release_seq_ids.extend(released)
-            reply = await self._started(self.target.Verify(request))
+            reply = await self._started(self.target.Verify(request, timeout=self.target_timeout))
         self._record("verify", batch_id, len(members), start, reply.timings)
         return reply
 
@@ -157,7 +160,8 @@ class Workers:
         async def on_target() -> None:
             if always or self.unreleased["target"]:
                 with self._releasing("target") as released:
-                    await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=released)))
+                    await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=released),
+                                                            timeout=self.target_timeout))
 
         async def on_draft() -> grpc.RpcError | None:
             if self.draft is None or not (always or self.unreleased["draft"]):

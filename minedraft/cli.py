@@ -101,6 +101,9 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
               "or a lost target service (requests are refused meanwhile)")
     _add(parser, "--draft-timeout", 30.0, type=float,
          help="seconds a draft call may take before the draft service counts as lost (a hung draft)")
+    _add(parser, "--target-timeout", 120.0, type=float,
+         help="seconds a target prefill, verify or release may take before the target service counts as lost (a "
+              "hung target: its requests end with UNAVAILABLE until it answers again); 0: no limit")
     _add(parser, "--drain-timeout", 30.0, type=float,
          help="on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new "
               "requests get UNAVAILABLE; SIGINT (Ctrl-C) stops at once")
@@ -237,7 +240,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         max_prefill_tokens=args.max_prefill_tokens, channel=args.channel, tokenizer=args.tokenizer,
         step_trace=args.step_trace, overlap=args.overlap,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
-        drain_timeout=args.drain_timeout,
+        target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
     )
     tracing = setup_tracing("minedraft-coordinator")
     metrics = CoordinatorMetrics() if args.metrics_port else None
@@ -350,7 +353,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
                         "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
     # absent (bench's own arguments): the defaults
-    for flag in ("--max-prefill-tokens", "--draft-retry-interval", "--draft-timeout", "--drain-timeout"):
+    for flag in ("--max-prefill-tokens", "--draft-retry-interval", "--draft-timeout", "--target-timeout",
+                 "--drain-timeout"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             coordinator += [flag, str(value)]
@@ -403,7 +407,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         channel="local" if args.channel == "auto" else args.channel,
         tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
-        drain_timeout=args.drain_timeout,
+        target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
     )
     server, port, servicer = await serve_coordinator(coordinator_options, args.port, args.host)
     print(f"minedraft serving {args.mode} on localhost:{port} in one process "

@@ -54,9 +54,9 @@ def _wave(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[
     return asyncio.run(run_all())
 
 
-async def _kill_while_streaming(address: str, requests: list[generation_pb2.GenerateRequest], target: Service
-                                ) -> list[str]:
-    """SIGKILL the target once every request has streamed; how each stream ended."""
+async def _signal_while_streaming(address: str, requests: list[generation_pb2.GenerateRequest], target: Service,
+                                  sig: signal.Signals = signal.SIGKILL) -> list[str]:
+    """Send the target `sig` once every request has streamed; how each stream ended."""
     started = [asyncio.Event() for _ in requests]
 
     async def stream(request: generation_pb2.GenerateRequest, first: asyncio.Event) -> str:
@@ -74,7 +74,7 @@ async def _kill_while_streaming(address: str, requests: list[generation_pb2.Gene
 
     tasks = [asyncio.create_task(stream(r, e)) for r, e in zip(requests, started, strict=True)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    target.proc.send_signal(signal.SIGKILL)
+    target.proc.send_signal(sig)
     return list(await asyncio.gather(*tasks))
 
 
@@ -121,7 +121,7 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
 
             # Killed while serving: every request it held ends with UNAVAILABLE; while it is gone, the coordinator
             # says NOT_SERVING and refuses new requests at once.
-            ended = asyncio.run(_kill_while_streaming(address, requests, workers.target))
+            ended = asyncio.run(_signal_while_streaming(address, requests, workers.target))
             assert ended == [LOST] * len(requests), ended
             _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
             assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not to be restarted
@@ -146,6 +146,31 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
                                                                               "unreachable") for c in first), first
             retried = _until_served(address, requests)
             assert [c.token_ids for c in retried] == [c.token_ids for c in expected]  # type: ignore[union-attr]
+        seen = wait_all_slots_free(workers, timeout=15)
+        assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+    finally:
+        workers.stop()
+
+
+def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """A target process that stops answering (SIGSTOP) costs its requests after a --target-timeout, not the
+    coordinator: once it runs again (still holding the old sequences, released then) the coordinator serves again."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "target-hung")
+    try:
+        requests = _requests(tiny_pairs)
+        extra = ["--draft-retry-interval", "0.2", "--target-timeout", "1"]
+        with running_coordinator(workers, stack_logs, "psd", extra=extra) as coordinator:
+            address = coordinator.address
+            expected = _wave(address, requests)
+            target = workers.target.proc
+            try:
+                ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGSTOP))
+                assert ended == [LOST] * len(requests), ended
+                _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+            finally:
+                target.send_signal(signal.SIGCONT)
+            after = _until_served(address, requests)
+            assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
         seen = wait_all_slots_free(workers, timeout=15)
         assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
     finally:
