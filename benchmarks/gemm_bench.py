@@ -9,8 +9,13 @@ on its own weight (no cache reuse, as 32 layers), replayed in a CUDA graph.
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 
 import torch
+
+sys.path.insert(0, ".")
+from benchmarks.attention_bench import graph_ms  # noqa: E402
 
 # (name, output features, input features) of the Llama-3-8B shape, fused as minedraft.fused_projections fuses them
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -18,31 +23,14 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 
 
 def time_shape(out_features: int, in_features: int, rows: int, layers: int, repeats: int) -> float:
-    """Median us of one call over `repeats` replays of a graph of `layers` calls."""
+    """Median us of one call, `layers` calls (each on its own weight) replayed in a CUDA graph `repeats` times."""
     weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(layers)]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for w in weights:
-            torch.nn.functional.linear(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            torch.nn.functional.linear(x, w)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    del graph, weights
+    us = graph_ms([functools.partial(torch.nn.functional.linear, x, w) for w in weights], repeats) * 1e3
+    del weights
     torch.cuda.empty_cache()
-    return sorted(times)[len(times) // 2]
+    return us
 
 
 def main() -> None:

@@ -67,6 +67,11 @@ def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_
     return "nccl" if both_cuda else "grpc"
 
 
+def _detail(exc: BaseException) -> str:
+    """A failed call's message: a gRPC error's details, or the exception's text."""
+    return str(exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+
+
 def _vocab(info: common_pb2.WorkerInfo) -> VocabInfo:
     return VocabInfo(info.logits_size, info.tokenizer_size, info.tokenizer_hash, tuple(info.eos_token_ids))
 
@@ -169,8 +174,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             await self._connect_draft(timeout=2.0)
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            log.info("draft service not back yet: %s", detail)
+            log.info("draft service not back yet: %s", _detail(exc))
             return False
         return True
 
@@ -187,8 +191,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if running:
                 await self.workers.prefill_draft(running, resume=True)
         except grpc.RpcError as exc:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            log.info("draft service not back yet: %s", detail)
+            log.info("draft service not back yet: %s", _detail(exc))
             return
         self.workers.draft_backlog = []
         self.workers.draft = draft
@@ -205,8 +208,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if self.workers.draft is not None:
                 await self._connect_draft(timeout=2.0)
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            log.info("target service not back yet: %s", detail)
+            log.info("target service not back yet: %s", _detail(exc))
             return False
         return True
 
@@ -290,8 +292,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     code = (item.code() if isinstance(item, grpc.aio.AioRpcError)
                             else grpc.StatusCode.UNAVAILABLE if isinstance(item, Unavailable)
                             else grpc.StatusCode.INTERNAL)
-                    details = item.details() if isinstance(item, grpc.aio.AioRpcError) else str(item)
-                    error = details or "generation failed"
+                    error = _detail(item) or "generation failed"
                     await context.abort(code, error)
                     return
                 if item.HasField("usage"):

@@ -244,19 +244,22 @@ class StepLoop:
             log.error("target service lost (%s: %s): failing every request until it is back", exc.code().name,
                       exc.details())
             self.target_lost = True
-            held = [r for b in self.manager.batches for r in b.members + b.joining if not r.finished]
-            if held or self.manager.waiting:
-                self._fail([*held, *self.manager.waiting], Unavailable(
-                    "the target service became unreachable or restarted before this request finished: send it again"))
-            self.manager.waiting.clear()
+            self._fail_open("the target service became unreachable or restarted before this request finished: "
+                            "send it again")
         return True
 
-    async def _reconnect_target(self) -> None:
-        """While the target is lost: release what the failed requests held, and try `target_back` every
-        `draft_retry_interval` seconds (a stop cuts the wait short)."""
-        if self.on_target_lost is not None:
-            await self.on_target_lost(True)
-        for call in self._verifying.values():  # failed, or will: their results are not wanted
+    def _fail_open(self, message: str) -> None:
+        """End every request still open, in the batches or queued, with UNAVAILABLE (`message`) after what it was
+        sent: its client may send it again."""
+        held = [r for b in self.manager.batches for r in b.members + b.joining if not r.finished]
+        if held or self.manager.waiting:
+            self._fail([*held, *self.manager.waiting], Unavailable(message))
+        self.manager.waiting.clear()
+
+    async def _drop_batches(self) -> None:
+        """Cancel the verifies sent ahead (their results would go nowhere) and free every batch's rows on the
+        workers, leaving the batches empty."""
+        for call in self._verifying.values():
             call.cancel()
         await asyncio.gather(*self._verifying.values(), return_exceptions=True)
         self._verifying.clear()
@@ -264,6 +267,13 @@ class StepLoop:
         for batch in self.manager.batches:
             batch.drafts, batch.members, batch.joining = None, [], []
         await self._release(held)
+
+    async def _reconnect_target(self) -> None:
+        """While the target is lost: release what the failed requests held, and try `target_back` every
+        `draft_retry_interval` seconds (a stop cuts the wait short)."""
+        if self.on_target_lost is not None:
+            await self.on_target_lost(True)
+        await self._drop_batches()
         while not self._stopping:
             if self.target_back is not None and await self.target_back():
                 break
@@ -308,16 +318,8 @@ class StepLoop:
         """After the loop stopped: end every open stream (UNAVAILABLE, after the tokens it was sent: the client may
         retry elsewhere) and free its rows, so the workers can serve a new coordinator at once."""
         self.outbox.flush()
-        live = [r for b in self.manager.batches for r in b.members + b.joining]
-        for request in [*live, *self.manager.waiting]:
-            request.fail(Unavailable("the coordinator stopped before this request finished: send it again"))
-            request.cancelled = True
-        self.manager.waiting.clear()
-        for call in self._verifying.values():  # their results would go nowhere; the rows are released below
-            call.cancel()
-        await asyncio.gather(*self._verifying.values(), return_exceptions=True)
-        self._verifying.clear()
-        await self._release(live)
+        self._fail_open("the coordinator stopped before this request finished: send it again")
+        await self._drop_batches()
         await self._flush_releases(always=True)
 
     def step_trace(self) -> str:
