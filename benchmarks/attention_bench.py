@@ -73,11 +73,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--kv-len", type=int, default=768, help="keys read, a multiple of the cache's KV bucket")
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--sweep", nargs="?", const="full", choices=("full", "chunks"),
+    parser.add_argument("--sweep", action="store_true",
                         help="time the kernels' parameters (decode_attention's BLOCK_KEYS, PROGRAMS_PER_SM, "
-                             "NUM_WARPS, NUM_STAGES, BALANCED_CHUNKS) instead of the three paths: all of them "
-                             "(full, ~100 settings) or how keys are cut into chunks only (chunks: PROGRAMS_PER_SM "
-                             "and BALANCED_CHUNKS, the rest chosen per step)")
+                             "NUM_WARPS, NUM_STAGES, BALANCED_CHUNKS) instead of the three paths")
     args = parser.parse_args()
     if args.sweep:
         sweep(args)
@@ -121,11 +119,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES", "BALANCED_CHUNKS")
     defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)
-    if args.sweep == "chunks":
-        settings = [defaults, *((None, programs, defaults[2], None, balanced)
-                                for programs in (1, 2, 4) for balanced in (False, True))]
-    else:
-        settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4), (False, True))]
+    settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4), (False, True))]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
           f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *")
     # The kernels are opaque to the compiler: one compile serves every setting.
