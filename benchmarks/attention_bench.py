@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--sweep", action="store_true",
                         help="time the kernels' parameters (decode_attention's BLOCK_KEYS, PROGRAMS_PER_SM, "
-                             "NUM_WARPS, NUM_STAGES, BALANCED_CHUNKS) instead of the three paths")
+                             "NUM_WARPS, NUM_STAGES) instead of the three paths")
     args = parser.parse_args()
     if args.sweep:
         sweep(args)
@@ -117,9 +117,9 @@ def sweep(args: argparse.Namespace) -> None:
     """The kernel path alone, over its parameters: us per layer of every setting, best first (defaults marked *)."""
     from minedraft import decode_attention as kernels
 
-    names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES", "BALANCED_CHUNKS")
+    names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES")
     defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)
-    settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4), (False, True))]
+    settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4))]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
           f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *")
     # The kernels are opaque to the compiler: one compile serves every setting.

@@ -27,11 +27,6 @@ BLOCK_KEYS: int | None = None
 PROGRAMS_PER_SM: int | None = None
 NUM_STAGES: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
-# How a row's keys are cut into chunks: at fixed multiples of the keys read (False), or each row's keys up to its last
-# query's position spread evenly over the chunks (True). A verify at B=16 reads 768-key buckets as two chunks of 384,
-# so a row at 600 keys gave one program 6 tiles and the other 4 (the kernel waits for the longest). Read at each
-# call; `benchmarks/attention_bench.py --sweep` times both (not yet on a GPU: off until it has).
-BALANCED_CHUNKS = False
 # Where each query's running maximum starts: above any masking value (transformers' masks use the dtype's minimum),
 # so keys the mask hides add exp(minimum - MASKED) = 0 even before a visible one.
 MASKED: tl.constexpr = tl.constexpr(-1.0e30)
@@ -50,7 +45,7 @@ def _chunk_kernel(
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, sp_b, sp_n, so_b, so_n, so_h,
     kv_heads, groups, queries, rows, keys, chunk, scale,
     ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    POSITIONS: tl.constexpr, BALANCED: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
     folded queries of K/V head h (`_folded_offset`)."""
@@ -71,8 +66,6 @@ def _chunk_kernel(
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
-    if BALANCED:  # the row's own tiles, shared out evenly
-        chunk = tl.cdiv(tl.cdiv(end, BLOCK_N), tl.num_programs(1)) * BLOCK_N
     for start in range(c * chunk, tl.minimum(c * chunk + chunk, end), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < end
@@ -192,7 +185,7 @@ def short_query_attention(
             *((0, 0) if limits is None else limits.stride()), out.stride(0), out.stride(1), out.stride(2),
             kv_heads, groups, queries, rows, keys, chunk, scale,
             ROWS=padded_rows, DIM=dim, BLOCK_N=block_keys, SPLIT=split, PRECISION=precision,
-            POSITIONS=limits is not None, BALANCED=BALANCED_CHUNKS, num_warps=NUM_WARPS, num_stages=stages,
+            POSITIONS=limits is not None, num_warps=NUM_WARPS, num_stages=stages,
         )
         if split:
             _merge_kernel[(batch * kv_heads, rows)](

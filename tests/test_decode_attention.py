@@ -39,8 +39,7 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
     from minedraft.decode_attention import short_query_attention
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cases = itertools.product(SHAPES, (False, True), (False, True))
-    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys), given, balanced in cases:
+    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys), given in itertools.product(SHAPES, (False, True)):
 
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator).to(device, dtype)
@@ -59,16 +58,15 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
         mask = torch.zeros(batch, 1, n, keys).masked_fill_(~allowed[:, None], torch.finfo(dtype).min).to(device, dtype)
         scale = dim ** -0.5
 
-        decode_attention.BLOCK_KEYS, decode_attention.BALANCED_CHUNKS = block_keys, balanced
+        decode_attention.BLOCK_KEYS = block_keys
         try:
             out = short_query_attention(query, key, value, mask, scale, positions.to(device) if given else None,
                                         chunks)
         finally:
-            decode_attention.BLOCK_KEYS, decode_attention.BALANCED_CHUNKS = None, False
+            decode_attention.BLOCK_KEYS = None
 
         expected = reference(query.cpu(), key.cpu().nan_to_num(), value.cpu().nan_to_num(), mask.cpu(), scale)
-        shape = (batch, heads, kv_heads, n, dim, keys, "positions" if given else "mask only",
-                 "balanced" if balanced else "fixed chunks")
+        shape = (batch, heads, kv_heads, n, dim, keys, "positions" if given else "mask only")
         assert out.shape == (batch, n, heads, dim)
         assert torch.isfinite(out).all(), f"non-finite output for {shape}"
         error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
