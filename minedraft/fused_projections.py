@@ -68,18 +68,19 @@ class FusedQKVAttention(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = cache if cache is not None else past_key_values  # transformers >= 5.24 renamed the argument
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query, key, value = (t.view(hidden_shape).transpose(1, 2)
-                             for t in self.qkv_proj(hidden_states).split(self.splits, dim=-1))
+        projections = self.qkv_proj(hidden_states)
         cos, sin = position_embeddings
-        query, key = self.rotate(query, key, cos, sin)
         if isinstance(cache, SlotKVCache) and cache.stacked:
-            # Written here and read here: `read`'s graph break then falls in this frame, and the write compiles with
-            # the rotary embedding above (`SlotKVCache.write`).
-            cache.write(key, value, self.layer_idx)
+            # Rotated and written in one kernel, and read here: `read`'s graph break then falls in this frame.
+            query = cache.rotate_and_write(projections, cos, sin, self.splits[0] // self.head_dim,
+                                           self.splits[1] // self.head_dim, self.layer_idx)
             key, value = cache.read(self.layer_idx)
-        elif cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+        else:
+            query, key, value = (t.view(*input_shape, -1, self.head_dim).transpose(1, 2)
+                                 for t in projections.split(self.splits, dim=-1))
+            query, key = self.rotate(query, key, cos, sin)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, self.eager_attention)
         if self.sliding_window is not None:
             kwargs["sliding_window"] = self.sliding_window

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 # Why not transformers' PagedAttentionCache: it is bound to its own continuous-batching manager (flattened varlen
 # batches, block tables it allocates itself) and has no per-row rollback. A row-per-sequence tensor gives rollback
@@ -84,13 +87,10 @@ class SlotKVCache(Cache):
         return self._stacks is not None
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
-        """Write a stacked cache's new K/V of layer `layer_idx` (`update` without the read).
-
-        Compiled layers (compile_decoder_layers) that call this and then `read` from their own code compile the write
-        with the rotary embedding that produces K: `update` holds `read`'s graph break, so the write called through
-        it lands in a graph of its own, a kernel or two more per layer. The layer index stays a symbolic int there,
-        so that one compiled layer serves every layer: it indexes the stacks, where indexing a Python list would
-        compile each layer anew.
+        """Write a stacked cache's new K/V of layer `layer_idx` (`update` without the read; the fused Llama-family
+        layers `rotate_and_write` instead). The layer index stays a symbolic int in compiled layers, so that one
+        compiled layer serves every layer: it indexes the stacks, where indexing a Python list would compile each
+        layer anew.
         """
         assert self._stacks is not None and self._layer_index is not None and self._rows is not None
         keys, values = self._stacks
@@ -101,6 +101,17 @@ class SlotKVCache(Cache):
         index = [self._layer_index[layer_idx], self._rows[:, None], None, self._positions]
         torch.ops.aten.index_put_(keys, index, key_states.transpose(1, 2).to(keys.dtype))  # (None: all heads)
         torch.ops.aten.index_put_(values, index, value_states.transpose(1, 2).to(values.dtype))
+
+    def rotate_and_write(self, projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                         kv_heads: int, layer_idx: int) -> torch.Tensor:
+        """The rotated queries `[B, heads, n, D]` of a fused Q/K/V projection's output `[B, n, (heads + 2 kv_heads)
+        D]`, with its rotated keys and its values written to layer `layer_idx` of a stacked cache (`write`): one
+        kernel on CUDA (`minedraft.rotary_write`) where compiled code gave three."""
+        assert self._stacks is not None and self._rows is not None and self._positions is not None
+        keys, values = self._stacks
+        query = torch.ops.minedraft.rotate_and_write(projections, cos, sin, keys, values, layer_idx, self._rows,
+                                                     self._positions, heads, kv_heads)
+        return query.transpose(1, 2)
 
     # Outside compiled layers: the key length and the block's start are Python ints that compiled code would
     # specialise on (a compile, or an uncompiled layer, for every block and bucket not seen in the warm-up).
@@ -181,3 +192,48 @@ class SlotKVCache(Cache):
         length, cache_row = int(self.lengths[row]), int(self.physical[row])
         return [(k[cache_row, :, :length].clone(), v[cache_row, :, :length].clone())
                 for k, v in zip(self.keys, self.values)]
+
+
+def _load_rotary_kernel() -> ModuleType | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from minedraft import rotary_write
+    except ImportError:  # no Triton
+        return None
+    return rotary_write
+
+
+# Loaded here, not in the operator: compiled layers call it, and an import has no business there.
+ROTARY_KERNEL = _load_rotary_kernel()
+
+
+@torch.library.custom_op("minedraft::rotate_and_write", mutates_args=("keys", "values"))
+def rotate_and_write(
+    projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    layer: int, rows: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
+) -> torch.Tensor:
+    """Rotary embedding and K/V write of a Llama-family layer (Mistral's and Qwen2's rotary are copies of Llama's):
+    the rotated queries `[B, n, heads, D]`; keys and values go to `keys[layer, rows[b], :, positions[b, i]]` (and
+    `values`), stacks `[layers, cache_rows, kv_heads, max_len, D]`. An operator, so compiled layers call the kernel
+    as it is; where the kernel does not run, transformers' own arithmetic."""
+    batch, queries = projections.shape[:2]
+    dim = keys.shape[-1]
+    if keys.shape[2] != kv_heads or projections.shape[-1] != (heads + 2 * kv_heads) * dim:
+        raise ValueError(f"layer {layer} projects {projections.shape[-1]} features for {heads} query and {kv_heads} "
+                         f"K/V heads, the cache holds {keys.shape[2]} K/V heads of size {dim}: a stacked cache needs "
+                         "the same in every layer")
+    keys, values = keys[layer], values[layer]
+    if ROTARY_KERNEL is not None and ROTARY_KERNEL.supports(projections, cos, keys, dim):
+        return ROTARY_KERNEL.rotate_and_write(projections, cos, sin, keys, values, rows, positions, heads, kv_heads)
+    query, key, value = projections.view(batch, queries, -1, dim).split([heads, kv_heads, kv_heads], dim=2)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)  # [B, n, heads, D] as they come
+    keys[rows[:, None], :, positions] = key  # keys[rows[b], :, positions[b, i]] = key[b, i]
+    values[rows[:, None], :, positions] = value
+    return query.contiguous()
+
+
+@rotate_and_write.register_fake
+def _(projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+      layer: int, rows: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    return projections.new_empty(*projections.shape[:2], heads, keys.shape[-1])
