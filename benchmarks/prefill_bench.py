@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers (as --compile serves)")
     parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--blas", default="", help="BLAS libraries to compare on the batches, alternating (e.g. "
+                        "cublas,cublaslt; empty: the runner's choice, model_runner.PREFERRED_BLAS)")
     args = parser.parse_args()
     device = args.device
     model = build(args.shape, device)
@@ -82,13 +84,20 @@ def main() -> None:
     grouped_cost = sequence_table.PREFILL_FORWARD_COST
     print(f"{args.shape} prefill, {'compiled' if args.compile else 'uncompiled'} layers, median of {args.repeats}",
           flush=True)
+    libraries = args.blas.split(",") if args.blas else [""]
     for batch in batches:
         prompts = torch.randint(0, VOCAB, (batch, args.prompt_len), generator=generator).tolist()
-        # The first: allocations, and a compile of a new size.
-        seconds = statistics.median([prefill_seconds(prompts, grouped_cost) for _ in range(args.repeats + 1)][1:])
-        tokens = batch * args.prompt_len
-        print(f"B={batch:3d} x {args.prompt_len}: {seconds * 1e3:8.1f} ms  {tokens / seconds:8.0f} prompt tok/s  "
-              f"{prefill_flops(model, batch, args.prompt_len) / seconds / 1e12:6.0f} TFLOP/s", flush=True)
+        runs: dict[str, list[float]] = {library: [] for library in libraries}
+        for repeat in range(args.repeats + 1):  # the first: allocations, and a compile of a new size
+            for library in libraries if repeat % 2 else libraries[::-1]:
+                if library:
+                    torch.backends.cuda.preferred_blas_library(library)
+                runs[library].append(prefill_seconds(prompts, grouped_cost))
+        for library, times in runs.items():
+            seconds, tokens = statistics.median(times[1:]), batch * args.prompt_len
+            print(f"B={batch:3d} x {args.prompt_len}{' ' + library if library else ''}: {seconds * 1e3:8.1f} ms  "
+                  f"{tokens / seconds:8.0f} prompt tok/s  "
+                  f"{prefill_flops(model, batch, args.prompt_len) / seconds / 1e12:6.0f} TFLOP/s", flush=True)
     for lengths in mixed:
         prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
         times: dict[int, list[float]] = {grouped_cost: [], ONE_FORWARD: []}
