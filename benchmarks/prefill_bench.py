@@ -93,8 +93,8 @@ def main() -> None:
                 if library:
                     torch.backends.cuda.preferred_blas_library(library)
                 runs[library].append(prefill_seconds(prompts, grouped_cost))
-        for library, times in runs.items():
-            seconds, tokens = statistics.median(times[1:]), batch * args.prompt_len
+        for library, measured in runs.items():
+            seconds, tokens = statistics.median(measured[1:]), batch * args.prompt_len
             print(f"B={batch:3d} x {args.prompt_len}{' ' + library if library else ''}: {seconds * 1e3:8.1f} ms  "
                   f"{tokens / seconds:8.0f} prompt tok/s  "
                   f"{prefill_flops(model, batch, args.prompt_len) / seconds / 1e12:6.0f} TFLOP/s", flush=True)
