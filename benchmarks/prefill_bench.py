@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers (as --compile serves)")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--blas", default="", help="BLAS libraries to compare on the batches, alternating (e.g. "
-                        "cublas,cublaslt; empty: the runner's choice, model_runner.PREFERRED_BLAS)")
+                        "cublas,cublaslt; empty: the process's, which eager forwards use)")
     args = parser.parse_args()
     device = args.device
     model = build(args.shape, device)

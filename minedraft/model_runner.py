@@ -33,9 +33,10 @@ MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
 # A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 2, 4, 8, ... (0-based):
 # the GPU starts on the first while the host launches the rest (`CudaGraphs`). False: one graph per step.
 SPLIT_LAUNCH = True
-# cuBLASLt chooses faster kernels than cuBLAS for a verify's few-row GEMMs: the 8B verify 2.6-3.5% faster at B=8 and
-# 16, the same at B=1, side by side in both orders on an H200 (run 19c-d). Process-wide, set by the first CUDA runner.
-PREFERRED_BLAS = "cublaslt"
+# The BLAS library whose kernels steps' CUDA graphs capture. cuBLASLt chooses faster ones than cuBLAS for a verify's
+# few-row GEMMs (the 8B verify 2.6-3.5% faster at B=8 and 16, the same at B=1; run 19c-d, H200) but slower ones for
+# prefills of thousands of rows (16 x 512 tokens 5% slower; run 20d): eager forwards keep the process's choice.
+GRAPH_BLAS = "cublaslt"
 _CAPTURING = threading.Lock()  # held by the thread capturing a CUDA graph (`CudaGraphs._capture`)
 # (rows, per-row inputs, kv_len, view_start) -> outputs: one forward, or a loop of them
 StepFn = Callable[[torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"], list[torch.Tensor]]
@@ -187,7 +188,6 @@ class ModelRunner:
             # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
             # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
             torch.backends.cuda.enable_cudnn_sdp(False)
-            torch.backends.cuda.preferred_blas_library(PREFERRED_BLAS)
             # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
             if cuda_graphs and not spread:
                 self.graphs = CudaGraphs(self)
@@ -607,6 +607,18 @@ class CudaGraphs:
 
     def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
                  ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]:
+        # GRAPH_BLAS's kernels go into the graph (and its workspace is allocated in the warm-up, before the capture).
+        # The switch is process-wide: in `serve --single-process` the other worker's prefill meanwhile may get them
+        # too (a few % slower or faster).
+        library = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(GRAPH_BLAS)
+        try:
+            return self._warm_and_capture(fn, inputs, fills, padded)
+        finally:
+            torch.backends.cuda.preferred_blas_library(library)
+
+    def _warm_and_capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
+                          ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]:
         device = self.runner.device
         static = []
         for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):
