@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 import torch
+from grpc_health.v1 import health
 
 from draft_service.proposer import Proposer
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from minedraft.server_utils import grpc_errors, start_server, timings
-from minedraft.worker import ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
+from minedraft.worker import Drain, ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
 
 if TYPE_CHECKING:
     from minedraft.metrics import WorkerMetrics
@@ -100,14 +102,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 async def serve(options: WorkerOptions, port: int, host: str = "[::]", greedy_drafts: bool = False,
                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), metrics: WorkerMetrics | None = None
-                ) -> tuple[grpc.aio.Server, int]:
+                ) -> tuple[grpc.aio.Server, int, Drain]:
     servicer = DraftServicer(options, greedy_drafts)
     if metrics is not None:
         metrics.free_slots.set_function(lambda: servicer.worker.runner.free_slots)
-    return await start_server(
+    health_servicer = health.aio.HealthServicer()
+    server, bound = await start_server(
         port,
         [lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)],
         [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
         host,
         interceptors,
+        health_servicer,
     )
+    return server, bound, functools.partial(servicer.worker.drain, health_servicer)

@@ -84,6 +84,9 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--profile-dir", None,
          help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)")
     _add(parser, "--profile-after", 100, type=int)
+    _add(parser, "--drain-timeout", 30.0, type=float,
+         help="on SIGTERM, the most seconds it keeps serving (it stops once no call has come for 5 s: its "
+              "coordinator drained); health reports NOT_SERVING meanwhile; SIGINT (Ctrl-C) stops at once")
 
 
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
@@ -214,17 +217,19 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
         args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager,
         compile_layers=args.compile, profile_dir=args.profile_dir, profile_after=args.profile_after,
         synthetic_acceptance=getattr(args, "synthetic_acceptance", None), precapture_graphs=args.precapture_graphs,
+        drain_timeout=args.drain_timeout,
     )
     try:
         if kind == "target":
             from target_service.server import serve as serve_target
 
-            server, port = await serve_target(options, args.port, args.host, interceptors, metrics)
+            server, port, drain = await serve_target(options, args.port, args.host, interceptors, metrics)
         else:
             from draft_service.server import serve as serve_draft
 
-            server, port = await serve_draft(options, args.port, args.host, args.greedy_drafts, interceptors, metrics)
-        await _serve_forever(server, kind, port, port_file=args.port_file)
+            server, port, drain = await serve_draft(options, args.port, args.host, args.greedy_drafts, interceptors,
+                                                    metrics)
+        await _serve_forever(server, kind, port, port_file=args.port_file, drain=drain)
     finally:
         tracing.shutdown()  # export the spans still queued
 
@@ -393,11 +398,11 @@ async def _single_process_main(args: argparse.Namespace) -> None:
                              precapture_graphs=args.precapture_graphs)
 
     servers = []
-    server, target_port = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")
+    server, target_port, _ = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")
     servers.append(server)
     draft_address = None
     if args.mode != "ar":
-        server, draft_port = await serve_draft(options(args.draft, args.draft_device), 0, "127.0.0.1")
+        server, draft_port, _ = await serve_draft(options(args.draft, args.draft_device), 0, "127.0.0.1")
         servers.append(server)
         draft_address = f"127.0.0.1:{draft_port}"
     coordinator_options = CoordinatorOptions(

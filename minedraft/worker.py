@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+from grpc_health.v1 import health
 
 from minedraft.channels import Channel, make_channel
 from minedraft.errors import ChannelNotSetUpError
@@ -23,9 +25,13 @@ from minedraft.proto import common_pb2, generation_pb2
 from minedraft.sampling import SamplingConfig
 
 T = TypeVar("T")
+# After a SIGTERM, what a server does before it stops; given an event that cuts it short (`ModelWorker.drain`)
+Drain = Callable[[asyncio.Event], Awaitable[None]]
 log = logging.getLogger(__name__)
 PROFILED_CALLS = 5
 NUM_BATCHES = 2  # the coordinator's alternating batches: each has a block of cache rows here (ModelRunner.arrange)
+# A draining worker stops once no model call has come for this long: its coordinator has drained, or is gone.
+QUIET_S = 5.0
 
 
 @dataclass
@@ -41,6 +47,7 @@ class WorkerOptions:
     profile_after: int = 100  # calls to skip first (warm-up, graph captures)
     synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
     precapture_graphs: str = "auto"  # --precapture-graphs: every step shape run when the coordinator connects
+    drain_timeout: float = 30.0  # --drain-timeout: after a SIGTERM, the most seconds it keeps serving (`drain`)
 
 
 def precaptures(mode: str, device: torch.device, cuda_graphs: bool) -> bool:
@@ -95,6 +102,8 @@ class ModelWorker:
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=self._on_device)
         self._calls = 0
+        self._in_flight = 0
+        self._last_call = time.monotonic()
         self._precaptured: set[tuple[int, int, int]] = set()  # (k, max batch size, batch id)
 
     @property
@@ -124,7 +133,32 @@ class ModelWorker:
             result = self._on_stream(fn, *args)
             return result, started - submitted, elapsed(started)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
+        self._in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
+        finally:
+            self._in_flight -= 1
+            self._last_call = time.monotonic()
+
+    async def drain(self, health_servicer: health.aio.HealthServicer, cut_short: asyncio.Event) -> None:
+        """After a SIGTERM, before the server stops: report NOT_SERVING (new connections go elsewhere) and keep
+        serving until no model call has come for QUIET_S seconds, `drain_timeout` seconds pass or `cut_short` is set.
+
+        When a whole release is deleted, every pod gets its SIGTERM at once: the coordinator's admitted requests
+        still need both workers while it drains (up to its own `--drain-timeout`), and once they are done it sends
+        nothing more. A worker replaced alone keeps serving its coordinator until the timeout instead of failing
+        its requests at once."""
+        await health_servicer.enter_graceful_shutdown()
+        deadline = time.monotonic() + self.options.drain_timeout
+        log.info("draining: serving until no call has come for %.0f s, for up to %.0f s", QUIET_S,
+                 self.options.drain_timeout)
+        while not cut_short.is_set():
+            now = time.monotonic()
+            if now >= deadline or (self._in_flight == 0 and now - self._last_call >= QUIET_S):
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cut_short.wait(), min(0.2, deadline - now))
+        log.info("drained: %d model calls in flight", self._in_flight)
 
     def _on_stream(self, fn: Callable[..., T], *args: object) -> T:
         self._calls += 1

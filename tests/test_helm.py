@@ -179,6 +179,9 @@ def test_helm_template_defaults() -> None:
 
     for component in ("target", "draft"):
         assert container(objs, component)["resources"]["limits"]["nvidia.com/gpu"] == 1
+        # The workers outlive the coordinator's drain (a whole release gets its SIGTERMs at once).
+        assert env(objs, component)["MINEDRAFT_DRAIN_TIMEOUT"] == "40"
+        assert deployment(objs, component)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 55
         assert env(objs, component)["MINEDRAFT_MODEL"] == f"/models/{component}"
         pod = deployment(objs, component)["spec"]["template"]["spec"]
         assert "hostIPC" not in pod

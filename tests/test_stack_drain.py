@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from stack import TinyPairs, Workers, start_coordinator, text_prompts, wait_all_slots_free
+from stack import TinyPairs, Workers, start_coordinator, start_workers, text_prompts, wait_all_slots_free
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
@@ -40,18 +40,20 @@ async def _stream(call: grpc.aio.UnaryStreamCall, started: asyncio.Event) -> tup
     return tokens, generation_pb2.FinishReason.Name(finish)
 
 
-async def _terminate_under_load(address: str, proc: object, prompts: list[list[int]]
+async def _terminate_under_load(address: str, procs: list[object], prompts: list[list[int]]
                                 ) -> tuple[list[tuple[int, str]], bool, grpc.StatusCode, str]:
-    """Start the requests, SIGTERM the coordinator once each streams, then once its health says NOT_SERVING send
-    one more request. Returns (each request's (tokens, finish reason), whether some were still unfinished
-    when the drain had begun, the late request's status code and details)."""
+    """Start the requests, SIGTERM `procs` (the coordinator's, maybe the workers' too) once each streams, then once
+    the coordinator's health says NOT_SERVING send one more request. Returns (each request's (tokens, finish
+    reason), whether some were still unfinished when the drain had begun, the late request's status code and
+    details)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = [asyncio.Event() for _ in prompts]
         tasks = [asyncio.create_task(_stream(stub.Generate(_request(p), timeout=120), event))
                  for p, event in zip(prompts, started, strict=True)]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
-        proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
         health = health_pb2_grpc.HealthStub(channel)
         while (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
                 health_pb2.HealthCheckResponse.SERVING:
@@ -79,7 +81,7 @@ def test_sigterm_lets_admitted_requests_finish_and_refuses_new_ones(
     try:
         prompts = text_prompts(tiny_pairs.tokenizer, REQUESTS, 4, 40, seed=3)
         results, unfinished, code, details = asyncio.run(
-            _terminate_under_load(coordinator.address, coordinator.proc, prompts))
+            _terminate_under_load(coordinator.address, [coordinator.proc], prompts))
         assert unfinished  # the drain had requests to wait for
         assert results == [(MAX_TOKENS, "FINISH_REASON_LENGTH")] * REQUESTS
         assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, (code, details)
@@ -97,7 +99,7 @@ def test_a_drain_ends_at_its_timeout(llama_workers: Workers, tiny_pairs: TinyPai
                                     extra=["--drain-timeout", "0.2"])
     try:
         prompts = text_prompts(tiny_pairs.tokenizer, REQUESTS, 4, 40, seed=4)
-        results, _, code, _ = asyncio.run(_terminate_under_load(coordinator.address, coordinator.proc, prompts))
+        results, _, code, _ = asyncio.run(_terminate_under_load(coordinator.address, [coordinator.proc], prompts))
         stopped = "UNAVAILABLE: the coordinator stopped before this request finished: send it again"
         assert stopped in {end for _, end in results} <= {"FINISH_REASON_LENGTH", stopped}, results
         assert all(tokens < MAX_TOKENS for tokens, end in results if end == stopped), results
@@ -107,3 +109,26 @@ def test_a_drain_ends_at_its_timeout(llama_workers: Workers, tiny_pairs: TinyPai
         coordinator.stop()
     seen = wait_all_slots_free(llama_workers, timeout=15)
     assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+
+
+def test_a_stack_terminated_all_at_once_finishes_its_requests(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """A release deleted at once: the coordinator and both workers get their SIGTERMs together. The workers serve on
+    while the coordinator drains (they stop once no call has come for a while), so every admitted request finishes
+    and all three exit 0. Workers that stopped at their SIGTERM failed them all."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "terminated-together")
+    assert workers.draft is not None
+    coordinator = start_coordinator(workers, stack_logs, "psd", max_batch_size=8, extra=["--drain-timeout", "120"])
+    try:
+        prompts = text_prompts(tiny_pairs.tokenizer, REQUESTS, 4, 40, seed=5)
+        services = [coordinator, workers.target, workers.draft]
+        results, unfinished, code, _ = asyncio.run(
+            _terminate_under_load(coordinator.address, [s.proc for s in services], prompts))
+        assert unfinished  # the drain had requests to wait for
+        assert results == [(MAX_TOKENS, "FINISH_REASON_LENGTH")] * REQUESTS, results
+        assert code == grpc.StatusCode.UNAVAILABLE, code
+        for service in services:
+            assert _exit_code(service.proc, 40) == 0, service.log_tail()
+        assert "draining: serving until no call has come" in workers.target.log_tail(100_000)
+    finally:
+        coordinator.stop()
+        workers.stop()
