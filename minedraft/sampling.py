@@ -82,8 +82,10 @@ def processed_probs(
 
     Rows with temperature 0 are processed at temperature 1; greedy callers use the argmax instead. `filtered`
     says whether any row has top-k or top-p, known on the host (`SequenceTable.sampling_kind`): finding it out from
-    these tensors would be a device sync, which CUDA graphs cannot hold.
+    these tensors would be a device sync, which CUDA graphs cannot hold. Computed in float32 whatever the logits'
+    type.
     """
+    logits = logits.float()
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
     logits = logits / temp[:, None, None]
     vocab = logits.shape[-1]

@@ -147,7 +147,7 @@ class Verifier:
                     rows = torch.full((batch,), row, device=device)
                     tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
                     probs = (torch.zeros(batch, drafts, vocab, device=device),) if not all_greedy and drafts else ()
-                    logits = torch.zeros(batch, drafts + 1, vocab, device=device)
+                    logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
                     self._finisher(drafts, all_greedy, filtered)(rows, tokens, torch.full_like(rows, drafts + 1),
                                                                  torch.zeros_like(rows), logits, *probs)
         self.table.generated[row] = 0

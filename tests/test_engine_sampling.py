@@ -365,6 +365,30 @@ def test_greedy_tokens_equal_argmax_ties_included(vocab: int) -> None:
     assert torch.equal(greedy_tokens(noise), noise.argmax(-1))
 
 
+def test_bf16_logits_decide_as_their_float32_copy() -> None:
+    """Steps hand the LM head's logits on in its type (no float32 copy of a bf16 model's): greedy, sampled and
+    filtered rows, with greedy drafts and with draft probabilities, must come out exactly as from a float32 copy."""
+    generator = torch.Generator().manual_seed(0)
+    batch, k, vocab = 4, 3, 1000
+    logits = (torch.randn(batch, k + 1, vocab, generator=generator) * 3).bfloat16()
+    draft_ids = torch.randint(0, vocab, (batch, k), generator=generator)
+    draft_ids[:, :2] = logits[:, :2].float().argmax(-1)  # some drafts accepted by greedy rows
+    draft_probs = torch.randn(batch, k, vocab, generator=generator).softmax(-1)
+    params = RowParams(torch.tensor([0.0, 0.7, 1.0, 1.3]), torch.tensor([0, 0, 50, 0]),
+                       torch.tensor([1.0, 0.9, 1.0, 1.0]), seed_key(torch.arange(batch) + 7))
+    first_position = torch.tensor([5, 9, 12, 30])
+    for probs, all_greedy, filtered in ((None, True, False), (None, False, True), (draft_probs, False, True)):
+        got, want = (rejection_sampler.rejection_sample(t, draft_ids, probs, params, first_position, None,
+                                                        all_greedy=all_greedy, filtered=filtered)
+                     for t in (logits, logits.float()))
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+        assert int(want.num_accepted[0]) >= 2  # the greedy row took its accepted drafts
+    assert torch.equal(greedy_tokens(logits), logits.float().argmax(-1))
+    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
+    assert torch.equal(processed_probs(logits, temperature, top_k, top_p, True),
+                       processed_probs(logits.float(), temperature, top_k, top_p, True))
+
+
 def test_seeded_uniforms_are_pinned() -> None:
     """A seed's uniforms (hence a seeded request's output) stay what they were: values from before the seed's mix
     moved to admission (`seed_key`, session 8)."""
