@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import Any
 
@@ -69,14 +70,14 @@ def uses_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
             and KERNELS.supports(query, key, value, mask))
 
 
-def _load_kernels() -> ModuleType | None:
+def load_kernels(module: str) -> ModuleType | None:
+    """`minedraft.<module>`, a module of Triton kernels, where they can run: None without CUDA or Triton."""
     if not torch.cuda.is_available():
         return None
     try:
-        from minedraft import decode_attention
+        return importlib.import_module(f"minedraft.{module}")
     except ImportError:  # no Triton
         return None
-    return decode_attention
 
 
 def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
@@ -106,5 +107,5 @@ def short_query_attention(
 
 
 # Loaded here, not in the attention: compiled layers trace the attention, and an import has no business there.
-KERNELS = _load_kernels()
+KERNELS = load_kernels("decode_attention")
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from minedraft.attention import load_kernels
 
 # Why not transformers' PagedAttentionCache: it is bound to its own continuous-batching manager (flattened varlen
 # batches, block tables it allocates itself) and has no per-row rollback. A row-per-sequence tensor gives rollback
@@ -194,18 +194,8 @@ class SlotKVCache(Cache):
                 for k, v in zip(self.keys, self.values)]
 
 
-def _load_rotary_kernel() -> ModuleType | None:
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from minedraft import rotary_write
-    except ImportError:  # no Triton
-        return None
-    return rotary_write
-
-
 # Loaded here, not in the operator: compiled layers call it, and an import has no business there.
-ROTARY_KERNEL = _load_rotary_kernel()
+ROTARY_KERNEL = load_kernels("rotary_write")
 
 
 @torch.library.custom_op("minedraft::rotate_and_write", mutates_args=("keys", "values"))
