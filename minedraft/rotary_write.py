@@ -21,37 +21,38 @@ import triton.language as tl
 def _rotary_write_kernel(
     x_ptr, cos_ptr, sin_ptr, query_ptr, keys_ptr, values_ptr, rows_ptr, pos_ptr,
     sx_b, sx_n, sc_b, sc_n, ss_b, ss_n, sq_b, sq_n, sk_row, sk_head, sk_pos, sr, sp_b, sp_n,
-    queries, heads, kv_heads, DIM: tl.constexpr,
+    queries, heads, kv_heads, DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (token b * queries + i, head): head < heads a query head, then the K heads, then the V heads."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     b = token // queries
     i = token % queries
-    d = tl.arange(0, DIM)
+    d = tl.arange(0, BLOCK)  # BLOCK: DIM rounded up to a power of two
+    inside = d < DIM
     source = x_ptr + b * sx_b + i * sx_n + head * DIM
-    x = tl.load(source + d)
+    x = tl.load(source + d, mask=inside)
     if head < heads + kv_heads:  # rotated: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
-        partner = tl.load(source + (d + DIM // 2) % DIM).to(tl.float32)
-        cos = tl.load(cos_ptr + b * sc_b + i * sc_n + d).to(tl.float32)
-        sin = tl.load(sin_ptr + b * ss_b + i * ss_n + d).to(tl.float32)
+        partner = tl.load(source + (d + DIM // 2) % DIM, mask=inside).to(tl.float32)
+        cos = tl.load(cos_ptr + b * sc_b + i * sc_n + d, mask=inside).to(tl.float32)
+        sin = tl.load(sin_ptr + b * ss_b + i * ss_n + d, mask=inside).to(tl.float32)
         turned = tl.where(d < DIM // 2, -partner, partner)
         product = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
         x = (product + (turned * sin).to(x.dtype).to(tl.float32)).to(x.dtype)
     if head < heads:
-        tl.store(query_ptr + b * sq_b + i * sq_n + head * DIM + d, x)
+        tl.store(query_ptr + b * sq_b + i * sq_n + head * DIM + d, x, mask=inside)
     else:
         place = tl.load(rows_ptr + b * sr) * sk_row + tl.load(pos_ptr + b * sp_b + i * sp_n) * sk_pos + d
         if head < heads + kv_heads:
-            tl.store(keys_ptr + place + (head - heads) * sk_head, x)
+            tl.store(keys_ptr + place + (head - heads) * sk_head, x, mask=inside)
         else:
-            tl.store(values_ptr + place + (head - heads - kv_heads) * sk_head, x)
+            tl.store(values_ptr + place + (head - heads - kv_heads) * sk_head, x, mask=inside)
 
 
 def supports(projections: torch.Tensor, cos: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernel takes these: a CUDA step, a power-of-two head size rotated whole, unit last strides, the
-    cache in the projections' type."""
-    return (projections.is_cuda and head_dim & (head_dim - 1) == 0 and cos.shape[-1] == head_dim
+    """Whether the kernel takes these: a CUDA step, an even head size rotated whole, unit last strides, the cache in
+    the projections' type."""
+    return (projections.is_cuda and head_dim % 2 == 0 and cos.shape[-1] == head_dim
             and projections.stride(-1) == cos.stride(-1) == 1 and keys.dtype == projections.dtype)
 
 
@@ -74,6 +75,7 @@ def rotate_and_write(
             projections.stride(0), projections.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), rows.stride(0),
             positions.stride(0), positions.stride(1), queries, heads, kv_heads,
-            DIM=dim, num_warps=1, enable_fp_fusion=False,  # no fused multiply-add: eager rounds the product first
+            # No fused multiply-add: eager rounds the product before the sum.
+            DIM=dim, BLOCK=triton.next_power_of_2(dim), num_warps=1, enable_fp_fusion=False,
         )
     return query

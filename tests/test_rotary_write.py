@@ -9,8 +9,9 @@ from interpreter import needs_interpreter, run_in_interpreter
 
 pytest.importorskip("triton", reason="Triton is not installed")
 
-# (batch, new tokens, query heads, K/V heads, head dim): a verify with GQA, a decode without, a prefill-sized step.
-SHAPES = [(3, 5, 8, 2, 32), (2, 1, 4, 4, 16), (1, 37, 4, 2, 64)]
+# (batch, new tokens, query heads, K/V heads, head dim): a verify with GQA, a decode without, a prefill-sized step,
+# a head size that is no power of two.
+SHAPES = [(3, 5, 8, 2, 32), (2, 1, 4, 4, 16), (1, 37, 4, 2, 64), (2, 3, 6, 2, 40)]
 
 
 def check_against_reference(device: str, dtype: torch.dtype) -> None:
@@ -19,7 +20,7 @@ def check_against_reference(device: str, dtype: torch.dtype) -> None:
     from minedraft import kv_cache, rotary_write
 
     generator = torch.Generator().manual_seed(0)
-    for (batch, n, heads, kv_heads, dim), shared_angles in zip(SHAPES, (False, False, True), strict=True):
+    for (batch, n, heads, kv_heads, dim), shared_angles in zip(SHAPES, (False, False, True, False), strict=True):
 
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator).to(device, dtype)
