@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.request_state import RequestState
@@ -26,7 +26,7 @@ from minedraft.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.models import VocabInfo, check_pair, load_tokenizer
 from minedraft.proto import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc, target_pb2
 from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
-from minedraft.server_utils import start_server
+from minedraft.server_utils import Health, start_server
 from minedraft.telemetry import Tracing, end_request_span, start_request_span
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # A random base: a restarted coordinator never collides with ids a worker may still hold.
         self._seq_ids = itertools.count(secrets.randbits(48))
         self._task: asyncio.Task[None] | None = None
-        self.health = health.aio.HealthServicer()  # NOT_SERVING from the start of a drain
+        self.health = Health()  # NOT_SERVING from the start of a drain
         self.draining = False
         self.open_streams = 0  # Generate calls admitted and not ended
 
@@ -223,7 +223,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         `cut_short` is set (a SIGTERM's graceful shutdown, before `stop`): health reports NOT_SERVING, so a load
         balancer or Kubernetes sends new requests elsewhere, and a new Generate call gets UNAVAILABLE."""
         self.draining = True
-        await self.health.enter_graceful_shutdown()
+        await self.health.drain()
         timeout = self.options.drain_timeout
         log.info("draining: %d requests to finish, for up to %.0f s", self.open_streams, timeout)
         deadline = time.monotonic() + timeout

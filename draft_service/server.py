@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 import torch
-from grpc_health.v1 import health
 
 from draft_service.proposer import Proposer
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from minedraft.server_utils import grpc_errors, start_server, timings
+from minedraft.server_utils import Health, grpc_errors, start_server, timings
 from minedraft.worker import Drain, ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
 
 if TYPE_CHECKING:
@@ -106,7 +105,7 @@ async def serve(options: WorkerOptions, port: int, host: str = "[::]", greedy_dr
     servicer = DraftServicer(options, greedy_drafts)
     if metrics is not None:
         metrics.free_slots.set_function(lambda: servicer.worker.runner.free_slots)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = Health()
     server, bound = await start_server(
         port,
         [lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)],

@@ -22,6 +22,18 @@ Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
 # A health service name that stays SERVING while the process serves (a liveness probe's), whatever the others say
 LIVENESS = "liveness"
+
+
+class Health(health.aio.HealthServicer):
+    """grpc.health.v1 with a drain that keeps the process alive to its liveness probe."""
+
+    async def drain(self) -> None:
+        """Every service NOT_SERVING for good (later `set` calls are ignored), except LIVENESS: a liveness probe
+        that failed during a drain would have the pod killed before its admitted requests finish."""
+        await self.enter_graceful_shutdown()
+        await self._set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+
+
 # Exceptions a handler may raise on bad input or exhausted capacity, and the status a caller gets for each.
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
@@ -70,7 +82,7 @@ async def start_server(
     service_names: Sequence[str],
     host: str = "[::]",
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    health_servicer: health.aio.HealthServicer | None = None,
+    health_servicer: Health | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the given services plus grpc.health.v1 (`health_servicer`, if the caller wants
     to change what it reports later) and reflection; return it and its port."""
@@ -80,7 +92,7 @@ async def start_server(
     )
     for add in register:
         add(server)
-    health_servicer = health.aio.HealthServicer() if health_servicer is None else health_servicer
+    health_servicer = Health() if health_servicer is None else health_servicer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from grpc_health.v1 import health
 
 from minedraft.channels import Channel, make_channel
 from minedraft.errors import ChannelNotSetUpError
@@ -23,6 +22,7 @@ from minedraft.model_runner import ModelRunner
 from minedraft.models import VocabInfo, load_model, load_tokenizer
 from minedraft.proto import common_pb2, generation_pb2
 from minedraft.sampling import SamplingConfig
+from minedraft.server_utils import Health
 
 T = TypeVar("T")
 # After a SIGTERM, what a server does before it stops; given an event that cuts it short (`ModelWorker.drain`)
@@ -140,15 +140,16 @@ class ModelWorker:
             self._in_flight -= 1
             self._last_call = time.monotonic()
 
-    async def drain(self, health_servicer: health.aio.HealthServicer, cut_short: asyncio.Event) -> None:
-        """After a SIGTERM, before the server stops: report NOT_SERVING (new connections go elsewhere) and keep
+    async def drain(self, health_servicer: Health, cut_short: asyncio.Event) -> None:
+        """After a SIGTERM, before the server stops: report NOT_SERVING but to liveness probes (new connections go
+        elsewhere) and keep
         serving until no model call has come for QUIET_S seconds, `drain_timeout` seconds pass or `cut_short` is set.
 
         When a whole release is deleted, every pod gets its SIGTERM at once: the coordinator's admitted requests
         still need both workers while it drains (up to its own `--drain-timeout`), and once they are done it sends
         nothing more. A worker replaced alone keeps serving its coordinator until the timeout instead of failing
         its requests at once."""
-        await health_servicer.enter_graceful_shutdown()
+        await health_servicer.drain()
         deadline = time.monotonic() + self.options.drain_timeout
         log.info("draining: serving until no call has come for %.0f s, for up to %.0f s", QUIET_S,
                  self.options.drain_timeout)

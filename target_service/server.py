@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 import torch
-from grpc_health.v1 import health
 
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.sampling import SamplingConfig
-from minedraft.server_utils import grpc_errors, start_server, timings
+from minedraft.server_utils import Health, grpc_errors, start_server, timings
 from minedraft.worker import Drain, ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
@@ -135,7 +134,7 @@ async def serve(options: WorkerOptions, port: int, host: str = "[::]",
     servicer = TargetServicer(options)
     if metrics is not None:
         metrics.free_slots.set_function(lambda: servicer.worker.runner.free_slots)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = Health()
     server, bound = await start_server(
         port,
         [lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)],

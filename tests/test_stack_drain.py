@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -12,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import TinyPairs, Workers, start_coordinator, start_workers, text_prompts, wait_all_slots_free
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.server_utils import LIVENESS
 
 pytest_plugins = ["stack"]
 
@@ -40,12 +42,25 @@ async def _stream(call: grpc.aio.UnaryStreamCall, started: asyncio.Event) -> tup
     return tokens, generation_pb2.FinishReason.Name(finish)
 
 
-async def _terminate_under_load(address: str, procs: list[object], prompts: list[list[int]]
+async def _not_serving_but_alive(channel: grpc.aio.Channel) -> None:
+    """Wait until a server's health says NOT_SERVING; its liveness service must still say SERVING then."""
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + 30
+    while (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
+            health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "health still SERVING 30 s after the SIGTERM"
+        await asyncio.sleep(0.02)
+    liveness = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=10)
+    assert liveness.status == health_pb2.HealthCheckResponse.SERVING  # a liveness probe must not kill a drain
+
+
+async def _terminate_under_load(address: str, procs: list[object], prompts: list[list[int]],
+                                workers: Sequence[str] = ()
                                 ) -> tuple[list[tuple[int, str]], bool, grpc.StatusCode, str]:
     """Start the requests, SIGTERM `procs` (the coordinator's, maybe the workers' too) once each streams, then once
-    the coordinator's health says NOT_SERVING send one more request. Returns (each request's (tokens, finish
-    reason), whether some were still unfinished when the drain had begun, the late request's status code and
-    details)."""
+    the coordinator's health (and that of the `workers` addresses) says NOT_SERVING send one more request. Returns
+    (each request's (tokens, finish reason), whether some were still unfinished when the drain had begun, the late
+    request's status code and details)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = [asyncio.Event() for _ in prompts]
@@ -54,11 +69,11 @@ async def _terminate_under_load(address: str, procs: list[object], prompts: list
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
         for proc in procs:
             proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
-        health = health_pb2_grpc.HealthStub(channel)
-        while (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
-                health_pb2.HealthCheckResponse.SERVING:
-            await asyncio.sleep(0.02)
+        await _not_serving_but_alive(channel)
         unfinished = not all(t.done() for t in tasks)
+        for worker in workers:
+            async with grpc.aio.insecure_channel(worker) as worker_channel:
+                await _not_serving_but_alive(worker_channel)
         try:
             await stub.Generate(_request(prompts[0]), timeout=30).read()
             late = (grpc.StatusCode.OK, "")
@@ -122,7 +137,8 @@ def test_a_stack_terminated_all_at_once_finishes_its_requests(tiny_pairs: TinyPa
         prompts = text_prompts(tiny_pairs.tokenizer, REQUESTS, 4, 40, seed=5)
         services = [coordinator, workers.target, workers.draft]
         results, unfinished, code, _ = asyncio.run(
-            _terminate_under_load(coordinator.address, [s.proc for s in services], prompts))
+            _terminate_under_load(coordinator.address, [s.proc for s in services], prompts,
+                                  [workers.target.address, workers.draft.address]))
         assert unfinished  # the drain had requests to wait for
         assert results == [(MAX_TOKENS, "FINISH_REASON_LENGTH")] * REQUESTS, results
         assert code == grpc.StatusCode.UNAVAILABLE, code
