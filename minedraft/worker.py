@@ -141,9 +141,9 @@ class ModelWorker:
             self._last_call = time.monotonic()
 
     async def drain(self, health_servicer: Health, cut_short: asyncio.Event) -> None:
-        """After a SIGTERM, before the server stops: report NOT_SERVING but to liveness probes (new connections go
-        elsewhere) and keep
-        serving until no model call has come for QUIET_S seconds, `drain_timeout` seconds pass or `cut_short` is set.
+        """After a SIGTERM, before the server stops: report NOT_SERVING (but to liveness probes: `Health.drain`) so
+        that new connections go elsewhere, and keep serving until no model call has come for QUIET_S seconds,
+        `drain_timeout` seconds pass or `cut_short` is set.
 
         When a whole release is deleted, every pod gets its SIGTERM at once: the coordinator's admitted requests
         still need both workers while it drains (up to its own `--drain-timeout`), and once they are done it sends
