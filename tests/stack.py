@@ -395,8 +395,9 @@ def worker_info(address: str, kind: str) -> common_pb2.WorkerInfo:
         return draft_pb2_grpc.DraftServiceStub(channel).GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=10).info
 
 
-def wait_all_slots_free(workers: Workers, timeout: float = 10.0) -> dict[str, tuple[int, int]]:
-    """Poll GetInfo on both workers until every KV row is free; return {kind: (free, total)} as last seen."""
+def assert_all_slots_free(workers: Workers, timeout: float = 10.0) -> None:
+    """Poll GetInfo on both workers until every KV row is free (requests that ended, however, released theirs);
+    fail with {kind: (free, total)} as last seen if some are still held after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         seen = {}
@@ -404,8 +405,9 @@ def wait_all_slots_free(workers: Workers, timeout: float = 10.0) -> dict[str, tu
             if service is not None:
                 info = worker_info(service.address, kind)
                 seen[kind] = (info.free_slots, info.num_slots)
-        if all(free == total for free, total in seen.values()) or time.monotonic() > deadline:
-            return seen
+        if all(free == total for free, total in seen.values()):
+            return
+        assert time.monotonic() < deadline, f"KV rows still held (free, total): {seen}"
         time.sleep(0.2)
 
 

@@ -13,10 +13,10 @@ from stack import (
     Service,
     TinyPairs,
     Workers,
+    assert_all_slots_free,
     generate,
     running_coordinator,
     text_prompts,
-    wait_all_slots_free,
 )
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
@@ -80,13 +80,11 @@ def test_cancelled_streams_free_every_kv_row(coordinator: Service, llama_workers
     outcomes = asyncio.run(_cancel_many(coordinator.address, prompts))
     assert outcomes.count("cancelled") == NUM_CANCELLED // 2
     assert set(outcomes) <= {"cancelled", "DEADLINE_EXCEEDED", "CANCELLED"}, set(outcomes)
-    seen = wait_all_slots_free(llama_workers, timeout=15)
-    assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+    assert_all_slots_free(llama_workers, timeout=15)
 
     # The server still works, and that request too leaves the workers clean.
     done = asyncio.run(generate(coordinator.address, generation_pb2.GenerateRequest(
         prompt_token_ids=prompts[0], params=generation_pb2.SamplingParams(max_tokens=8, ignore_eos=True))))
     assert len(done.token_ids) == 8
     assert done.finish_reason == generation_pb2.FINISH_REASON_LENGTH
-    seen = wait_all_slots_free(llama_workers, timeout=15)
-    assert all(free == total for free, total in seen.values()), seen
+    assert_all_slots_free(llama_workers, timeout=15)

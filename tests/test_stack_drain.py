@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from stack import TinyPairs, Workers, start_coordinator, start_workers, text_prompts, wait_all_slots_free
+from stack import TinyPairs, Workers, assert_all_slots_free, start_coordinator, start_workers, text_prompts
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 from minedraft.server_utils import LIVENESS
@@ -103,8 +103,7 @@ def test_sigterm_lets_admitted_requests_finish_and_refuses_new_ones(
         assert _exit_code(coordinator.proc, 30) == 0, coordinator.log_tail()
     finally:
         coordinator.stop()
-    seen = wait_all_slots_free(llama_workers, timeout=15)
-    assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+    assert_all_slots_free(llama_workers, timeout=15)
 
 
 def test_a_drain_ends_at_its_timeout(llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path) -> None:
@@ -122,8 +121,7 @@ def test_a_drain_ends_at_its_timeout(llama_workers: Workers, tiny_pairs: TinyPai
         assert _exit_code(coordinator.proc, 20) == 0, coordinator.log_tail()
     finally:
         coordinator.stop()
-    seen = wait_all_slots_free(llama_workers, timeout=15)
-    assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+    assert_all_slots_free(llama_workers, timeout=15)
 
 
 def test_a_stack_terminated_all_at_once_finishes_its_requests(tiny_pairs: TinyPairs, stack_logs: Path) -> None:

@@ -15,6 +15,7 @@ from stack import (
     Service,
     TinyPairs,
     Workers,
+    assert_all_slots_free,
     coordinator_args,
     generate,
     spawn,
@@ -22,7 +23,6 @@ from stack import (
     stop_all,
     text_prompts,
     wait_all,
-    wait_all_slots_free,
 )
 
 from minedraft.proto import generation_pb2
@@ -170,9 +170,8 @@ def test_greedy_matches_target_alone(mode: str, all_workers: dict[str, Workers],
             if arch == "gpt2":  # its draft is the target's first layer: some drafts must have been accepted
                 assert accepted > 0
     # The coordinators released every sequence before stopping: the next test finds the workers clean.
-    for arch, workers in all_workers.items():
-        seen = wait_all_slots_free(workers)
-        assert all(free == total for free, total in seen.values()), f"{arch} workers hold sequences: {seen}"
+    for workers in all_workers.values():
+        assert_all_slots_free(workers)
 
 
 def test_compiled_services_match_target_alone(tiny_pairs: TinyPairs, cases: dict[str, list[Case]],

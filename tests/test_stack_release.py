@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from stack import TinyPairs, Workers, running_coordinator, text_prompts, wait_all_slots_free
+from stack import TinyPairs, Workers, assert_all_slots_free, running_coordinator, text_prompts
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
@@ -88,4 +88,4 @@ def test_a_finishing_step_waits_for_no_release(
     assert short_times[-1] < long_times[-2]
     gaps = sorted(b - a for a, b in zip(long_times, long_times[1:]))
     assert gaps[-1] < RELEASE_DELAY / 2, f"a step waited for a release: gaps {gaps[-3:]}"
-    assert all(free == total for free, total in wait_all_slots_free(llama_workers).values())
+    assert_all_slots_free(llama_workers)

@@ -16,13 +16,13 @@ from stack import (
     Service,
     TinyPairs,
     Workers,
+    assert_all_slots_free,
     generate,
     running_coordinator,
     spawn,
     start_workers,
     text_prompts,
     wait_all,
-    wait_all_slots_free,
     worker_args,
 )
 
@@ -146,8 +146,7 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
                                                                               "unreachable") for c in first), first
             retried = _until_served(address, requests)
             assert [c.token_ids for c in retried] == [c.token_ids for c in expected]  # type: ignore[union-attr]
-        seen = wait_all_slots_free(workers, timeout=15)
-        assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+        assert_all_slots_free(workers, timeout=15)
     finally:
         workers.stop()
 
@@ -171,7 +170,6 @@ def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs,
                 target.send_signal(signal.SIGCONT)
             after = _until_served(address, requests)
             assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
-        seen = wait_all_slots_free(workers, timeout=15)
-        assert all(free == total for free, total in seen.values()), f"KV rows still held (free, total): {seen}"
+        assert_all_slots_free(workers, timeout=15)
     finally:
         workers.stop()
