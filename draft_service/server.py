@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -12,8 +11,16 @@ import torch
 
 from draft_service.proposer import Proposer
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from minedraft.server_utils import Health, grpc_errors, start_server, timings
-from minedraft.worker import Drain, ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
+from minedraft.server_utils import grpc_errors, timings
+from minedraft.worker import (
+    Drain,
+    ModelWorker,
+    WorkerOptions,
+    check_batch_id,
+    elapsed,
+    prompts_and_configs,
+    start_worker_server,
+)
 
 if TYPE_CHECKING:
     from minedraft.metrics import WorkerMetrics
@@ -103,15 +110,7 @@ async def serve(options: WorkerOptions, port: int, host: str = "[::]", greedy_dr
                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), metrics: WorkerMetrics | None = None
                 ) -> tuple[grpc.aio.Server, int, Drain]:
     servicer = DraftServicer(options, greedy_drafts)
-    if metrics is not None:
-        metrics.free_slots.set_function(lambda: servicer.worker.runner.free_slots)
-    health_servicer = Health()
-    server, bound = await start_server(
-        port,
-        [lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)],
-        [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name],
-        host,
-        interceptors,
-        health_servicer,
+    return await start_worker_server(
+        servicer.worker, lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
+        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name, port, host, interceptors, metrics,
     )
-    return server, bound, functools.partial(servicer.worker.drain, health_servicer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -12,8 +13,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
+import grpc
 import torch
 
 from minedraft.channels import Channel, make_channel
@@ -22,7 +24,10 @@ from minedraft.model_runner import ModelRunner
 from minedraft.models import VocabInfo, load_model, load_tokenizer
 from minedraft.proto import common_pb2, generation_pb2
 from minedraft.sampling import SamplingConfig
-from minedraft.server_utils import Health
+from minedraft.server_utils import Health, start_server
+
+if TYPE_CHECKING:
+    from minedraft.metrics import WorkerMetrics
 
 T = TypeVar("T")
 # After a SIGTERM, what a server does before it stops; given an event that cuts it short (`ModelWorker.drain`)
@@ -231,6 +236,19 @@ class ModelWorker:
         if self.channel is None:
             raise ChannelNotSetUpError("no channel set up yet: the coordinator calls SetupChannel first")
         return self.channel
+
+
+async def start_worker_server(
+    worker: ModelWorker, add: Callable[[grpc.aio.Server], None], service_name: str, port: int, host: str,
+    interceptors: Sequence[grpc.aio.ServerInterceptor], metrics: WorkerMetrics | None,
+) -> tuple[grpc.aio.Server, int, Drain]:
+    """A worker service's gRPC server (`add` registers its servicer; health and reflection come too), its free
+    slots on /metrics, and its drain after a SIGTERM (`ModelWorker.drain`)."""
+    if metrics is not None:
+        metrics.free_slots.set_function(lambda: worker.runner.free_slots)
+    health_servicer = Health()
+    server, bound = await start_server(port, [add], [service_name], host, interceptors, health_servicer)
+    return server, bound, functools.partial(worker.drain, health_servicer)
 
 
 def check_batch_id(batch_id: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -13,8 +12,16 @@ import torch
 
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.sampling import SamplingConfig
-from minedraft.server_utils import Health, grpc_errors, start_server, timings
-from minedraft.worker import Drain, ModelWorker, WorkerOptions, check_batch_id, elapsed, prompts_and_configs
+from minedraft.server_utils import grpc_errors, timings
+from minedraft.worker import (
+    Drain,
+    ModelWorker,
+    WorkerOptions,
+    check_batch_id,
+    elapsed,
+    prompts_and_configs,
+    start_worker_server,
+)
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
 if TYPE_CHECKING:
@@ -132,15 +139,7 @@ async def serve(options: WorkerOptions, port: int, host: str = "[::]",
                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), metrics: WorkerMetrics | None = None
                 ) -> tuple[grpc.aio.Server, int, Drain]:
     servicer = TargetServicer(options)
-    if metrics is not None:
-        metrics.free_slots.set_function(lambda: servicer.worker.runner.free_slots)
-    health_servicer = Health()
-    server, bound = await start_server(
-        port,
-        [lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)],
-        [target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name],
-        host,
-        interceptors,
-        health_servicer,
+    return await start_worker_server(
+        servicer.worker, lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
+        target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name, port, host, interceptors, metrics,
     )
-    return server, bound, functools.partial(servicer.worker.drain, health_servicer)
