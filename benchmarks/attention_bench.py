@@ -20,6 +20,12 @@ import minedraft.attention as attention
 # name -> (query heads, K/V heads, head dim, new tokens per step): an 8B verify of k=4 drafts, 1B and 68M decode steps.
 SHAPES = {"8b-verify": (32, 8, 128, 5), "1b-decode": (32, 8, 64, 1), "68m-decode": (12, 12, 64, 1)}
 PATHS = ("kernel", "fused", "matmuls")
+# Sweeps: the decode_attention settings each varies, and their values.
+SWEEPS = {
+    "tiles": (("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES"),
+              ((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4))),
+    "chunks": (("CHUNKS", "NUM_WARPS", "NUM_STAGES"), ((None, 1, 2, 4, 8), (4, 8), (3, 4))),
+}
 LAYERS = 32  # calls per graph, each on its own layer's K/V (one layer's K/V at batch 16 would fit in the L2 cache)
 
 
@@ -48,7 +54,8 @@ def layer_inputs(
 ) -> list[Callable[[Callable[..., tuple[torch.Tensor, None]]], torch.Tensor]]:
     """Per layer, a call of an attention function on: a module stub, the query as projections leave it, K/V as
     views of a block of the layer's cache rows, the step's additive mask (rows at random lengths past the prefix)
-    and its positions, as the decoder layers pass them on."""
+    and its positions, as the decoder layers pass them on from the model runner (which says the mask is causal by
+    those positions)."""
     heads, kv_heads, dim, n = shape
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
     lengths = prefix + torch.randint(0, kv_len - prefix - n + 1, (batch,), device="cuda")
@@ -61,7 +68,7 @@ def layer_inputs(
 
     def call(layer: torch.Tensor, attend: Callable[..., tuple[torch.Tensor, None]]) -> torch.Tensor:
         return attend(module, query, layer[0, :batch, :, :kv_len], layer[1, :batch, :, :kv_len], mask,
-                      position_ids=positions)[0]
+                      position_ids=positions, **{attention.CAUSAL_BY_POSITIONS: True})[0]
 
     return [functools.partial(call, layer) for layer in cache]
 
@@ -73,9 +80,10 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--kv-len", type=int, default=768, help="keys read, a multiple of the cache's KV bucket")
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--sweep", action="store_true",
-                        help="time the kernels' parameters (decode_attention's BLOCK_KEYS, PROGRAMS_PER_SM, "
-                             "NUM_WARPS, NUM_STAGES) instead of the three paths")
+    parser.add_argument("--sweep", nargs="?", const="tiles", choices=tuple(SWEEPS),
+                        help="time the kernels' parameters instead of the three paths: tiles (decode_attention's "
+                             "BLOCK_KEYS, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES) or chunks (CHUNKS, NUM_WARPS, "
+                             "NUM_STAGES)")
     args = parser.parse_args()
     if args.sweep:
         sweep(args)
@@ -117,9 +125,9 @@ def sweep(args: argparse.Namespace) -> None:
     """The kernel path alone, over its parameters: us per layer of every setting, best first (defaults marked *)."""
     from minedraft import decode_attention as kernels
 
-    names = ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES")
+    names, values = SWEEPS[args.sweep]
     defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)
-    settings = [defaults, *itertools.product((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4))]
+    settings = [defaults, *(s for s in itertools.product(*values) if s != defaults)]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
           f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *")
     # The kernels are opaque to the compiler: one compile serves every setting.

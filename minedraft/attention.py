@@ -17,6 +17,9 @@ SHORT_QUERY = 64
 # from 128 in run 12b (compiled, one H200, side by side): at batch 16 the 1B draft's 4 steps took 8.80 -> 7.13 ms, the
 # 8B verify 8.07 -> 8.05 (docs/benchmarks.md, run 12).
 FUSED_MIN_BLOCKS = 256
+# The keyword a caller passes on through the model (True) when its mask shows each query exactly the keys up to its
+# position (`position_ids`): no window, no padding.
+CAUSAL_BY_POSITIONS = "minedraft_causal_by_positions"
 
 
 def grouped_sdpa_attention(
@@ -47,9 +50,13 @@ def grouped_sdpa_attention(
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim ** -0.5
     if uses_kernel(query, key, value, attention_mask, groups * n):
-        # The decoder layers pass the step's positions on to here: the kernels read each row's keys up to them.
+        # The decoder layers pass the step's positions on to here: the kernels read each row's keys up to them. Where
+        # the model runner says its mask is causal by these positions alone, they replace the mask (run 21a).
         positions = kwargs.get("position_ids")
-        return torch.ops.minedraft.short_query_attention(query, key, value, attention_mask, scale, positions), None
+        causal = (kwargs.get(CAUSAL_BY_POSITIONS) is True and positions is not None
+                  and tuple(positions.shape) == (batch, n))
+        mask = None if causal else attention_mask
+        return torch.ops.minedraft.short_query_attention(query, key, value, mask, scale, positions), None
     # Query head h reads K/V head h // groups (transformers' repeat_kv order).
     folded = query.reshape(batch, kv_heads, groups * n, dim)
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(

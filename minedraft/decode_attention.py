@@ -20,12 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-# Keys per tile, programs wanted per SM (chunks are made until rows x K/V heads x chunks reaches that many per SM)
-# and tiles in flight per program (Triton's software pipelining of the chunk loop): None chooses them per step
-# (`tiles`); a number forces it (`benchmarks/attention_bench.py --sweep`). Read at each call.
+# Keys per tile, programs wanted per SM (chunks are made while rows x K/V heads x chunks fits that many per SM),
+# tiles in flight per program (Triton's software pipelining of the chunk loop) and chunks per (row, K/V head): None
+# chooses them per step (`tiles`, `chunks_for`); a number forces it (`benchmarks/attention_bench.py --sweep`). Read at
+# each call.
 BLOCK_KEYS: int | None = None
 PROGRAMS_PER_SM: int | None = None
 NUM_STAGES: int | None = None
+CHUNKS: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
 # Where each query's running maximum starts: above any masking value (transformers' masks use the dtype's minimum),
 # so keys the mask hides add exp(minimum - MASKED) = 0 even before a visible one.
@@ -45,7 +47,7 @@ def _chunk_kernel(
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, sp_b, sp_n, so_b, so_n, so_h,
     kv_heads, groups, queries, rows, keys, chunk, scale,
     ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    POSITIONS: tl.constexpr,
+    POSITIONS: tl.constexpr, MASK: tl.constexpr,
 ):
     """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
     folded queries of K/V head h (`_folded_offset`)."""
@@ -61,15 +63,18 @@ def _chunk_kernel(
     mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
     end = keys
     if POSITIONS:  # causal: no query of the row sees a key past its own position
-        last = tl.max(tl.load(pos_ptr + b * sp_b + (r % queries) * sp_n, mask=live, other=0), 0)
-        end = tl.minimum(end, last + 1)
+        own = tl.load(pos_ptr + b * sp_b + (r % queries) * sp_n, mask=live, other=0)
+        end = tl.minimum(end, tl.max(own, 0) + 1)
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
     for start in range(c * chunk, tl.minimum(c * chunk + chunk, end), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < end
-        bias = tl.load(mask_rows + n[None, :] * sm_n, mask=live[:, None] & inside[None, :], other=float("-inf"))
+        if MASK:
+            bias = tl.load(mask_rows + n[None, :] * sm_n, mask=live[:, None] & inside[None, :], other=float("-inf"))
+        else:  # causal by the positions alone: no load for the loop's loads to wait on (run 21a)
+            bias = tl.where(live[:, None] & (n[None, :] <= own[:, None]), 0.0, float("-inf"))
         k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=inside[:, None], other=0.0)
         v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=inside[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias.to(tl.float32)
@@ -142,13 +147,15 @@ def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, in
 
 
 def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
-    """How many chunks each (row, K/V head) block's keys are cut into, so that the GPU has work for every SM."""
-    wanted = math.ceil(programs_per_sm * _sm_count(device) / blocks)
+    """How many chunks each (row, K/V head) block's keys are cut into: as many as fit in one wave of
+    `programs_per_sm` programs on every SM. Rounding up instead (a second, partial wave; and a merge where one chunk
+    fits) was 20-25% slower for an 8B verify at batch 8 and 16 (run 21a)."""
+    wanted = programs_per_sm * _sm_count(device) // blocks
     return max(1, min(wanted, math.ceil(keys / block_keys)))
 
 
 def short_query_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
     positions: torch.Tensor | None = None, chunks: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for `query` `[B, heads, n, D]` over `key`/`value` `[B, kv_heads, L, D]` (any
@@ -156,8 +163,9 @@ def short_query_attention(
     additive `mask` `[B, 1, n, L]`; returns `[B, n, heads, D]`.
 
     `positions` (`[B, n]`, optional): the queries' positions in a causal step, whose mask hides every key past them;
-    each row then reads keys only up to its last query's. `chunks`: how many chunks each K/V head's keys are cut
-    into (default: enough for every SM).
+    each row then reads keys only up to its last query's. Without a mask (positions required), each query sees
+    exactly the keys up to its own position. `chunks`: how many chunks each K/V head's keys are cut into (default:
+    `chunks_for`).
     """
     batch, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -165,7 +173,7 @@ def short_query_attention(
     rows = groups * queries
     out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
     block_keys, programs_per_sm, stages = tiles(batch * kv_heads, queries, query.device)
-    chunks = chunks or chunks_for(batch * kv_heads, keys, block_keys, programs_per_sm, query.device)
+    chunks = chunks or CHUNKS or chunks_for(batch * kv_heads, keys, block_keys, programs_per_sm, query.device)
     chunk = math.ceil(math.ceil(keys / chunks) / block_keys) * block_keys
     chunks = math.ceil(keys / chunk)
     padded_rows = max(16, triton.next_power_of_2(rows))
@@ -174,18 +182,22 @@ def short_query_attention(
                        device=query.device)
     lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    assert query.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
+    assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and (mask is None or mask.stride(-1) == 1)
+    mask_strides = (0, 0, 0) if mask is None else (mask.stride(0), mask.stride(2), mask.stride(3))
     limits = positions if positions is not None and tuple(positions.shape) == (batch, queries) else None
+    if mask is None and limits is None:
+        raise ValueError(f"attention without a mask needs the queries' positions as [{batch}, {queries}]")
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         _chunk_kernel[(batch * kv_heads, chunks)](
-            query, key, value, mask, lse if limits is None else limits, part, lse, out,
+            query, key, value, lse if mask is None else mask, lse if limits is None else limits, part, lse, out,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
+            value.stride(0), value.stride(1), value.stride(2), *mask_strides,
             *((0, 0) if limits is None else limits.stride()), out.stride(0), out.stride(1), out.stride(2),
             kv_heads, groups, queries, rows, keys, chunk, scale,
             ROWS=padded_rows, DIM=dim, BLOCK_N=block_keys, SPLIT=split, PRECISION=precision,
-            POSITIONS=limits is not None, num_warps=NUM_WARPS, num_stages=stages,
+            POSITIONS=limits is not None, MASK=mask is not None,
+            num_warps=NUM_WARPS, num_stages=stages,
         )
         if split:
             _merge_kernel[(batch * kv_heads, rows)](
@@ -197,7 +209,7 @@ def short_query_attention(
 
 @torch.library.custom_op("minedraft::short_query_attention", mutates_args=())
 def short_query_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`short_query_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
@@ -205,7 +217,7 @@ def short_query_attention_op(
 
 
 @short_query_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
       positions: torch.Tensor | None = None) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from minedraft.attention import FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
+from minedraft.attention import CAUSAL_BY_POSITIONS, FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
 from minedraft.errors import CapacityError
 from minedraft.fused_projections import fuse_projections
 from minedraft.kv_cache import SlotKVCache
@@ -511,6 +511,8 @@ class ModelRunner:
                     mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
                 self.cache.select(rows, positions, kv_len, view_start)
                 kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
+                if windowed is None:
+                    kwargs[CAUSAL_BY_POSITIONS] = True
                 hidden = self.model.base_model(
                     input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
                 ).last_hidden_state

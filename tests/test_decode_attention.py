@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +40,9 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
     from minedraft.decode_attention import short_query_attention
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys), given in itertools.product(SHAPES, (False, True)):
+    inputs = ("mask only", "positions", "positions, no mask")
+    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys), passed in itertools.product(SHAPES, inputs):
+        given = passed != "mask only"
 
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator).to(device, dtype)
@@ -60,13 +63,13 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
 
         decode_attention.BLOCK_KEYS = block_keys
         try:
-            out = short_query_attention(query, key, value, mask, scale, positions.to(device) if given else None,
-                                        chunks)
+            out = short_query_attention(query, key, value, None if passed == "positions, no mask" else mask, scale,
+                                        positions.to(device) if given else None, chunks)
         finally:
             decode_attention.BLOCK_KEYS = None
 
         expected = reference(query.cpu(), key.cpu().nan_to_num(), value.cpu().nan_to_num(), mask.cpu(), scale)
-        shape = (batch, heads, kv_heads, n, dim, keys, "positions" if given else "mask only")
+        shape = (batch, heads, kv_heads, n, dim, keys, passed)
         assert out.shape == (batch, n, heads, dim)
         assert torch.isfinite(out).all(), f"non-finite output for {shape}"
         error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
@@ -79,33 +82,33 @@ def test_the_kernels_equal_float64_attention_in_triton_interpreter() -> None:
 
 
 def check_a_model_on_the_kernels() -> None:
-    """A Llama-shaped model's steps through `ModelRunner` (a prefill, verify-sized and one-token steps, rows of
-    different lengths) give the same logits on the kernels as on the matmul path, and every kernel call got the
-    step's positions from the decoder layers (its cut-off; without them the kernels still read every key)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    """Steps through `ModelRunner` (a prefill, verify-sized and one-token steps, rows of different lengths) give the
+    same logits on the kernels as on the matmul path, and every kernel call got the step's positions from the decoder
+    layers (its cut-off; without them the kernels still read every key): with no mask for a Llama-shaped model, whose
+    steps' masks are causal by those positions, and with the mask for a model of an 8-token sliding window."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel
 
     import minedraft.attention as attention
     from minedraft import decode_attention
     from minedraft.model_runner import ModelRunner
 
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    given: list[bool] = []
+    # Weights well above transformers' 0.02 init: attention then moves the logits by far more than the tolerance.
+    shape: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 initializer_range=0.3)
+    given: list[tuple[bool, bool]] = []  # (positions, mask) of each kernel call
     plain = decode_attention.short_query_attention
 
-    def watched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    def watched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        given.append(positions is not None)
+        given.append((positions is not None, mask is not None))
         return plain(query, key, value, mask, scale, positions)
 
-    def steps(on_kernels: bool) -> list[torch.Tensor]:
+    def steps(model: PreTrainedModel, on_kernels: bool) -> list[torch.Tensor]:
         # On the CPU the kernels run only if asked (here through Triton's interpreter).
         attention.KERNELS = decode_attention if on_kernels else None
-        attention.uses_kernel = (lambda q, k, v, m, queries: queries <= attention.SHORT_QUERY  # type: ignore
-                                 and decode_attention.supports(q, k, v, m))
+        attention.uses_kernel = (lambda q, k, v, m, queries: on_kernels  # type: ignore
+                                 and queries <= attention.SHORT_QUERY and decode_attention.supports(q, k, v, m))
         runner = ModelRunner(model, 4, 256)
         rows = torch.tensor(runner.allocate(2))
         generator = torch.Generator().manual_seed(1)
@@ -116,9 +119,14 @@ def check_a_model_on_the_kernels() -> None:
         return out
 
     decode_attention.short_query_attention = watched  # type: ignore[assignment]
-    for kernels, matmuls in zip(steps(True), steps(False), strict=True):
-        torch.testing.assert_close(kernels, matmuls, atol=1e-4, rtol=1e-4)
-    assert given and all(given), given
+    for config, masked in ((LlamaConfig(**shape), False), (MistralConfig(sliding_window=8, **shape), True)):
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        given.clear()
+        for kernels, matmuls in zip(steps(model, True), steps(model, False), strict=True):
+            torch.testing.assert_close(kernels, matmuls, atol=1e-4, rtol=1e-4)
+        assert given and set(given) == {(True, masked)}, (type(config).__name__, given)
 
 
 @needs_interpreter
