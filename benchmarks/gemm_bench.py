@@ -22,15 +22,49 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
           ("lm_head", 128256, 4096)]
 
 
-def time_shape(out_features: int, in_features: int, rows: int, layers: int, repeats: int) -> float:
-    """Median us of one call, `layers` calls (each on its own weight) replayed in a CUDA graph `repeats` times."""
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ weight.T as `splits` GEMMs over slices of the inputs' features, one batched call with float32 outputs,
+    summed: `splits` times the thread blocks of one GEMM whose output tiles alone leave SMs idle (run 20d: the 8B
+    output projection at 80 rows ran 64 blocks on 132 SMs, at 2.2 TB/s)."""
+    rows, features = x.shape
+    parts = torch.bmm(x.view(rows, splits, features // splits).transpose(0, 1),
+                      weight.view(weight.shape[0], splits, features // splits).permute(1, 2, 0),
+                      out_dtype=torch.float32)
+    return parts.sum(0).to(x.dtype)
+
+
+def with_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int) -> torch.Tensor:
+    """A layer's projection and the residual add after it, as a compiled layer fuses them (the split's sum too)."""
+    return residual + (torch.nn.functional.linear(x, weight) if splits == 1 else split_k_linear(x, weight, splits))
+
+
+def time_shape(out_features: int, in_features: int, rows: int, layers: int, repeats: int, splits: int | None = None
+               ) -> float:
+    """Median us of one call, `layers` calls (each on its own weight) replayed in a CUDA graph `repeats` times: the
+    plain linear, or (`splits`) the compiled projection plus residual add."""
     weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(layers)]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
-    us = graph_ms([functools.partial(torch.nn.functional.linear, x, w) for w in weights], repeats) * 1e3
+    if splits is None:
+        calls = [functools.partial(torch.nn.functional.linear, x, w) for w in weights]
+    else:
+        residual = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
+        compiled = torch.compile(with_residual, fullgraph=True, dynamic=False)
+        calls = [functools.partial(compiled, x, w, residual, splits) for w in weights]
+    us = graph_ms(calls, repeats) * 1e3
     del weights
     torch.cuda.empty_cache()
     return us
+
+
+def split_k(rows: list[int], splits: list[int], repeats: int) -> None:
+    """The projections followed by a residual add (compiled), as one GEMM and split over K, under cuBLASLt."""
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    print(f"projection + residual add, compiled, cuBLASLt: us per call by splits of K ({', '.join(map(str, splits))})")
+    for name, n, k in SHAPES[:-1]:
+        for r in rows:
+            cells = [f"{time_shape(n, k, r, 32, repeats, s):8.1f}" for s in splits]
+            print(f"{name:>9} {n:>6} {r:>5} " + " ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -38,8 +72,13 @@ def main() -> None:
     parser.add_argument("--rows", default="5,40,80", help="rows per call (a verify of k=4: 5 per sequence)")
     parser.add_argument("--backends", default="cublas,cublaslt")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--split-k", default="", help="e.g. 1,2,4: time the projections (plus the residual add, "
+                                                      "compiled) split over K instead")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    if args.split_k:
+        split_k(rows, [int(s) for s in args.split_k.split(",")], args.repeats)
+        return
     backends = args.backends.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (TB/s of the weight)")
     print(f"{'shape':>16} {'rows':>5} " + " ".join(f"{b:>18}" for b in backends))

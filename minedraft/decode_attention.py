@@ -6,7 +6,8 @@ blocks for the whole GPU. Here the keys of each (row, K/V head) are cut into chu
 (flash-decoding); each program keeps a running softmax over its chunk, and a second kernel merges the chunks by
 their log-sum-exp. Given the queries' positions, a row's keys are read only up to its last query's position, so a
 row pays for its own length, not the batch's key bucket; the loop then has no branch and Triton pipelines its
-loads. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output projection reads, so
+loads. Without a mask (a causal step's, which the positions alone define) no mask tile is loaded beside each K/V
+tile either. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output projection reads, so
 no transpose copy follows.
 """
 
