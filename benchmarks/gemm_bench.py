@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,7 @@ def time_shape(out_features: int, in_features: int, rows: int, layers: int, repe
     weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(layers)]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    calls: list[Callable[[], object]]
     if splits is None:
         calls = [functools.partial(torch.nn.functional.linear, x, w) for w in weights]
     else:
