@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.request_state import RequestState
@@ -126,6 +126,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._task: asyncio.Task[None] | None = None
         self.health = Health()  # NOT_SERVING from the start of a drain
         self.draining = False
+        # The target reports NOT_SERVING: it is shutting down (`_watch_target`), so nothing new is admitted.
+        self.target_draining = False
+        self._watch: asyncio.Task[None] | None = None
         self.open_streams = 0  # Generate calls admitted and not ended
 
     async def start(self) -> None:
@@ -139,6 +142,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
+        self._watch = asyncio.create_task(self._watch_target())
 
     async def _connect_draft(self, timeout: float | None = None) -> None:
         """Check the pair and set the channel up through both workers' control RPCs."""
@@ -214,9 +218,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def _target_lost(self, lost: bool) -> None:
         """Health follows the target: NOT_SERVING while it is lost, so that a load balancer sends requests elsewhere."""
+        if not lost:
+            self.target_draining = False  # a new target, serving
         status = health_pb2.HealthCheckResponse.NOT_SERVING if lost else health_pb2.HealthCheckResponse.SERVING
         for name in ("", GENERATION_SERVICE):
             await self.health.set(name, status)
+
+    async def _watch_target(self) -> None:
+        """Follow the target's health. A target that reports NOT_SERVING is shutting down (a SIGTERM alone, as when
+        its pod is replaced: it serves its calls on until none has come for a while, or its drain timeout): admit
+        nothing new, so that what was admitted finishes on it and it can stop; once its stream ends, it is gone,
+        and the step loop's reconnect takes the new one back. Without this the coordinator kept it busy with new
+        requests until its drain timeout cut every one of them off."""
+        health = health_pb2_grpc.HealthStub(self.workers.target_channel)
+        while True:
+            stopping = False  # what this stream last said (a failed connect says nothing)
+            try:
+                async for reply in health.Watch(health_pb2.HealthCheckRequest()):
+                    stopping = reply.status != health_pb2.HealthCheckResponse.SERVING
+                    if stopping and not self.target_draining and not self.loop.target_lost:
+                        log.warning("the target service is shutting down: admitting nothing new until it is back; "
+                                    "%d requests to finish on it", self.open_streams)
+                        await self._target_lost(True)
+                    self.target_draining = stopping
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("the target service has no health service: its shutdowns are not followed")
+                    return
+            if stopping:  # it said it was shutting down, then its stream ended: it has stopped
+                self.loop.lose_target("it shut down")
+            await asyncio.sleep(self.options.draft_retry_interval)
 
     async def drain(self, cut_short: asyncio.Event) -> None:
         """Stop taking requests and let the admitted ones finish, for up to `drain_timeout` seconds or until
@@ -233,6 +264,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             log.warning("drain ended with %d requests unfinished: their clients get UNAVAILABLE", self.open_streams)
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         self.loop.stop()
         if self._task is not None:
             await self._task
@@ -268,6 +301,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self._rejected("target_lost")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the target service is unreachable; the coordinator "
                                 f"tries it again every {self.options.draft_retry_interval:g} s: retry shortly")
+        if self.target_draining:
+            self._rejected("target_draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target service is shutting down; the coordinator "
+                                "finishes the requests it admitted and serves again once a new one is up: retry "
+                                "shortly")
         try:
             state = self._new_request(request)
             self.manager.submit(state)

@@ -235,18 +235,22 @@ class StepLoop:
         return True
 
     def _lose_target(self, exc: BaseException) -> bool:
-        """A target that is unreachable, hung or restarted has lost every sequence it held: fail all requests
-        (UNAVAILABLE: their clients may send them again) and refuse new ones until `_reconnect_target` finds it
-        back, channel set up. Whether `exc` is such a loss."""
+        """Whether `exc`, from a target call, means the target is unreachable, hung or restarted; if so,
+        `lose_target`."""
         if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TARGET_LOST_CODES):
             return False
+        self.lose_target(f"{exc.code().name}: {exc.details()}")
+        return True
+
+    def lose_target(self, reason: str) -> None:
+        """The target has lost every sequence it held: fail all requests (UNAVAILABLE: their clients may send them
+        again) and refuse new ones until `_reconnect_target` finds it back, channel set up."""
         if not self.target_lost:
-            log.error("target service lost (%s: %s): failing every request until it is back", exc.code().name,
-                      exc.details())
+            log.error("target service lost (%s): failing every request until it is back", reason)
             self.target_lost = True
             self._fail_open("the target service became unreachable or restarted before this request finished: "
                             "send it again")
-        return True
+            self._wake.set()  # an idle loop reconnects at once
 
     def _fail_open(self, message: str) -> None:
         """End every request still open, in the batches or queued, with UNAVAILABLE (`message`) after what it was

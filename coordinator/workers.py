@@ -55,7 +55,8 @@ class Workers:
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self._channels = [grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS,
                                                     interceptors=list(interceptors))]
-        self.target = target_pb2_grpc.TargetServiceStub(self._channels[0])
+        self.target_channel = self._channels[0]
+        self.target = target_pb2_grpc.TargetServiceStub(self.target_channel)
         # `draft` is the stub in use; `draft_stub` stays when the draft service is lost, to reconnect through.
         self.draft: draft_pb2_grpc.DraftServiceStub | None = None
         self.draft_stub: draft_pb2_grpc.DraftServiceStub | None = None

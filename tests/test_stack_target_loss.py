@@ -173,3 +173,37 @@ def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs,
         assert_all_slots_free(workers, timeout=15)
     finally:
         workers.stop()
+
+
+def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """A SIGTERM to the target service alone (its pod replaced): the coordinator follows the target's health,
+    reports NOT_SERVING (liveness SERVING) and refuses new requests, so the admitted ones finish on the draining
+    target, which then stops on its own, long before its drain timeout; a new target on its address is taken back
+    and serves the same tokens. Before, the coordinator kept admitting onto the draining target, whose drain timeout
+    then cut off whatever was running."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "target-replaced", extra=["--drain-timeout", "120"])
+    try:
+        requests = _requests(tiny_pairs)
+        with running_coordinator(workers, stack_logs, "psd", extra=["--draft-retry-interval", "0.2"]) as coordinator:
+            address = coordinator.address
+            expected = _wave(address, requests)
+            assert all(isinstance(c, Completion) and len(c.token_ids) == 120 for c in expected), expected
+
+            ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGTERM))
+            assert ended == ["FINISH_REASON_LENGTH"] * len(requests), ended
+            # The target serves on until no call has come for 5 s: meanwhile the coordinator refuses new requests.
+            _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+            assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
+            refused = _wave(address, requests[:1])
+            assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
+                                                                         "shutting down"), refused
+            assert workers.target.proc.wait(timeout=30) == 0, workers.target.log_tail()
+
+            _restart_target(workers, stack_logs / "target-replaced")
+            _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+            after = _wave(address, requests)
+            assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
+            assert "the target service is shutting down" in coordinator.log_tail(100_000)
+        assert_all_slots_free(workers, timeout=15)
+    finally:
+        workers.stop()
