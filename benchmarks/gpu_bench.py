@@ -447,8 +447,8 @@ def steady_state(psd: dict, sd: dict) -> dict:
 
 
 def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
-    """PSD on two GPUs over the whole load against SD with the draft on the target's GPU and on its own, and AR;
-    and the steady state."""
+    """PSD on two GPUs over the whole load against SD with the draft on the target's GPU and on its own, SD at the
+    same total concurrency (`sd2b`: one batch of 2B) and AR; and the steady state."""
     suffix = "_compiled" if COMPILE else ""
     label = f"{name}_2gpu_{channel}{suffix}"
     own, same = results.get(label), results.get(f"{name}_sd_draft_on_target_gpu{suffix}")
@@ -458,15 +458,20 @@ def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
         return {}
     tput = lambda run, mode: run["results"][mode]["output_throughput"] if run and mode in run["results"] else None  # noqa: E731
     psd, sd_own, sd_same, ar = tput(own, "psd"), tput(own, "sd"), tput(same, "sd"), tput(ar_run, "ar")
+    sd_2b = tput(own, "sd2b")
     out: dict = {"psd_tok_s": psd, "sd_draft_own_gpu_tok_s": sd_own, "sd_draft_on_target_gpu_tok_s": sd_same,
-                 "ar_tok_s": ar, "steady": results.get(f"{label}_steady")}
+                 "sd_same_concurrency_tok_s": sd_2b, "ar_tok_s": ar, "steady": results.get(f"{label}_steady")}
     for key, base in (("psd_over_sd_draft_on_target_gpu", sd_same), ("psd_over_sd_draft_own_gpu", sd_own),
-                      ("psd_over_ar", ar)):
+                      ("psd_over_sd_same_concurrency", sd_2b), ("psd_over_ar", ar)):
         out[key] = psd / base if psd and base else None
     psd_trace = results.get(f"{label}_psd_trace")
     same_trace = results.get(f"{name}_sd_draft_on_target_gpu{suffix}_sd_trace")
     if psd_trace and same_trace:  # the paper's baseline, in steady state
         out["steady_psd_over_sd_draft_on_target_gpu"] = same_trace["step_ms"] / psd_trace["step_ms"]
+    trace_2b = results.get(f"{label}_sd2b_trace")
+    if psd_trace and trace_2b:  # per sequence-step: PSD's step advances one batch of B, sd2b's one of 2B
+        out["steady_psd_over_sd_same_concurrency"] = ((psd_trace["batch_size"] / psd_trace["step_ms"])
+                                                      / (trace_2b["batch_size"] / trace_2b["step_ms"]))
     return out
 
 
