@@ -5,8 +5,10 @@ coordinator sets the channel up again and serves, losslessly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -110,69 +112,73 @@ def _restart_target(workers: Workers, log_dir: Path) -> None:
     wait_all([restarted])
 
 
-def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
-    workers = start_workers(tiny_pairs["llama"], stack_logs / "target-back")
+@contextlib.contextmanager
+def _served_stack(tiny_pairs: TinyPairs, stack_logs: Path, name: str, coordinator_extra: Sequence[str],
+                  worker_extra: Sequence[str] = ()
+                  ) -> Iterator[tuple[Workers, Service, list[generation_pb2.GenerateRequest], list[Completion]]]:
+    """A llama pair (`worker_extra`) and a psd coordinator (`coordinator_extra`) that has served `_requests` in
+    full once: (workers, coordinator, the requests, their completions). Every KV row must be free afterwards."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / name, extra=worker_extra)
     try:
         requests = _requests(tiny_pairs)
-        with running_coordinator(workers, stack_logs, "psd", extra=["--draft-retry-interval", "0.2"]) as coordinator:
-            address = coordinator.address
-            expected = _wave(address, requests)
+        with running_coordinator(workers, stack_logs, "psd", extra=list(coordinator_extra)) as coordinator:
+            expected = _wave(coordinator.address, requests)
             assert all(isinstance(c, Completion) and len(c.token_ids) == 120 for c in expected), expected
-
-            # Killed while serving: every request it held ends with UNAVAILABLE; while it is gone, the coordinator
-            # says NOT_SERVING and refuses new requests at once.
-            ended = asyncio.run(_signal_while_streaming(address, requests, workers.target))
-            assert ended == [LOST] * len(requests), ended
-            _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
-            assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not to be restarted
-            refused = _wave(address, requests[:1])
-            assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
-                                                                         "unreachable"), refused
-
-            # Back on its address: the coordinator sets the channel up again and serves the same tokens.
-            _restart_target(workers, stack_logs / "target-back")
-            _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
-            after = _wave(address, requests)
-            assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
-
-            # Killed and restarted while the coordinator was idle: whichever finds out first (its last releases, or
-            # the next wave: the new process has no channel), the requests end with UNAVAILABLE or are refused
-            # while the coordinator reconnects, and a retry once healthy again is served.
-            workers.target.proc.send_signal(signal.SIGKILL)
-            workers.target.proc.wait()
-            _restart_target(workers, stack_logs / "target-back")
-            first = _wave(address, requests)
-            assert all(c == LOST or isinstance(c, Completion) or c.startswith("UNAVAILABLE: the target service is "
-                                                                              "unreachable") for c in first), first
-            retried = _until_served(address, requests)
-            assert [c.token_ids for c in retried] == [c.token_ids for c in expected]  # type: ignore[union-attr]
+            yield workers, coordinator, requests, expected
         assert_all_slots_free(workers, timeout=15)
     finally:
         workers.stop()
+
+
+def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    stack = _served_stack(tiny_pairs, stack_logs, "target-back", ["--draft-retry-interval", "0.2"])
+    with stack as (workers, coordinator, requests, expected):
+        address = coordinator.address
+        # Killed while serving: every request it held ends with UNAVAILABLE; while it is gone, the coordinator
+        # says NOT_SERVING and refuses new requests at once.
+        ended = asyncio.run(_signal_while_streaming(address, requests, workers.target))
+        assert ended == [LOST] * len(requests), ended
+        _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not to be restarted
+        refused = _wave(address, requests[:1])
+        assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
+                                                                     "unreachable"), refused
+
+        # Back on its address: the coordinator sets the channel up again and serves the same tokens.
+        _restart_target(workers, stack_logs / "target-back")
+        _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+        after = _wave(address, requests)
+        assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
+
+        # Killed and restarted while the coordinator was idle: whichever finds out first (its last releases, or
+        # the next wave: the new process has no channel), the requests end with UNAVAILABLE or are refused
+        # while the coordinator reconnects, and a retry once healthy again is served.
+        workers.target.proc.send_signal(signal.SIGKILL)
+        workers.target.proc.wait()
+        _restart_target(workers, stack_logs / "target-back")
+        first = _wave(address, requests)
+        assert all(c == LOST or isinstance(c, Completion) or c.startswith("UNAVAILABLE: the target service is "
+                                                                          "unreachable") for c in first), first
+        retried = _until_served(address, requests)
+        assert [c.token_ids for c in retried] == [c.token_ids for c in expected]  # type: ignore[union-attr]
 
 
 def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
     """A target process that stops answering (SIGSTOP) costs its requests after a --target-timeout, not the
     coordinator: once it runs again (still holding the old sequences, released then) the coordinator serves again."""
-    workers = start_workers(tiny_pairs["llama"], stack_logs / "target-hung")
-    try:
-        requests = _requests(tiny_pairs)
-        extra = ["--draft-retry-interval", "0.2", "--target-timeout", "1"]
-        with running_coordinator(workers, stack_logs, "psd", extra=extra) as coordinator:
-            address = coordinator.address
-            expected = _wave(address, requests)
-            target = workers.target.proc
-            try:
-                ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGSTOP))
-                assert ended == [LOST] * len(requests), ended
-                _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
-            finally:
-                target.send_signal(signal.SIGCONT)
-            after = _until_served(address, requests)
-            assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
-        assert_all_slots_free(workers, timeout=15)
-    finally:
-        workers.stop()
+    stack = _served_stack(tiny_pairs, stack_logs, "target-hung",
+                          ["--draft-retry-interval", "0.2", "--target-timeout", "1"])
+    with stack as (workers, coordinator, requests, expected):
+        address = coordinator.address
+        target = workers.target.proc
+        try:
+            ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGSTOP))
+            assert ended == [LOST] * len(requests), ended
+            _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        finally:
+            target.send_signal(signal.SIGCONT)
+        after = _until_served(address, requests)
+        assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
 
 
 def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
@@ -181,29 +187,22 @@ def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPa
     target, which then stops on its own, long before its drain timeout; a new target on its address is taken back
     and serves the same tokens. Before, the coordinator kept admitting onto the draining target, whose drain timeout
     then cut off whatever was running."""
-    workers = start_workers(tiny_pairs["llama"], stack_logs / "target-replaced", extra=["--drain-timeout", "120"])
-    try:
-        requests = _requests(tiny_pairs)
-        with running_coordinator(workers, stack_logs, "psd", extra=["--draft-retry-interval", "0.2"]) as coordinator:
-            address = coordinator.address
-            expected = _wave(address, requests)
-            assert all(isinstance(c, Completion) and len(c.token_ids) == 120 for c in expected), expected
+    stack = _served_stack(tiny_pairs, stack_logs, "target-replaced", ["--draft-retry-interval", "0.2"],
+                          ["--drain-timeout", "120"])
+    with stack as (workers, coordinator, requests, expected):
+        address = coordinator.address
+        ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGTERM))
+        assert ended == ["FINISH_REASON_LENGTH"] * len(requests), ended
+        # The target serves on until no call has come for 5 s: meanwhile the coordinator refuses new requests.
+        _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        refused = _wave(address, requests[:1])
+        assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
+                                                                     "shutting down"), refused
+        assert workers.target.proc.wait(timeout=30) == 0, workers.target.log_tail()
 
-            ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGTERM))
-            assert ended == ["FINISH_REASON_LENGTH"] * len(requests), ended
-            # The target serves on until no call has come for 5 s: meanwhile the coordinator refuses new requests.
-            _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
-            assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
-            refused = _wave(address, requests[:1])
-            assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
-                                                                         "shutting down"), refused
-            assert workers.target.proc.wait(timeout=30) == 0, workers.target.log_tail()
-
-            _restart_target(workers, stack_logs / "target-replaced")
-            _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
-            after = _wave(address, requests)
-            assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
-            assert "the target service is shutting down" in coordinator.log_tail(100_000)
-        assert_all_slots_free(workers, timeout=15)
-    finally:
-        workers.stop()
+        _restart_target(workers, stack_logs / "target-replaced")
+        _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+        after = _wave(address, requests)
+        assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
+        assert "the target service is shutting down" in coordinator.log_tail(100_000)
