@@ -39,10 +39,11 @@ def with_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
     return residual + (torch.nn.functional.linear(x, weight) if splits == 1 else split_k_linear(x, weight, splits))
 
 
-def time_shape(out_features: int, in_features: int, rows: int, layers: int, repeats: int, splits: int | None = None
-               ) -> float:
+def time_shape(out_features: int, in_features: int, rows: int, layers: int, repeats: int, splits: int | None = None,
+               autotune: bool = False) -> float:
     """Median us of one call, `layers` calls (each on its own weight) replayed in a CUDA graph `repeats` times: the
-    plain linear, or (`splits`) the compiled projection plus residual add."""
+    plain linear, or (`splits`) the compiled projection plus residual add (`autotune`: inductor choosing its GEMM
+    among cuBLAS and its Triton templates by timing them)."""
     weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(layers)]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
@@ -51,7 +52,9 @@ def time_shape(out_features: int, in_features: int, rows: int, layers: int, repe
         calls = [functools.partial(torch.nn.functional.linear, x, w) for w in weights]
     else:
         residual = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
-        compiled = torch.compile(with_residual, fullgraph=True, dynamic=False)
+        torch._dynamo.reset()  # each shape recompiles `with_residual`: past the recompile limit it would run eagerly
+        compiled = torch.compile(with_residual, fullgraph=True, dynamic=False,
+                                 mode="max-autotune-no-cudagraphs" if autotune else None)
         calls = [functools.partial(compiled, x, w, residual, splits) for w in weights]
     us = graph_ms(calls, repeats) * 1e3
     del weights
@@ -59,13 +62,15 @@ def time_shape(out_features: int, in_features: int, rows: int, layers: int, repe
     return us
 
 
-def split_k(rows: list[int], splits: list[int], repeats: int) -> None:
-    """The projections followed by a residual add (compiled), as one GEMM and split over K, under cuBLASLt."""
+def split_k(rows: list[int], splits: list[str], repeats: int, shapes: list[str]) -> None:
+    """The projections followed by a residual add (compiled), as one GEMM and split over K, under cuBLASLt ("auto":
+    one GEMM, autotuned)."""
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    print(f"projection + residual add, compiled, cuBLASLt: us per call by splits of K ({', '.join(map(str, splits))})")
-    for name, n, k in SHAPES[:-1]:
+    print(f"projection + residual add, compiled, cuBLASLt: us per call by splits of K ({', '.join(splits)})")
+    for name, n, k in (shape for shape in SHAPES[:-1] if shape[0] in shapes):
         for r in rows:
-            cells = [f"{time_shape(n, k, r, 32, repeats, s):8.1f}" for s in splits]
+            cells = [f"{time_shape(n, k, r, 32, repeats, 1 if s == 'auto' else int(s), s == 'auto'):8.1f}"
+                     for s in splits]
             print(f"{name:>9} {n:>6} {r:>5} " + " ".join(cells), flush=True)
 
 
@@ -74,12 +79,13 @@ def main() -> None:
     parser.add_argument("--rows", default="5,40,80", help="rows per call (a verify of k=4: 5 per sequence)")
     parser.add_argument("--backends", default="cublas,cublaslt")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--split-k", default="", help="e.g. 1,2,4: time the projections (plus the residual add, "
-                                                      "compiled) split over K instead")
+    parser.add_argument("--split-k", default="", help="e.g. 1,2,4,auto: time the projections (plus the residual add, "
+                                                      "compiled) split over K instead (auto: one GEMM, autotuned)")
+    parser.add_argument("--shapes", default=",".join(name for name, *_ in SHAPES[:-1]), help="with --split-k")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.split_k:
-        split_k(rows, [int(s) for s in args.split_k.split(",")], args.repeats)
+        split_k(rows, args.split_k.split(","), args.repeats, args.shapes.split(","))
         return
     backends = args.backends.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (TB/s of the weight)")
