@@ -135,25 +135,33 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, int]:
-    """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` (row, K/V head) blocks and `queries`
-    tokens per row.
+def tiles(blocks: int, queries: int, splits: int, device: torch.device) -> tuple[int, int, int]:
+    """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` programs' shares of (row, K/V head)
+    blocks (`splits` programs a block) and `queries` tokens per row.
 
-    From the sweep on an H200 (run 15a, us per layer at prefix 512, rows at 512-768 keys): steps of several tokens
-    take 64-key tiles, one program per SM (each reads its keys for all of them) and three stages (8B verify at
-    batch 1, 16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token decodes take 64-key tiles while the blocks
-    are fewer than the SMs, 128 beyond, two programs per SM and two stages (68M decode at 1, 16, 32: 5.5, 15.0, 22.3;
-    three stages 5.7, 18.2, 27.2).
+    From the sweeps on an H200 (us per layer at prefix 512, rows at 512-768 keys): steps of several tokens take
+    64-key tiles and one program per SM, two where their blocks' queries are split (run 15a: 8B verify at batch 1,
+    16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token decodes take 64-key tiles while the blocks are
+    fewer than the SMs, 128 beyond, and two programs per SM. Three stages throughout: since the kernels take the
+    mask from the positions, decodes gain from a third too (run 22b, 1B decode at 8, 16, 32: 9.0, 11.9, 15.0
+    against 9.9, 15.0, 17.9; 68M within 0.2 at 1, 32 and 64).
     """
     several = queries > 1
     block_keys = BLOCK_KEYS or (64 if several or blocks < _sm_count(device) else 128)
-    return block_keys, PROGRAMS_PER_SM or (1 if several else 2), NUM_STAGES or (3 if several else 2)
+    return block_keys, PROGRAMS_PER_SM or (splits if several else 2), NUM_STAGES or 3
 
 
-def row_splits(rows: int) -> int:
-    """How many programs share a (row, K/V head) block's folded queries, each reading the block's keys (the others'
-    reads hit the L2 cache) for its share."""
-    return max(1, min(ROW_SPLIT or 1, rows))
+def row_splits(blocks: int, rows: int, queries: int, device: torch.device) -> int:
+    """How many programs share each of `blocks` (row, K/V head) blocks' `rows` folded queries, each reading the
+    block's keys (the others' reads hit the L2 cache) for its share: two where a step of several tokens has between
+    a quarter of the SMs and as many blocks, and each half keeps 8 rows or more. Two programs on an SM, each with
+    half the queries, keep more loads in flight than one with all, and need no merge as chunks do (run 22b, 8B
+    verify at batch 16: 20.7 us per layer against 24.0; batch 8 with two chunks 15.6 against 16.4; slower at batch
+    1 and 32)."""
+    if ROW_SPLIT:
+        return max(1, min(ROW_SPLIT, rows))
+    sms = _sm_count(device)
+    return 2 if queries > 1 and rows >= 16 and sms // 4 <= blocks <= sms else 1
 
 
 def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
@@ -182,11 +190,11 @@ def short_query_attention(
     groups = heads // kv_heads
     rows = groups * queries
     out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
-    splits = row_splits(rows)
+    splits = row_splits(batch * kv_heads, rows, queries, query.device)
     per_split = math.ceil(rows / splits)
     splits = math.ceil(rows / per_split)
     blocks = batch * kv_heads * splits
-    block_keys, programs_per_sm, stages = tiles(blocks, queries, query.device)
+    block_keys, programs_per_sm, stages = tiles(blocks, queries, splits, query.device)
     chunks = chunks or CHUNKS or chunks_for(blocks, keys, block_keys, programs_per_sm, query.device)
     chunk = math.ceil(math.ceil(keys / chunks) / block_keys) * block_keys
     chunks = math.ceil(keys / chunk)
