@@ -25,7 +25,6 @@ SWEEPS = {
     "tiles": (("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES"),
               ((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4))),
     "chunks": (("CHUNKS", "NUM_WARPS", "NUM_STAGES"), ((None, 1, 2, 4, 8), (4, 8), (3, 4))),
-    "rows": (("ROW_SPLIT", "CHUNKS", "NUM_STAGES"), ((1, 2, 4), (None, 1, 2), (2, 3, 4))),
 }
 LAYERS = 32  # calls per graph, each on its own layer's K/V (one layer's K/V at batch 16 would fit in the L2 cache)
 
@@ -83,8 +82,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--sweep", nargs="?", const="tiles", choices=tuple(SWEEPS),
                         help="time the kernels' parameters instead of the three paths: tiles (decode_attention's "
-                             "BLOCK_KEYS, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES), chunks (CHUNKS, NUM_WARPS, "
-                             "NUM_STAGES) or rows (ROW_SPLIT, CHUNKS, NUM_STAGES)")
+                             "BLOCK_KEYS, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES) or chunks (CHUNKS, NUM_WARPS, "
+                             "NUM_STAGES)")
     args = parser.parse_args()
     if args.sweep:
         sweep(args)

@@ -22,15 +22,13 @@ import triton
 import triton.language as tl
 
 # Keys per tile, programs wanted per SM (chunks are made while rows x K/V heads x chunks fits that many per SM),
-# tiles in flight per program (Triton's software pipelining of the chunk loop), chunks per (row, K/V head) and
-# programs per K/V head's folded queries (each reads the head's keys for its share of them): None chooses them per
-# step (`tiles`, `chunks_for`, `row_splits`); a number forces it (`benchmarks/attention_bench.py --sweep`). Read at
+# tiles in flight per program (Triton's software pipelining of the chunk loop) and chunks per (row, K/V head): None
+# chooses them per step (`tiles`, `chunks_for`); a number forces it (`benchmarks/attention_bench.py --sweep`). Read at
 # each call.
 BLOCK_KEYS: int | None = None
 PROGRAMS_PER_SM: int | None = None
 NUM_STAGES: int | None = None
 CHUNKS: int | None = None
-ROW_SPLIT: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
 # Where each query's running maximum starts: above any masking value (transformers' masks use the dtype's minimum),
 # so keys the mask hides add exp(minimum - MASKED) = 0 even before a visible one.
@@ -48,20 +46,19 @@ def _folded_offset(b, h, r, groups, queries, s_b, s_n, s_h):
 def _chunk_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, pos_ptr, part_ptr, lse_ptr, out_ptr,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, sp_b, sp_n, so_b, so_n, so_h,
-    kv_heads, groups, queries, rows, keys, chunk, scale, splits, per_split, part_rows,
+    kv_heads, groups, queries, rows, keys, chunk, scale,
     ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     POSITIONS: tl.constexpr, MASK: tl.constexpr,
 ):
-    """Program (row x K/V head x share of its queries, chunk): softmax(q k^T * scale + mask) v over the chunk's
-    keys, for `per_split` of the `rows` folded queries of K/V head h (`_folded_offset`)."""
-    bh = tl.program_id(0) // splits
-    share = tl.program_id(0) % splits
+    """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
+    folded queries of K/V head h (`_folded_offset`)."""
+    bh = tl.program_id(0)
     c = tl.program_id(1)
     b = bh // kv_heads
     h = bh % kv_heads
-    r = share * per_split + tl.arange(0, ROWS)
+    r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM)
-    live = (tl.arange(0, ROWS) < per_split) & (r < rows)
+    live = r < rows
     q = tl.load(q_ptr + _folded_offset(b, h, r, groups, queries, sq_b, sq_n, sq_h)[:, None] + d[None, :],
                 mask=live[:, None], other=0.0)
     mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
@@ -89,10 +86,10 @@ def _chunk_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLIT:
-        part = part_ptr + (bh * tl.num_programs(1) + c) * part_rows * DIM
-        tl.store(part + r[:, None] * DIM + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None], mask=live[:, None])
+        part = part_ptr + (bh * tl.num_programs(1) + c) * ROWS * DIM
+        tl.store(part + r[:, None] * DIM + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(lse_ptr + (bh * tl.num_programs(1) + c) * part_rows + r, lse, mask=live)
+        tl.store(lse_ptr + (bh * tl.num_programs(1) + c) * ROWS + r, lse)
     else:
         out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)[:, None]
         tl.store(out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
@@ -135,33 +132,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def tiles(blocks: int, queries: int, splits: int, device: torch.device) -> tuple[int, int, int]:
-    """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` programs' shares of (row, K/V head)
-    blocks (`splits` programs a block) and `queries` tokens per row.
+def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, int]:
+    """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` (row, K/V head) blocks and `queries`
+    tokens per row.
 
-    From the sweeps on an H200 (us per layer at prefix 512, rows at 512-768 keys): steps of several tokens take
-    64-key tiles and one program per SM, two where their blocks' queries are split (run 15a: 8B verify at batch 1,
-    16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token decodes take 64-key tiles while the blocks are
-    fewer than the SMs, 128 beyond, and two programs per SM. Three stages throughout: since the kernels take the
-    mask from the positions, decodes gain from a third too (run 22b, 1B decode at 8, 16, 32: 9.0, 11.9, 15.0
-    against 9.9, 15.0, 17.9; 68M within 0.2 at 1, 32 and 64).
+    From the sweep on an H200 (run 15a, us per layer at prefix 512, rows at 512-768 keys): steps of several tokens
+    take 64-key tiles, one program per SM (each reads its keys for all of them) and three stages (8B verify at
+    batch 1, 16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token decodes take 64-key tiles while the blocks
+    are fewer than the SMs, 128 beyond, two programs per SM and two stages (68M decode at 1, 16, 32: 5.5, 15.0, 22.3;
+    three stages 5.7, 18.2, 27.2).
     """
     several = queries > 1
     block_keys = BLOCK_KEYS or (64 if several or blocks < _sm_count(device) else 128)
-    return block_keys, PROGRAMS_PER_SM or (splits if several else 2), NUM_STAGES or 3
-
-
-def row_splits(blocks: int, rows: int, queries: int, device: torch.device) -> int:
-    """How many programs share each of `blocks` (row, K/V head) blocks' `rows` folded queries, each reading the
-    block's keys (the others' reads hit the L2 cache) for its share: two where a step of several tokens has between
-    a quarter of the SMs and as many blocks, and each half keeps 8 rows or more. Two programs on an SM, each with
-    half the queries, keep more loads in flight than one with all, and need no merge as chunks do (run 22b, 8B
-    verify at batch 16: 20.7 us per layer against 24.0; batch 8 with two chunks 15.6 against 16.4; slower at batch
-    1 and 32)."""
-    if ROW_SPLIT:
-        return max(1, min(ROW_SPLIT, rows))
-    sms = _sm_count(device)
-    return 2 if queries > 1 and rows >= 16 and sms // 4 <= blocks <= sms else 1
+    return block_keys, PROGRAMS_PER_SM or (1 if several else 2), NUM_STAGES or (3 if several else 2)
 
 
 def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
@@ -190,15 +173,11 @@ def short_query_attention(
     groups = heads // kv_heads
     rows = groups * queries
     out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
-    splits = row_splits(batch * kv_heads, rows, queries, query.device)
-    per_split = math.ceil(rows / splits)
-    splits = math.ceil(rows / per_split)
-    blocks = batch * kv_heads * splits
-    block_keys, programs_per_sm, stages = tiles(blocks, queries, splits, query.device)
-    chunks = chunks or CHUNKS or chunks_for(blocks, keys, block_keys, programs_per_sm, query.device)
+    block_keys, programs_per_sm, stages = tiles(batch * kv_heads, queries, query.device)
+    chunks = chunks or CHUNKS or chunks_for(batch * kv_heads, keys, block_keys, programs_per_sm, query.device)
     chunk = math.ceil(math.ceil(keys / chunks) / block_keys) * block_keys
     chunks = math.ceil(keys / chunk)
-    padded_rows = max(16, triton.next_power_of_2(rows))  # of the chunks' outputs, for the merge
+    padded_rows = max(16, triton.next_power_of_2(rows))
     split = chunks > 1
     part = torch.empty(batch * kv_heads * chunks * padded_rows * dim if split else 1, dtype=torch.float32,
                        device=query.device)
@@ -211,14 +190,14 @@ def short_query_attention(
         raise ValueError(f"attention without a mask needs the queries' positions as [{batch}, {queries}]")
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
-        _chunk_kernel[(blocks, chunks)](
+        _chunk_kernel[(batch * kv_heads, chunks)](
             query, key, value, lse if mask is None else mask, lse if limits is None else limits, part, lse, out,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), *mask_strides,
             *((0, 0) if limits is None else limits.stride()), out.stride(0), out.stride(1), out.stride(2),
-            kv_heads, groups, queries, rows, keys, chunk, scale, splits, per_split, padded_rows,
-            ROWS=max(16, triton.next_power_of_2(per_split)), DIM=dim, BLOCK_N=block_keys, SPLIT=split,
-            PRECISION=precision, POSITIONS=limits is not None, MASK=mask is not None,
+            kv_heads, groups, queries, rows, keys, chunk, scale,
+            ROWS=padded_rows, DIM=dim, BLOCK_N=block_keys, SPLIT=split, PRECISION=precision,
+            POSITIONS=limits is not None, MASK=mask is not None,
             num_warps=NUM_WARPS, num_stages=stages,
         )
         if split:

@@ -12,17 +12,15 @@ from interpreter import needs_interpreter, run_in_interpreter
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
-# (batch, heads, kv_heads, new tokens, head dim, keys, chunks, keys per tile, programs per K/V head's queries): GQA
-# verify and decode shapes, no GQA, one chunk, several, more chunks than tiles; both tiles that steps choose between
-# (`decode_attention.tiles`); a head's queries in one program and shared by several, evenly or not; K/V always views
-# of a larger cache.
+# (batch, heads, kv_heads, new tokens, head dim, keys, chunks, keys per tile): GQA verify and decode shapes, no GQA,
+# one chunk, several, more chunks than tiles; both tiles that steps choose between (`decode_attention.tiles`); K/V
+# always views of a larger cache.
 SHAPES = [
-    (2, 8, 2, 5, 32, 200, None, 64, 2),
-    (3, 8, 2, 5, 32, 300, 3, 128, 3),
-    (1, 4, 1, 1, 16, 130, 1, 128, 2),
-    (4, 4, 4, 1, 16, 70, 8, 64, 1),
-    (2, 12, 2, 3, 64, 260, 2, 128, 4),
-    (2, 8, 2, 5, 32, 200, 1, 64, 1),
+    (2, 8, 2, 5, 32, 200, None, 64),
+    (3, 8, 2, 5, 32, 300, 3, 128),
+    (1, 4, 1, 1, 16, 130, 1, 128),
+    (4, 4, 4, 1, 16, 70, 8, 64),
+    (2, 12, 2, 3, 64, 260, 2, 128),
 ]
 
 
@@ -43,7 +41,7 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     inputs = ("mask only", "positions", "positions, no mask")
-    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys, splits), passed in itertools.product(SHAPES, inputs):
+    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys), passed in itertools.product(SHAPES, inputs):
         given = passed != "mask only"
 
         def randn(*shape: int) -> torch.Tensor:
@@ -63,15 +61,15 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
         mask = torch.zeros(batch, 1, n, keys).masked_fill_(~allowed[:, None], torch.finfo(dtype).min).to(device, dtype)
         scale = dim ** -0.5
 
-        decode_attention.BLOCK_KEYS, decode_attention.ROW_SPLIT = block_keys, splits
+        decode_attention.BLOCK_KEYS = block_keys
         try:
             out = short_query_attention(query, key, value, None if passed == "positions, no mask" else mask, scale,
                                         positions.to(device) if given else None, chunks)
         finally:
-            decode_attention.BLOCK_KEYS = decode_attention.ROW_SPLIT = None
+            decode_attention.BLOCK_KEYS = None
 
         expected = reference(query.cpu(), key.cpu().nan_to_num(), value.cpu().nan_to_num(), mask.cpu(), scale)
-        shape = (batch, heads, kv_heads, n, dim, keys, chunks, splits, passed)
+        shape = (batch, heads, kv_heads, n, dim, keys, passed)
         assert out.shape == (batch, n, heads, dim)
         assert torch.isfinite(out).all(), f"non-finite output for {shape}"
         error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
