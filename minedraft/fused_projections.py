@@ -1,19 +1,16 @@
-"""One matmul for the query, key and value projections and one for the gate and up projections of each layer, and
-the layer's last residual add inside its down projection.
+"""One matmul for the query, key and value projections and one for the gate and up projections of each layer.
 
 DESIGN section 4 asks for transformers' model classes rather than model code of our own. This keeps the classes and
 swaps two submodules of the Llama family only, mirroring their forward line for line and reusing transformers'
 rotary embedding, attention interface and our `Cache`: a step on an H200 is bound by kernel count, and this removes
-three GEMMs and their splitK reductions per layer (run 10 in docs/benchmarks.md), and the residual add after the
-MLP, which compiled layers left as a kernel of its own (run 22d). Every other architecture keeps its own modules;
-`tests/test_fused_projections.py` pins each listed class to transformers' own output.
+three GEMMs and their splitK reductions per layer (run 10 in docs/benchmarks.md). Every other architecture keeps its
+own modules; `tests/test_fused_projections.py` pins each listed class to transformers' own output.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import types
 from typing import Any
 
 import torch
@@ -27,8 +24,6 @@ log = logging.getLogger(__name__)
 # Qwen2 copy; Qwen2 and Mistral also pass their sliding window on). Others keep their own modules.
 ATTENTION_CLASSES = {"LlamaAttention", "MistralAttention", "Qwen2Attention"}
 GATED_MLP_CLASSES = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
-# Decoder layers whose forward is Llama's (`residual_in_mlp_forward` mirrors it).
-DECODER_LAYER_CLASSES = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 
 
 def concatenated(layers: list[torch.nn.Linear]) -> torch.nn.Linear:
@@ -95,9 +90,7 @@ class FusedQKVAttention(torch.nn.Module):
 
 
 class FusedGatedMLP(torch.nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up as one matmul; given the layer's residual, the down projection
-    adds it in its GEMM (one kernel: compiled layers had left the add as a kernel of its own, 1.9 us a layer and a
-    launch in an 8B verify at batch 16)."""
+    """down(act(gate(x)) * up(x)) with gate and up as one matmul."""
 
     def __init__(self, mlp: Any) -> None:  # one of GATED_MLP_CLASSES
         super().__init__()
@@ -105,25 +98,9 @@ class FusedGatedMLP(torch.nn.Module):
         self.down_proj: torch.nn.Module = mlp.down_proj
         self.act_fn: torch.nn.Module = mlp.act_fn
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        hidden = self.act_fn(gate) * up
-        if residual is None:
-            return self.down_proj(hidden)
-        if self.down_proj.bias is not None:
-            return residual + self.down_proj(hidden)
-        weight = self.down_proj.weight
-        return torch.addmm(residual.flatten(0, -2), hidden.flatten(0, -2), weight.t()).view_as(residual)
-
-
-def residual_in_mlp_forward(layer: Any, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """transformers' Llama decoder layer forward with the residual add after the MLP passed into it (a method of
-    the layers in DECODER_LAYER_CLASSES whose MLP is fused); the attention gets the layer's other arguments as it
-    did."""
-    residual = hidden_states
-    hidden_states, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
-    hidden_states = residual + hidden_states
-    return layer.mlp(layer.post_attention_layernorm(hidden_states), residual=hidden_states)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 def plain_linears(module: torch.nn.Module) -> bool:
@@ -145,10 +122,6 @@ def fuse_projections(model: torch.nn.Module) -> int:
             # nearly fills its GPU has room for one layer's copy, not for every layer's.
             setattr(parent, name, fused(getattr(parent, name)))
             swapped += 1
-    for layer in model.modules():
-        if (type(layer).__name__ in DECODER_LAYER_CLASSES and isinstance(getattr(layer, "mlp", None), FusedGatedMLP)
-                and "forward" not in vars(layer)):
-            layer.forward = types.MethodType(residual_in_mlp_forward, layer)
     if swapped:
         log.info("fused the projections of %d modules of %s", swapped, type(model).__name__)
     return swapped
