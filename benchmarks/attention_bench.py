@@ -1,5 +1,6 @@
-"""Time the step attention's paths (Triton kernels, fused SDPA, two matmuls) alone on the GPU, compiled, at real steps'
-shapes.
+"""The step attention's paths alone on the GPU, compiled, at real steps' shapes.
+
+The paths: the Triton kernels, fused SDPA and two matmuls.
 
 A layer's attention alone does not predict a whole step's (run 12, docs/benchmarks.md): choose paths by whole-step
 A/Bs (`benchmarks/gpu_run.sh ab compile`) and use this to see where the paths stand against the K/V floor.

@@ -1,5 +1,7 @@
-"""A whole load's timeline from coordinator step traces (`--step-trace`, JSON lines), one panel per trace: prefills,
-verifies and proposals over time, from the load's first call (after the warm-up's, the longest idle gap)."""
+"""A whole load's timeline from coordinator step traces (`--step-trace`, JSON lines), one panel per trace.
+
+Each panel: prefills, verifies and proposals over time, from the load's first call (after the warm-up's, the longest
+idle gap)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Prefill time of the 8B-shaped target (or a draft shape): batches of prompts, tokens/s and TFLOP/s; prompts of mixed
-lengths grouped by length against one padded forward."""
+"""Prefill time of the 8B-shaped target (or a draft shape): tokens/s and TFLOP/s.
+
+Batches of prompts of one length; prompts of mixed lengths grouped by length against one padded forward."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The draft service: proposes k tokens per sequence for a whole batch."""

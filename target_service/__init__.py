@@ -1,0 +1,1 @@
+"""The target service: prefills, verifies drafts, samples losslessly and commits accepted tokens."""

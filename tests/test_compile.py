@@ -1,5 +1,7 @@
-"""Compiled decoder layers (`--compile`) keep speculative decoding lossless: greedy output equals `generate()`; the
-start-up warm-up compiles every kind of step, so serving never waits for a compile nor runs a layer uncompiled."""
+"""Compiled decoder layers (`--compile`) keep speculative decoding lossless and compile before serving.
+
+Greedy output equals `generate()`; the start-up warm-up compiles every kind of step, so serving never waits for a
+compile nor runs a layer uncompiled."""
 
 from __future__ import annotations
 

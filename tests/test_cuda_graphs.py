@@ -1,6 +1,7 @@
-"""On a GPU, proposals and verifies replayed from CUDA graphs (greedy, sampled, top-k/top-p) equal the same steps run
-eagerly, with rows gathered and with a batch's rows read as views of its block of cache rows; compiled steps equal
-uncompiled ones.
+"""On a GPU, proposals and verifies replayed from CUDA graphs equal the same steps run eagerly.
+
+Greedy, sampled and top-k/top-p batches, with rows gathered and with a batch's rows read as views of its block of
+cache rows; compiled steps equal uncompiled ones.
 
 Also on the last GPU of a machine with several, which is not the current device: graphs must still be captured there.
 Skipped without CUDA. Also runs as a script on the GPU machine (`python tests/test_cuda_graphs.py`), which may lack

@@ -1,5 +1,6 @@
-"""The rotary-and-write kernel gives the same bits as transformers' rotary embedding and an indexed cache write: on
-the CPU through Triton's interpreter, and on GPUs."""
+"""The rotary-and-write kernel gives the same bits as transformers' rotary embedding and an indexed cache write.
+
+On the CPU through Triton's interpreter, and on GPUs."""
 
 from __future__ import annotations
 

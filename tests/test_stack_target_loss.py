@@ -1,6 +1,7 @@
-"""A target service that dies and comes back on its address: the requests it held end with UNAVAILABLE (their
-clients may send them again), new ones are refused while it is gone (health NOT_SERVING), and once it answers the
-coordinator sets the channel up again and serves, losslessly."""
+"""A target service that dies, hangs or is replaced, and comes back on its address.
+
+The requests it held end with UNAVAILABLE (their clients may send them again), new ones are refused while it is gone
+(health NOT_SERVING), and once it answers the coordinator sets the channel up again and serves, losslessly."""
 
 from __future__ import annotations
 

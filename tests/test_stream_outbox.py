@@ -1,5 +1,4 @@
-"""The step loop's stream outbox: held messages reach their streams after the next worker calls are sent, in order,
-and never later than MAX_HOLD_S."""
+"""The step loop's stream outbox delivers held messages in order, after the next worker calls, within MAX_HOLD_S."""
 
 from __future__ import annotations
 
