@@ -126,9 +126,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._task: asyncio.Task[None] | None = None
         self.health = Health()  # NOT_SERVING from the start of a drain
         self.draining = False
-        # The target reports NOT_SERVING: it is shutting down (`_watch_target`), so nothing new is admitted.
+        # The target reports NOT_SERVING: it is shutting down (`_target_stopping`), so nothing new is admitted.
         self.target_draining = False
-        self._watch: asyncio.Task[None] | None = None
+        # The draft reports NOT_SERVING (`_draft_stopping`): not drafting, and not taken back until a new one serves.
+        self.draft_draining = False
+        self._watches: list[asyncio.Task[None]] = []  # `_follow_health` of each worker
         self.open_streams = 0  # Generate calls admitted and not ended
 
     async def start(self) -> None:
@@ -142,7 +144,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
-        self._watch = asyncio.create_task(self._watch_target())
+        self._watches = [asyncio.create_task(self._follow_health(
+            self.workers.target_channel, "target", self._target_stopping,
+            lambda: self.loop.lose_target("it shut down")))]
+        if self.workers.draft_channel is not None:
+            self._watches.append(asyncio.create_task(self._follow_health(
+                self.workers.draft_channel, "draft", self._draft_stopping, lambda: None)))
 
     async def _connect_draft(self, timeout: float | None = None) -> None:
         """Check the pair and set the channel up through both workers' control RPCs."""
@@ -175,6 +182,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
         within 2 s and then takes the channel set-up, which can be long (a restarted draft on a GPU captures its
         CUDA graphs then: 20-30 s for a 1B draft). Steps go on meanwhile with the target alone."""
+        if self.draft_draining:
+            return False  # (its address still reaches the process that is stopping)
         try:
             await self._connect_draft(timeout=2.0)
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
@@ -187,6 +196,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         (prompt and output so far) and draft again."""
         draft = self.workers.draft_stub
         assert draft is not None
+        if self.draft_draining:  # it began stopping after `draft_back`: a later probe takes the next one
+            return
         running = self.manager.running()
         try:
             # A draft that was only unreachable still holds what was admitted before it was lost.
@@ -224,29 +235,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         for name in ("", GENERATION_SERVICE):
             await self.health.set(name, status)
 
-    async def _watch_target(self) -> None:
-        """Follow the target's health. A target that reports NOT_SERVING is shutting down (a SIGTERM alone, as when
-        its pod is replaced: it serves its calls on until none has come for a while, or its drain timeout): admit
-        nothing new, so that what was admitted finishes on it and it can stop; once its stream ends, it is gone,
-        and the step loop's reconnect takes the new one back. Without this the coordinator kept it busy with new
-        requests until its drain timeout cut every one of them off."""
-        health = health_pb2_grpc.HealthStub(self.workers.target_channel)
+    async def _target_stopping(self, stopping: bool) -> None:
+        """The target's health said `stopping` (NOT_SERVING: a SIGTERM alone, as when its pod is replaced; it serves
+        its calls on until none has come for a while, or its drain timeout): admit nothing new, so that what was
+        admitted finishes on it and it can stop; once its stream ends, it is gone, and the step loop's reconnect takes
+        the new one back. Without this the coordinator kept it busy with new requests until its drain timeout cut
+        every one of them off."""
+        if stopping and not self.target_draining and not self.loop.target_lost:
+            log.warning("the target service is shutting down: admitting nothing new until it is back; "
+                        "%d requests to finish on it", self.open_streams)
+            await self._target_lost(True)
+        self.target_draining = stopping
+
+    async def _draft_stopping(self, stopping: bool) -> None:
+        """The draft's health said `stopping`: stop drafting at once (the target decodes alone), so that the draft
+        goes quiet and stops long before its drain timeout, and take no draft back through this address while it
+        says so (the old process still answers there). Without this a draft replaced alone was kept busy until its
+        drain timeout, then lost in the middle of a call."""
+        if stopping and not self.draft_draining:
+            self.loop.drop_draft("the draft service is shutting down")
+        self.draft_draining = stopping
+
+    async def _follow_health(self, channel: grpc.aio.Channel, service: str,
+                             changed: Callable[[bool], Awaitable[None]], stopped: Callable[[], None]) -> None:
+        """Watch a worker's health for the coordinator's lifetime: `changed(stopping)` with each status it reports,
+        `stopped()` when its stream ends after it said it was stopping (it has stopped); watch again (the next
+        process on its address) every --draft-retry-interval."""
+        health = health_pb2_grpc.HealthStub(channel)
         while True:
             stopping = False  # what this stream last said (a failed connect says nothing)
             try:
                 async for reply in health.Watch(health_pb2.HealthCheckRequest()):
                     stopping = reply.status != health_pb2.HealthCheckResponse.SERVING
-                    if stopping and not self.target_draining and not self.loop.target_lost:
-                        log.warning("the target service is shutting down: admitting nothing new until it is back; "
-                                    "%d requests to finish on it", self.open_streams)
-                        await self._target_lost(True)
-                    self.target_draining = stopping
+                    await changed(stopping)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.warning("the target service has no health service: its shutdowns are not followed")
+                    log.warning("the %s service has no health service: its shutdowns are not followed", service)
                     return
-            if stopping:  # it said it was shutting down, then its stream ended: it has stopped
-                self.loop.lose_target("it shut down")
+            if stopping:
+                stopped()
             await asyncio.sleep(self.options.draft_retry_interval)
 
     async def drain(self, cut_short: asyncio.Event) -> None:
@@ -264,8 +291,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             log.warning("drain ended with %d requests unfinished: their clients get UNAVAILABLE", self.open_streams)
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for watch in self._watches:
+            watch.cancel()
         self.loop.stop()
         if self._task is not None:
             await self._task

@@ -225,14 +225,19 @@ class StepLoop:
         lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in lost_codes):
             return False
+        self.drop_draft(f"draft service unreachable ({exc.details()})")
+        return True
+
+    def drop_draft(self, reason: str) -> None:
+        """Decode with the target alone from the next step (`reason` says why, in the log) until the draft service
+        is back (`_maybe_reconnect_draft`); drafts already made are still verified."""
         if self.workers.draft is not None:
-            log.error("draft service unreachable (%s): continuing with the target alone", exc.details())
+            log.error("%s: continuing with the target alone", reason)
             self.workers.draft = None
             # Only what was admitted by now can be on the draft (at most its slots), whatever ends meanwhile.
             self.workers.draft_backlog = [r.seq_id for b in self.manager.batches for r in b.members + b.joining]
             self.workers.draft_backlog += self.workers.unreleased["draft"]
             self.workers.unreleased["draft"] = []
-        return True
 
     def _lose_target(self, exc: BaseException) -> bool:
         """Whether `exc`, from a target call, means the target is unreachable, hung or restarted; if so,

@@ -60,10 +60,12 @@ class Workers:
         # `draft` is the stub in use; `draft_stub` stays when the draft service is lost, to reconnect through.
         self.draft: draft_pb2_grpc.DraftServiceStub | None = None
         self.draft_stub: draft_pb2_grpc.DraftServiceStub | None = None
+        self.draft_channel: grpc.aio.Channel | None = None
         if draft_address:
-            self._channels.append(grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS,
-                                                            interceptors=list(interceptors)))
-            self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self._channels[1])
+            self.draft_channel = grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS,
+                                                           interceptors=list(interceptors))
+            self._channels.append(self.draft_channel)
+            self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel)
         self.draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
         # A draft call that outlives this is a lost draft (a hung process must not stall the target's decoding);
         # a target call that outlives its own is a lost target (`StepLoop._lose_target`). None: no deadline.

@@ -152,9 +152,9 @@ class ModelWorker:
 
         When a whole release is deleted, every pod gets its SIGTERM at once: the coordinator's admitted requests
         still need both workers while it drains (up to its own `--drain-timeout`), and once they are done it sends
-        nothing more. A target replaced alone goes quiet the same way: its coordinator follows its health and admits
-        nothing new meanwhile. A draft replaced alone keeps serving its coordinator until the timeout instead of
-        failing its calls at once."""
+        nothing more. A worker replaced alone goes quiet the same way, as its coordinator follows its health: for a
+        target it admits nothing new meanwhile; a draft it stops calling at once (the target decodes alone until the
+        next draft serves)."""
         await health_servicer.drain()
         deadline = time.monotonic() + self.options.drain_timeout
         log.info("draining: serving until no call has come for %.0f s, for up to %.0f s", QUIET_S,

@@ -202,3 +202,39 @@ def test_a_hung_draft_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, 
         assert all(c.usage.draft_tokens > 0 for c in after), "the draft was not taken back"
     finally:
         workers.stop()
+
+
+def test_a_draft_terminated_alone_is_left_at_once_and_its_successor_taken_back(
+        tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """A SIGTERM to the draft service alone (its pod replaced): the coordinator follows the draft's health and stops
+    drafting at once, so the draining draft goes quiet and stops on its own long before its drain timeout, while the
+    target decodes alone, losslessly; a new draft on its address is taken back. Before, the coordinator drafted on
+    the draining process until its drain timeout ended it in the middle of a call."""
+    pair = tiny_pairs["llama"]
+    workers = start_workers(pair, stack_logs / "draft-replaced", extra=["--drain-timeout", "120"])
+    try:
+        requests = _requests(tiny_pairs, 200)
+        with running_coordinator(workers, stack_logs, "psd", extra=["--draft-retry-interval", "0.2"]) as coordinator:
+            expected = _wave(coordinator.address, requests)
+            assert workers.draft is not None
+            terminated = _signal_midway(coordinator.address, requests, workers.draft.proc, signal.SIGTERM)
+            # Drafts at first, then none from about the SIGTERM on (5% of the tokens in), not drafts to the end.
+            assert any(c.usage.draft_tokens > 0 for c in terminated)
+            assert all(c.usage.draft_tokens < 2 * c.usage.steps for c in terminated), [
+                (c.usage.draft_tokens, c.usage.steps) for c in terminated]
+            assert workers.draft.proc.wait(timeout=30) == 0, workers.draft.log_tail()
+            assert "the draft service is shutting down: continuing with the target alone" in coordinator.log_tail(
+                100_000)
+            workers.draft = spawn("llama-draft-restarted", worker_args("draft", pair.draft, workers.max_batch_size),
+                                  stack_logs / "draft-replaced", port=workers.draft.port)
+            wait_all([workers.draft])
+            deadline = time.monotonic() + 60
+            after = _wave(coordinator.address, requests)
+            while not all(c.usage.draft_tokens > 0 for c in after):
+                assert time.monotonic() < deadline, "the new draft service was not taken back"
+                time.sleep(0.2)
+                after = _wave(coordinator.address, requests)
+        assert [c.token_ids for c in terminated] == [c.token_ids for c in expected]
+        assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    finally:
+        workers.stop()
