@@ -182,7 +182,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
         within 2 s and then takes the channel set-up, which can be long (a restarted draft on a GPU captures its
         CUDA graphs then: 20-30 s for a 1B draft). Steps go on meanwhile with the target alone."""
-        if self.draft_draining:
+        if self.draft_draining and not self.draining:
             return False  # (its address still reaches the process that is stopping)
         try:
             await self._connect_draft(timeout=2.0)
@@ -196,8 +196,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         (prompt and output so far) and draft again."""
         draft = self.workers.draft_stub
         assert draft is not None
-        if self.draft_draining:  # it began stopping after `draft_back`: a later probe takes the next one
-            return
+        if self.draft_draining and not self.draining:  # it began stopping after `draft_back`: a later probe
+            return  # takes the next one
         running = self.manager.running()
         try:
             # A draft that was only unreachable still holds what was admitted before it was lost.
@@ -251,8 +251,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """The draft's health said `stopping`: stop drafting at once (the target decodes alone), so that the draft
         goes quiet and stops long before its drain timeout, and take no draft back through this address while it
         says so (the old process still answers there). Without this a draft replaced alone was kept busy until its
-        drain timeout, then lost in the middle of a call."""
-        if stopping and not self.draft_draining:
+        drain timeout, then lost in the middle of a call. While the coordinator drains too (a whole release
+        deleted), the stopping draft drafts on for what is left: it serves as long as calls come."""
+        if stopping and not self.draft_draining and not self.draining:
             self.loop.drop_draft("the draft service is shutting down")
         self.draft_draining = stopping
 
@@ -282,6 +283,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         balancer or Kubernetes sends new requests elsewhere, and a new Generate call gets UNAVAILABLE."""
         self.draining = True
         await self.health.drain()
+        if self.draft_draining:  # left as it began stopping: it may still answer, and drafts finish the drain sooner
+            self.loop.probe_draft_now()
         timeout = self.options.drain_timeout
         log.info("draining: %d requests to finish, for up to %.0f s", self.open_streams, timeout)
         deadline = time.monotonic() + timeout

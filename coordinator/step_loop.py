@@ -220,6 +220,11 @@ class StepLoop:
             self._next_draft_retry = time.monotonic() + self.draft_retry_interval
             self._draft_probe = asyncio.create_task(self.draft_back())
 
+    def probe_draft_now(self) -> None:
+        """While the draft service is lost: try it at the next step, not at the next `draft_retry_interval`."""
+        self._next_draft_retry = 0.0
+        self._wake.set()
+
     def _lose_draft(self, exc: BaseException) -> bool:
         """An unreachable (or hung) draft service costs speed, not requests: go on decoding with the target alone."""
         lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

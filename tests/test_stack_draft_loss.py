@@ -20,6 +20,7 @@ from stack import (
     run_async,
     running_coordinator,
     spawn,
+    start_coordinator,
     start_workers,
     text_prompts,
     wait_all,
@@ -237,4 +238,53 @@ def test_a_draft_terminated_alone_is_left_at_once_and_its_successor_taken_back(
         assert [c.token_ids for c in terminated] == [c.token_ids for c in expected]
         assert [c.token_ids for c in after] == [c.token_ids for c in expected]
     finally:
+        workers.stop()
+
+
+def test_a_draft_terminated_just_before_its_coordinator_drafts_through_the_drain(
+        tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """A release deleted with the draft's SIGTERM a moment before the others': the coordinator leaves the stopping
+    draft at first, then, draining too, takes it back at once for what is left (a draining worker serves while calls
+    come), so its admitted requests finish with drafts, losslessly, and all three processes exit 0."""
+    pair = tiny_pairs["llama"]
+    workers = start_workers(pair, stack_logs / "draft-terminated-first", extra=["--drain-timeout", "120"])
+    assert workers.draft is not None
+    draft, target = workers.draft, workers.target
+    # The default --draft-retry-interval (5 s), as long as a draining draft waits for calls: the take-back must not
+    # wait for it.
+    coordinator = start_coordinator(workers, stack_logs, "psd", extra=["--drain-timeout", "120"])
+    try:
+        requests = _requests(tiny_pairs, 200)
+        expected = _wave(coordinator.address, requests)
+
+        async def terminate_in_turn() -> list[Completion]:
+            first = [asyncio.Event() for _ in requests]
+
+            async def stream(request: generation_pb2.GenerateRequest, event: asyncio.Event) -> Completion:
+                arrivals: list[float] = []
+                task = asyncio.create_task(_generate_timed(coordinator.address, request, arrivals))
+                while not arrivals and not task.done():
+                    await asyncio.sleep(0.01)
+                event.set()
+                return await task
+
+            tasks = [asyncio.create_task(stream(r, e)) for r, e in zip(requests, first, strict=True)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 60)
+            draft.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while "the draft service is shutting down" not in coordinator.log_tail(10**6):
+                assert time.monotonic() < deadline, coordinator.log_tail()
+                await asyncio.sleep(0.01)
+            coordinator.proc.send_signal(signal.SIGTERM)
+            target.proc.send_signal(signal.SIGTERM)
+            return list(await asyncio.gather(*tasks))
+
+        drained = run_async(terminate_in_turn())
+        assert [c.token_ids for c in drained] == [c.token_ids for c in expected]
+        log = coordinator.log_tail(10**6)
+        assert "draft service back" in log.split("the draft service is shutting down", 1)[1], log
+        for service in (coordinator, target, draft):
+            assert service.proc.wait(timeout=40) == 0, service.log_tail()
+    finally:
+        coordinator.stop()
         workers.stop()
