@@ -154,7 +154,7 @@ class ModelWorker:
         still need both workers while it drains (up to its own `--drain-timeout`), and once they are done it sends
         nothing more. A worker replaced alone goes quiet the same way, as its coordinator follows its health: for a
         target it admits nothing new meanwhile; a draft it stops calling at once (the target decodes alone until the
-        next draft serves)."""
+        next draft serves), unless it is draining itself."""
         await health_servicer.drain()
         deadline = time.monotonic() + self.options.drain_timeout
         log.info("draining: serving until no call has come for %.0f s, for up to %.0f s", QUIET_S,
