@@ -173,24 +173,34 @@ def host_marks(pair: Pair, batch: int, repeats: int = 20) -> None:
 
 def host_calls(pair: Pair, batch: int, repeats: int = 50, rows: int = 22) -> None:
     """The Python functions and CUDA calls a step spends its host time in (cProfile: each builtin's own time
-    includes the CUDA API call it makes), per step, over `repeats` steps. The step's wait for the GPU shows up in the
-    call that reads its result (`tolist`, `synchronize`)."""
+    includes the CUDA API call it makes), per step, over the `repeats` steps that captured no graph (the rows grow
+    into new key-length buckets meanwhile, and a capture's compile and `gc.collect` would swamp the steady state).
+    The step's wait for the GPU shows up in the call that reads its result (`tolist`, `synchronize`)."""
     for name in ("propose", "verify"):
-        profiler = cProfile.Profile()
+        runner = (pair.verifier if name == "verify" else pair.proposer).runner
+        kept: list[cProfile.Profile] = []
         for _ in range(repeats):
             if name == "verify":
                 pair.propose(0)
             torch.cuda.synchronize()
+            graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
+            profiler = cProfile.Profile()
             profiler.enable()
             (pair.verify if name == "verify" else pair.propose)(0)
             torch.cuda.synchronize()
             profiler.disable()
-        stats = pstats.Stats(profiler)
+            if graphs == (len(runner.graphs.graphs) if runner.graphs is not None else 0):
+                kept.append(profiler)
+        if not kept:
+            print(f"B={batch} {name} host calls: every profiled step captured a graph", flush=True)
+            continue
+        stats = pstats.Stats(*kept)
         top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:rows]  # type: ignore[attr-defined]
-        print(f"B={batch} {name} host calls (own time per step, us; calls per step):", flush=True)
+        print(f"B={batch} {name} host calls (own time per step, us; calls per step; {len(kept)} of {repeats} steps, "
+              "those without a capture):", flush=True)
         for (file, line, function), (_, calls, own, _, _) in top:
             where = function if file == "~" else f"{Path(file).name}:{line} {function}"
-            print(f"  {own / repeats * 1e6:8.1f} {calls / repeats:5.1f}  {where[:110]}", flush=True)
+            print(f"  {own / len(kept) * 1e6:8.1f} {calls / len(kept):5.1f}  {where[:110]}", flush=True)
 
 
 def launch_times(pair: Pair, batch: int) -> None:
