@@ -171,6 +171,11 @@ def host_marks(pair: Pair, batch: int, repeats: int = 20) -> None:
             setattr(cls, name, fn)
 
 
+def graphs_captured(runner: model_runner.ModelRunner) -> int:
+    """How many step shapes `runner` has captured a CUDA graph of (0 when it runs eagerly)."""
+    return len(runner.graphs.graphs) if runner.graphs is not None else 0
+
+
 def host_calls(pair: Pair, batch: int, repeats: int = 50, rows: int = 22) -> None:
     """The Python functions and CUDA calls a step spends its host time in (cProfile: each builtin's own time
     includes the CUDA API call it makes), per step, over the `repeats` steps that captured no graph (the rows grow
@@ -183,13 +188,13 @@ def host_calls(pair: Pair, batch: int, repeats: int = 50, rows: int = 22) -> Non
             if name == "verify":
                 pair.propose(0)
             torch.cuda.synchronize()
-            graphs = len(runner.graphs.graphs) if runner.graphs is not None else 0
+            graphs = graphs_captured(runner)
             profiler = cProfile.Profile()
             profiler.enable()
             (pair.verify if name == "verify" else pair.propose)(0)
             torch.cuda.synchronize()
             profiler.disable()
-            if graphs == (len(runner.graphs.graphs) if runner.graphs is not None else 0):
+            if graphs_captured(runner) == graphs:
                 kept.append(profiler)
         if not kept:
             print(f"B={batch} {name} host calls: every profiled step captured a graph", flush=True)

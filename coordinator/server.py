@@ -149,7 +149,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             lambda: self.loop.lose_target("it shut down")))]
         if self.workers.draft_channel is not None:
             self._watches.append(asyncio.create_task(self._follow_health(
-                self.workers.draft_channel, "draft", self._draft_stopping, lambda: None)))
+                self.workers.draft_channel, "draft", self._draft_stopping)))
 
     async def _connect_draft(self, timeout: float | None = None) -> None:
         """Check the pair and set the channel up through both workers' control RPCs."""
@@ -182,8 +182,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
         within 2 s and then takes the channel set-up, which can be long (a restarted draft on a GPU captures its
         CUDA graphs then: 20-30 s for a 1B draft). Steps go on meanwhile with the target alone."""
-        if self.draft_draining and not self.draining:
-            return False  # (its address still reaches the process that is stopping)
+        if self._refusing_stopping_draft:
+            return False
         try:
             await self._connect_draft(timeout=2.0)
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
@@ -196,8 +196,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         (prompt and output so far) and draft again."""
         draft = self.workers.draft_stub
         assert draft is not None
-        if self.draft_draining and not self.draining:  # it began stopping after `draft_back`: a later probe
-            return  # takes the next one
+        if self._refusing_stopping_draft:  # it began stopping after `draft_back`: a later probe takes the next one
+            return
         running = self.manager.running()
         try:
             # A draft that was only unreachable still holds what was admitted before it was lost.
@@ -253,12 +253,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         says so (the old process still answers there). Without this a draft replaced alone was kept busy until its
         drain timeout, then lost in the middle of a call. While the coordinator drains too (a whole release
         deleted), the stopping draft drafts on for what is left: it serves as long as calls come."""
-        if stopping and not self.draft_draining and not self.draining:
+        was_draining, self.draft_draining = self.draft_draining, stopping
+        if self._refusing_stopping_draft and not was_draining:
             self.loop.drop_draft("the draft service is shutting down")
-        self.draft_draining = stopping
+
+    @property
+    def _refusing_stopping_draft(self) -> bool:
+        """Whether the draft says it is stopping and is neither used nor taken back through its address (the old
+        process still answers there); while the coordinator drains too, it drafts on."""
+        return self.draft_draining and not self.draining
 
     async def _follow_health(self, channel: grpc.aio.Channel, service: str,
-                             changed: Callable[[bool], Awaitable[None]], stopped: Callable[[], None]) -> None:
+                             changed: Callable[[bool], Awaitable[None]], stopped: Callable[[], None] | None = None
+                             ) -> None:
         """Watch a worker's health for the coordinator's lifetime: `changed(stopping)` with each status it reports,
         `stopped()` when its stream ends after it said it was stopping (it has stopped); watch again (the next
         process on its address) every --draft-retry-interval."""
@@ -273,7 +280,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.warning("the %s service has no health service: its shutdowns are not followed", service)
                     return
-            if stopping:
+            if stopping and stopped is not None:
                 stopped()
             await asyncio.sleep(self.options.draft_retry_interval)
 
