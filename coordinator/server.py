@@ -255,7 +255,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         deleted), the stopping draft drafts on for what is left: it serves as long as calls come."""
         was_draining, self.draft_draining = self.draft_draining, stopping
         if self._refusing_stopping_draft and not was_draining:
-            self.loop.drop_draft("the draft service is shutting down")
+            self.loop.leave_draft("the draft service is shutting down")
 
     @property
     def _refusing_stopping_draft(self) -> bool:

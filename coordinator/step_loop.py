@@ -65,6 +65,7 @@ class StepLoop:
         self.hand_over_draft: Callable[[], Awaitable[None]] | None = None
         self.draft_retry_interval = 5.0
         self._next_draft_retry = 0.0
+        self._draft_leaving: str | None = None  # why the draft is to be left at the next step (`leave_draft`)
         # While the target is lost (unreachable, or restarted and without its channel): whether it is back, channel
         # set up (set by the server; tried every `draft_retry_interval`), and what to do when it is lost.
         self.target_lost = False
@@ -106,6 +107,9 @@ class StepLoop:
                 log.exception("step failed")
 
     async def step(self) -> None:
+        if self._draft_leaving is not None:
+            self._drop_draft(self._draft_leaving)
+            self._draft_leaving = None
         await self._remove_finished()
         await self._maybe_reconnect_draft()
         if not await self._admit():
@@ -230,12 +234,17 @@ class StepLoop:
         lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in lost_codes):
             return False
-        self.drop_draft(f"draft service unreachable ({exc.details()})")
+        self._drop_draft(f"draft service unreachable ({exc.details()})")
         return True
 
-    def drop_draft(self, reason: str) -> None:
-        """Decode with the target alone from the next step (`reason` says why, in the log) until the draft service
-        is back (`_maybe_reconnect_draft`); drafts already made are still verified."""
+    def leave_draft(self, reason: str) -> None:
+        """From outside the step loop: `_drop_draft` at the next step, not in the middle of one that has decided to
+        call the draft (it would find no draft to call)."""
+        self._draft_leaving = reason
+
+    def _drop_draft(self, reason: str) -> None:
+        """Decode with the target alone from now on (`reason` says why, in the log) until the draft service is back
+        (`_maybe_reconnect_draft`); drafts already made are still verified."""
         if self.workers.draft is not None:
             log.error("%s: continuing with the target alone", reason)
             self.workers.draft = None
