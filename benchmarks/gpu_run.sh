@@ -113,8 +113,8 @@ calls)
     ;;
 steps)
     timeout -k 10 ${PROFILE_SECONDS:-240} python3 benchmarks/profile_step.py ${COMPILE:+--compile} \
-        --batches "${PROFILE_BATCHES:-1,16}" --draft "${PROFILE_DRAFT:-1b}" --trace-dir "" ${EXTRA:-} > "$OUT/run/steps.txt" 2>&1
-    grep -E "ms:|phases|launch|kernels" "$OUT/run/steps.txt" | cut -c1-200
+        --batches "${PROFILE_BATCHES:-1,16}" --draft "${PROFILE_DRAFT:-1b}" --trace-dir "" --kernel-tables "$OUT/run/kernels" ${EXTRA:-} > "$OUT/run/steps.txt" 2>&1
+    grep -E "ms:|phases|launch|kernels|on the GPU" "$OUT/run/steps.txt" | cut -c1-200
     grep -E "host path" "$OUT/run/steps.txt"
     grep -A12 "host calls" "$OUT/run/steps.txt" | cut -c1-140
     ;;

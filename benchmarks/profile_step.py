@@ -38,14 +38,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers")
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="write Chrome traces here")
+    parser.add_argument("--kernel-tables", default=None, help="write each profiled step's kernels in order here (TSV)")
     parser.add_argument("--batches", default="1,32", help="batch sizes to profile")
     parser.add_argument("--draft", default="68m", choices=["68m", "1b"], help="draft shape")
     parser.add_argument("--one-graph", action="store_true", help="one CUDA graph per step, not a chain")
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
     model_runner.SPLIT_LAUNCH = not args.one_graph
-    if args.trace_dir:
-        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+    for folder in (args.trace_dir, args.kernel_tables):
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
     device = "cuda:0"
     target, draft = build("8b", device), build(args.draft, device)
     for batch in (int(b) for b in args.batches.split(",")):
@@ -76,6 +78,8 @@ def main() -> None:
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy = sum(e.device_time for e in kernels) / 1e3
             print(f"B={batch} {name}: {len(kernels)} kernels, {busy:.2f} ms of kernel time", flush=True)
+            gpu_gaps(kernels, f"B={batch} {name}", Path(args.kernel_tables) / f"kernels_{name}_b{batch}.tsv"
+                     if args.kernel_tables else None)
             if args.trace_dir:
                 prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_b{batch}.json"))
         host_phases(pair, batch)
@@ -84,6 +88,45 @@ def main() -> None:
         launch_times(pair, batch)
         del pair
         torch.cuda.empty_cache()
+
+
+def family(name: str) -> str:
+    """A kernel's name cut to what says its kind (cuBLAS tiles, Triton function, ATen op)."""
+    return name.split("<")[0].split("(")[0][:48]
+
+
+def gpu_gaps(kernels: list, label: str, table: Path | None) -> None:
+    """Where the GPU idles between a step's kernels (from the profiler's kernel records): the step's span on the
+    GPU against its kernels' time, the gaps by size, the largest ones with the kernels around them, and the gaps
+    summed by the kernel that follows them (which launches wait). `table`: every kernel in order, as TSV."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    if not spans:
+        return
+    gaps, end_so_far = [], spans[0][1]
+    lines = ["start_us\tduration_us\tgap_before_us\tname"]
+    for i, (start, end, name) in enumerate(spans):
+        gap = max(0.0, start - end_so_far) if i else 0.0
+        if i:
+            gaps.append((gap, spans[i - 1][2], name))
+        lines.append(f"{start - spans[0][0]:.1f}\t{end - start:.1f}\t{gap:.1f}\t{name[:160]}")
+        end_so_far = max(end_so_far, end)
+    span = (end_so_far - spans[0][0]) / 1e3
+    idle = sum(g for g, _, _ in gaps) / 1e3
+    bins = [(0, 1), (1, 2), (2, 5), (5, 20), (20, float("inf"))]
+    counted = ", ".join(f"{lo}-{hi} us: {sum(1 for g, _, _ in gaps if lo <= g < hi)} "
+                        f"({sum(g for g, _, _ in gaps if lo <= g < hi) / 1e3:.3f} ms)" for lo, hi in bins)
+    print(f"{label} on the GPU: span {span:.3f} ms, idle between kernels {idle:.3f} ms over {len(gaps)} gaps "
+          f"({counted})", flush=True)
+    for gap, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  gap {gap:6.1f} us  {family(before)} -> {family(after)}", flush=True)
+    by_next: dict[str, list[float]] = {}
+    for gap, _, after in gaps:
+        by_next.setdefault(family(after), []).append(gap)
+    print(f"{label} gaps by the kernel after them (us: total, count, median):", flush=True)
+    for kind, values in sorted(by_next.items(), key=lambda item: -sum(item[1]))[:12]:
+        print(f"  {sum(values):8.1f} {len(values):4d} {statistics.median(values):5.2f}  {kind}", flush=True)
+    if table is not None:
+        table.write_text("\n".join(lines) + "\n")
 
 
 def one_step(pair: Pair, name: str, marks: list) -> tuple[float, float]:
@@ -214,20 +257,25 @@ def launch_times(pair: Pair, batch: int) -> None:
     time. Replays advance the rows of their last inputs: run it on a pair about to be dropped."""
     for role, runner in (("target", pair.verifier.runner), ("draft", pair.proposer.runner)):
         for key, (graphs, _, _) in (runner.graphs.graphs.items() if runner.graphs else []):
-            first, host, total = [], [], []
+            first, host, total, gpu = [], [], [], []
+            begun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(5):
                 torch.cuda.synchronize()
                 start = time.perf_counter()
+                begun.record()
                 graphs[0].replay()
                 first.append(time.perf_counter() - start)
                 for graph in graphs[1:]:
                     graph.replay()
+                done.record()
                 host.append(time.perf_counter() - start)
                 torch.cuda.synchronize()
                 total.append(time.perf_counter() - start)
+                gpu.append(begun.elapsed_time(done) / 1e3)
             print(f"B={batch} {role} graphs {key}: {len(graphs)} in its chain, the first launched in "
                   f"{sorted(first)[2] * 1e3:.3f} ms on the host, all in {sorted(host)[2] * 1e3:.3f} ms, "
-                  f"{sorted(total)[2] * 1e3:.2f} ms to finish", flush=True)
+                  f"{sorted(total)[2] * 1e3:.2f} ms to finish, {sorted(gpu)[2] * 1e3:.3f} ms on the GPU (events, "
+                  "no profiler)", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class Arrangement:
     start: int
     order: torch.Tensor | None = None  # indices putting the batch in cache-row order; None when it is already
     inverse: torch.Tensor | None = None  # indices putting a step's outputs back in the batch's order
+    rows: torch.Tensor | None = None  # with `order`: the batch's rows in that order, on the host (a step's rows)
 
 
 def attention_layout(config: object) -> tuple[int | None, bool]:
@@ -313,7 +314,7 @@ class ModelRunner:
             return block
         order = sorted(range(len(rows)), key=offsets.__getitem__)
         order_and_inverse = torch.tensor([order, offsets], device=self.device)  # one copy to the device
-        return Arrangement(start, order_and_inverse[0], order_and_inverse[1])
+        return Arrangement(start, order_and_inverse[0], order_and_inverse[1], torch.tensor([rows[i] for i in order]))
 
     @torch.inference_mode()
     def precapture(self, max_batch: int, n: int, step: PrecaptureFn, groups: Sequence[int] | None = None) -> int:
@@ -454,9 +455,12 @@ class ModelRunner:
         key = (*tag, padded, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
         if graphable:
             self.step_keys.add(key)
-        inputs = [rows, *inputs]
         if arrangement is not None and arrangement.order is not None:
-            inputs = [t.to(self.device, non_blocking=True)[arrangement.order] for t in inputs]
+            # The rows in that order as the arrangement made them, on the host: the same for every step of the batch.
+            ordered = arrangement.rows if arrangement.rows is not None else rows.to(self.device)[arrangement.order]
+            inputs = [ordered, *(t.to(self.device, non_blocking=True)[arrangement.order] for t in inputs)]
+        else:
+            inputs = [rows, *inputs]
         outputs = self._replay_or_run(key, fn, inputs, [self.scratch_row, *fills], kv_len, view_start, padded,
                                       graphable)
         if arrangement is not None and arrangement.inverse is not None:
@@ -479,7 +483,7 @@ class ModelRunner:
                 return fn(r, i, kv_len, view_start)
 
             try:
-                return self.graphs.run(key, graphed, inputs, fills, padded)
+                return self.graphs.run(key, graphed, inputs, fills, padded, view_start)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
@@ -547,6 +551,8 @@ class ModelRunner:
 
 
 GraphFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
+# A captured step: its chain of graphs, its input buffers, its outputs
+Captured = tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]
 
 
 def _graphable(tokens: int, last_only: bool) -> bool:
@@ -568,8 +574,10 @@ def _logits(rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor
 class CudaGraphs:
     """Captured steps of one runner, keyed by (what, padded batch, key length, block, the inputs' shapes).
 
-    Inputs are copied into static buffers before a replay; graphs of one input shape share them (replays never
-    overlap: one runner, one stream). The returned outputs live in the graphs' shared memory pool and are valid until
+    Inputs are copied into static buffers before a replay; graphs of one input shape and batch block share them
+    (replays never overlap: one runner, one stream). A step's rows are copied only when they differ from those its
+    buffer holds: a batch's rows repeat from step to step, and each copy costs the host ~17 us (run 23d) while the
+    GPU waits for the launch. The returned outputs live in the graphs' shared memory pool and are valid until
     the runner's next replay of any graph: one captured later may have its outputs where an earlier one keeps its
     intermediates (seen on an H200: a one-token step's logits overwritten by the next verify-sized replay).
     """
@@ -579,22 +587,23 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph's default capture stream is one per process, made on whichever device was current.
         self.capture_stream = torch.cuda.Stream(runner.device)
-        # key -> (the step's chain of graphs, its input buffers, its outputs)
-        self.graphs: dict[tuple[object, ...], tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor],
-                                                    list[torch.Tensor]]] = {}
+        self.graphs: dict[tuple[object, ...], Captured] = {}
         self.buffers: dict[tuple[object, ...], torch.Tensor] = {}
+        # A rows buffer's address -> the host rows last copied into it (and its padding filled)
+        self.rows_held: dict[int, torch.Tensor] = {}
 
-    def run(self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
-            ) -> list[torch.Tensor]:
+    def run(self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int,
+            block: int | None = None) -> list[torch.Tensor]:
         """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), whose rows past
-        theirs up to `padded` hold `fills`."""
+        theirs up to `padded` hold `fills`; `block`: the batch's block of cache rows (its input buffers are its
+        own)."""
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.runner.device):
             batch = len(inputs[0])
             if key not in self.graphs:
                 start = time.perf_counter()
-                self.graphs[key] = self._capture(fn, inputs, fills, padded)
+                self.graphs[key] = self._capture(fn, inputs, fills, padded, block)
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
             graphs, static, outputs = self.graphs[key]
             self._copy_inputs(static, inputs, fills, padded)
@@ -606,33 +615,43 @@ class CudaGraphs:
                      ) -> None:
         """Into a graph's input buffers: `inputs`, then `fills` in the padding rows up to `padded`."""
         batch = len(inputs[0])
-        for buffer, value, fill in zip(static, inputs, fills, strict=True):
+        rows, held = inputs[0], self.rows_held.get(static[0].data_ptr())
+        # (torch.equal of two host tensors of a few dozen rows: ~2 us)
+        unchanged = not rows.is_cuda and held is not None and held.shape == rows.shape and torch.equal(held, rows)
+        for position, (buffer, value, fill) in enumerate(zip(static, inputs, fills, strict=True)):
+            if position == 0 and unchanged:
+                continue
             buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
             if batch < padded:
                 buffer[batch:].fill_(fill)
+        if rows.is_cuda:
+            self.rows_held.pop(static[0].data_ptr(), None)
+        elif not unchanged:
+            self.rows_held[static[0].data_ptr()] = rows.clone()
 
-    def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
-                 ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]:
+    def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int, block: int | None
+                 ) -> Captured:
         # GRAPH_BLAS's kernels go into the graph (and its workspace is allocated in the warm-up, before the capture).
         # The switch is process-wide: in `serve --single-process` the other worker's prefill meanwhile may get them
         # too (a few % slower or faster).
         library = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library(GRAPH_BLAS)
         try:
-            return self._warm_and_capture(fn, inputs, fills, padded)
+            return self._warm_and_capture(fn, inputs, fills, padded, block)
         finally:
             torch.backends.cuda.preferred_blas_library(library)
 
-    def _warm_and_capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int
-                          ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]:
+    def _warm_and_capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int,
+                          block: int | None) -> Captured:
         device = self.runner.device
         static = []
         for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):
             shape = (padded, *value.shape[1:])
-            buffer_key = (position, shape, value.dtype)
+            buffer_key = (position, shape, value.dtype, block)
             if buffer_key not in self.buffers:
                 self.buffers[buffer_key] = torch.empty(shape, dtype=value.dtype, device=device)
             static.append(self.buffers[buffer_key].fill_(fill))  # every row the scratch row's while capturing
+        self.rows_held.pop(static[0].data_ptr(), None)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; scratch row only

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minedraft.attention import load_kernels
+
+ARGMAX_KERNELS = load_kernels("argmax")  # None without CUDA or Triton
 # Uniform streams: each decision at a sequence position draws from its own stream, so a request's randomness
 # depends only on (seed, position, purpose) and never on which other requests share its batch.
 STREAM_ACCEPT = 0
@@ -64,9 +67,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
     One argmax over a 128k vocabulary is a single block's reduction per row: 28 us on an H200 at batch 1, every
     draft step and every verify. The max of each chunk of the vocabulary, then the argmax over the chunks, spreads it
-    over the GPU.
+    over the GPU: on CUDA as two Triton kernels (`minedraft.argmax`: 10.5 us for 80 rows of 128k on an H200, where
+    the chunks' max in PyTorch, compiled, took 41; run 24b).
     """
     vocab = logits.shape[-1]
+    if logits.is_cuda and ARGMAX_KERNELS is not None:
+        return ARGMAX_KERNELS.chunked_argmax(logits)
     chunk = math.gcd(vocab, 1024)
     if chunk < 64 or vocab < 8 * chunk:
         return logits.argmax(-1)

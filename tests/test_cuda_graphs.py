@@ -169,6 +169,33 @@ def test_compiled_steps_equal_uncompiled_ones() -> None:
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 
+def _steps_on_changing_rows(graphs: bool) -> list[torch.Tensor]:
+    """Logits of one-token steps on rows that repeat, change in place (the same host tensor), shrink into padding,
+    come from the device and come back."""
+    runner = ModelRunner(_model("cuda:0", 0), 8, 256, cuda_graphs=graphs)
+    everyone = torch.tensor(runner.allocate(4))
+    prompts = torch.tensor([(PROMPTS * 2)[i][:10] for i in range(4)])
+    out = [runner.forward(everyone, prompts, torch.full((4,), 10), last_only=True).cpu()]
+    rows = everyone[:3].clone()
+    generator = torch.Generator().manual_seed(5)
+    for change in ("first", "again", "in place", "fewer", "from the device", "back"):
+        if change == "in place":
+            rows[0] = everyone[3]
+        step_rows = {"fewer": rows[:2], "from the device": rows.cuda()}.get(change, rows)
+        ids = torch.randint(0, 512, (len(step_rows), 1), generator=generator)
+        out.append(runner.forward(step_rows, ids, torch.ones(len(step_rows), dtype=torch.long)).cpu())
+    assert not graphs or runner.graphs is not None, "a capture failed: the steps ran eagerly"
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_steps_follow_their_rows_as_they_change() -> None:
+    """A graph's rows are copied in only when they differ from those it holds (`CudaGraphs`): each replayed step
+    equals the eager one, whatever happened to the rows in between."""
+    for replayed, eager in zip(_steps_on_changing_rows(True), _steps_on_changing_rows(False), strict=True):
+        assert torch.equal(replayed, eager)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_only_graphed_steps_are_padded() -> None:
     """A prefill of 3 prompts runs on 3 rows (never a graph, so padding would only add work); a verify of the same 3
@@ -186,6 +213,8 @@ def test_only_graphed_steps_are_padded() -> None:
 if __name__ == "__main__":
     test_only_graphed_steps_are_padded()
     print("prefills run unpadded, verifies padded")
+    test_graph_steps_follow_their_rows_as_they_change()
+    print("graph steps follow their rows as they change")
     test_compiled_steps_equal_uncompiled_ones()
     print("compiled steps equal uncompiled ones")
     for name in CONFIGS:
