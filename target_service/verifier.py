@@ -56,8 +56,12 @@ class Verifier:
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         # With compiled layers the acceptance and commit compile too: in a greedy verify's graph they were 55 small
         # kernels (99 with synthetic acceptance), ~0.1 ms of an 8B verify at batch 1. `warm_up` compiles them.
-        self._accept_and_commit = (torch.compile(self._accept_and_commit_eagerly, dynamic=True) if runner.compiles
-                                   else self._accept_and_commit_eagerly)
+        # Without inductor's coalescing analysis (a tiling heuristic for large kernels, not these small ones): with the
+        # argmax an operator of its own (`minedraft.argmax`) it failed an assertion compiling them (torch 2.11, H200).
+        self._accept_and_commit = (
+            torch.compile(self._accept_and_commit_eagerly, dynamic=True,
+                          options={"triton.coalesce_tiling_analysis": False})
+            if runner.compiles else self._accept_and_commit_eagerly)
         self._warmed_up: set[int] = set()  # draft counts (0: prefills) whose acceptance and commit are compiled
 
     def prefill(
