@@ -574,12 +574,13 @@ def _logits(rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor
 class CudaGraphs:
     """Captured steps of one runner, keyed by (what, padded batch, key length, block, the inputs' shapes).
 
-    Inputs are copied into static buffers before a replay; graphs of one input shape and batch block share them
-    (replays never overlap: one runner, one stream). A step's rows are copied only when they differ from those its
-    buffer holds: a batch's rows repeat from step to step, and each copy costs the host ~17 us (run 23d) while the
-    GPU waits for the launch. The returned outputs live in the graphs' shared memory pool and are valid until
-    the runner's next replay of any graph: one captured later may have its outputs where an earlier one keeps its
-    intermediates (seen on an H200: a one-token step's logits overwritten by the next verify-sized replay).
+    Inputs are copied into static buffers before a replay; graphs of one input shape share them (replays never
+    overlap: one runner, one stream), but each batch block has its own buffer for the rows. A step's rows are copied
+    only when they differ from those its buffer holds: a batch's rows repeat from step to step, and each copy costs
+    the host ~17 us (run 23d) while the GPU waits for the launch. The returned outputs live in the graphs' shared
+    memory pool and are valid until the runner's next replay of any graph: one captured later may have its outputs
+    where an earlier one keeps its intermediates (seen on an H200: a one-token step's logits overwritten by the next
+    verify-sized replay).
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -595,7 +596,7 @@ class CudaGraphs:
     def run(self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int,
             block: int | None = None) -> list[torch.Tensor]:
         """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), whose rows past
-        theirs up to `padded` hold `fills`; `block`: the batch's block of cache rows (its input buffers are its
+        theirs up to `padded` hold `fills`; `block`: the batch's block of cache rows (its rows' buffer is its
         own)."""
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
@@ -647,7 +648,9 @@ class CudaGraphs:
         static = []
         for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):
             shape = (padded, *value.shape[1:])
-            buffer_key = (position, shape, value.dtype, block)
+            # The rows' buffer is the batch block's own (the rows repeat per batch); the others, among them a sampled
+            # verify's draft probabilities (131 MB at B=64 over 128k), are shared.
+            buffer_key = (position, shape, value.dtype, block if position == 0 else None)
             if buffer_key not in self.buffers:
                 self.buffers[buffer_key] = torch.empty(shape, dtype=value.dtype, device=device)
             static.append(self.buffers[buffer_key].fill_(fill))  # every row the scratch row's while capturing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import time
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import pytest
 from stack import (
     Completion,
     TinyPairs,
@@ -27,6 +29,9 @@ from stack import (
     worker_args,
 )
 
+from coordinator.batch_manager import Batch
+from coordinator.server import CoordinatorOptions, serve
+from coordinator.step_loop import StepLoop
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
@@ -287,4 +292,60 @@ def test_a_draft_terminated_just_before_its_coordinator_drafts_through_the_drain
             assert service.proc.wait(timeout=40) == 0, service.log_tail()
     finally:
         coordinator.stop()
+        workers.stop()
+
+
+def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
+        tiny_pairs: TinyPairs, stack_logs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The interleaving that failed a batch once in CI (the draft's health reporting its shutdown after a step had
+    decided to propose, before the call), forced: a coordinator in this process is told to leave the draft from
+    inside the step's proposal. That proposal goes ahead and its drafts are verified; the draft is left at the next
+    step, the target decodes alone, losslessly, and the draft is taken back once it answers."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "left-mid-step")
+    assert workers.draft is not None
+    requests = _requests(tiny_pairs, 60)
+    notices: list[bool] = []  # whether the draft was still in use when the notice came
+    propose = StepLoop._propose
+
+    async def propose_after_a_shutdown_notice(self: StepLoop, batch: Batch) -> None:
+        if armed and not notices:
+            notices.append(self.workers.draft is not None)
+            self.leave_draft("the draft service is shutting down (told mid-step by the test)")
+        await propose(self, batch)
+
+    monkeypatch.setattr(StepLoop, "_propose", propose_after_a_shutdown_notice)
+    armed = False
+
+    async def serve_both_waves() -> tuple[list[Completion], list[Completion], int]:
+        nonlocal armed
+        options = CoordinatorOptions(target=workers.target.address, draft=workers.draft.address, max_batch_size=4,
+                                     channel="grpc", tokenizer=str(workers.pair.target), draft_retry_interval=1.0)
+        server, port, servicer = await serve(options, 0, "127.0.0.1")
+        try:
+            address = f"127.0.0.1:{port}"
+            expected = await asyncio.gather(*(generate(address, r) for r in requests))
+            armed = True
+            left = await asyncio.gather(*(generate(address, r) for r in requests))
+            deadline = time.monotonic() + 30
+            while servicer.workers.draft is None:  # taken back (tried during steps): what it held is released
+                assert time.monotonic() < deadline, "the draft was not taken back"
+                await generate(address, requests[0])
+            return expected, left, len(servicer.workers.draft_backlog)
+        finally:
+            await server.stop(None)
+            await servicer.stop()
+
+    caplog.set_level(logging.INFO, logger="coordinator")
+    try:
+        expected, left, backlog = run_async(serve_both_waves())
+        assert notices == [True]
+        assert [c.token_ids for c in left] == [c.token_ids for c in expected]
+        assert all(c.finish_reason == expected[0].finish_reason for c in left)
+        assert any(c.usage.draft_tokens > 0 for c in left)  # the interrupted proposal's drafts were verified
+        assert "told mid-step by the test: continuing with the target alone" in caplog.text
+        assert "step failed" not in caplog.text and "failing" not in caplog.text, caplog.text
+        assert backlog == 0
+        assert_all_slots_free(workers)
+    finally:
         workers.stop()
