@@ -42,9 +42,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32", help="batch sizes to profile")
     parser.add_argument("--draft", default="68m", choices=["68m", "1b"], help="draft shape")
     parser.add_argument("--one-graph", action="store_true", help="one CUDA graph per step, not a chain")
+    parser.add_argument("--chain-growth", type=int, default=model_runner.CHAIN_GROWTH,
+                        help="each graph of a step's chain this many times the calls of the one before")
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
     model_runner.SPLIT_LAUNCH = not args.one_graph
+    model_runner.CHAIN_GROWTH = args.chain_growth
     for folder in (args.trace_dir, args.kernel_tables):
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)

@@ -30,9 +30,13 @@ KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
 # Prefills, never graphed, run at their own batch size.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
-# A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 2, 4, 8, ... (0-based):
-# the GPU starts on the first while the host launches the rest (`CudaGraphs`). False: one graph per step.
+# A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 3, 7, 15, ... (0-based; each
+# graph CHAIN_GROWTH times as many calls from the step's start as the one before): the GPU starts on the first while
+# the host launches the rest (`CudaGraphs`). False: one graph per step.
 SPLIT_LAUNCH = True
+# Each hand-over between graphs of a chain left the GPU idle ~4.7 us (run 24a: 5 in an 8B verify). A faster growth
+# means fewer of them, but each next graph must still launch while the ones before it run.
+CHAIN_GROWTH = 2
 # The BLAS library whose kernels steps' CUDA graphs capture. cuBLASLt chooses faster ones than cuBLAS for a verify's
 # few-row GEMMs (the 8B verify 2.6-3.5% faster at B=8 and 16, the same at B=1; run 19c-d, H200) but slower ones for
 # prefills of thousands of rows (16 x 512 tokens 5% slower; run 20d): eager forwards keep the process's choice.
@@ -666,12 +670,13 @@ class CudaGraphs:
         # as all before it, so its launch runs while they do: the GPU waits only for the first (one layer's kernels).
         # They share the pool and always replay in capture order, so each finds the tensors the one before left.
         graphs = [torch.cuda.CUDAGraph()]
-        layer_calls = 0
+        layer_calls, next_start = 0, 2  # counted from 1: the second call begins the second graph
 
-        def next_graph_at_doubling() -> None:
-            nonlocal layer_calls
+        def next_graph_as_it_grows() -> None:
+            nonlocal layer_calls, next_start
             layer_calls += 1
-            if layer_calls > 1 and layer_calls & (layer_calls - 1) == 0:
+            if layer_calls == next_start:
+                next_start *= CHAIN_GROWTH
                 graphs[-1].capture_end()
                 graphs.append(torch.cuda.CUDAGraph())
                 graphs[-1].capture_begin(self.pool, capture_error_mode="thread_local")
@@ -690,7 +695,7 @@ class CudaGraphs:
                 with torch.cuda.stream(self.capture_stream):
                     graphs[0].capture_begin(self.pool, capture_error_mode="thread_local")
                     try:
-                        self.runner.before_layer = next_graph_at_doubling if SPLIT_LAUNCH else None
+                        self.runner.before_layer = next_graph_as_it_grows if SPLIT_LAUNCH else None
                         outputs = fn(static[0], static[1:])
                     finally:
                         self.runner.before_layer = None
