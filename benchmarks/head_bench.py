@@ -3,45 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, ".")
+from benchmarks.attention_bench import graph_ms  # noqa: E402
 from minedraft.argmax import chunked_argmax  # noqa: E402
 from minedraft.sampling import greedy_tokens  # noqa: E402
 
 HIDDEN, VOCAB = 4096, 128256
 
 
-def graph_time(fn: Callable[[], object], blas: str = "cublaslt", replays: int = 200) -> float:
-    """Median us of one replay of `fn` captured as a CUDA graph (its GEMMs from `blas`), timed in groups of 20."""
+def graph_time(fn: Callable[[], object], blas: str = "cublaslt") -> float:
+    """Median us of one call of `fn`, 20 calls replayed in a CUDA graph (`attention_bench.graph_ms`), its GEMMs from
+    `blas`."""
     library = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(blas)
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        return graph_ms([fn] * 20) * 1e3
     finally:
         torch.backends.cuda.preferred_blas_library(library)
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays // 20):
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 20)
-    return statistics.median(times)
 
 
 def measure(rows: int, weight: torch.Tensor, padded: torch.Tensor, compiled: Callable[..., torch.Tensor],

@@ -461,8 +461,8 @@ class ModelRunner:
             self.step_keys.add(key)
         if arrangement is not None and arrangement.order is not None:
             # The rows in that order as the arrangement made them, on the host: the same for every step of the batch.
-            ordered = arrangement.rows if arrangement.rows is not None else rows.to(self.device)[arrangement.order]
-            inputs = [ordered, *(t.to(self.device, non_blocking=True)[arrangement.order] for t in inputs)]
+            assert arrangement.rows is not None  # (`_arrange` makes both)
+            inputs = [arrangement.rows, *(t.to(self.device, non_blocking=True)[arrangement.order] for t in inputs)]
         else:
             inputs = [rows, *inputs]
         outputs = self._replay_or_run(key, fn, inputs, [self.scratch_row, *fills], kv_len, view_start, padded,
