@@ -34,28 +34,47 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
     return parts.sum(0).to(x.dtype)
 
 
-def with_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int) -> torch.Tensor:
+def split_m_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ weight.T as one batched GEMM over `splits` slices of the rows, every slice reading the same weight (a
+    batch stride of 0, no copy): cuBLAS tiles each slice as a GEMM of fewer rows, so the call runs `splits` times the
+    thread blocks, the slices' blocks of one weight tile reading it from L2 after the first."""
+    rows, features = x.shape
+    return torch.bmm(x.view(splits, rows // splits, features),
+                     weight.t().expand(splits, features, weight.shape[0])).view(rows, weight.shape[0])
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, splits: int = 1, row_splits: int = 1) -> torch.Tensor:
+    """The projection: one GEMM, split over K (`splits`) or over the rows (`row_splits`)."""
+    if splits > 1:
+        return split_k_linear(x, weight, splits)
+    if row_splits > 1:
+        return split_m_linear(x, weight, row_splits)
+    return torch.nn.functional.linear(x, weight)
+
+
+def with_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int, row_splits: int = 1
+                  ) -> torch.Tensor:
     """A layer's projection and the residual add after it, as a compiled layer fuses them (the split's sum too)."""
-    return residual + (torch.nn.functional.linear(x, weight) if splits == 1 else split_k_linear(x, weight, splits))
+    return residual + project(x, weight, splits, row_splits)
 
 
 def time_shape(out_features: int, in_features: int, rows: int, layers: int, repeats: int, splits: int | None = None,
-               autotune: bool = False) -> float:
+               autotune: bool = False, row_splits: int = 1) -> float:
     """Median us of one call, `layers` calls (each on its own weight) replayed in a CUDA graph `repeats` times: the
     plain linear, or (`splits`) the compiled projection plus residual add (`autotune`: inductor choosing its GEMM
-    among cuBLAS and its Triton templates by timing them)."""
+    among cuBLAS and its Triton templates by timing them); either split over the rows (`row_splits`)."""
     weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(layers)]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     calls: list[Callable[[], object]]
     if splits is None:
-        calls = [functools.partial(torch.nn.functional.linear, x, w) for w in weights]
+        calls = [functools.partial(project, x, w, 1, row_splits) for w in weights]
     else:
         residual = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
         torch._dynamo.reset()  # each shape recompiles `with_residual`: past the recompile limit it would run eagerly
         compiled = torch.compile(with_residual, fullgraph=True, dynamic=False,
                                  mode="max-autotune-no-cudagraphs" if autotune else None)
-        calls = [functools.partial(compiled, x, w, residual, splits) for w in weights]
+        calls = [functools.partial(compiled, x, w, residual, splits, row_splits) for w in weights]
     us = graph_ms(calls, repeats) * 1e3
     del weights
     torch.cuda.empty_cache()
@@ -74,6 +93,23 @@ def split_k(rows: list[int], splits: list[str], repeats: int, shapes: list[str])
             print(f"{name:>9} {n:>6} {r:>5} " + " ".join(cells), flush=True)
 
 
+def split_m(rows: list[int], splits: list[int], repeats: int, shapes: list[str]) -> None:
+    """The projections as one GEMM and split over the rows, plain and (compiled) followed by the residual add, under
+    cuBLASLt; each split's output checked against the plain GEMM's."""
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    x, w = torch.randn(80, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(512, 4096, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    diffs = [(split_m_linear(x, w, s) - torch.nn.functional.linear(x, w)).abs().max().item() for s in splits]
+    print(f"projections under cuBLASLt, us per call by splits of the rows ({', '.join(map(str, splits))}; max diff "
+          f"against one GEMM {diffs}): plain | compiled with the residual add")
+    for name, n, k in (shape for shape in SHAPES[:-1] if shape[0] in shapes):
+        for r in rows:
+            ways = [s for s in splits if r % s == 0]
+            plain = [f"{time_shape(n, k, r, 32, repeats, row_splits=s):7.1f}" for s in ways]
+            fused = [f"{time_shape(n, k, r, 32, repeats, 1, row_splits=s):7.1f}" for s in ways]
+            print(f"{name:>9} {n:>6} {r:>5} splits {ways}: " + " ".join(plain) + " | " + " ".join(fused), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="5,40,80", help="rows per call (a verify of k=4: 5 per sequence)")
@@ -81,9 +117,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--split-k", default="", help="e.g. 1,2,4,auto: time the projections (plus the residual add, "
                                                       "compiled) split over K instead (auto: one GEMM, autotuned)")
-    parser.add_argument("--shapes", default=",".join(name for name, *_ in SHAPES[:-1]), help="with --split-k")
+    parser.add_argument("--split-m", default="", help="e.g. 1,2,4: time the projections split over the rows instead")
+    parser.add_argument("--shapes", default=",".join(name for name, *_ in SHAPES[:-1]),
+                        help="with --split-k or --split-m")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    if args.split_m:
+        split_m(rows, [int(s) for s in args.split_m.split(",")], args.repeats, args.shapes.split(","))
+        return
     if args.split_k:
         split_k(rows, args.split_k.split(","), args.repeats, args.shapes.split(","))
         return
