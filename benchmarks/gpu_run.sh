@@ -4,7 +4,8 @@
 #                       (BATCHES= empty: the tests only)
 #   services DRAFTS     PSD and SD (MODES=psd,sd,ar adds AR) through the services (two GPUs when there are:
 #                       cuda-ipc and nccl, SD baselines); an 8B pair's PSD stack takes 132 s to start with its
-#                       precapture (run 12d), so AR rarely fits in the same call
+#                       precapture (run 12d), so AR rarely fits in the same call. On one GPU psd under the default
+#                       OVERLAP=auto runs one merged batch (run 25e): OVERLAP=always measures its two batches
 #   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s,
 #                       and prompts of mixed lengths grouped by length against one forward (COMPILE=1: compiled)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process

@@ -56,6 +56,13 @@ class BatchManager:
         self.batches = [Batch(i) for i in range(num_batches)]
         self.waiting: collections.deque[RequestState] = collections.deque()
 
+    def merge_batches(self) -> None:
+        """One batch of all the batches' room, before anything is admitted (`GenerationServicer`: a GPU that target
+        and draft share)."""
+        assert not self.waiting and self.num_running == 0, "batches merge only before serving"
+        self.max_batch_size *= len(self.batches)
+        self.batches = [Batch(0)]
+
     def submit(self, request: RequestState) -> None:
         if len(self.waiting) >= self.max_queue_size:
             raise QueueFullError(

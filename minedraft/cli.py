@@ -98,7 +98,8 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--channel", "auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     _add(parser, "--step-trace", None, help="write every worker call as JSON lines here on shutdown")
     _add(parser, "--overlap", "auto", choices=["auto", "always", "never"],
-         help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto)")
+         help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto; on a GPU "
+              "that target and draft share, auto runs sd on one batch of twice --max-batch-size instead)")
     _add(parser, "--draft-retry-interval", 5.0, type=float,
          help="seconds between tries to reach a lost draft service again (requests go on with the target alone), "
               "or a lost target service (requests are refused meanwhile)")

@@ -204,6 +204,15 @@ class ModelRunner:
             self.warm_up()
 
     # -- rows ---------------------------------------------------------------------------------------------------
+    def regroup(self, groups: int) -> None:
+        """Blocks for `groups` batches from now on, `num_slots // groups` cache rows each (`arrange`). Only while no
+        row is held: its K/V sits in a block of the old layout."""
+        if len(self._free) != self.num_slots:
+            raise RuntimeError(f"cannot lay out {groups} batches while {self.num_slots - len(self._free)} rows are "
+                               "held")
+        self.groups, self.block_size = groups, self.num_slots // groups
+        self._arranged.clear()
+
     @property
     def free_slots(self) -> int:
         return len(self._free)

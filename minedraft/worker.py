@@ -208,6 +208,7 @@ class ModelWorker:
             eos_token_ids=list(self.vocab.eos_token_ids),
             free_slots=self.runner.free_slots,
             channels=channels,
+            gpu_uuid=str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "",
         )
 
     async def setup_channel(self, name: str, handshake: bytes, k: int, max_batch_size: int, exporter: bool) -> bytes:
@@ -225,9 +226,19 @@ class ModelWorker:
                          num_batches: int) -> None:
         """With --precapture-graphs, `prepare(k, max_batch_size, batch_ids)` (the verifier's or proposer's
         `precapture`) once for each k, batch size and batch a coordinator sets up, in its Prepare (or SetupChannel)
-        (`num_batches` 0, from an older coordinator: both)."""
+        (`num_batches` 0, from an older coordinator: both). First the cache rows are laid out in as many blocks as
+        the coordinator has batches: one batch of twice the size, on a GPU the pair shares, reads its K/V as views of
+        one block of every row."""
+        groups = min(num_batches or NUM_BATCHES, NUM_BATCHES)
+        if groups != self.runner.groups:
+            if self.runner.free_slots == self.runner.num_slots:
+                await self.run(self.runner.regroup, groups)
+                log.info("cache rows laid out for %d batch(es) of up to %d rows", groups, self.runner.block_size)
+            else:  # a coordinator restarted while this worker holds sequences: its batches gather rows that don't fit
+                log.warning("asked for %d batch(es) while holding sequences: the cache keeps %d blocks", groups,
+                            self.runner.groups)
         wanted = precaptures(self.options.precapture_graphs, self.device, self.options.cuda_graphs)
-        batch_ids = [b for b in range(min(num_batches or NUM_BATCHES, NUM_BATCHES))
+        batch_ids = [b for b in range(groups)
                      if (k, max_batch_size, b) not in self._precaptured]
         if wanted and batch_ids:
             await self.run(prepare, k, max_batch_size, batch_ids)

@@ -64,10 +64,12 @@ def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor,
     return out
 
 
-def _verifies(graphs: bool, kind: str, device: str) -> list[list[tuple[list[int], int, int]]]:
+def _verifies(graphs: bool, kind: str, device: str, compiled: bool | None = None
+              ) -> list[list[tuple[list[int], int, int]]]:
     """Verifies (acceptance and commit in the step's graph) of fixed drafts: ids only when greedy, with a draft's
-    probabilities otherwise."""
-    verifier = Verifier(ModelRunner(_model(device, 1), 8, 256, cuda_graphs=graphs, groups=2), [0])
+    probabilities otherwise. `compiled` (True or False): a float32 model, its layers and acceptance compiled or not."""
+    model = _model(device, 1) if compiled is None else _model(device, 1).float()
+    verifier = Verifier(ModelRunner(model, 8, 256, cuda_graphs=graphs, groups=2, compile_layers=bool(compiled)), [0])
     configs = [CONFIGS[kind]] * len(SEQS)
     out = [verifier.prefill(SEQS, PROMPTS, configs).per_row()]
     generator = torch.Generator().manual_seed(2)
@@ -169,6 +171,14 @@ def test_compiled_steps_equal_uncompiled_ones() -> None:
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_compiled_verifies_equal_uncompiled_ones(kind: str) -> None:
+    """The verifier's compiled acceptance and commit (greedy: the argmax operator inside compiled code), replayed
+    from graphs, accept and emit what the uncompiled verifier does."""
+    assert _verifies(True, kind, "cuda:0", compiled=True) == _verifies(False, kind, "cuda:0", compiled=False)
+
+
 def _steps_on_changing_rows(graphs: bool) -> list[torch.Tensor]:
     """Logits of one-token steps on rows that repeat, change in place (the same host tensor), shrink into padding,
     come from the device and come back."""
@@ -217,6 +227,9 @@ if __name__ == "__main__":
     print("graph steps follow their rows as they change")
     test_compiled_steps_equal_uncompiled_ones()
     print("compiled steps equal uncompiled ones")
+    for name in ("greedy", "sampled"):
+        test_compiled_verifies_equal_uncompiled_ones(name)
+    print("compiled verifies equal uncompiled ones")
     for name in CONFIGS:
         for where in DEVICES:
             test_graph_proposals_equal_eager_ones(name, where)

@@ -1,0 +1,108 @@
+"""psd with `--overlap auto` on a GPU that target and draft share runs one batch of twice the size, drafted and
+verified in turn: the coordinator's choice, the workers' cache layout, and the same tokens as two batches.
+
+A GPU's UUID cannot be had here: the stack test makes the coordinator see one shared GPU by replacing
+`coordinator.server.shares_gpu`; everything else (workers, their layout, the steps) is real."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from stack import TinyPairs, Workers, assert_all_slots_free, generate, run_async, text_prompts
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import coordinator.server
+from coordinator.batch_manager import BatchManager
+from coordinator.request_state import RequestState
+from coordinator.server import CoordinatorOptions, serve, shares_gpu
+from minedraft.model_runner import ModelRunner
+from minedraft.proto import common_pb2, generation_pb2, generation_pb2_grpc
+from minedraft.sampling import SamplingConfig
+
+pytest_plugins = ["stack"]
+
+BATCH = 4
+
+
+def _info(gpu_uuid: str, device: str = "cuda:0") -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(device=device, gpu_uuid=gpu_uuid)
+
+
+def test_workers_share_a_gpu_when_their_uuids_match() -> None:
+    assert shares_gpu(_info("GPU-a1"), _info("GPU-a1"))
+    assert not shares_gpu(_info("GPU-a1"), _info("GPU-b2"))  # both cuda:0, in two containers on two GPUs
+    assert not shares_gpu(_info("", "cpu"), _info("", "cpu"))
+
+
+def test_merged_batches_admit_both_batches_room() -> None:
+    manager = BatchManager(max_batch_size=BATCH, max_queue_size=20, num_batches=2)
+    manager.merge_batches()
+    assert len(manager.batches) == 1 and manager.max_batch_size == 2 * BATCH
+    for i in range(2 * BATCH + 2):
+        manager.submit(RequestState(i, [1, 2, 3], SamplingConfig(), (), None))
+    admitted = manager.take_admissions()
+    assert [(batch.batch_id, len(requests)) for batch, requests in admitted] == [(0, 2 * BATCH)]
+    assert manager.queue_length == 2
+
+
+def test_a_runner_lays_out_its_blocks_again_only_while_it_holds_no_row() -> None:
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    runner = ModelRunner(AutoModelForCausalLM.from_config(config).eval(), 8, 32, cuda_graphs=False, groups=2)
+    rows = runner.allocate(6)
+    assert runner.arrange(rows, 0) is None  # 6 rows do not fit a block of 4: gathered at every step
+    runner.release(rows)
+    runner.regroup(1)
+    assert (runner.groups, runner.block_size) == (1, 8)
+    rows = runner.allocate(6)
+    assert runner.arrange(rows, 0) is not None  # one block of every row: read as views
+    with pytest.raises(RuntimeError, match="while 6 rows are held"):
+        runner.regroup(2)
+    assert torch.equal(runner.cache.lengths[torch.tensor(rows)], torch.zeros(6, dtype=torch.long))
+
+
+def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
+        llama_workers: Workers, tiny_pairs: TinyPairs, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The same greedy tokens as psd's two batches; the workers' cache laid out for one batch and back."""
+    workers = llama_workers
+    assert workers.draft is not None
+    params = generation_pb2.SamplingParams(max_tokens=24, ignore_eos=True)
+    requests = [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params)
+                for p in text_prompts(tiny_pairs.tokenizer, 2 * BATCH, 6, 20, seed=31)]
+
+    async def serve_all(shared: bool) -> tuple[generation_pb2.GetServerInfoResponse, list[list[int]], int]:
+        monkeypatch.setattr(coordinator.server, "shares_gpu", lambda target, draft: shared)
+        assert workers.draft is not None
+        options = CoordinatorOptions(target=workers.target.address, draft=workers.draft.address,
+                                     max_batch_size=BATCH, channel="grpc", tokenizer=str(workers.pair.target))
+        server, port, servicer = await serve(options, 0, "127.0.0.1")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                info = await generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
+                    generation_pb2.GetServerInfoRequest())
+            completions = await asyncio.gather(*(generate(f"127.0.0.1:{port}", r) for r in requests))
+            assert all(c.usage.draft_tokens > 0 for c in completions)  # drafted, not decoded alone
+            return info, [c.token_ids for c in completions], len(servicer.manager.batches)
+        finally:
+            await server.stop(None)
+            await servicer.stop()
+
+    caplog.set_level(logging.INFO, logger="coordinator")
+    two_info, two, two_batches = run_async(serve_all(False))  # type: ignore[misc]
+    one_info, one, one_batches = run_async(serve_all(True))  # type: ignore[misc]
+    again_info, again, _ = run_async(serve_all(False))  # type: ignore[misc]
+    assert (two_info.mode, two_info.max_batch_size, two_batches) == ("psd", BATCH, 2)
+    assert (one_info.mode, one_info.max_batch_size, one_batches) == ("sd", 2 * BATCH, 1)
+    assert again_info.mode == "psd"
+    assert one == two == again
+    assert "one batch of up to 8 sequences" in caplog.text
+    log = Path(workers.target.log_path).read_text()
+    assert "cache rows laid out for 1 batch(es)" in log and "cache rows laid out for 2 batch(es)" in log, log[-3000:]
+    assert_all_slots_free(workers)
+
