@@ -121,7 +121,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.metrics = metrics
         if metrics is not None:
             metrics.track_state(lambda: self.manager.queue_length, lambda: self.manager.num_running,
-                                lambda: float(self.workers.draft is not None))
+                                lambda: float(self.workers.draft is not None), lambda: len(self.manager.batches))
         self.tokenizer: object | None = None
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()

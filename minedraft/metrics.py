@@ -77,7 +77,9 @@ class CoordinatorMetrics:
             registry=r,
         )
         self.queue_length = Gauge("minedraft_queue_length", "Requests waiting for admission", registry=r)
-        self.running = Gauge("minedraft_running_sequences", "Sequences in the two batches", registry=r)
+        self.running = Gauge("minedraft_running_sequences", "Sequences in the batches", registry=r)
+        self.batches = Gauge("minedraft_batches", "Batches the coordinator alternates: 2 in psd, 1 in sd (and in psd "
+                             "on a GPU that target and draft share)", registry=r)
         self.draft_connected = Gauge("minedraft_draft_connected",
                                      "1 while drafting; 0 in ar mode or while a lost draft service is retried",
                                      registry=r)
@@ -99,11 +101,12 @@ class CoordinatorMetrics:
         self._last_call: dict[str, tuple[float, float]] = {}
 
     def track_state(self, queue_length: Callable[[], float], running: Callable[[], float],
-                    draft_connected: Callable[[], float]) -> None:
+                    draft_connected: Callable[[], float], batches: Callable[[], float]) -> None:
         """Gauges read at scrape time (nothing on the hot path)."""
         self.queue_length.set_function(queue_length)
         self.running.set_function(running)
         self.draft_connected.set_function(draft_connected)
+        self.batches.set_function(batches)
 
     def worker_call(self, kind: str, size: int, start: float, end: float) -> None:
         """One prefill, propose or verify call, timed by the coordinator (perf_counter seconds)."""

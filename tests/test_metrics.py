@@ -95,7 +95,7 @@ def test_overlap_efficiency() -> None:
 def test_request_end_and_gauges() -> None:
     metrics = CoordinatorMetrics()
     waiting = [3]
-    metrics.track_state(lambda: waiting[0], lambda: 5, lambda: 0.0)
+    metrics.track_state(lambda: waiting[0], lambda: 5, lambda: 0.0, lambda: 2)
     usage = generation_pb2.Usage(completion_tokens=10, draft_tokens=12, accepted_tokens=6, steps=4,
                                  mean_accepted_length=2.5, acceptance_rate=0.5, time_to_first_token_s=0.2,
                                  time_per_output_token_s=0.01)
@@ -111,7 +111,7 @@ def test_request_end_and_gauges() -> None:
     assert value("minedraft_request_mean_accepted_length_sum") == pytest.approx(2.5)
     assert value("minedraft_request_duration_seconds_count") == 2
     assert value("minedraft_queue_length") == 3 and value("minedraft_running_sequences") == 5
-    assert value("minedraft_draft_connected") == 0
+    assert value("minedraft_draft_connected") == 0 and value("minedraft_batches") == 2
     waiting[0] = 0
     assert value("minedraft_queue_length") == 0
 
@@ -177,7 +177,7 @@ def test_coordinator_counters_agree_with_usage(observed_run: ObservedRun) -> Non
     assert m("minedraft_time_per_output_token_seconds_sum") == pytest.approx(
         sum(u.time_per_output_token_s for u in usages))
     assert m("minedraft_queue_length") == 0 and m("minedraft_running_sequences") == 0
-    assert m("minedraft_draft_connected") == 1
+    assert m("minedraft_draft_connected") == 1 and m("minedraft_batches") == 2  # psd on CPUs: no GPU shared
 
 
 def test_step_metrics(observed_run: ObservedRun) -> None:
