@@ -144,6 +144,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.target_info = (await self.workers.target.GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
         if self.workers.draft is not None:
             await self._connect_draft()
+        else:
+            await self._prepare_target()
         tokenizer_dir = self.options.tokenizer or self.target_info.model
         try:
             self.tokenizer = load_tokenizer(tokenizer_dir)
@@ -202,6 +204,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                      "(overlapping two batches does not pay on one GPU; --overlap always keeps them)",
                      self.target_info.gpu_uuid, self.manager.max_batch_size)
 
+    async def _prepare_target(self) -> None:
+        """The target's Prepare when no draft is connected (ar; a target back while the draft is lost): its cache laid
+        out for the batches and their step shapes run before serving, as `_connect_draft` does for both workers.
+        Without it an ar target captured each CUDA graph at its shape's first use, while requests waited."""
+        seconds = await prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
+            num_speculative_tokens=self.loop.k, max_batch_size=self.manager.max_batch_size,
+            num_batches=len(self.manager.batches)))
+        log.info("target prepared in %.1f s", seconds)
+
     async def draft_back(self) -> bool:
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
         within 2 s and then takes the channel set-up, which can be long (a restarted draft on a GPU captures its
@@ -246,6 +257,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.target_info = info
             if self.workers.draft is not None:
                 await self._connect_draft(timeout=2.0)
+            else:
+                await self._prepare_target()
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             log.info("target service not back yet: %s", _detail(exc))
             return False

@@ -96,6 +96,25 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
     assert all(len(set(map(repr, runs))) == 1 for runs in outputs.values()), "precapture changed the output"
 
 
+def test_an_ar_coordinator_prepares_its_target(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """With no draft to connect (ar), the coordinator still calls the target's Prepare: its one-token steps' shapes
+    run before serving, for one batch, and serving gives the same tokens as an unprepared target's."""
+    requests = mixed_requests(tiny_pairs.tokenizer)
+    outputs, logs = [], []
+    for extra in ([], ["--precapture-graphs"]):
+        workers = start_workers(tiny_pairs["llama"], stack_logs, with_draft=False, extra=extra)
+        try:
+            with running_coordinator(workers, stack_logs, "ar", k=4, max_batch_size=4) as coordinator:
+                outputs.append(run_async(generate_all(coordinator.address, requests)))
+            logs.append(workers.target.log_tail(10**7))
+        finally:
+            workers.stop()
+    # Buckets 1, 2, 4 x key lengths 64, 128, 192, 256, for each of the three kinds of verify, of one token (n=1)
+    assert [re.findall(r"ran (\d+) step shapes \(n=(\d+)\)", log) for log in logs] == [[], [("12", "1")] * 3], logs
+    assert "cache rows laid out for 1 batch(es)" in logs[1]
+    assert outputs[0] == outputs[1]
+
+
 def test_a_worker_without_prepare_is_prepared_by_its_setup_channel() -> None:
     """A worker older than the Prepare RPC (a rolling upgrade starts the new coordinator first) answers UNIMPLEMENTED:
     the coordinator goes on to SetupChannel, which prepares such a worker. Any other error still fails the connect."""
