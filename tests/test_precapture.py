@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -20,14 +22,17 @@ from stack import (
     precapture_spans,
     run_async,
     running_coordinator,
+    spawn,
     start_workers,
+    wait_all,
+    worker_args,
 )
 
 from coordinator.server import prepare_worker
 from draft_service.proposer import Proposer
 from minedraft.model_runner import ModelRunner
 from minedraft.offline import OfflineRequest, generate_offline
-from minedraft.proto import target_pb2, target_pb2_grpc
+from minedraft.proto import generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
@@ -96,23 +101,47 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
     assert all(len(set(map(repr, runs))) == 1 for runs in outputs.values()), "precapture changed the output"
 
 
-def test_an_ar_coordinator_prepares_its_target(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
-    """With no draft to connect (ar), the coordinator still calls the target's Prepare: its one-token steps' shapes
-    run before serving, for one batch, and serving gives the same tokens as an unprepared target's."""
+def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """With no draft to connect (ar), the coordinator still calls the target's Prepare, at its start and when it takes
+    a restarted target back: the one-token steps' shapes run before serving, for one batch, and serving gives the
+    same tokens as an unprepared target's."""
     requests = mixed_requests(tiny_pairs.tokenizer)
     outputs, logs = [], []
     for extra in ([], ["--precapture-graphs"]):
         workers = start_workers(tiny_pairs["llama"], stack_logs, with_draft=False, extra=extra)
         try:
-            with running_coordinator(workers, stack_logs, "ar", k=4, max_batch_size=4) as coordinator:
+            with running_coordinator(workers, stack_logs, "ar", k=4, max_batch_size=4,
+                                     extra=["--draft-retry-interval", "0.2"]) as coordinator:
                 outputs.append(run_async(generate_all(coordinator.address, requests)))
+                if extra:  # killed and restarted on its address: taken back, and prepared before it serves again
+                    logs.append(workers.target.log_tail(10**7))
+                    workers.target.proc.send_signal(signal.SIGKILL)
+                    workers.target.proc.wait()
+                    workers.target = spawn("llama-target-restarted", worker_args(
+                        "target", workers.pair.target, workers.max_batch_size) + extra, stack_logs,
+                        port=workers.target.port)
+                    wait_all([workers.target])
+                    outputs.append(_served_again(coordinator.address, requests))
             logs.append(workers.target.log_tail(10**7))
         finally:
             workers.stop()
     # Buckets 1, 2, 4 x key lengths 64, 128, 192, 256, for each of the three kinds of verify, of one token (n=1)
-    assert [re.findall(r"ran (\d+) step shapes \(n=(\d+)\)", log) for log in logs] == [[], [("12", "1")] * 3], logs
-    assert "cache rows laid out for 1 batch(es)" in logs[1]
-    assert outputs[0] == outputs[1]
+    ran = [re.findall(r"ran (\d+) step shapes \(n=(\d+)\)", log) for log in logs]
+    assert ran == [[], [("12", "1")] * 3, [("12", "1")] * 3], logs
+    assert all("cache rows laid out for 1 batch(es)" in log for log in logs[1:])
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def _served_again(address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 60.0
+                  ) -> list[list[int]]:
+    """The requests' tokens once the coordinator serves again (UNAVAILABLE while it takes the target back)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return run_async(generate_all(address, requests))  # type: ignore[return-value]
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, error
+            time.sleep(0.2)
 
 
 def test_a_worker_without_prepare_is_prepared_by_its_setup_channel() -> None:
