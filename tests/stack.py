@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.cli import wait_healthy, wait_port_file
 from minedraft.proto import (
@@ -385,6 +386,20 @@ def precapture_spans(log: str) -> list[tuple[float, float]]:
             end = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             spans.append((end - float(took.group(1)), end))
     return spans
+
+
+def health(address: str, service: str = "") -> int:
+    """A server's grpc.health.v1 status for `service` ("": the server as a whole)."""
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=10).status
+
+
+def wait_health(address: str, status: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while health(address) != status:
+        assert time.monotonic() < deadline, f"health never became {status}"
+        time.sleep(0.1)
 
 
 def worker_info(address: str, kind: str) -> common_pb2.WorkerInfo:

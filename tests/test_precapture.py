@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 from stack import (
     TinyPairs,
     generate_all,
@@ -25,6 +26,7 @@ from stack import (
     spawn,
     start_workers,
     wait_all,
+    wait_health,
     worker_args,
 )
 
@@ -117,6 +119,9 @@ def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: T
                     logs.append(workers.target.log_tail(10**7))
                     workers.target.proc.send_signal(signal.SIGKILL)
                     workers.target.proc.wait()
+                    # Lost to the coordinator first (it follows the target's health): a target restarted before an
+                    # idle ar coordinator notices is simply called again, as it was, with nothing to take back.
+                    wait_health(coordinator.address, health_pb2.HealthCheckResponse.NOT_SERVING)
                     workers.target = spawn("llama-target-restarted", worker_args(
                         "target", workers.pair.target, workers.max_batch_size) + extra, stack_logs,
                         port=workers.target.port)

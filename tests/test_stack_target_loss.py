@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from stack import (
     Completion,
     Service,
@@ -21,11 +21,13 @@ from stack import (
     Workers,
     assert_all_slots_free,
     generate,
+    health,
     running_coordinator,
     spawn,
     start_workers,
     text_prompts,
     wait_all,
+    wait_health,
     worker_args,
 )
 
@@ -81,19 +83,6 @@ async def _signal_while_streaming(address: str, requests: list[generation_pb2.Ge
     return list(await asyncio.gather(*tasks))
 
 
-def _health(address: str, service: str = "") -> int:
-    with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=10).status
-
-
-def _wait_health(address: str, status: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _health(address) != status:
-        assert time.monotonic() < deadline, f"health never became {status}"
-        time.sleep(0.1)
-
-
 def _until_served(address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 30.0
                   ) -> list[Completion]:
     """The wave, sent again (as a client would on UNAVAILABLE) until every request of it is served."""
@@ -139,15 +128,15 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
         # says NOT_SERVING and refuses new requests at once.
         ended = asyncio.run(_signal_while_streaming(address, requests, workers.target))
         assert ended == [LOST] * len(requests), ended
-        _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
-        assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not to be restarted
+        wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not to be restarted
         refused = _wave(address, requests[:1])
         assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
                                                                      "unreachable"), refused
 
         # Back on its address: the coordinator sets the channel up again and serves the same tokens.
         _restart_target(workers, stack_logs / "target-back")
-        _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+        wait_health(address, health_pb2.HealthCheckResponse.SERVING)
         after = _wave(address, requests)
         assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
 
@@ -175,7 +164,7 @@ def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs,
         try:
             ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGSTOP))
             assert ended == [LOST] * len(requests), ended
-            _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+            wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
         finally:
             target.send_signal(signal.SIGCONT)
         after = _until_served(address, requests)
@@ -195,15 +184,15 @@ def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPa
         ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGTERM))
         assert ended == ["FINISH_REASON_LENGTH"] * len(requests), ended
         # The target serves on until no call has come for 5 s: meanwhile the coordinator refuses new requests.
-        _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
-        assert _health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
         refused = _wave(address, requests[:1])
         assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
                                                                      "shutting down"), refused
         assert workers.target.proc.wait(timeout=30) == 0, workers.target.log_tail()
 
         _restart_target(workers, stack_logs / "target-replaced")
-        _wait_health(address, health_pb2.HealthCheckResponse.SERVING)
+        wait_health(address, health_pb2.HealthCheckResponse.SERVING)
         after = _wave(address, requests)
         assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
         assert "the target service is shutting down" in coordinator.log_tail(100_000)
