@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2
 from stack import (
     TinyPairs,
@@ -119,8 +120,10 @@ def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: T
                     logs.append(workers.target.log_tail(10**7))
                     workers.target.proc.send_signal(signal.SIGKILL)
                     workers.target.proc.wait()
-                    # Lost to the coordinator first (it follows the target's health): a target restarted before an
-                    # idle ar coordinator notices is simply called again, as it was, with nothing to take back.
+                    # A call finds it gone (an idle coordinator learns of a killed target at its next call; one
+                    # restarted before that is simply called again, with nothing to take back)
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        run_async(generate_all(coordinator.address, requests[:1]))
                     wait_health(coordinator.address, health_pb2.HealthCheckResponse.NOT_SERVING)
                     workers.target = spawn("llama-target-restarted", worker_args(
                         "target", workers.pair.target, workers.max_batch_size) + extra, stack_logs,
