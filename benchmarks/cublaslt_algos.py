@@ -1,11 +1,11 @@
-"""cuBLASLt's candidate algorithms for the 8B target's projections, each timed in a CUDA graph against torch's own linear.
+"""cuBLASLt's candidate algorithms for the 8B target's projections, each timed in a CUDA graph against torch's.
 
 A verify's GEMMs run at ~76% of HBM bandwidth at 40-80 rows. Under cuBLASLt, `torch.nn.functional.linear` takes the
 first algorithm of cuBLASLt's heuristic; the heuristic ranks more candidates, and at few rows another may be faster
 (TensorRT-LLM profiles cuBLASLt's algorithms per shape rather than trusting the first). Here cuBLASLt is bound with
 ctypes, each candidate checked against torch's output and timed: 32 calls, each on its own weight (as 32 layers),
 replayed in a CUDA graph.
-"""  # noqa: E501
+"""
 
 from __future__ import annotations
 

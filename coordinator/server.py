@@ -145,7 +145,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if self.workers.draft is not None:
             await self._connect_draft()
         else:
-            await self._prepare_target()
+            log.info("target prepared in %.1f s", await self._prepare_target())
         tokenizer_dir = self.options.tokenizer or self.target_info.model
         try:
             self.tokenizer = load_tokenizer(tokenizer_dir)
@@ -175,8 +175,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         draft_s, target_s = await asyncio.gather(
             prepare_worker(draft.Prepare, draft_pb2.DraftServicePrepareRequest(
                 num_speculative_tokens=k, max_batch_size=batch, num_batches=batches)),
-            prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
-                num_speculative_tokens=k, max_batch_size=batch, num_batches=batches)))
+            self._prepare_target())
         start = time.perf_counter()
         exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
             channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches))
@@ -195,7 +194,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         1.14x the tokens of two alternating batches of 32 time-sliced, 1.04x under MPS, at a lower TPOT (runs
         25c/d). `--overlap always` keeps the two batches."""
         self._laid_out = True
-        if self.options.mode != "psd" or self.options.overlap != "auto" or len(self.manager.batches) < 2:
+        if self.options.mode != "psd" or self.options.overlap != "auto":
             return
         if shares_gpu(self.target_info, self.draft_info):
             self.manager.merge_batches()
@@ -204,14 +203,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                      "(overlapping two batches does not pay on one GPU; --overlap always keeps them)",
                      self.target_info.gpu_uuid, self.manager.max_batch_size)
 
-    async def _prepare_target(self) -> None:
-        """The target's Prepare when no draft is connected (ar; a target back while the draft is lost): its cache laid
-        out for the batches and their step shapes run before serving, as `_connect_draft` does for both workers.
-        Without it an ar target captured each CUDA graph at its shape's first use, while requests waited."""
-        seconds = await prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
+    async def _prepare_target(self) -> float:
+        """The target's Prepare (its cache laid out for the batches, their step shapes run before serving); the
+        seconds it took. With the draft's in `_connect_draft`, alone when no draft is connected (ar; a target back
+        while the draft is lost): without it an ar target captured each CUDA graph at its shape's first use, while
+        requests waited."""
+        return await prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
             num_speculative_tokens=self.loop.k, max_batch_size=self.manager.max_batch_size,
             num_batches=len(self.manager.batches)))
-        log.info("target prepared in %.1f s", seconds)
 
     async def draft_back(self) -> bool:
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
@@ -258,7 +257,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if self.workers.draft is not None:
                 await self._connect_draft(timeout=2.0)
             else:
-                await self._prepare_target()
+                log.info("target prepared in %.1f s", await self._prepare_target())
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             log.info("target service not back yet: %s", _detail(exc))
             return False

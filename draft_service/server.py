@@ -54,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftServicePrepareResponse()
 
     async def _prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
-        await self.worker.precapture(self.proposer.precapture, k, max_batch_size, num_batches)
+        await self.worker.prepare(self.proposer.precapture, k, max_batch_size, num_batches)
 
     @grpc_errors
     async def Prefill(self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext

@@ -222,13 +222,13 @@ class ModelWorker:
         self.channel = channel
         return reply
 
-    async def precapture(self, prepare: Callable[[int, int, list[int]], int], k: int, max_batch_size: int,
-                         num_batches: int) -> None:
-        """With --precapture-graphs, `prepare(k, max_batch_size, batch_ids)` (the verifier's or proposer's
-        `precapture`) once for each k, batch size and batch a coordinator sets up, in its Prepare (or SetupChannel)
-        (`num_batches` 0, from an older coordinator: both). First the cache rows are laid out in as many blocks as
-        the coordinator has batches: one batch of twice the size, on a GPU the pair shares, reads its K/V as views of
-        one block of every row."""
+    async def prepare(self, precapture: Callable[[int, int, list[int]], int], k: int, max_batch_size: int,
+                      num_batches: int) -> None:
+        """A coordinator's Prepare (or SetupChannel) (`num_batches` 0, from an older coordinator: two). The cache rows
+        laid out in as many blocks as the coordinator has batches (one batch of twice the size, on a GPU the pair
+        shares, reads its K/V as views of one block of every row); then, with --precapture-graphs,
+        `precapture(k, max_batch_size, batch_ids)` (the verifier's or proposer's) once for each k, batch size and
+        batch."""
         groups = min(num_batches or NUM_BATCHES, NUM_BATCHES)
         if groups != self.runner.groups:
             if self.runner.free_slots == self.runner.num_slots:
@@ -241,7 +241,7 @@ class ModelWorker:
         batch_ids = [b for b in range(groups)
                      if (k, max_batch_size, b) not in self._precaptured]
         if wanted and batch_ids:
-            await self.run(prepare, k, max_batch_size, batch_ids)
+            await self.run(precapture, k, max_batch_size, batch_ids)
             self._precaptured.update((k, max_batch_size, b) for b in batch_ids)
 
     def require_channel(self) -> Channel:

@@ -79,7 +79,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
         """The acceptance compiled (with --compile), then the step shapes run (with --precapture-graphs): each once."""
         await self.worker.run(self.verifier.warm_up, k)
-        await self.worker.precapture(self.verifier.precapture, k, max_batch_size, num_batches)
+        await self.worker.prepare(self.verifier.precapture, k, max_batch_size, num_batches)
 
     @grpc_errors
     async def Prefill(self, request: target_pb2.TargetServicePrefillRequest, context: grpc.aio.ServicerContext

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +34,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.server import CoordinatorOptions, GenerationServicer, serve
 from minedraft.cli import wait_healthy, wait_port_file
 from minedraft.proto import (
     common_pb2,
@@ -346,6 +347,21 @@ def running_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **op
             print(f"coordinator exited with {code}:\n{coordinator.log_tail()}", file=sys.stderr)
 
 
+@contextlib.asynccontextmanager
+async def in_process_coordinator(workers: Workers, **options: Any) -> AsyncIterator[tuple[str, GenerationServicer]]:
+    """A coordinator served in this process (`coordinator.server.serve`) in front of `workers`, over the grpc channel,
+    batches of 4 unless `options` say otherwise: (its address, its servicer), for tests that reach into it."""
+    assert workers.draft is not None
+    settings: dict[str, Any] = dict(target=workers.target.address, draft=workers.draft.address, max_batch_size=4,
+                                    channel="grpc", tokenizer=str(workers.pair.target))
+    server, port, servicer = await serve(CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1")
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        await server.stop(None)
+        await servicer.stop()
+
+
 # --------------------------------------------------------------------------------------------- clients
 
 
@@ -396,6 +412,7 @@ def health(address: str, service: str = "") -> int:
 
 
 def wait_health(address: str, status: int, timeout: float = 30.0) -> None:
+    """Poll `health` until the server as a whole reports `status`."""
     deadline = time.monotonic() + timeout
     while health(address) != status:
         assert time.monotonic() < deadline, f"health never became {status}"

@@ -13,13 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from stack import TinyPairs, Workers, assert_all_slots_free, generate, run_async, text_prompts
+from stack import TinyPairs, Workers, assert_all_slots_free, generate, in_process_coordinator, run_async, text_prompts
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import coordinator.server
 from coordinator.batch_manager import BatchManager
 from coordinator.request_state import RequestState
-from coordinator.server import CoordinatorOptions, serve, shares_gpu
+from coordinator.server import shares_gpu
 from minedraft.model_runner import ModelRunner
 from minedraft.proto import common_pb2, generation_pb2, generation_pb2_grpc
 from minedraft.sampling import SamplingConfig
@@ -78,20 +78,13 @@ def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
 
     async def serve_all(shared: bool) -> tuple[generation_pb2.GetServerInfoResponse, list[list[int]], int]:
         monkeypatch.setattr(coordinator.server, "shares_gpu", lambda target, draft: shared)
-        assert workers.draft is not None
-        options = CoordinatorOptions(target=workers.target.address, draft=workers.draft.address,
-                                     max_batch_size=BATCH, channel="grpc", tokenizer=str(workers.pair.target))
-        server, port, servicer = await serve(options, 0, "127.0.0.1")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with in_process_coordinator(workers, max_batch_size=BATCH) as (address, servicer):
+            async with grpc.aio.insecure_channel(address) as channel:
                 info = await generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
                     generation_pb2.GetServerInfoRequest())
-            completions = await asyncio.gather(*(generate(f"127.0.0.1:{port}", r) for r in requests))
+            completions = await asyncio.gather(*(generate(address, r) for r in requests))
             assert all(c.usage.draft_tokens > 0 for c in completions)  # drafted, not decoded alone
             return info, [c.token_ids for c in completions], len(servicer.manager.batches)
-        finally:
-            await server.stop(None)
-            await servicer.stop()
 
     caplog.set_level(logging.INFO, logger="coordinator")
     two_info, two, two_batches = run_async(serve_all(False))  # type: ignore[misc]

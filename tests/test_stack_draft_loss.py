@@ -18,6 +18,7 @@ from stack import (
     assert_all_slots_free,
     collect,
     generate,
+    in_process_coordinator,
     precapture_spans,
     run_async,
     running_coordinator,
@@ -30,7 +31,6 @@ from stack import (
 )
 
 from coordinator.batch_manager import Batch
-from coordinator.server import CoordinatorOptions, serve
 from coordinator.step_loop import StepLoop
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
@@ -319,11 +319,7 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
 
     async def serve_both_waves() -> tuple[list[Completion], list[Completion], int]:
         nonlocal armed
-        options = CoordinatorOptions(target=workers.target.address, draft=workers.draft.address, max_batch_size=4,
-                                     channel="grpc", tokenizer=str(workers.pair.target), draft_retry_interval=1.0)
-        server, port, servicer = await serve(options, 0, "127.0.0.1")
-        try:
-            address = f"127.0.0.1:{port}"
+        async with in_process_coordinator(workers, draft_retry_interval=1.0) as (address, servicer):
             expected = await asyncio.gather(*(generate(address, r) for r in requests))
             armed = True
             left = await asyncio.gather(*(generate(address, r) for r in requests))
@@ -332,9 +328,6 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
                 assert time.monotonic() < deadline, "the draft was not taken back"
                 await generate(address, requests[0])
             return expected, left, len(servicer.workers.draft_backlog)
-        finally:
-            await server.stop(None)
-            await servicer.stop()
 
     caplog.set_level(logging.INFO, logger="coordinator")
     try:
