@@ -153,8 +153,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
         self._watches = [asyncio.create_task(self._follow_health(
-            self.workers.target_channel, "target", self._target_stopping,
-            lambda: self.loop.lose_target("it shut down")))]
+            self.workers.target_channel, "target", self._target_stopping, self.loop.lose_target))]
         if self.workers.draft_channel is not None:
             self._watches.append(asyncio.create_task(self._follow_health(
                 self.workers.draft_channel, "draft", self._draft_stopping)))
@@ -300,24 +299,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return self.draft_draining and not self.draining
 
     async def _follow_health(self, channel: grpc.aio.Channel, service: str,
-                             changed: Callable[[bool], Awaitable[None]], stopped: Callable[[], None] | None = None
+                             changed: Callable[[bool], Awaitable[None]], gone: Callable[[str], None] | None = None
                              ) -> None:
         """Watch a worker's health for the coordinator's lifetime: `changed(stopping)` with each status it reports,
-        `stopped()` when its stream ends after it said it was stopping (it has stopped); watch again (the next
-        process on its address) every --draft-retry-interval."""
+        `gone(why)` when its stream ends after it said it was stopping (it has stopped) or breaks while it said it
+        was serving (killed, crashed, or its host gone); watch again (the next process on its address) every
+        --draft-retry-interval. Without the second, an idle coordinator reported SERVING for a killed target until
+        a request's call failed."""
         health = health_pb2_grpc.HealthStub(channel)
         while True:
-            stopping = False  # what this stream last said (a failed connect says nothing)
+            said: bool | None = None  # whether this stream last said stopping (None: nothing, a failed connect)
+            why = "it shut down"
             try:
                 async for reply in health.Watch(health_pb2.HealthCheckRequest()):
-                    stopping = reply.status != health_pb2.HealthCheckResponse.SERVING
-                    await changed(stopping)
+                    said = reply.status != health_pb2.HealthCheckResponse.SERVING
+                    await changed(said)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.warning("the %s service has no health service: its shutdowns are not followed", service)
                     return
-            if stopping and stopped is not None:
-                stopped()
+                if said is False and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    said, why = True, f"its connection broke ({exc.details()})"
+            if said and gone is not None:
+                gone(why)
             await asyncio.sleep(self.options.draft_retry_interval)
 
     async def drain(self, cut_short: asyncio.Event) -> None:
