@@ -513,6 +513,7 @@ def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedMod
                    "--target-device", args.target_device, "--draft-device", run.draft_device,
                    "--channel", run.channel, "--dtype", "bfloat16", "--num-speculative-tokens", "4",
                    "--max-batch-size", str(args.services_batch), "--overlap", args.services_overlap,
+                   "--speculation", args.services_speculation,
                    "--synthetic-acceptance", str(args.synthetic_acceptance),
                    "--num-prompts", str(args.services_prompts or 2 * args.services_batch),
                    "--prompt-len", str(args.prefix),
@@ -658,6 +659,9 @@ def main() -> None:
     parser.add_argument("--services-overlap", default="always", choices=["always", "auto", "never"],
                         help="the coordinator's --overlap in the services runs (always: measure the overlap itself; "
                              "auto: what users get, sequential calls where overlapping does not pay)")
+    parser.add_argument("--services-speculation", default="auto", choices=["auto", "always"],
+                        help="the coordinator's --speculation in the services runs (auto: what users get, the target "
+                             "alone where drafting does not pay; always: draft at every step)")
     parser.add_argument("--services-profile", action="store_true",
                         help="the services write profiler traces of five calls each (profiles_<run>.tar.gz in --out)")
     parser.add_argument("--services-timeout", type=int, default=300,

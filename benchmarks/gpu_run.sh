@@ -67,6 +67,7 @@ services)
         --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --drafts "$(echo "${2:-68m}" | sed 's/:[a-z]*//g')" \
         --services "${2:-68m}" \
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
+        --services-speculation "${SPECULATION:-auto}" \
         --services-modes "${MODES:-psd,sd}" --services-timeout "${SERVICES_TIMEOUT:-330}" ${EXTRA:-} \
         --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|: \{'psd|timed out|Error|services up" "$OUT/run/services.log" | tail -30

@@ -23,6 +23,8 @@ class RequestState:
     config: SamplingConfig
     stop_strings: tuple[str, ...]
     tokenizer: object | None
+    # Sampled with the client's seed, so its output must not depend on when steps drafted (`StepLoop.step`)
+    seeded: bool = False
     created: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -31,8 +33,11 @@ class RequestState:
     _read_offset: int = 0
     _rendered: int = 0  # output tokens whose messages the stream's reader took
     finish_reason: int = FINISH.FINISH_REASON_UNSPECIFIED
-    # The target's verdict at the last verify (or prefill), which the next proposal reconciles with.
+    # The target's verdict on the draft's last proposal (0 after prefill), which the next proposal reconciles with,
+    # and the index in `output_ids` of the token it emitted: the draft has cached none from there (the last it is
+    # sent as the token to draft from, any before it as missed, after steps decoded without drafts).
     num_accepted: int = 0
+    draft_from: int = 0
     steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -50,10 +55,16 @@ class RequestState:
     def last_token(self) -> int:
         return self.output_ids[-1]
 
+    @property
+    def missed_by_draft(self) -> list[int]:
+        """Tokens before `last_token` that the draft has not cached (`draft_from`)."""
+        return self.output_ids[self.draft_from : -1]
+
     def record_verify(self, num_drafts: int, num_accepted: int) -> None:
+        """Before the verify's tokens are emitted."""
         self.steps += 1
-        self.num_accepted = num_accepted
         if num_drafts:
+            self.num_accepted, self.draft_from = num_accepted, len(self.output_ids) + num_accepted
             self.draft_tokens += num_drafts
             self.accepted_tokens += num_accepted
             if len(self.accepted_per_position) < num_drafts:

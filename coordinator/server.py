@@ -48,6 +48,7 @@ class CoordinatorOptions:
     tokenizer: str | None = None
     step_trace: str | None = None
     overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
+    speculation: str = "auto"  # psd, sd: draft always, or let the target decode alone while that measures faster
     draft_retry_interval: float = 5.0  # seconds between tries to reach a lost draft service again
     draft_timeout: float = 30.0  # a draft call that takes longer counts the draft service as lost
     target_timeout: float = 120.0  # a target step call that takes longer counts the target service as lost (0: never)
@@ -109,7 +110,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                     options.max_prefill_tokens)
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
         self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
-                               metrics=metrics, overlap=options.overlap)
+                               metrics=metrics, overlap=options.overlap, speculation=options.speculation)
         self.loop.draft_back = self.draft_back
         self.loop.hand_over_draft = self.hand_over_draft
         self.loop.target_back = self.target_back
@@ -121,7 +122,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.metrics = metrics
         if metrics is not None:
             metrics.track_state(lambda: self.manager.queue_length, lambda: self.manager.num_running,
-                                lambda: float(self.workers.draft is not None), lambda: len(self.manager.batches))
+                                lambda: float(self.workers.draft is not None), lambda: len(self.manager.batches),
+                                lambda: float(self.loop.drafting))
         self.tokenizer: object | None = None
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()
@@ -479,7 +481,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             seed=p.seed if p.HasField("seed") else secrets.randbits(63), max_tokens=max_tokens,
             stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
         )
-        return RequestState(next(self._seq_ids), prompt_ids, config, tuple(s for s in p.stop if s), self.tokenizer)
+        return RequestState(next(self._seq_ids), prompt_ids, config, tuple(s for s in p.stop if s), self.tokenizer,
+                            seeded=not config.greedy and p.HasField("seed"))
 
 
 async def serve(options: CoordinatorOptions, port: int, host: str = "[::]", tracing: Tracing | None = None,

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from coordinator.batch_manager import Batch, BatchManager
+from coordinator.measured_choice import MeasuredChoice
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
+from coordinator.speculation_policy import SpeculationPolicy
 from coordinator.stream_outbox import StreamOutbox
 from coordinator.workers import Workers
 from minedraft.proto import common_pb2, target_pb2
@@ -45,13 +47,15 @@ class StepLoop:
     after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts)."""
 
     def __init__(self, workers: Workers, manager: BatchManager, mode: str, k: int,
-                 metrics: CoordinatorMetrics | None = None, overlap: str = "auto") -> None:
+                 metrics: CoordinatorMetrics | None = None, overlap: str = "auto", speculation: str = "auto"
+                 ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         self.workers, self.manager, self.mode = workers, manager, mode
         self.k = 0 if mode == "ar" else k
         self.metrics = metrics
         self.overlap_policy = OverlapPolicy(overlap)
+        self.speculation_policy = SpeculationPolicy(speculation)
         # What a step emits reaches the clients' streams once the next worker calls are sent.
         self.outbox = StreamOutbox()
         workers.call_started = self.outbox.call_started
@@ -119,19 +123,28 @@ class StepLoop:
         batches = self.manager.batches
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
-        if self.mode == "ar" or self.workers.draft is None:  # target only (by choice, or the draft was lost)
+        drafting = self.mode != "ar" and self.workers.draft is not None
+        policy = self.speculation_policy.at(sum(len(b.members) for b in batches))
+        start = time.perf_counter()
+        # A sampled token depends on whether its position was drafted: while a request sampled with its client's
+        # seed runs, every step drafts, so that its output is the seed's whatever the policy measures.
+        if not (drafting and (self._choose_drafting(policy) or any(r.seeded for b in batches for r in b.members))):
+            emitted = 0
             for batch in batches:
                 if batch.members:
-                    await self._verify(batch)
+                    emitted += await self._verify(batch)
+            if drafting and to_verify is None:  # (a step that verified drafts is not the target's alone)
+                policy.record(False, time.perf_counter() - start, emitted)
         elif to_verify is not None and to_propose is not None:
-            start, verified = time.perf_counter(), len(to_verify.members)
+            verified = len(to_verify.members)
             overlap = self.overlap_policy.choose()
             if overlap:
-                await asyncio.gather(self._verify(to_verify), self._propose(to_propose))
+                emitted, _ = await asyncio.gather(self._verify(to_verify), self._propose(to_propose))
             else:
-                await self._verify(to_verify)
+                emitted = await self._verify(to_verify)
                 await self._propose(to_propose)
             self.overlap_policy.record(overlap, time.perf_counter() - start, verified)
+            policy.record(True, time.perf_counter() - start, emitted)
             if self.metrics is not None and overlap:
                 self.metrics.overlapped_step(start, time.perf_counter())
         elif to_verify is not None:
@@ -140,7 +153,23 @@ class StepLoop:
             await self._propose(to_propose)
             other_has_work = any(b.members for b in batches if b is not to_propose)
             if not other_has_work:  # fallback: standard SD on the only batch with work
-                await self._verify(to_propose)
+                emitted = await self._verify(to_propose)
+                policy.record(True, time.perf_counter() - start, emitted)
+
+    def _choose_drafting(self, policy: MeasuredChoice) -> bool:
+        """The speculation policy's choice for this step, logged when its preference turns."""
+        drafting = policy.choose()
+        if self.speculation_policy.turned():
+            drafts, alone = (policy.cost(way) for way in (True, False))
+            log.warning("%s at batches near %d: %.3f ms per token decoding with drafts, %.3f ms with the target alone",
+                        "drafting again" if policy.preferred else "drafts do not pay, decoding with the target alone",
+                        sum(len(b.members) for b in self.manager.batches), 1e3 * (drafts or 0.0), 1e3 * (alone or 0.0))
+        return drafting
+
+    @property
+    def drafting(self) -> bool:
+        """Whether steps draft (the speculation policy's preference, a trial aside)."""
+        return self.mode != "ar" and self.workers.draft is not None and self.speculation_policy.current.preferred
 
     async def _remove_finished(self) -> None:
         await self._release([r for b in self.manager.batches if not b.awaiting_verify
@@ -191,8 +220,10 @@ class StepLoop:
         return self.workers.verify(next(self._step_ids), batch.batch_id, batch.members, batch.drafts,
                                    batch.drafts_to_verify)
 
-    async def _verify(self, batch: Batch) -> None:
+    async def _verify(self, batch: Batch) -> int:
+        """Verify the batch's drafts (a plain decode step if it has none); the tokens the target emitted."""
         members, k = batch.members, batch.drafts_to_verify
+        emitted = 0
         try:
             reply = await (self._verifying.pop(batch.batch_id, None) or self._call_verify(batch))
         except Exception as exc:
@@ -202,12 +233,14 @@ class StepLoop:
             for request, result in zip(members, reply.results):
                 request.record_verify(k, result.num_accepted)
                 request.emit(list(result.token_ids), result.finish_reason, self.outbox)
+                emitted += len(result.token_ids)
             if self.metrics is not None:
                 self.metrics.verified(reply.results, k)
         gone = [r for r in members + batch.joining if r.finished or r.cancelled]
         batch.open_membership()
         self.manager.rebalance(batch)
         await self._release(gone)
+        return emitted
 
     async def _maybe_reconnect_draft(self) -> None:
         lost = self.workers.draft is None and self.workers.draft_stub is not None  # (ar mode has no draft stub)

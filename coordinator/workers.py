@@ -110,17 +110,26 @@ class Workers:
             await self._started(self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
                 sequences=[sequence_spec(r, resume) for r in requests], release_seq_ids=released),
                 timeout=self.draft_timeout))
+        if resume:
+            for request in requests:
+                request.draft_from = len(request.output_ids) - 1
 
     async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
                       ) -> draft_pb2.ProposeResponse:
         assert self.draft is not None
         start = time.perf_counter()
+        request = draft_pb2.ProposeRequest(
+            step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
+            num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
+            num_draft_tokens=k,
+        )
+        missed = [r.missed_by_draft for r in members]
+        if any(missed):  # (after steps decoded without drafts)
+            request.num_missed_tokens.extend(len(m) for m in missed)
+            request.missed_token_ids.extend(t for m in missed for t in m)
         with self._releasing("draft") as released:
-            reply = await self._started(self.draft.Propose(draft_pb2.ProposeRequest(
-                step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
-                num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
-                num_draft_tokens=k, release_seq_ids=released,
-            ), timeout=self.draft_timeout))
+            request.release_seq_ids.extend(released)
+            reply = await self._started(self.draft.Propose(request, timeout=self.draft_timeout))
         self._record("propose", batch_id, len(members), start, reply.timings)
         return reply
 

@@ -57,12 +57,17 @@ class Proposer:
 
     def propose(
         self, seq_ids: Sequence[int], num_accepted: torch.Tensor, next_tokens: torch.Tensor, k: int,
-        batch_id: int | None = None,
+        batch_id: int | None = None, missed: Sequence[Sequence[int]] = (),
     ) -> Proposal:
         """Reconcile every row with the target's last verdict, then draft k tokens for each (`batch_id`: as in
-        `Verifier.verify`), all in the proposal's CUDA graph. `num_accepted` and `next_tokens` are host tensors."""
+        `Verifier.verify`), all in the proposal's CUDA graph. `num_accepted` and `next_tokens` are host tensors.
+
+        `missed` (per row, or empty): tokens the target emitted before `next_tokens` that this draft was not given,
+        since the coordinator decoded without drafts meanwhile (`_catch_up`)."""
         if k < 1:
             raise ValueError("a proposal drafts at least one token")
+        if any(missed):
+            self._catch_up(seq_ids, num_accepted.tolist(), missed)
         host_rows, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
         # The lengths the proposal's steps reach, from the host copies: the first step writes both tail positions
         # of every row, valid or not, each later step appends one.
@@ -77,6 +82,35 @@ class Proposer:
         for row, (kept, tail) in zip(host_rows, kept_and_tail):
             self.committed_host[row], self.last_k_host[row] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
+
+    def _catch_up(self, seq_ids: Sequence[int], num_accepted: list[int], missed: Sequence[Sequence[int]]) -> None:
+        """Rows that missed tokens: the verdict on their last proposal applied, then what it leaves uncached (d_k
+        after a full accept) and the missed tokens cached, in one eager forward (as a prefill: a graph per width
+        would be captured mid-load). Each row is left as a prefill leaves it, nothing drafted, so that the
+        proposal's graph feeds it `next_tokens` alone. Only after the coordinator decoded without drafts, which it
+        does in spells (`SpeculationPolicy`): one forward per spell, off the proposals' graphs."""
+        lagging = [i for i, tokens in enumerate(missed) if tokens]
+        host_rows = self.table.row_list([seq_ids[i] for i in lagging])
+        device = self.runner.device
+        rows = torch.tensor(host_rows, dtype=torch.long, device=device)
+        final_drafts = self.final_draft[rows].tolist()
+        kept, appended = [], []
+        for i, row, final_draft in zip(lagging, host_rows, final_drafts):
+            keep, tail = self._kept_and_tail(row, num_accepted[i])
+            kept.append(keep)
+            appended.append(([final_draft] if tail == 2 else []) + list(missed[i]))
+        ids = torch.zeros(len(lagging), max(len(t) for t in appended), dtype=torch.long)
+        for b, tokens in enumerate(appended):
+            ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_start`: a wider target vocabulary)
+        lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
+        self.runner.truncate(rows, torch.tensor(kept, dtype=torch.long, device=device))
+        self.runner.score(rows, [ids.to(device), torch.tensor([len(t) for t in appended], device=device)],
+                          _no_outputs, "catch-up", needed=max(lengths), tokens=ids.shape[1], last_only=True)
+        self.committed[rows] = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.last_k[rows] = 0
+        for row, length in zip(host_rows, lengths):
+            self.committed_host[row], self.last_k_host[row] = length, 0
 
     def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
         """Run every kind of proposal of k tokens in every shape serving can give it (`ModelRunner.precapture`)."""

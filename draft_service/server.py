@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -78,10 +79,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if request.num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be at least 1")
         check_batch_id(request.batch_id)
-        (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request)
+        missed = self._missed_tokens(request)
+        (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request, missed)
         return draft_pb2.ProposeResponse(drafts=payload, timings=timings(start_unix, compute_s, channel_s, queue_s))
 
-    def _propose(self, request: draft_pb2.ProposeRequest) -> tuple[common_pb2.DraftPayload, float]:
+    def _missed_tokens(self, request: draft_pb2.ProposeRequest) -> list[list[int]]:
+        """Each sequence's tokens in `missed_token_ids`, checked (none when `num_missed_tokens` is empty)."""
+        counts, flat = list(request.num_missed_tokens), list(request.missed_token_ids)
+        if not counts and not flat:
+            return []
+        if len(counts) != len(request.seq_ids):
+            raise ValueError("num_missed_tokens must be empty or have one count per sequence in seq_ids")
+        if sum(counts) != len(flat):
+            raise ValueError(f"num_missed_tokens add up to {sum(counts)}, but missed_token_ids has {len(flat)} ids")
+        limit = self.worker.vocab.logits_size
+        if any(t < 0 or t >= limit for t in flat):
+            raise ValueError(f"missed token ids must be in [0, {limit})")
+        ends = list(itertools.accumulate(counts))
+        return [flat[end - count : end] for count, end in zip(counts, ends)]
+
+    def _propose(self, request: draft_pb2.ProposeRequest, missed: list[list[int]]
+                 ) -> tuple[common_pb2.DraftPayload, float]:
         channel = self.worker.require_channel()
         proposal = self.proposer.propose(
             list(request.seq_ids),
@@ -89,6 +107,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             torch.tensor(list(request.next_token_ids), dtype=torch.long),
             request.num_draft_tokens,
             request.batch_id,
+            missed,
         )
         start = time.perf_counter()
         payload = channel.send(request.step_id, proposal.draft_ids, proposal.draft_probs)

@@ -55,6 +55,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--channel", default="auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     stack.add_argument("--overlap", default="auto", choices=["auto", "always", "never"],
                        help="psd: run Verify and Propose concurrently always, never, or when it measures faster")
+    stack.add_argument("--speculation", default="auto", choices=["auto", "always"],
+                       help="psd and sd: draft at every step (always), or let the target decode alone while that "
+                            "measures faster (auto)")
     stack.add_argument("--threads", type=int, default=None,
                        help="OMP_NUM_THREADS for the started services (CPU: 1 keeps three services from "
                             "oversubscribing a small machine)")
@@ -366,8 +369,8 @@ class LocalStack:
             max_queue_size=max(256, args.num_prompts + args.num_warmup), max_prefill_tokens=args.max_prefill_tokens,
             channel=args.channel,
             step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
-            overlap=args.overlap, synthetic_acceptance=args.synthetic_acceptance, compile=args.compile,
-            eager=args.eager, precapture_graphs=args.precapture_graphs,
+            overlap=args.overlap, speculation=args.speculation, synthetic_acceptance=args.synthetic_acceptance,
+            compile=args.compile, eager=args.eager, precapture_graphs=args.precapture_graphs,
         )
         self.env = dict(os.environ)
         if args.threads:

@@ -100,6 +100,9 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--overlap", "auto", choices=["auto", "always", "never"],
          help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto; on a GPU "
               "that target and draft share, auto runs sd on one batch of twice --max-batch-size instead)")
+    _add(parser, "--speculation", "auto", choices=["auto", "always"],
+         help="psd and sd: draft at every step (always), or let the target decode alone while that measures "
+              "faster per token than drafting (auto: a large batch, or a draft too slow for its acceptance)")
     _add(parser, "--draft-retry-interval", 5.0, type=float,
          help="seconds between tries to reach a lost draft service again (requests go on with the target alone), "
               "or a lost target service (requests are refused meanwhile)")
@@ -244,7 +247,7 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         target=args.target, draft=args.draft, mode=args.mode, num_speculative_tokens=args.num_speculative_tokens,
         max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size,
         max_prefill_tokens=args.max_prefill_tokens, channel=args.channel, tokenizer=args.tokenizer,
-        step_trace=args.step_trace, overlap=args.overlap,
+        step_trace=args.step_trace, overlap=args.overlap, speculation=args.speculation,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
         target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
     )
@@ -357,7 +360,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--host", args.host, "--mode", args.mode,
                         "--num-speculative-tokens", str(args.num_speculative_tokens),
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
-                        "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap]
+                        "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap,
+                        "--speculation", args.speculation]
     # absent (bench's own arguments): the defaults
     for flag in ("--max-prefill-tokens", "--draft-retry-interval", "--draft-timeout", "--target-timeout",
                  "--drain-timeout"):
@@ -411,7 +415,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
         max_queue_size=args.max_queue_size, max_prefill_tokens=args.max_prefill_tokens,
         channel="local" if args.channel == "auto" else args.channel,
-        tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap,
+        tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap, speculation=args.speculation,
         draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
         target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
     )

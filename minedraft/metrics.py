@@ -81,8 +81,10 @@ class CoordinatorMetrics:
         self.batches = Gauge("minedraft_batches", "Batches the coordinator alternates: 2 in psd, 1 in sd (and in psd "
                              "on a GPU that target and draft share)", registry=r)
         self.draft_connected = Gauge("minedraft_draft_connected",
-                                     "1 while drafting; 0 in ar mode or while a lost draft service is retried",
-                                     registry=r)
+                                     "1 while a draft service is connected; 0 in ar mode or while a lost draft "
+                                     "service is retried", registry=r)
+        self.drafting = Gauge("minedraft_drafting", "1 while steps draft; 0 while the target decodes alone (ar mode, "
+                              "a lost draft, or drafts measured not to pay: --speculation auto)", registry=r)
         self.ttft = Histogram("minedraft_time_to_first_token_seconds", "Time to first token per request",
                               buckets=LATENCY, registry=r)
         self.tpot = Histogram("minedraft_time_per_output_token_seconds",
@@ -101,11 +103,13 @@ class CoordinatorMetrics:
         self._last_call: dict[str, tuple[float, float]] = {}
 
     def track_state(self, queue_length: Callable[[], float], running: Callable[[], float],
-                    draft_connected: Callable[[], float], batches: Callable[[], float]) -> None:
+                    draft_connected: Callable[[], float], batches: Callable[[], float],
+                    drafting: Callable[[], float]) -> None:
         """Gauges read at scrape time (nothing on the hot path)."""
         self.queue_length.set_function(queue_length)
         self.running.set_function(running)
         self.draft_connected.set_function(draft_connected)
+        self.drafting.set_function(drafting)
         self.batches.set_function(batches)
 
     def worker_call(self, kind: str, size: int, start: float, end: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -125,15 +126,16 @@ class Verifier:
     def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
         """Run the verify of k drafts in every shape serving can give it (`ModelRunner.precapture`), for each kind of
         batch a proposer sends by default: all greedy (ids only), sampled and filtered (with the draft's
-        probabilities)."""
+        probabilities); with k > 0 the target's step alone too (k = 0), which a speculating coordinator runs while
+        drafts do not pay, or its draft is lost."""
         shapes, vocab = 0, self.runner.vocab_size
-        for all_greedy, filtered in KINDS:
+        for drafts, (all_greedy, filtered) in itertools.product(sorted({k, 0}, reverse=True), KINDS):
             def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
-                       all_greedy: bool = all_greedy, filtered: bool = filtered) -> object:
-                probs = (torch.zeros(len(r), k, vocab, device=r.device),) if not all_greedy and k else ()
+                       all_greedy: bool = all_greedy, filtered: bool = filtered, drafts: int = drafts) -> object:
+                probs = (torch.zeros(len(r), drafts, vocab, device=r.device),) if not all_greedy and drafts else ()
                 return self._score(r, i[:, 1:], probs, all_greedy, filtered, needed, view)
 
-            shapes += self.runner.precapture(max_batch, k + 1, verify, batch_ids)
+            shapes += self.runner.precapture(max_batch, drafts + 1, verify, batch_ids)
         return shapes
 
     @torch.inference_mode()

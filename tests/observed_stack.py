@@ -185,7 +185,7 @@ def run_observed_stack(target: Path, draft: Path, log_dir: Path) -> ObservedRun:
         services["coordinator"], metrics_ports["coordinator"] = _spawn("coordinator", [
             "coordinator", "--target", services["target"].address, "--draft", services["draft"].address,
             "--mode", "psd", "--num-speculative-tokens", str(K), "--max-batch-size", str(MAX_BATCH),
-            "--channel", "grpc", "--tokenizer", str(target), "--overlap", "always",
+            "--channel", "grpc", "--tokenizer", str(target), "--overlap", "always", "--speculation", "always",
         ], log_dir, env)
         wait_all([services["coordinator"]])
         results = asyncio.run(_requests(services["coordinator"].address))

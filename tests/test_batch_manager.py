@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from coordinator.batch_manager import BatchManager, QueueFullError
-from coordinator.overlap_policy import PROBE_EVERY, PROBE_STEPS, OverlapPolicy
+from coordinator.measured_choice import PROBE_EVERY, PROBE_STEPS
+from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import RequestState
+from coordinator.speculation_policy import SpeculationPolicy
 from minedraft.errors import ModelLoadError
 from minedraft.models import VocabInfo, check_pair
 from minedraft.proto import common_pb2
@@ -93,7 +95,7 @@ def test_overlap_policy_prefers_what_measures_faster_and_keeps_probing() -> None
     for _ in range(10 * PROBE_EVERY):
         overlap = policy.choose()
         choices.append(overlap)
-        policy.record(overlap, 0.30 if overlap else 0.20, verified=10)  # overlapping is slower here
+        policy.record(overlap, 0.30 if overlap else 0.20, 10)  # overlapping is slower here
     tail = choices[PROBE_EVERY:]
     assert tail.count(False) > 0.85 * len(tail)  # falls back to running the calls in sequence
     assert True in tail  # and still tries overlapping now and then
@@ -108,7 +110,7 @@ def test_overlap_policy_is_not_swayed_by_a_few_slow_steps() -> None:
         overlap = policy.choose()
         slow = not overlap and choices.count(False) < PROBE_STEPS  # the first sequential trials hit new shapes
         choices.append(overlap)
-        policy.record(overlap, 5.0 if slow else (0.30 if overlap else 0.20), verified=10)
+        policy.record(overlap, 5.0 if slow else (0.30 if overlap else 0.20), 10)
     tail = choices[PROBE_EVERY:]
     assert tail.count(False) > 0.8 * len(tail)
 
@@ -123,7 +125,7 @@ def test_overlap_policy_rarely_tries_a_much_slower_strategy_but_still_notices_a_
         for _ in range(steps):
             overlap = policy.choose()
             made.append(overlap)
-            policy.record(overlap, overlapped_cost if overlap else sequential_cost, verified=32)
+            policy.record(overlap, overlapped_cost if overlap else sequential_cost, 32)
         return made
 
     choices = run(20 * PROBE_EVERY, 0.026, 0.050)
@@ -132,6 +134,37 @@ def test_overlap_policy_rarely_tries_a_much_slower_strategy_but_still_notices_a_
     assert False in steady
     after = run(20 * PROBE_EVERY, 0.060, 0.040)  # now overlapping is the slow way
     assert after[-4 * PROBE_EVERY:].count(True) < 0.04 * 4 * PROBE_EVERY
+
+
+def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_when_they_do() -> None:
+    """Costs per emitted token: drafting 1.2 ms against 1.0 alone (a big draft at a large batch), then 0.5 against
+    1.0 (the batch shrank). It decodes alone within a few trials, still tries drafting, and drafts again after the
+    turn; `always` drafts at every step."""
+    speculation = SpeculationPolicy("auto")
+
+    def run(steps: int, drafting_cost: float, alone_cost: float, batch: int = 64) -> list[bool]:
+        made = []
+        for _ in range(steps):
+            policy = speculation.at(batch)
+            drafting = policy.choose()
+            made.append(drafting)
+            policy.record(drafting, batch * (drafting_cost if drafting else alone_cost), batch)
+        return made
+
+    first = run(PROBE_EVERY, 1.2e-3, 1.0e-3)
+    assert all(first[:-1])  # no eager trials: drafting until the first trial
+    tail = run(10 * PROBE_EVERY, 1.2e-3, 1.0e-3)[PROBE_EVERY:]
+    assert tail.count(False) > 0.85 * len(tail) and True in tail
+    assert not speculation.at(40).preferred  # (the same size: up to 64)
+    assert all(run(PROBE_EVERY - 1, 1.2e-3, 1.0e-3, batch=8))  # another size is measured apart
+    after = run(10 * PROBE_EVERY, 0.5e-3, 1.0e-3)
+    assert speculation.at(64).preferred and after[-4 * PROBE_EVERY:].count(True) > 0.95 * 4 * PROBE_EVERY
+    always = SpeculationPolicy("always").at(64)
+    always.record(True, 1.0, 1)
+    always.record(False, 0.1, 1)
+    assert all(always.choose() for _ in range(2 * PROBE_EVERY))
+    with pytest.raises(ValueError, match="speculation must be one of"):
+        SpeculationPolicy("never")
 
 
 def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:

@@ -87,6 +87,46 @@ def test_rollback_equals_fresh_prefill(arch: str, tiny_models) -> None:
     assert 0 in seen and any(0 < a < k for a in seen), f"drafts were not partly rejected: accepted counts {seen}"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_draft_that_missed_tokens_catches_up_as_if_prefilled_with_them(arch: str, tiny_models) -> None:
+    """After steps decoded without drafts, a proposal is given the verdict on the row's last proposal and the tokens
+    it missed: the row's cache then holds exactly what it should, and it drafts what a draft prefilled with all of
+    it drafts (verdicts from none to all k accepted, a full accept leaving d_k to cache; 0 to 3 tokens missed)."""
+    draft = tiny_models.noisy_draft(arch, vocab=VOCAB)
+    k = 3
+    proposer = Proposer(ModelRunner(draft, 4, 96))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 12, 7, 9)]
+    seq_ids = [1, 2, 3, 4]
+    configs = [SamplingConfig(max_tokens=64), SamplingConfig(max_tokens=64, temperature=1.0, seed=9)] * 2
+    proposer.prefill(seq_ids, prompts, configs)
+    cached = {s: list(p) for s, p in zip(seq_ids, prompts)}  # what each row's cache should hold, drafts aside
+    nexts = [int(t) for t in torch.randint(0, VOCAB, (4,), generator=gen)]
+    accepted, missed = [0] * 4, [[] for _ in seq_ids]
+    # (verdict, tokens missed) per row after each proposal; nothing after the last.
+    for plan in (([0, 3, 1, 2], [1, 2, 0, 3]), ([3, 0, 2, 3], [3, 1, 1, 0]), None):
+        proposal = proposer.propose(seq_ids, torch.tensor(accepted), torch.tensor(nexts), k, missed=missed)
+        drafts = proposal.draft_ids.tolist()
+        for b, s in enumerate(seq_ids):
+            cached[s] += missed[b] + [nexts[b]]
+            row = proposer.table.rows_by_id[s]
+            assert_state_equal(proposer.runner.cache.rows_state(row), fresh_state(draft, cached[s] + drafts[b][:-1]),
+                               f"draft seq {s}")
+            alone = Proposer(ModelRunner(draft, 1, 96))
+            alone.prefill([s], [cached[s][:-1]], [configs[b]])
+            again = alone.propose([s], torch.tensor([0]), torch.tensor([cached[s][-1]]), k)
+            assert again.draft_ids[0].tolist() == drafts[b], f"seq {s} drafted otherwise than a fresh draft"
+        if plan is None:
+            break
+        # The target's verdict on these drafts, then decode steps without drafts.
+        verdicts, missed_counts = plan
+        emitted = [[int(t) for t in torch.randint(0, VOCAB, (1 + m,), generator=gen)] for m in missed_counts]
+        for b, s in enumerate(seq_ids):
+            cached[s] += drafts[b][: verdicts[b]]
+        accepted = verdicts
+        missed, nexts = [tokens[:-1] for tokens in emitted], [tokens[-1] for tokens in emitted]
+
+
 def test_a_verify_after_an_unread_result_asks_the_device(tiny_models) -> None:
     """A result never read (a call that failed after its step ran) leaves the host without its rows' lengths: the
     next verify reads them from the device, and emits what it would have."""

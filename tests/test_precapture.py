@@ -57,8 +57,9 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN, groups=2), [])
     proposer = Proposer(ModelRunner(tiny_models.draft("llama", vocab=VOCAB), 2 * MAX_BATCH, MAX_LEN, groups=2))
     shapes = verifier.precapture(K, MAX_BATCH, [0]), proposer.precapture(K, MAX_BATCH, [0])
-    # Batch buckets 1, 2, 4, 8 (up to 5 rows) x key lengths 64, 128, 192, 200; three kinds of verify and proposal.
-    assert shapes == (3 * 16, 3 * 16)
+    # Batch buckets 1, 2, 4, 8 (up to 5 rows) x key lengths 64, 128, 192, 200; three kinds of verify and proposal,
+    # and the target's three kinds of step alone.
+    assert shapes == (6 * 16, 3 * 16)
     ahead = [set(verifier.runner.step_keys), set(proposer.runner.step_keys)]
     assert verifier.runner.cache.lengths.sum() == 0 and proposer.runner.cache.lengths.sum() == 0
     assert verifier.runner.free_slots == proposer.runner.free_slots == 2 * MAX_BATCH
@@ -76,6 +77,10 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     assert {key[4] for key in served[0] | served[1]} == {0}  # every step read its batch's K/V as views
     assert {key[0] for key in served[0]} == {"verify-greedy", "verify-sampled", "verify-filtered"}
     assert {key[0] for key in served[1]} == {"greedy", "sampled", "filtered"}
+    verifier.runner.step_keys.clear()
+    results = generate_offline(verifier, None, _requests(), 0, MAX_BATCH)  # the target alone
+    assert all(len(r.tokens) == 120 for r in results)
+    assert verifier.runner.step_keys <= ahead[0], f"not run ahead: {verifier.runner.step_keys - ahead[0]}"
 
 
 def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
@@ -94,8 +99,9 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
         finally:
             workers.stop()
         ran = [re.findall(r"ran (\d+) step shapes", log) for log in logs]
-        # Per batch: buckets 1, 2, 4 x key lengths 64, 128, 192, 256; three kinds of verify and of proposal.
-        assert ran == ([["12"] * 6, ["12"] * 6] if extra else [[], []]), logs
+        # Per batch: buckets 1, 2, 4 x key lengths 64, 128, 192, 256; three kinds of verify (and of the target's
+        # step alone) and of proposal.
+        assert ran == ([["12"] * 12, ["12"] * 6] if extra else [[], []]), logs
         if extra:  # the coordinator's Prepare calls: both workers at once, not one after the other
             (target_start, target_end), (draft_start, draft_end) = (
                 (spans[0][0], spans[2][1]) for spans in map(precapture_spans, logs))

@@ -66,7 +66,7 @@ class DraftServicePrefillResponse(_message.Message):
     def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids")
+    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids", "num_missed_tokens", "missed_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class ProposeRequest(_message.Message):
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +83,9 @@ class ProposeRequest(_message.Message):
     next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_missed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    missed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., num_missed_tokens: _Optional[_Iterable[int]] = ..., missed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts", "timings")

@@ -1,0 +1,46 @@
+"""Decides per step whether the coordinator drafts (speculative decoding) or the target decodes alone."""
+
+from __future__ import annotations
+
+from coordinator.measured_choice import MeasuredChoice
+
+SPECULATION_CHOICES = ("auto", "always")
+
+
+class SpeculationPolicy:
+    """Drafting pays when the drafts a verify accepts outweigh the draft's time and the verify's extra positions. At
+    a large batch on a GPU that target and draft share it may not: on one H200 at 64 sequences a compiled 1B-shaped
+    draft served 0.915x the tokens of the target alone, a 68M-shaped one 1.11x (run 26d/e).
+
+    Both ways cost seconds per token the target emitted, so the batch's acceptance decides with the step times; the
+    costs are kept per batch size (powers of two of the sequences a step decodes), since a step's cost grows with
+    its batch much less than in proportion, and differently for a verify of k+1 positions a row and a step of one.
+    Drafting is the default: the target alone is first tried after `PROBE_EVERY` steps at a size (no eager trials:
+    a load of short requests would spend a third of its first steps on them), then as `MeasuredChoice` says. Rows
+    that a trial of the target alone left behind catch up at their next proposal, in one forward on the draft
+    (`Proposer._catch_up`)."""
+
+    def __init__(self, mode: str = "auto") -> None:
+        if mode not in SPECULATION_CHOICES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_CHOICES)}")
+        self.mode = mode
+        self._by_size: dict[int, MeasuredChoice] = {}
+        self._announced: dict[int, bool] = {}  # each size's preference when `turned` last looked
+        self._size = 1
+        self.current = self.at(1)  # the last size asked for
+
+    def at(self, batch_size: int) -> MeasuredChoice:
+        """The choice for steps that decode `batch_size` sequences (`choose`, then `record(drafting, step seconds,
+        tokens emitted)`)."""
+        self._size = size = 1 << max(batch_size - 1, 0).bit_length()
+        choice = self._by_size.get(size)
+        if choice is None:
+            choice = self._by_size[size] = MeasuredChoice(None if self.mode == "auto" else True, eager_trials=False)
+        self.current = choice
+        return choice
+
+    def turned(self) -> bool:
+        """Whether the current size's preference has turned since this was last asked (for the log)."""
+        preferred = self.current.preferred
+        before, self._announced[self._size] = self._announced.get(self._size, True), preferred
+        return preferred != before
