@@ -102,7 +102,8 @@ def test_a_draft_that_missed_tokens_catches_up_as_if_prefilled_with_them(arch: s
     proposer.prefill(seq_ids, prompts, configs)
     cached = {s: list(p) for s, p in zip(seq_ids, prompts)}  # what each row's cache should hold, drafts aside
     nexts = [int(t) for t in torch.randint(0, VOCAB, (4,), generator=gen)]
-    accepted, missed = [0] * 4, [[] for _ in seq_ids]
+    accepted: list[int] = [0] * 4
+    missed: list[list[int]] = [[] for _ in seq_ids]
     # (verdict, tokens missed) per row after each proposal; nothing after the last.
     for plan in (([0, 3, 1, 2], [1, 2, 0, 3]), ([3, 0, 2, 3], [3, 1, 1, 0]), None):
         proposal = proposer.propose(seq_ids, torch.tensor(accepted), torch.tensor(nexts), k, missed=missed)
