@@ -19,11 +19,14 @@ class MeasuredChoice:
     """Two ways of running a step, True and False (True until measured slower); each costs the median of its recent
     steps' seconds per unit of work (`record`), so that steps of different sizes compare."""
 
-    def __init__(self, fixed: bool | None = None, eager_trials: bool = True) -> None:
+    def __init__(self, fixed: bool | None = None, eager_trials: bool = True, margin: float = 0.0) -> None:
         """`fixed`: always that way, None: the cheaper one, as measured. `eager_trials`: until the other way has a
-        full window of samples, try it every 2 x PROBE_STEPS steps, not every PROBE_EVERY."""
+        full window of samples, try it every 2 x PROBE_STEPS steps, not every PROBE_EVERY. `margin`: the preferred
+        way changes only for one that costs this share less (where changing has a cost of its own)."""
         self.fixed = fixed
         self.eager_trials = eager_trials
+        self.margin = margin
+        self.preferred = True
         self.recent: dict[bool, deque[float]] = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}
         self._steps = 0
         self._probing = 0  # steps of the current trial still to run
@@ -33,11 +36,6 @@ class MeasuredChoice:
         """Median seconds per unit of work of the recent steps run this way (None before the first)."""
         recent = sorted(self.recent[way])
         return recent[len(recent) // 2] if recent else None
-
-    @property
-    def preferred(self) -> bool:
-        mine, other = self.cost(True), self.cost(False)
-        return mine is None or other is None or mine <= other
 
     def choose(self) -> bool:
         """The way to run the next step."""
@@ -65,3 +63,6 @@ class MeasuredChoice:
 
     def record(self, way: bool, step_seconds: float, work: int) -> None:
         self.recent[way].append(step_seconds / max(work, 1))
+        mine, other = self.cost(self.preferred), self.cost(not self.preferred)
+        if mine is not None and other is not None and other < mine * (1 - self.margin):
+            self.preferred = not self.preferred

@@ -5,6 +5,10 @@ from __future__ import annotations
 from coordinator.measured_choice import MeasuredChoice
 
 SPECULATION_CHOICES = ("auto", "always")
+# Changing ways costs the draft a catch-up forward (a few ms to tens of ms at 64 sequences), and trials of the way not
+# in use cost a few percent of the steps: near parity, switching loses (run 27a: a 1B-shaped draft measured 4% dearer
+# per token than the target alone at 64 sequences, and trials and catch-ups cost the load 7%).
+SWITCH_MARGIN = 0.1
 
 
 class SpeculationPolicy:
@@ -35,7 +39,8 @@ class SpeculationPolicy:
         self._size = size = 1 << max(batch_size - 1, 0).bit_length()
         choice = self._by_size.get(size)
         if choice is None:
-            choice = self._by_size[size] = MeasuredChoice(None if self.mode == "auto" else True, eager_trials=False)
+            choice = self._by_size[size] = MeasuredChoice(None if self.mode == "auto" else True, eager_trials=False,
+                                                          margin=SWITCH_MARGIN)
         self.current = choice
         return choice
 

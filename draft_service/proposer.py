@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minedraft.attention import fused_query_tokens
 from minedraft.model_runner import Arrangement, Chooser, ModelRunner
 from minedraft.sampling import (
     STREAM_DRAFT,
@@ -99,14 +100,17 @@ class Proposer:
             keep, tail = self._kept_and_tail(row, num_accepted[i])
             kept.append(keep)
             appended.append(([final_draft] if tail == 2 else []) + list(missed[i]))
-        ids = torch.zeros(len(lagging), max(len(t) for t in appended), dtype=torch.long)
+        width = max(len(t) for t in appended)
+        if device.type == "cuda":  # wide enough for the prefills' attention (`fused_query_tokens`), within the rows
+            width = max(width, min(fused_query_tokens(self.runner.model.config), self.runner.max_len - max(kept)))
+        ids = torch.zeros(len(lagging), width, dtype=torch.long)
         for b, tokens in enumerate(appended):
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_start`: a wider target vocabulary)
         lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
         self.runner.truncate(rows, torch.tensor(kept, dtype=torch.long, device=device))
         self.runner.score(rows, [ids.to(device), torch.tensor([len(t) for t in appended], device=device)],
-                          _no_outputs, "catch-up", needed=max(lengths), tokens=ids.shape[1], last_only=True)
+                          _no_outputs, "catch-up", needed=max(kept) + width, tokens=width, last_only=True)
         self.committed[rows] = torch.tensor(lengths, dtype=torch.long, device=device)
         self.last_k[rows] = 0
         for row, length in zip(host_rows, lengths):

@@ -69,6 +69,15 @@ def grouped_sdpa_attention(
     return out.reshape(batch, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def fused_query_tokens(config: object) -> int:
+    """The fewest tokens per row whose step takes SDPA's fused kernel, as prompts' prefills do: shorter ones run the
+    Triton kernels on CUDA, where each new kind (rows of queries, mask, chunks) compiles at its first use, 0.6-0.9 s
+    mid-load on an H200 (run 27a: a draft's first catch-ups of a few tokens)."""
+    heads = int(getattr(config, "num_attention_heads", 1))
+    groups = max(heads // int(getattr(config, "num_key_value_heads", None) or heads), 1)
+    return SHORT_QUERY // groups + 1
+
+
 def uses_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, queries: int
                 ) -> bool:
     """Whether a CUDA step of `queries` per K/V head runs `minedraft.decode_attention`'s Triton kernels (on CPU, or

@@ -301,16 +301,6 @@ def start_workers(pair: TinyPair, log_dir: Path, max_batch_size: int = WORKER_MA
     return Workers(pair, target, draft, max_batch_size)
 
 
-def coordinator_has_flag(flag: str) -> bool:
-    """Whether `minedraft coordinator` takes `flag` (for options that other work adds to the CLI)."""
-    import argparse
-
-    from minedraft.cli import build_parser
-
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return flag in sub.choices["coordinator"]._option_string_actions
-
-
 def coordinator_args(workers: Workers, mode: str = "psd", *, k: int = 4, max_batch_size: int = 4,
                      max_queue_size: int = 256, step_trace: Path | None = None,
                      extra: Sequence[str] = ()) -> list[str]:
