@@ -19,13 +19,16 @@ class MeasuredChoice:
     """Two ways of running a step, True and False (True until measured slower); each costs the median of its recent
     steps' seconds per unit of work (`record`), so that steps of different sizes compare."""
 
-    def __init__(self, fixed: bool | None = None, eager_trials: bool = True, margin: float = 0.0) -> None:
+    def __init__(self, fixed: bool | None = None, eager_trials: bool = True, margin: float = 0.0,
+                 rare_above: float = CLEARLY_WORSE) -> None:
         """`fixed`: always that way, None: the cheaper one, as measured. `eager_trials`: until the other way has a
         full window of samples, try it every 2 x PROBE_STEPS steps, not every PROBE_EVERY. `margin`: the preferred
-        way changes only for one that costs this share less (where changing has a cost of its own)."""
+        way changes only for one that costs this share less (where changing has a cost of its own). `rare_above`:
+        the other way is tried four times less often while it costs this many times the preferred one's or more."""
         self.fixed = fixed
         self.eager_trials = eager_trials
         self.margin = margin
+        self.rare_above = rare_above
         self.preferred = True
         self.recent: dict[bool, deque[float]] = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}
         self._steps = 0
@@ -47,7 +50,7 @@ class MeasuredChoice:
         other = not self.preferred
         eager = self.eager_trials and len(self.recent[other]) < WINDOW
         interval = 2 * PROBE_STEPS if eager else PROBE_EVERY
-        if interval == PROBE_EVERY and self._ratio(other) >= CLEARLY_WORSE:
+        if interval == PROBE_EVERY and self._ratio(other) >= self.rare_above:
             interval *= 4
         self._steps += 1
         if self._steps >= interval:
@@ -57,9 +60,9 @@ class MeasuredChoice:
         return self.preferred
 
     def _ratio(self, way: bool) -> float:
-        """How much more a step run this way costs than one run the other way."""
+        """How many times what a step run the other way costs a step run this way costs (0 before both have run)."""
         mine, theirs = self.cost(way), self.cost(not way)
-        return mine / theirs if mine is not None and theirs else 1.0
+        return mine / theirs if mine is not None and theirs else 0.0
 
     def record(self, way: bool, step_seconds: float, work: int) -> None:
         self.recent[way].append(step_seconds / max(work, 1))
