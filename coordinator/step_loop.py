@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from coordinator.batch_manager import Batch, BatchManager
-from coordinator.measured_choice import MeasuredChoice
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
 from coordinator.speculation_policy import SpeculationPolicy
@@ -128,7 +127,7 @@ class StepLoop:
         start = time.perf_counter()
         # A sampled token depends on whether its position was drafted: while a request sampled with its client's
         # seed runs, every step drafts, so that its output is the seed's whatever the policy measures.
-        if not (drafting and (self._choose_drafting(policy) or any(r.seeded for b in batches for r in b.members))):
+        if not (drafting and (self._choose_drafting() or any(r.seeded for b in batches for r in b.members))):
             emitted = 0
             for batch in batches:
                 if batch.members:
@@ -156,8 +155,10 @@ class StepLoop:
                 emitted = await self._verify(to_propose)
                 policy.record(True, time.perf_counter() - start, emitted)
 
-    def _choose_drafting(self, policy: MeasuredChoice) -> bool:
-        """The speculation policy's choice for this step, logged when its preference turns."""
+    def _choose_drafting(self) -> bool:
+        """The speculation policy's choice for this step (at the size `at` was last given), logged when its
+        preference turns."""
+        policy = self.speculation_policy.current
         drafting = policy.choose()
         if self.speculation_policy.turned():
             drafts, alone = (policy.cost(way) for way in (True, False))
