@@ -16,4 +16,3 @@ class OverlapPolicy(MeasuredChoice):
         if mode not in OVERLAP_CHOICES:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_CHOICES)}")
         super().__init__(None if mode == "auto" else mode == "always")
-        self.mode = mode
