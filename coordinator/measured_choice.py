@@ -20,20 +20,31 @@ class MeasuredChoice:
     steps' seconds per unit of work (`record`), so that steps of different sizes compare."""
 
     def __init__(self, fixed: bool | None = None, eager_trials: bool = True, margin: float = 0.0,
-                 rare_above: float = CLEARLY_WORSE) -> None:
-        """`fixed`: always that way, None: the cheaper one, as measured. `eager_trials`: until the other way has a
-        full window of samples, try it every 2 x PROBE_STEPS steps, not every PROBE_EVERY. `margin`: the preferred
-        way changes only for one that costs this share less (where changing has a cost of its own). `rare_above`:
-        the other way is tried four times less often while it costs this many times the preferred one's or more."""
+                 rare_above: float = CLEARLY_WORSE, preferred: bool = True, first_trial_after: int | None = None,
+                 backoff: int = 1, fresh_trials: bool = False) -> None:
+        """`fixed`: always that way, None: the cheaper one, as measured, starting from `preferred`. `eager_trials`:
+        until the other way has a full window of samples, try it every 2 x PROBE_STEPS steps, not every PROBE_EVERY.
+        `margin`: the preferred way changes only for one that costs this share less (where changing has a cost of
+        its own). `rare_above`: the other way is tried four times less often while it costs this many times the
+        preferred one's or more. `first_trial_after`: steps before the first trial, if not the rule's. `backoff`:
+        each trial that leaves the preference as it was doubles the steps to the next, up to this many times the
+        rule's (a turn starts again from the rule's). `fresh_trials`: the way on trial costs what its trial's steps
+        cost (its older samples dropped as the trial starts), judged once they have all run: with trials hundreds of
+        steps apart, a window spanning several would take as many to notice a change."""
         self.fixed = fixed
         self.eager_trials = eager_trials
         self.margin = margin
         self.rare_above = rare_above
-        self.preferred = True
+        self.backoff = backoff
+        self.fresh_trials = fresh_trials
+        self.preferred = preferred
         self.recent: dict[bool, deque[float]] = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}
+        self._first_trial_after = first_trial_after
+        self._spacing = 1  # the backoff's factor for the next trial
         self._steps = 0
         self._probing = 0  # steps of the current trial still to run
         self._trial = False  # the way on trial
+        self._unjudged = 0  # fresh trials: steps of the current trial not yet recorded
 
     def cost(self, way: bool) -> float | None:
         """Median seconds per unit of work of the recent steps run this way (None before the first)."""
@@ -50,12 +61,18 @@ class MeasuredChoice:
         other = not self.preferred
         eager = self.eager_trials and len(self.recent[other]) < WINDOW
         interval = 2 * PROBE_STEPS if eager else PROBE_EVERY
-        if interval == PROBE_EVERY and self._ratio(other) >= self.rare_above:
-            interval *= 4
+        if interval == PROBE_EVERY:
+            interval *= self._spacing * (4 if self._ratio(other) >= self.rare_above else 1)
+        if self._first_trial_after is not None:
+            interval = self._first_trial_after
         self._steps += 1
         if self._steps >= interval:
-            self._steps = 0
+            self._steps, self._first_trial_after = 0, None
+            self._spacing = min(2 * self._spacing, self.backoff)  # (back to 1 if this trial turns the preference)
             self._probing, self._trial = PROBE_STEPS - 1, other
+            if self.fresh_trials:
+                self.recent[other].clear()
+                self._unjudged = PROBE_STEPS
             return other
         return self.preferred
 
@@ -66,6 +83,10 @@ class MeasuredChoice:
 
     def record(self, way: bool, step_seconds: float, work: int) -> None:
         self.recent[way].append(step_seconds / max(work, 1))
+        if self._unjudged and way == self._trial:
+            self._unjudged -= 1
+            if self._unjudged:
+                return
         mine, other = self.cost(self.preferred), self.cost(not self.preferred)
         if mine is not None and other is not None and other < mine * (1 - self.margin):
-            self.preferred = not self.preferred
+            self.preferred, self._spacing = not self.preferred, 1

@@ -39,6 +39,7 @@ class RequestState:
     num_accepted: int = 0
     draft_from: int = 0
     steps: int = 0
+    drafted_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -65,6 +66,7 @@ class RequestState:
         self.steps += 1
         if num_drafts:
             self.num_accepted, self.draft_from = num_accepted, len(self.output_ids) + num_accepted
+            self.drafted_steps += 1
             self.draft_tokens += num_drafts
             self.accepted_tokens += num_accepted
             if len(self.accepted_per_position) < num_drafts:
@@ -154,6 +156,7 @@ class RequestState:
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
             steps=self.steps,
+            drafted_steps=self.drafted_steps,
             mean_accepted_length=(self.accepted_tokens / self.steps + 1) if self.steps else 0.0,
             acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             accepted_per_position=self.accepted_per_position,

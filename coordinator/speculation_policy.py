@@ -10,7 +10,17 @@ SPECULATION_CHOICES = ("auto", "always")
 # per token than the target alone at 64 sequences, and trials and catch-ups cost the load 7%).
 SWITCH_MARGIN = 0.1
 # A way that measured no SWITCH_MARGIN cheaper is tried 4x less often (every 128 steps), since a trial could not have
-# it chosen unless costs move: run 27d lost 4.8% to trials every 32 steps, each ending in a 20-45 ms catch-up.
+# it chosen unless costs move: run 27d lost 4.8% to trials every 32 steps, each ending in a 20-45 ms catch-up. Each
+# trial that changes nothing doubles the steps to the next, up to BACKOFF times that (512 steps: seconds at 64
+# sequences on an H200, the longest a change of acceptance goes unnoticed).
+BACKOFF = 4
+# A new batch size starts from the way the size twice or half as large prefers, if measured. From EARLY_TRIAL_SIZE
+# sequences, where drafts are most often in question on a shared GPU, it tries the other way after FIRST_TRIAL_AFTER
+# steps, not PROBE_EVERY: at acceptance 0.3 a load of 64 drafted its first 32 steps where the target alone was 1.6x
+# cheaper per token (run 27c). Smaller batches wait the usual PROBE_EVERY, so that short requests there pay for no
+# trial.
+FIRST_TRIAL_AFTER = 8
+EARLY_TRIAL_SIZE = 32
 
 
 class SpeculationPolicy:
@@ -21,10 +31,10 @@ class SpeculationPolicy:
     Both ways cost seconds per token the target emitted, so the batch's acceptance decides with the step times; the
     costs are kept per batch size (powers of two of the sequences a step decodes), since a step's cost grows with
     its batch much less than in proportion, and differently for a verify of k+1 positions a row and a step of one.
-    Drafting is the default: the target alone is first tried after `PROBE_EVERY` steps at a size (no eager trials:
-    a load of short requests would spend a third of its first steps on them), then as `MeasuredChoice` says. Rows
-    that a trial of the target alone left behind catch up at their next proposal, in one forward on the draft
-    (`Proposer._catch_up`)."""
+    A size starts from the way a measured size twice or half as large prefers (else drafting), and tries the other
+    after `FIRST_TRIAL_AFTER` steps from `EARLY_TRIAL_SIZE` sequences, then as `MeasuredChoice` says (no eager
+    trials: a load of short requests would spend a third of its first steps on them). Rows that a trial of the
+    target alone left behind catch up at their next proposal, in one forward on the draft (`Proposer._catch_up`)."""
 
     def __init__(self, mode: str = "auto") -> None:
         if mode not in SPECULATION_CHOICES:
@@ -41,10 +51,25 @@ class SpeculationPolicy:
         self._size = size = 1 << max(batch_size - 1, 0).bit_length()
         choice = self._by_size.get(size)
         if choice is None:
-            choice = self._by_size[size] = MeasuredChoice(None if self.mode == "auto" else True, eager_trials=False,
-                                                          margin=SWITCH_MARGIN, rare_above=1 - SWITCH_MARGIN)
+            preferred = self._nearest_measured_preference(size)
+            self._announced[size] = preferred  # (that size's turn was logged)
+            choice = self._by_size[size] = MeasuredChoice(
+                None if self.mode == "auto" else True, eager_trials=False, margin=SWITCH_MARGIN,
+                rare_above=1 - SWITCH_MARGIN, preferred=preferred,
+                first_trial_after=FIRST_TRIAL_AFTER if size >= EARLY_TRIAL_SIZE else None,
+                backoff=BACKOFF, fresh_trials=True)
         self.current = choice
         return choice
+
+    def _nearest_measured_preference(self, size: int) -> bool:
+        """The preference of the size twice or half as large that measured both ways (the larger if both did);
+        drafting if neither did. Sizes further apart tell little: a warm-up's two requests measure the target
+        alone cheaper where 64 sequences draft (run 27d)."""
+        for near in (2 * size, size // 2):
+            choice = self._by_size.get(near)
+            if choice is not None and choice.cost(True) is not None and choice.cost(False) is not None:
+                return choice.preferred
+        return True
 
     def turned(self) -> bool:
         """Whether the current size's preference has turned since this was last asked (for the log)."""

@@ -152,6 +152,7 @@ class RequestResult:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     steps: int = 0
+    drafted_steps: int = 0
     error: str = ""
 
 
@@ -190,6 +191,7 @@ async def _one(stub: Any, request: Any, timeout: float) -> RequestResult:
         result.draft_tokens = usage.draft_tokens
         result.accepted_tokens = usage.accepted_tokens
         result.steps = usage.steps
+        result.drafted_steps = usage.drafted_steps
     return result
 
 
@@ -253,6 +255,7 @@ class Summary:
     latency_s: dict[str, float]
     mean_accepted_length: float
     acceptance_rate: float
+    drafted_share: float  # of the verify steps: those that checked drafts (--speculation auto drafts at some)
     errors: list[str] = field(default_factory=list)
     server: dict[str, Any] = field(default_factory=dict)
 
@@ -262,6 +265,7 @@ def summarize(label: str, results: Sequence[RequestResult], wall: float, server:
     out_tokens = sum(r.completion_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     steps = sum(r.steps for r in ok)
+    drafted_steps = sum(r.drafted_steps for r in ok)
     drafts = sum(r.draft_tokens for r in ok)
     accepted = sum(r.accepted_tokens for r in ok)
 
@@ -282,6 +286,7 @@ def summarize(label: str, results: Sequence[RequestResult], wall: float, server:
         # Over all verify steps of all requests: tokens emitted per step (accepted drafts + 1).
         mean_accepted_length=round(accepted / steps + 1, 4) if steps else 0.0,
         acceptance_rate=round(accepted / drafts, 4) if drafts else 0.0,
+        drafted_share=round(drafted_steps / steps, 4) if steps else 0.0,
         errors=sorted({r.error for r in results if not r.ok})[:5],
         server=server,
     )
@@ -302,7 +307,8 @@ def format_summary(s: Summary) -> str:
         "  TTFT (ms)       " + _pcts(s.ttft_ms),
         "  TPOT (ms)       " + _pcts(s.tpot_ms),
         "  latency (s)     " + _pcts(s.latency_s),
-        f"  accepted length {s.mean_accepted_length:.3f} tokens/step (acceptance {100 * s.acceptance_rate:.1f}%)",
+        f"  accepted length {s.mean_accepted_length:.3f} tokens/step (acceptance {100 * s.acceptance_rate:.1f}%, "
+        f"{100 * s.drafted_share:.1f}% of steps drafted)",
     ]
     lines += [f"  error: {e}" for e in s.errors]
     return "\n".join(lines)

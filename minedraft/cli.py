@@ -538,6 +538,7 @@ def generate_main(args: argparse.Namespace) -> int:
             "usage": {
                 "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                 "draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens, "steps": u.steps,
+                "drafted_steps": u.drafted_steps,
                 "mean_accepted_length": round(u.mean_accepted_length, 4),
                 "acceptance_rate": round(u.acceptance_rate, 4),
                 "accepted_per_position": list(u.accepted_per_position),

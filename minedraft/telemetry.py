@@ -240,7 +240,7 @@ def end_request_span(span: Span, finish_reason: str, usage: Any = None, error: s
     span.set_attribute("minedraft.finish_reason", finish_reason)
     if usage is not None:
         for field in ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "steps",
-                      "mean_accepted_length", "acceptance_rate", "time_to_first_token_s",
+                      "drafted_steps", "mean_accepted_length", "acceptance_rate", "time_to_first_token_s",
                       "time_per_output_token_s"):
             span.set_attribute(f"minedraft.usage.{field}", getattr(usage, field))
         span.set_attribute("minedraft.usage.accepted_per_position", list(usage.accepted_per_position))

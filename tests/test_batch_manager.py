@@ -8,7 +8,7 @@ from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.measured_choice import PROBE_EVERY, PROBE_STEPS
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import RequestState
-from coordinator.speculation_policy import SpeculationPolicy
+from coordinator.speculation_policy import EARLY_TRIAL_SIZE, FIRST_TRIAL_AFTER, SpeculationPolicy
 from minedraft.errors import ModelLoadError
 from minedraft.models import VocabInfo, check_pair
 from minedraft.proto import common_pb2
@@ -138,8 +138,9 @@ def test_overlap_policy_rarely_tries_a_much_slower_strategy_but_still_notices_a_
 
 def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_when_they_do() -> None:
     """Costs per emitted token: drafting 1.2 ms against 1.0 alone (a big draft at a large batch), then 0.5 against
-    1.0 (acceptance rose). It decodes alone after its first trial, still tries drafting, and drafts again after the
-    turn; `always` drafts at every step."""
+    1.0 (acceptance rose). It decodes alone after its first trial, tries drafting ever less often while nothing
+    changes, starts a new batch size from the nearest measured one's way, and drafts again once drafting pays;
+    `always` drafts at every step."""
     speculation = SpeculationPolicy("auto")
 
     def run(steps: int, drafting_cost: float, alone_cost: float, batch: int = 64) -> list[bool]:
@@ -151,17 +152,32 @@ def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_wh
             policy.record(drafting, batch * (drafting_cost if drafting else alone_cost), batch)
         return made
 
-    first = run(PROBE_EVERY, 1.2e-3, 1.0e-3)
-    assert all(first[:-1])  # no eager trials: drafting until the first trial
-    tail = run(10 * PROBE_EVERY, 1.2e-3, 1.0e-3)[PROBE_EVERY:]
-    assert tail.count(False) > 0.85 * len(tail) and True in tail
+    def trials(made: list[bool], way: bool) -> list[int]:
+        """Where each run of steps taken `way` starts."""
+        return [i for i, d in enumerate(made) if d == way and (i == 0 or made[i - 1] != way)]
+
+    assert EARLY_TRIAL_SIZE <= 64
+    first = run(FIRST_TRIAL_AFTER + PROBE_STEPS, 1.2e-3, 1.0e-3)
+    assert first == [True] * (FIRST_TRIAL_AFTER - 1) + [False] * (PROBE_STEPS + 1)  # the first trial turned it
     assert not speculation.at(40).preferred  # (the same size: up to 64)
-    assert all(run(PROBE_EVERY - 1, 1.2e-3, 1.0e-3, batch=8))  # another size is measured apart
-    # Drafting, 1.2x dearer, was tried every 4 x PROBE_EVERY steps; two trials at the new cost outweigh the window's
-    # older samples.
-    after = run(12 * PROBE_EVERY, 0.5e-3, 1.0e-3)
-    assert speculation.at(64).preferred and after[-2 * PROBE_EVERY:].count(True) >= 2 * PROBE_EVERY - PROBE_STEPS
-    assert after[: 4 * PROBE_EVERY].count(True) < 8  # ... and no sooner
+    tail = run(2000, 1.2e-3, 1.0e-3)
+    starts = trials(tail, True)
+    # Drafting, no 10% cheaper, is tried after 4 x PROBE_EVERY steps alone, then twice and four times as many (the
+    # cap), each trial PROBE_STEPS long.
+    assert 4 * PROBE_EVERY - 4 < starts[0] < 4 * PROBE_EVERY and len(starts) == 5
+    assert [b - a - (PROBE_STEPS - 1) for a, b in zip(starts, starts[1:])] == [8 * PROBE_EVERY] + [16 * PROBE_EVERY] * 3
+    assert tail.count(False) > 0.97 * len(tail)
+    # Other sizes are measured apart. Half the size starts from the measured one's way, and tries the other after
+    # FIRST_TRIAL_AFTER steps; a size with no measured neighbour starts drafting, and below EARLY_TRIAL_SIZE tries
+    # the target alone after the usual PROBE_EVERY steps.
+    half = run(FIRST_TRIAL_AFTER + PROBE_STEPS, 0.85e-3, 1.0e-3, batch=32)
+    assert half == [False] * (FIRST_TRIAL_AFTER - 1) + [True] * (PROBE_STEPS + 1)  # drafting 15% cheaper there
+    small = run(PROBE_EVERY + PROBE_STEPS, 1.2e-3, 1.0e-3, batch=8)
+    assert small == [True] * (PROBE_EVERY - 1) + [False] * (PROBE_STEPS + 1)
+    assert not speculation.at(64).preferred
+    # Acceptance rose: the next trial at 64 finds drafting at half the cost and keeps it.
+    after = run(20 * PROBE_EVERY, 0.5e-3, 1.0e-3)
+    assert speculation.at(64).preferred and after[-4 * PROBE_EVERY:].count(True) >= 4 * PROBE_EVERY - PROBE_STEPS
     always = SpeculationPolicy("always").at(64)
     always.record(True, 1.0, 1)
     always.record(False, 0.1, 1)

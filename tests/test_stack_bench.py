@@ -26,13 +26,16 @@ def test_percentile_interpolates() -> None:
 
 def test_summary_and_ratios() -> None:
     ok = RequestResult(True, 2.0, ttft_s=0.1, tpot_s=0.02, prompt_tokens=10, completion_tokens=20, draft_tokens=16,
-                       accepted_tokens=8, steps=4)
+                       accepted_tokens=8, steps=4, drafted_steps=4)
+    alone = RequestResult(True, 2.0, prompt_tokens=10, completion_tokens=20, steps=20)  # the target's steps alone
     failed = RequestResult(False, 0.5, error="RESOURCE_EXHAUSTED: full")
     fast = summarize("psd", [ok, ok, failed], wall=2.0, server={})
     assert (fast.completed, fast.failed) == (2, 1)
     assert fast.output_throughput == 20.0 and fast.request_throughput == 1.0
     assert fast.mean_accepted_length == 3.0 and fast.acceptance_rate == 0.5
     assert fast.ttft_ms["p50"] == pytest.approx(100.0) and fast.errors == ["RESOURCE_EXHAUSTED: full"]
+    assert fast.drafted_share == 1.0
+    assert summarize("psd", [ok, alone], wall=2.0, server={}).drafted_share == round(4 / 24, 4)
     slow = summarize("sd", [ok], wall=2.0, server={})
     assert ratios({"psd": fast, "sd": slow}) == {"psd/sd": {"request_throughput": 2.0, "output_throughput": 2.0}}
 

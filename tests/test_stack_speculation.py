@@ -58,7 +58,9 @@ def _serve(workers: Workers, stack_logs: Path, requests: list[generation_pb2.Gen
 
 def _drafted_share(completion: Completion) -> float:
     """The share of a request's verify steps that verified drafts."""
-    return completion.usage.draft_tokens / K / completion.usage.steps
+    usage = completion.usage
+    assert usage.draft_tokens == K * usage.drafted_steps
+    return usage.drafted_steps / usage.steps
 
 
 def test_drafts_that_do_not_pay_leave_the_target_decoding_alone(
@@ -74,7 +76,7 @@ def test_drafts_that_do_not_pay_leave_the_target_decoding_alone(
     target = AutoModelForCausalLM.from_pretrained(tiny_pairs["llama"].target, dtype=torch.float32).eval()
     assert [c.token_ids for c in done] == [hf_reference(target, p, MAX_TOKENS) for p in prompts]
     assert "drafts do not pay, decoding with the target alone" in log
-    assert all(_drafted_share(c) < 0.5 for c in done), [(c.usage.draft_tokens, c.usage.steps) for c in done]
+    assert all(_drafted_share(c) < 0.5 for c in done), [(c.usage.drafted_steps, c.usage.steps) for c in done]
 
 
 def test_a_request_sampled_with_its_seed_is_drafted_at_every_step(
@@ -87,7 +89,7 @@ def test_a_request_sampled_with_its_seed_is_drafted_at_every_step(
     request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
     (first,), _ = _serve(llama_workers, stack_logs, [request])
     (again,), _ = _serve(llama_workers, stack_logs, [request])
-    assert first.usage.draft_tokens == K * first.usage.steps
+    assert _drafted_share(first) == 1.0
     assert first.token_ids == again.token_ids
 
 
@@ -97,4 +99,4 @@ def test_drafts_that_pay_keep_drafting(tiny_pairs: TinyPairs, self_draft_workers
     prompts = text_prompts(tiny_pairs.tokenizer, 3, 6, 20, seed=23)
     done, log = _serve(self_draft_workers, stack_logs, _greedy(prompts))
     assert "drafts do not pay" not in log
-    assert all(_drafted_share(c) > 0.8 for c in done), [(c.usage.draft_tokens, c.usage.steps) for c in done]
+    assert all(_drafted_share(c) > 0.8 for c in done), [(c.usage.drafted_steps, c.usage.steps) for c in done]
