@@ -81,8 +81,10 @@ class MeasuredChoice:
         mine, theirs = self.cost(way), self.cost(not way)
         return mine / theirs if mine is not None and theirs else 0.0
 
-    def record(self, way: bool, step_seconds: float, work: int) -> None:
-        self.recent[way].append(step_seconds / max(work, 1))
+    def record(self, way: bool, step_seconds: float, work: float) -> None:
+        if work <= 0:  # (a step that did nothing, its requests failed, tells nothing of its way's cost)
+            return
+        self.recent[way].append(step_seconds / work)
         if self._unjudged and way == self._trial:
             self._unjudged -= 1
             if self._unjudged:

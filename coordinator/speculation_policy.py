@@ -28,9 +28,13 @@ class SpeculationPolicy:
     a large batch on a GPU that target and draft share it may not: on one H200 at 64 sequences a compiled 1B-shaped
     draft served 0.915x the tokens of the target alone, a 68M-shaped one 1.11x (run 26d/e).
 
-    Both ways cost seconds per token the target emitted, so the batch's acceptance decides with the step times; the
-    costs are kept per batch size (powers of two of the sequences a step decodes), since a step's cost grows with
-    its batch much less than in proportion, and differently for a verify of k+1 positions a row and a step of one.
+    Both ways cost a step's seconds per token it emitted for each sequence decoding (so the batch's acceptance
+    decides with the step times), kept per batch size (`size_class`: the sequences decoding, up to a power of two or
+    1.5 times one), since a step's time grows with its batch, differently for a verify of k+1 positions a row and a
+    step of one. Per sequence rather than per token, since a size class spans sizes up to 1.5x apart, and a
+    step's time grows much less than its batch: per token, a load draining from 64 sequences to 33 had each way's
+    cost rise by up to 2x within one class, and compared one way's recent steps with the other's older ones (run
+    28a).
     A size starts from the way a measured size twice or half as large prefers (else drafting), and tries the other
     after `FIRST_TRIAL_AFTER` steps from `EARLY_TRIAL_SIZE` sequences, then as `MeasuredChoice` says (no eager
     trials: a load of short requests would spend a third of its first steps on them). Rows that a trial of the
@@ -47,8 +51,8 @@ class SpeculationPolicy:
 
     def at(self, batch_size: int) -> MeasuredChoice:
         """The choice for steps that decode `batch_size` sequences (`choose`, then `record(drafting, step seconds,
-        tokens emitted)`)."""
-        self._size = size = 1 << max(batch_size - 1, 0).bit_length()
+        tokens emitted / batch_size)`)."""
+        self._size = size = size_class(batch_size)
         choice = self._by_size.get(size)
         if choice is None:
             preferred = self._nearest_measured_preference(size)
@@ -62,10 +66,13 @@ class SpeculationPolicy:
         return choice
 
     def _nearest_measured_preference(self, size: int) -> bool:
-        """The preference of the size twice or half as large that measured both ways (the larger if both did);
+        """The preference of the size class next above or below that measured both ways (the larger if both did);
         drafting if neither did. Sizes further apart tell little: a warm-up's two requests measure the target
         alone cheaper where 64 sequences draft (run 27d)."""
-        for near in (2 * size, size // 2):
+        below = size - 1
+        while below > 0 and size_class(below) == size:
+            below -= 1
+        for near in (size_class(size + 1), below and size_class(below)):
             choice = self._by_size.get(near)
             if choice is not None and choice.cost(True) is not None and choice.cost(False) is not None:
                 return choice.preferred
@@ -76,3 +83,9 @@ class SpeculationPolicy:
         preferred = self.current.preferred
         before, self._announced[self._size] = self._announced.get(self._size, True), preferred
         return preferred != before
+
+
+def size_class(sequences: int) -> int:
+    """The least of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) that is `sequences` or more."""
+    power = 1 << max(sequences - 1, 0).bit_length()
+    return power * 3 // 4 if power >= 4 and sequences <= power * 3 // 4 else power

@@ -123,7 +123,8 @@ class StepLoop:
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
         drafting = self.mode != "ar" and self.workers.draft is not None
-        policy = self.speculation_policy.at(sum(len(b.members) for b in batches))
+        sequences = sum(len(b.members) for b in batches)
+        policy = self.speculation_policy.at(sequences)
         start = time.perf_counter()
         # A sampled token depends on whether its position was drafted: while a request sampled with its client's
         # seed runs, every step drafts, so that its output is the seed's whatever the policy measures.
@@ -133,7 +134,7 @@ class StepLoop:
                 if batch.members:
                     emitted += await self._verify(batch)
             if drafting and to_verify is None:  # (a step that verified drafts is not the target's alone)
-                policy.record(False, time.perf_counter() - start, emitted)
+                policy.record(False, time.perf_counter() - start, emitted / sequences)
         elif to_verify is not None and to_propose is not None:
             verified = len(to_verify.members)
             overlap = self.overlap_policy.choose()
@@ -143,7 +144,7 @@ class StepLoop:
                 emitted = await self._verify(to_verify)
                 await self._propose(to_propose)
             self.overlap_policy.record(overlap, time.perf_counter() - start, verified)
-            policy.record(True, time.perf_counter() - start, emitted)
+            policy.record(True, time.perf_counter() - start, emitted / sequences)
             if self.metrics is not None and overlap:
                 self.metrics.overlapped_step(start, time.perf_counter())
         elif to_verify is not None:
@@ -153,7 +154,7 @@ class StepLoop:
             other_has_work = any(b.members for b in batches if b is not to_propose)
             if not other_has_work:  # fallback: standard SD on the only batch with work
                 emitted = await self._verify(to_propose)
-                policy.record(True, time.perf_counter() - start, emitted)
+                policy.record(True, time.perf_counter() - start, emitted / sequences)
 
     def _choose_drafting(self) -> bool:
         """The speculation policy's choice for this step (at the size `at` was last given), logged when its

@@ -8,7 +8,7 @@ from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.measured_choice import PROBE_EVERY, PROBE_STEPS
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import RequestState
-from coordinator.speculation_policy import EARLY_TRIAL_SIZE, FIRST_TRIAL_AFTER, SpeculationPolicy
+from coordinator.speculation_policy import EARLY_TRIAL_SIZE, FIRST_TRIAL_AFTER, SpeculationPolicy, size_class
 from minedraft.errors import ModelLoadError
 from minedraft.models import VocabInfo, check_pair
 from minedraft.proto import common_pb2
@@ -137,10 +137,10 @@ def test_overlap_policy_rarely_tries_a_much_slower_strategy_but_still_notices_a_
 
 
 def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_when_they_do() -> None:
-    """Costs per emitted token: drafting 1.2 ms against 1.0 alone (a big draft at a large batch), then 0.5 against
-    1.0 (acceptance rose). It decodes alone after its first trial, tries drafting ever less often while nothing
-    changes, starts a new batch size from the nearest measured one's way, and drafts again once drafting pays;
-    `always` drafts at every step."""
+    """Costs of a step per token each sequence emitted: drafting 1.2 ms against 1.0 alone (a big draft at a large
+    batch), then 0.5 against 1.0 (acceptance rose). It decodes alone after its first trial, tries drafting ever less
+    often while nothing changes, starts a new size class from a measured neighbour's way, and drafts again once
+    drafting pays; `always` drafts at every step."""
     speculation = SpeculationPolicy("auto")
 
     def run(steps: int, drafting_cost: float, alone_cost: float, batch: int = 64) -> list[bool]:
@@ -149,7 +149,7 @@ def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_wh
             policy = speculation.at(batch)
             drafting = policy.choose()
             made.append(drafting)
-            policy.record(drafting, batch * (drafting_cost if drafting else alone_cost), batch)
+            policy.record(drafting, 2 * (drafting_cost if drafting else alone_cost), 2.0)
         return made
 
     def trials(made: list[bool], way: bool) -> list[int]:
@@ -159,7 +159,7 @@ def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_wh
     assert EARLY_TRIAL_SIZE <= 64
     first = run(FIRST_TRIAL_AFTER + PROBE_STEPS, 1.2e-3, 1.0e-3)
     assert first == [True] * (FIRST_TRIAL_AFTER - 1) + [False] * (PROBE_STEPS + 1)  # the first trial turned it
-    assert not speculation.at(40).preferred  # (the same size: up to 64)
+    assert not speculation.at(49).preferred  # (49-64: one size class)
     tail = run(2000, 1.2e-3, 1.0e-3)
     starts = trials(tail, True)
     # Drafting, no 10% cheaper, is tried after 4 x PROBE_EVERY steps alone, then twice and four times as many (the
@@ -167,10 +167,10 @@ def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_wh
     assert 4 * PROBE_EVERY - 4 < starts[0] < 4 * PROBE_EVERY and len(starts) == 5
     assert [b - a - (PROBE_STEPS - 1) for a, b in zip(starts, starts[1:])] == [8 * PROBE_EVERY] + [16 * PROBE_EVERY] * 3
     assert tail.count(False) > 0.97 * len(tail)
-    # Other sizes are measured apart. Half the size starts from the measured one's way, and tries the other after
-    # FIRST_TRIAL_AFTER steps; a size with no measured neighbour starts drafting, and below EARLY_TRIAL_SIZE tries
-    # the target alone after the usual PROBE_EVERY steps.
-    half = run(FIRST_TRIAL_AFTER + PROBE_STEPS, 0.85e-3, 1.0e-3, batch=32)
+    # Other sizes are measured apart. The next size class down (33-48) starts from the measured one's way, and tries
+    # the other after FIRST_TRIAL_AFTER steps; a size with no measured neighbour starts drafting, and below
+    # EARLY_TRIAL_SIZE tries the target alone after the usual PROBE_EVERY steps.
+    half = run(FIRST_TRIAL_AFTER + PROBE_STEPS, 0.85e-3, 1.0e-3, batch=40)
     assert half == [False] * (FIRST_TRIAL_AFTER - 1) + [True] * (PROBE_STEPS + 1)  # drafting 15% cheaper there
     small = run(PROBE_EVERY + PROBE_STEPS, 1.2e-3, 1.0e-3, batch=8)
     assert small == [True] * (PROBE_EVERY - 1) + [False] * (PROBE_STEPS + 1)
@@ -184,6 +184,11 @@ def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_wh
     assert all(always.choose() for _ in range(2 * PROBE_EVERY))
     with pytest.raises(ValueError, match="speculation must be one of"):
         SpeculationPolicy("never")
+
+
+def test_speculation_size_classes_are_powers_of_two_and_one_and_a_half_times_them() -> None:
+    assert [size_class(n) for n in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 25, 33, 48, 49, 64, 65)] == [
+        1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 32, 48, 48, 64, 64, 96]
 
 
 def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:
