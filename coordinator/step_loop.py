@@ -162,10 +162,12 @@ class StepLoop:
         policy = self.speculation_policy.current
         drafting = policy.choose()
         if self.speculation_policy.turned():
-            drafts, alone = (policy.cost(way) for way in (True, False))
-            log.warning("%s at batches near %d: %.3f ms per token decoding with drafts, %.3f ms with the target alone",
-                        "drafting again" if policy.preferred else "drafts do not pay, decoding with the target alone",
-                        sum(len(b.members) for b in self.manager.batches), 1e3 * (drafts or 0.0), 1e3 * (alone or 0.0))
+            drafts, alone = (f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
+                             for way in (True, False))
+            log.warning("%s at batches near %d: a token for each sequence every %s decoding with drafts, every %s with "
+                        "the target alone", "drafting again" if policy.preferred
+                        else "drafts do not pay, decoding with the target alone",
+                        sum(len(b.members) for b in self.manager.batches), drafts, alone)
         return drafting
 
     @property
