@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from minedraft.metrics import mean_accepted_length
 from minedraft.proto import generation_pb2
 from minedraft.sampling import SamplingConfig
 
@@ -157,9 +158,10 @@ class RequestState:
             accepted_tokens=self.accepted_tokens,
             steps=self.steps,
             drafted_steps=self.drafted_steps,
-            mean_accepted_length=(self.accepted_tokens / self.steps + 1) if self.steps else 0.0,
+            mean_accepted_length=mean_accepted_length(self.accepted_tokens, self.drafted_steps, self.steps),
             acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             accepted_per_position=self.accepted_per_position,
             time_to_first_token_s=ttft,
             time_per_output_token_s=(done - (self.first_token_at or done)) / max(completion - 1, 1),
         )
+

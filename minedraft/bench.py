@@ -20,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from minedraft.metrics import mean_accepted_length
+
 MODES = ("psd", "sd", "sd2b", "ar")
 SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
 
@@ -283,8 +285,8 @@ def summarize(label: str, results: Sequence[RequestResult], wall: float, server:
         ttft_ms=pcts([r.ttft_s for r in ok if r.ttft_s is not None], 1e3),
         tpot_ms=pcts([r.tpot_s for r in ok if r.tpot_s is not None], 1e3),
         latency_s=pcts([r.latency_s for r in ok], 1.0),
-        # Over all verify steps of all requests: tokens emitted per step (accepted drafts + 1).
-        mean_accepted_length=round(accepted / steps + 1, 4) if steps else 0.0,
+        # Over the drafted verify steps of all requests: tokens such a step emitted (accepted drafts + 1).
+        mean_accepted_length=round(mean_accepted_length(accepted, drafted_steps, steps), 4),
         acceptance_rate=round(accepted / drafts, 4) if drafts else 0.0,
         drafted_share=round(drafted_steps / steps, 4) if steps else 0.0,
         errors=sorted({r.error for r in results if not r.ok})[:5],
@@ -307,8 +309,8 @@ def format_summary(s: Summary) -> str:
         "  TTFT (ms)       " + _pcts(s.ttft_ms),
         "  TPOT (ms)       " + _pcts(s.tpot_ms),
         "  latency (s)     " + _pcts(s.latency_s),
-        f"  accepted length {s.mean_accepted_length:.3f} tokens/step (acceptance {100 * s.acceptance_rate:.1f}%, "
-        f"{100 * s.drafted_share:.1f}% of steps drafted)",
+        f"  accepted length {s.mean_accepted_length:.3f} tokens per drafted step (acceptance "
+        f"{100 * s.acceptance_rate:.1f}%, {100 * s.drafted_share:.1f}% of steps drafted)",
     ]
     lines += [f"  error: {e}" for e in s.errors]
     return "\n".join(lines)

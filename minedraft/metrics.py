@@ -36,6 +36,14 @@ def finish_reason_name(reason: int) -> str:
     return generation_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
+def mean_accepted_length(accepted_tokens: int, drafted_steps: int, steps: int) -> float:
+    """Tokens a drafted verify step emitted (accepted drafts + the target's own), as vLLM counts it; 1 when no step
+    drafted, 0 before any step. Over drafted steps only: under `--speculation auto` the target's steps alone would
+    dilute it towards 1 where it describes the draft."""
+    return accepted_tokens / drafted_steps + 1 if drafted_steps else float(steps > 0)
+
+
+
 class CoordinatorMetrics:
     """Requests, tokens, acceptance, step times, overlap, batch sizes, queue, TTFT and TPOT, in the coordinator.
 
@@ -92,7 +100,8 @@ class CoordinatorMetrics:
         self.request_seconds = Histogram("minedraft_request_duration_seconds", "Arrival to end, per request",
                                          buckets=LATENCY, registry=r)
         self.mean_accepted_length = Histogram(
-            "minedraft_request_mean_accepted_length", "Per request: accepted drafts per verify step, plus one",
+            "minedraft_request_mean_accepted_length",
+            "Per request: accepted drafts per drafted verify step, plus one (the tokens such a step emitted)",
             buckets=ACCEPTED_LENGTH, registry=r,
         )
         self.acceptance_rate = Histogram("minedraft_request_acceptance_rate",

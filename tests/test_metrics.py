@@ -48,6 +48,7 @@ def test_usage_acceptance_figures() -> None:
     assert (usage.prompt_tokens, usage.completion_tokens, usage.steps) == (3, 8, 3)
     assert (usage.draft_tokens, usage.accepted_tokens) == (9, 4)
     assert usage.mean_accepted_length == pytest.approx(4 / 3 + 1)  # accepted per step + the target's own token
+    assert usage.drafted_steps == 3
     assert usage.acceptance_rate == pytest.approx(4 / 9)
     assert list(usage.accepted_per_position) == [2, 1, 1]
     assert usage.time_to_first_token_s >= 0 and usage.time_per_output_token_s >= 0

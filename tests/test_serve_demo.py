@@ -62,7 +62,8 @@ def test_serve_demo_pair_and_generate_json() -> None:
         assert usage["steps"] >= 1 and usage["draft_tokens"] == 4 * usage["steps"] == 4 * usage["drafted_steps"]
         # The distilled draft agrees with the target often: speculation really happens.
         assert usage["accepted_tokens"] > 0
-        assert usage["mean_accepted_length"] == pytest.approx(1 + usage["accepted_tokens"] / usage["steps"], 1e-3)
+        assert usage["mean_accepted_length"] == pytest.approx(1 + usage["accepted_tokens"] / usage["drafted_steps"],
+                                                              1e-3)
         assert _tokens_streamed_across_a_sigterm(serve, f"127.0.0.1:{port}", 200) == (200, "FINISH_REASON_LENGTH")
         serve.wait(timeout=60)
     finally:

@@ -35,7 +35,9 @@ def test_summary_and_ratios() -> None:
     assert fast.mean_accepted_length == 3.0 and fast.acceptance_rate == 0.5
     assert fast.ttft_ms["p50"] == pytest.approx(100.0) and fast.errors == ["RESOURCE_EXHAUSTED: full"]
     assert fast.drafted_share == 1.0
-    assert summarize("psd", [ok, alone], wall=2.0, server={}).drafted_share == round(4 / 24, 4)
+    mixed = summarize("psd", [ok, alone], wall=2.0, server={})
+    assert mixed.drafted_share == round(4 / 24, 4) and mixed.mean_accepted_length == 3.0  # (over drafted steps)
+    assert summarize("ar", [alone], wall=2.0, server={}).mean_accepted_length == 1.0
     slow = summarize("sd", [ok], wall=2.0, server={})
     assert ratios({"psd": fast, "sd": slow}) == {"psd/sd": {"request_throughput": 2.0, "output_throughput": 2.0}}
 
