@@ -19,6 +19,7 @@ from minedraft.attention import CAUSAL_BY_POSITIONS, FUSED_MIN_BLOCKS, GROUPED_S
 from minedraft.errors import CapacityError
 from minedraft.fused_projections import fuse_projections
 from minedraft.kv_cache import SlotKVCache
+from minedraft.residual_fold import fold_residuals
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +103,18 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
     layers = decoder_layers(model)
     if not layers:
         log.warning("no decoder layers found in %s: running uncompiled", type(model).__name__)
-    for layer in layers:
-        # The forward, not the module's call: hooks stay outside the compiled code (the runner's layer hook, which
-        # splits a graph's capture, must run eagerly).
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+    base = getattr(model, "base_model", model)
+    # Each forward, not the module's call: hooks stay outside the compiled code (the runner's layer hook, which
+    # splits a graph's capture, must run eagerly).
+    folded = fold_residuals(base, layers)
+    if not folded:
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     # The base model's rotary embedding and final norm run once a step, outside the layers: a dozen small kernels
     # eagerly (the cosines and sines in float32, the norm's power, mean, rsqrt and products), one or two compiled.
     # In a draft's decode loop they are repeated every step, beside only a few layers.
-    for name in ("rotary_emb", "norm"):
-        module = getattr(getattr(model, "base_model", model), name, None)
+    for name in ("rotary_emb",) if folded else ("rotary_emb", "norm"):
+        module = getattr(base, name, None)
         if isinstance(module, torch.nn.Module):
             module.compile(dynamic=True)
     model._minedraft_compiled = True  # type: ignore[assignment]
