@@ -164,4 +164,3 @@ class RequestState:
             time_to_first_token_s=ttft,
             time_per_output_token_s=(done - (self.first_token_at or done)) / max(completion - 1, 1),
         )
-

@@ -14,7 +14,7 @@ SWITCH_MARGIN = 0.1
 # trial that changes nothing doubles the steps to the next, up to BACKOFF times that (512 steps: seconds at 64
 # sequences on an H200, the longest a change of acceptance goes unnoticed).
 BACKOFF = 4
-# A new batch size starts from the way the size twice or half as large prefers, if measured. From EARLY_TRIAL_SIZE
+# A new size class starts from the way the next class above or below prefers, if measured. From EARLY_TRIAL_SIZE
 # sequences, where drafts are most often in question on a shared GPU, it tries the other way after FIRST_TRIAL_AFTER
 # steps, not PROBE_EVERY: at acceptance 0.3 a load of 64 drafted its first 32 steps where the target alone was 1.6x
 # cheaper per token (run 27c). Smaller batches wait the usual PROBE_EVERY, so that short requests there pay for no
@@ -35,8 +35,9 @@ class SpeculationPolicy:
     step's time grows much less than its batch: per token, a load draining from 64 sequences to 33 had each way's
     cost rise by up to 2x within one class, and compared one way's recent steps with the other's older ones (run
     28a).
-    A size starts from the way a measured size twice or half as large prefers (else drafting), and tries the other
-    after `FIRST_TRIAL_AFTER` steps from `EARLY_TRIAL_SIZE` sequences, then as `MeasuredChoice` says (no eager
+
+    A size class starts from the way a measured class next to it prefers (else drafting), and tries the other
+    way after `FIRST_TRIAL_AFTER` steps from `EARLY_TRIAL_SIZE` sequences, then as `MeasuredChoice` says (no eager
     trials: a load of short requests would spend a third of its first steps on them). Rows that a trial of the
     target alone left behind catch up at their next proposal, in one forward on the draft (`Proposer._catch_up`)."""
 

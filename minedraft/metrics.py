@@ -43,7 +43,6 @@ def mean_accepted_length(accepted_tokens: int, drafted_steps: int, steps: int) -
     return accepted_tokens / drafted_steps + 1 if drafted_steps else float(steps > 0)
 
 
-
 class CoordinatorMetrics:
     """Requests, tokens, acceptance, step times, overlap, batch sizes, queue, TTFT and TPOT, in the coordinator.
 
