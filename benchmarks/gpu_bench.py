@@ -533,6 +533,8 @@ def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedMod
                 bench.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 bench.kill()
+                # Its services (sessions of their own) would keep the GPU's memory: each names a checkpoint here.
+                subprocess.run(["pkill", "-f", str(root)], check=False)
         finally:
             if run.mps:
                 subprocess.run([mps], input=b"quit\n", env=env, check=False)  # type: ignore[list-item]
