@@ -28,13 +28,13 @@ class SpeculationPolicy:
     a large batch on a GPU that target and draft share it may not: on one H200 at 64 sequences a compiled 1B-shaped
     draft served 0.915x the tokens of the target alone, a 68M-shaped one 1.11x (run 26d/e).
 
-    Both ways cost a step's seconds per token it emitted for each sequence decoding (so the batch's acceptance
-    decides with the step times), kept per batch size (`size_class`: the sequences decoding, up to a power of two or
-    1.5 times one), since a step's time grows with its batch, differently for a verify of k+1 positions a row and a
-    step of one. Per sequence rather than per token, since a size class spans sizes up to 1.5x apart, and a
-    step's time grows much less than its batch: per token, a load draining from 64 sequences to 33 had each way's
-    cost rise by up to 2x within one class, and compared one way's recent steps with the other's older ones (run
-    28a).
+    Both ways cost their recent steps' seconds over the tokens they emitted for each sequence decoding, summed
+    (`MeasuredChoice(pooled=True)`: so the batch's acceptance decides with the step times), kept per batch size
+    (`size_class`: the sequences decoding, up to a power of two or 1.5 times one), since a step's time grows with
+    its batch, differently for a verify of k+1 positions a row and a step of one. Per sequence rather than per
+    token, since a size class spans sizes up to 1.5x apart, and a step's time grows much less than its batch: per
+    token, a load draining from 64 sequences to 33 had each way's cost rise by up to 2x within one class, and
+    compared one way's recent steps with the other's older ones (run 28a).
 
     A size class starts from the way a measured class next to it prefers (else drafting), and tries the other
     way after `FIRST_TRIAL_AFTER` steps from `EARLY_TRIAL_SIZE` sequences, then as `MeasuredChoice` says (no eager
@@ -62,7 +62,7 @@ class SpeculationPolicy:
                 None if self.mode == "auto" else True, eager_trials=False, margin=SWITCH_MARGIN,
                 rare_above=1 - SWITCH_MARGIN, preferred=preferred,
                 first_trial_after=FIRST_TRIAL_AFTER if size >= EARLY_TRIAL_SIZE else None,
-                backoff=BACKOFF, fresh_trials=True)
+                backoff=BACKOFF, fresh_trials=True, pooled=True)
         self.current = choice
         return choice
 
