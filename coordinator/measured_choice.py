@@ -18,8 +18,9 @@ OUTLIER = 3.0
 
 
 class MeasuredChoice:
-    """Two ways of running a step, True and False (True until measured slower); each costs the median of its recent
-    steps' seconds per unit of work (`record`), so that steps of different sizes compare."""
+    """Two ways of running a step, True and False (True until measured slower); each costs its recent steps'
+    seconds per unit of work (`record`: the median of their ratios, or pooled), so that steps of different sizes
+    compare."""
 
     def __init__(self, fixed: bool | None = None, eager_trials: bool = True, margin: float = 0.0,
                  rare_above: float = CLEARLY_WORSE, preferred: bool = True, first_trial_after: int | None = None,

@@ -46,7 +46,7 @@ class SpeculationPolicy:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_CHOICES)}")
         self.mode = mode
         self._by_size: dict[int, MeasuredChoice] = {}
-        self._announced: dict[int, bool] = {}  # each size's preference when `turned` last looked
+        self._announced: dict[int, bool] = {}  # each size's preference when `turned` last looked (or its start)
         self._size = 1
         self.current = self.at(1)  # the last size asked for
 
@@ -82,7 +82,7 @@ class SpeculationPolicy:
     def turned(self) -> bool:
         """Whether the current size's preference has turned since this was last asked (for the log)."""
         preferred = self.current.preferred
-        before, self._announced[self._size] = self._announced.get(self._size, True), preferred
+        before, self._announced[self._size] = self._announced[self._size], preferred
         return preferred != before
 
 

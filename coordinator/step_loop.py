@@ -123,7 +123,7 @@ class StepLoop:
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
         drafting = self.mode != "ar" and self.workers.draft is not None
-        sequences = sum(len(b.members) for b in batches)
+        sequences = max(sum(len(b.members) for b in batches), 1)  # (none, after a failed admission)
         policy = self.speculation_policy.at(sequences)
         start = time.perf_counter()
         # A sampled token depends on whether its position was drafted: while a request sampled with its client's
