@@ -1,8 +1,12 @@
-"""Chooses between two ways of running a step by what each measured recently, trying the other now and then."""
+"""Chooses among ways of running a step by what each measured recently, trying the others now and then."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
+
+Way = TypeVar("Way", bound=Hashable)
 
 PROBE_EVERY = 32  # steps between trials of the way not in use
 PROBE_STEPS = 4
@@ -17,26 +21,31 @@ WINDOW = 9
 OUTLIER = 3.0
 
 
-class MeasuredChoice:
-    """Two ways of running a step, True and False (True until measured slower); each costs its recent steps'
-    seconds per unit of work (`record`: the median of their ratios, or pooled), so that steps of different sizes
-    compare."""
+class MeasuredChoice(Generic[Way]):
+    """Ways of running a step, in an order along which their costs change gradually (by default True and False;
+    the first preferred until measured dearer); each costs its recent steps' seconds per unit of work (`record`: the
+    median of their ratios, or pooled), so that steps of different sizes compare. Trials try a neighbour of the
+    preferred way in that order (two ways: the other one), so that a preference walks along it: after a turn, the
+    next trial goes on in the same direction."""
 
-    def __init__(self, fixed: bool | None = None, eager_trials: bool = True, margin: float = 0.0,
-                 rare_above: float = CLEARLY_WORSE, preferred: bool = True, first_trial_after: int | None = None,
-                 backoff: int = 1, fresh_trials: bool = False, pooled: bool = False) -> None:
-        """`fixed`: always that way, None: the cheaper one, as measured, starting from `preferred`. `eager_trials`:
-        until the other way has a full window of samples, try it every 2 x PROBE_STEPS steps, not every PROBE_EVERY.
-        `margin`: the preferred way changes only for one that costs this share less (where changing has a cost of
-        its own). `rare_above`: the other way is tried four times less often while it costs this many times the
-        preferred one's or more. `first_trial_after`: steps before the first trial, if not the rule's. `backoff`:
-        each trial that leaves the preference as it was doubles the steps to the next, up to this many times the
-        rule's (a turn starts again from the rule's). `fresh_trials`: the way on trial costs what its trial's steps
-        cost (its older samples dropped as the trial starts), judged once they have all run: with trials hundreds of
-        steps apart, a window spanning several would take as many to notice a change. `pooled`: a way costs its
-        recent steps' seconds over their work, summed (steps `OUTLIER` times the median left out), not the median of
-        each step's ratio: where a step's work varies (tokens emitted), the median of few ratios is biased (one
-        sequence drafting 4 tokens at acceptance 0.7: by 39%)."""
+    def __init__(self, fixed: Way | None = None, eager_trials: bool = True, margin: float = 0.0,
+                 rare_above: float = CLEARLY_WORSE, preferred: Way | None = None, first_trial_after: int | None = None,
+                 backoff: int = 1, fresh_trials: bool = False, pooled: bool = False,
+                 ways: Sequence[Way] = (True, False)) -> None:  # type: ignore[assignment]
+        """`fixed`: always that way, None: the cheapest one, as measured, starting from `preferred` (default: the
+        first way). `eager_trials`: until the way to try next has a full window of samples, try it every
+        2 x PROBE_STEPS steps, not every PROBE_EVERY. `margin`: the preferred way changes only for one that costs
+        this share less (where changing has a cost of its own). `rare_above`: a way is tried four times less often
+        while it costs this many times the preferred one's or more. `first_trial_after`: steps before the first
+        trial, and before the next after each turn, if not the rule's. `backoff`: each trial that leaves the
+        preference as it was doubles the steps to the next, up to this many times the rule's (a turn starts again
+        from the rule's). `fresh_trials`: the way on trial costs what its trial's steps cost (its older samples
+        dropped as the trial starts), judged once they have all run: with trials hundreds of steps apart, a window
+        spanning several would take as many to notice a change. `pooled`: a way costs its recent steps' seconds over
+        their work, summed (steps `OUTLIER` times the median left out), not the median of each step's ratio: where a
+        step's work varies (tokens emitted), the median of few ratios is biased (one sequence drafting 4 tokens at
+        acceptance 0.7: by 39%)."""
+        self.ways = tuple(ways)
         self.fixed = fixed
         self.eager_trials = eager_trials
         self.margin = margin
@@ -44,17 +53,20 @@ class MeasuredChoice:
         self.backoff = backoff
         self.fresh_trials = fresh_trials
         self.pooled = pooled
-        self.preferred = preferred
+        self.preferred: Way = self.ways[0] if preferred is None else preferred
         # (step seconds, work) of each way's recent steps
-        self.recent: dict[bool, deque[tuple[float, float]]] = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}
+        self.recent: dict[Way, deque[tuple[float, float]]] = {way: deque(maxlen=WINDOW) for way in self.ways}
+        self._quick_trial_after = first_trial_after
         self._first_trial_after = first_trial_after
         self._spacing = 1  # the backoff's factor for the next trial
         self._steps = 0
         self._probing = 0  # steps of the current trial still to run
-        self._trial = False  # the way on trial
+        self._trial: Way = self.preferred  # the way on trial
         self._unjudged = 0  # fresh trials: steps of the current trial not yet recorded
+        self._toward: Way | None = None  # after a turn: the neighbour that goes on in its direction
+        self._tried: dict[Way, int] = dict.fromkeys(self.ways, 0)  # trials so far (the least tried neighbour next)
 
-    def cost(self, way: bool) -> float | None:
+    def cost(self, way: Way) -> float | None:
         """Seconds per unit of work of the recent steps run this way (None before the first): the median of their
         ratios, or pooled."""
         recent = self.recent[way]
@@ -67,14 +79,18 @@ class MeasuredChoice:
         ratios = sorted(seconds / work for seconds, work in recent)
         return ratios[len(ratios) // 2]
 
-    def choose(self) -> bool:
+    def measured(self) -> int:
+        """How many ways have run."""
+        return sum(1 for recent in self.recent.values() if recent)
+
+    def choose(self) -> Way:
         """The way to run the next step."""
         if self.fixed is not None:
             return self.fixed
         if self._probing:
             self._probing -= 1
             return self._trial
-        other = not self.preferred
+        other = self._next_trial()
         eager = self.eager_trials and len(self.recent[other]) < WINDOW
         interval = 2 * PROBE_STEPS if eager else PROBE_EVERY
         if interval == PROBE_EVERY:
@@ -83,21 +99,35 @@ class MeasuredChoice:
             interval = self._first_trial_after
         self._steps += 1
         if self._steps >= interval:
-            self._steps, self._first_trial_after = 0, None
+            self._steps, self._first_trial_after, self._toward = 0, None, None
             self._spacing = min(2 * self._spacing, self.backoff)  # (back to 1 if this trial turns the preference)
             self._probing, self._trial = PROBE_STEPS - 1, other
+            self._tried[other] += 1
             if self.fresh_trials:
                 self.recent[other].clear()
                 self._unjudged = PROBE_STEPS
             return other
         return self.preferred
 
-    def _ratio(self, way: bool) -> float:
-        """How many times what a step run the other way costs a step run this way costs (0 before both have run)."""
-        mine, theirs = self.cost(way), self.cost(not way)
+    def _neighbours(self, way: Way) -> list[Way]:
+        i = self.ways.index(way)
+        return [self.ways[j] for j in (i - 1, i + 1) if 0 <= j < len(self.ways)]
+
+    def _next_trial(self) -> Way:
+        """The neighbour of the preferred way to try next: on in the direction of the last turn, else the one tried
+        fewest times, the cheaper-looking first (a way measured `rare_above` or dearer is tried four times less
+        often)."""
+        if self._toward is not None:
+            return self._toward
+        return min(self._neighbours(self.preferred) or [self.preferred],
+                   key=lambda way: (self._ratio(way) >= self.rare_above, self._tried[way]))
+
+    def _ratio(self, way: Way) -> float:
+        """How many times what a step run `way` costs a step run the preferred way costs (0 before both have run)."""
+        mine, theirs = self.cost(way), self.cost(self.preferred)
         return mine / theirs if mine is not None and theirs else 0.0
 
-    def record(self, way: bool, step_seconds: float, work: float) -> None:
+    def record(self, way: Way, step_seconds: float, work: float) -> None:
         if work <= 0:  # (a step that did nothing, its requests failed, tells nothing of its way's cost)
             return
         self.recent[way].append((step_seconds, work))
@@ -105,6 +135,15 @@ class MeasuredChoice:
             self._unjudged -= 1
             if self._unjudged:
                 return
-        mine, other = self.cost(self.preferred), self.cost(not self.preferred)
-        if mine is not None and other is not None and other < mine * (1 - self.margin):
-            self.preferred, self._spacing = not self.preferred, 1
+        mine = self.cost(self.preferred)
+        costs = [(c, w) for w in self.ways if w != self.preferred and (c := self.cost(w)) is not None]
+        if mine is None or not costs:
+            return
+        cheapest, way = min(costs, key=lambda cw: cw[0])
+        if cheapest < mine * (1 - self.margin):
+            before, self.preferred, self._spacing = self.preferred, way, 1
+            i, j = self.ways.index(before), self.ways.index(way)
+            onward = j + (1 if j > i else -1)
+            self._toward = self.ways[onward] if 0 <= onward < len(self.ways) else None
+            if self._toward is not None:
+                self._first_trial_after = self._quick_trial_after

@@ -49,6 +49,7 @@ class CoordinatorOptions:
     step_trace: str | None = None
     overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
     speculation: str = "auto"  # psd, sd: draft always, or let the target decode alone while that measures faster
+    min_speculative_tokens: int = 0  # auto: the fewest tokens a step drafts (halving from k; 0: k, or none)
     draft_retry_interval: float = 5.0  # seconds between tries to reach a lost draft service again
     draft_timeout: float = 30.0  # a draft call that takes longer counts the draft service as lost
     target_timeout: float = 120.0  # a target step call that takes longer counts the target service as lost (0: never)
@@ -110,7 +111,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                     options.max_prefill_tokens)
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
         self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
-                               metrics=metrics, overlap=options.overlap, speculation=options.speculation)
+                               metrics=metrics, overlap=options.overlap, speculation=options.speculation,
+                               min_k=options.min_speculative_tokens or None)
         self.loop.draft_back = self.draft_back
         self.loop.hand_over_draft = self.hand_over_draft
         self.loop.target_back = self.target_back
@@ -173,10 +175,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Both workers' start-up work at once, not one after the other inside the SetupChannels below (which then find
         # it done): run 17d's compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
         # restarted draft, the target's is a no-op.
-        draft_s, target_s = await asyncio.gather(
-            prepare_worker(draft.Prepare, draft_pb2.DraftServicePrepareRequest(
-                num_speculative_tokens=k, max_batch_size=batch, num_batches=batches)),
-            self._prepare_target())
+
+        async def prepare_draft() -> float:
+            seconds = 0.0
+            for length in self.loop.draft_lengths:  # (a restarted draft's target is prepared: a no-op for it)
+                seconds += await prepare_worker(draft.Prepare, draft_pb2.DraftServicePrepareRequest(
+                    num_speculative_tokens=length, max_batch_size=batch, num_batches=batches))
+            return seconds
+
+        draft_s, target_s = await asyncio.gather(prepare_draft(), self._prepare_target())
         start = time.perf_counter()
         exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
             channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches))
@@ -209,9 +216,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         seconds it took. With the draft's in `_connect_draft`, alone when no draft is connected (ar; a target back
         while the draft is lost): without it an ar target captured each CUDA graph at its shape's first use, while
         requests waited."""
-        return await prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
-            num_speculative_tokens=self.loop.k, max_batch_size=self.manager.max_batch_size,
-            num_batches=len(self.manager.batches)))
+        seconds = 0.0
+        for length in self.loop.draft_lengths or (0,):  # each length's verifies (and the target's steps alone)
+            seconds += await prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
+                num_speculative_tokens=length, max_batch_size=self.manager.max_batch_size,
+                num_batches=len(self.manager.batches)))
+        return seconds
 
     async def draft_back(self) -> bool:
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo

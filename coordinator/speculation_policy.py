@@ -1,6 +1,8 @@
-"""Decides per step whether the coordinator drafts (speculative decoding) or the target decodes alone."""
+"""Decides per step how many tokens the coordinator drafts (speculative decoding), if any: 0, the target alone."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from coordinator.measured_choice import MeasuredChoice
 
@@ -24,7 +26,10 @@ EARLY_TRIAL_SIZE = 32
 
 
 class SpeculationPolicy:
-    """Drafting pays when the drafts a verify accepts outweigh the draft's time and the verify's extra positions. At
+    """How many tokens a step drafts: one of `draft_lengths` (the longest first), or none (the target decodes
+    alone).
+
+    Drafting pays when the drafts a verify accepts outweigh the draft's time and the verify's extra positions. At
     a large batch on a GPU that target and draft share it may not: on one H200 at 64 sequences a compiled 1B-shaped
     draft served 0.915x the tokens of the target alone, a 68M-shaped one 1.11x (run 26d/e).
 
@@ -39,51 +44,65 @@ class SpeculationPolicy:
     A size class starts from the way a measured class next to it prefers (else drafting), and tries the other
     way after `FIRST_TRIAL_AFTER` steps from `EARLY_TRIAL_SIZE` sequences, then as `MeasuredChoice` says (no eager
     trials: a load of short requests would spend a third of its first steps on them). Rows that a trial of the
-    target alone left behind catch up at their next proposal, in one forward on the draft (`Proposer._catch_up`)."""
+    target alone left behind catch up at their next proposal, in one forward on the draft (`Proposer._catch_up`).
 
-    def __init__(self, mode: str = "auto") -> None:
+    With several draft lengths the ways lie in their order, 0 last, and trials walk along it (`MeasuredChoice`):
+    where the verify's extra positions cost more than their accepted tokens save (a large batch, a verify bound by
+    compute), a shorter draft can beat both the longest and none."""
+
+    def __init__(self, mode: str = "auto", draft_lengths: Sequence[int] = (1,)) -> None:
         if mode not in SPECULATION_CHOICES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_CHOICES)}")
         self.mode = mode
-        self._by_size: dict[int, MeasuredChoice] = {}
-        self._announced: dict[int, bool] = {}  # each size's preference when `turned` last looked (or its start)
+        self.ways = (*sorted({n for n in draft_lengths if n > 0}, reverse=True), 0)
+        self._by_size: dict[int, MeasuredChoice[int]] = {}
+        self._announced: dict[int, int] = {}  # each size's preference when `turned` last looked (or its start)
         self._size = 1
         self.current = self.at(1)  # the last size asked for
 
-    def at(self, batch_size: int) -> MeasuredChoice:
-        """The choice for steps that decode `batch_size` sequences (`choose`, then `record(drafting, step seconds,
-        tokens emitted / batch_size)`)."""
+    def at(self, batch_size: int) -> MeasuredChoice[int]:
+        """The choice for steps that decode `batch_size` sequences (`choose`: the tokens to draft, then
+        `record(tokens drafted, step seconds, tokens emitted / batch_size)`)."""
         self._size = size = size_class(batch_size)
         choice = self._by_size.get(size)
         if choice is None:
             preferred = self._nearest_measured_preference(size)
             self._announced[size] = preferred  # (that size's turn was logged)
             choice = self._by_size[size] = MeasuredChoice(
-                None if self.mode == "auto" else True, eager_trials=False, margin=SWITCH_MARGIN,
+                None if self.mode == "auto" else self.ways[0], eager_trials=False, margin=SWITCH_MARGIN,
                 rare_above=1 - SWITCH_MARGIN, preferred=preferred,
                 first_trial_after=FIRST_TRIAL_AFTER if size >= EARLY_TRIAL_SIZE else None,
-                backoff=BACKOFF, fresh_trials=True, pooled=True)
+                backoff=BACKOFF, fresh_trials=True, pooled=True, ways=self.ways)
         self.current = choice
         return choice
 
-    def _nearest_measured_preference(self, size: int) -> bool:
-        """The preference of the size class next above or below that measured both ways (the larger if both did);
-        drafting if neither did. Sizes further apart tell little: a warm-up's two requests measure the target
-        alone cheaper where 64 sequences draft (run 27d)."""
+    def _nearest_measured_preference(self, size: int) -> int:
+        """The preference of the size class next above or below that measured two ways or more (the larger if both
+        did); the longest draft if neither did. Sizes further apart tell little: a warm-up's two requests measure the
+        target alone cheaper where 64 sequences draft (run 27d)."""
         below = size - 1
         while below > 0 and size_class(below) == size:
             below -= 1
         for near in (size_class(size + 1), below and size_class(below)):
             choice = self._by_size.get(near)
-            if choice is not None and choice.cost(True) is not None and choice.cost(False) is not None:
+            if choice is not None and choice.measured() >= 2:
                 return choice.preferred
-        return True
+        return self.ways[0]
 
-    def turned(self) -> bool:
-        """Whether the current size's preference has turned since this was last asked (for the log)."""
+    def turned(self) -> int | None:
+        """The current size's preference before, if it has turned since this was last asked (for the log)."""
         preferred = self.current.preferred
         before, self._announced[self._size] = self._announced[self._size], preferred
-        return preferred != before
+        return None if preferred == before else before
+
+
+def draft_lengths(longest: int, shortest: int) -> tuple[int, ...]:
+    """The draft lengths `--speculation auto` chooses among: `longest`, then halved while at least `shortest` (4, 2,
+    1; 6, 3, 1), each with CUDA graphs of its own on the workers."""
+    lengths = [longest]
+    while lengths[-1] // 2 >= max(shortest, 1):
+        lengths.append(lengths[-1] // 2)
+    return tuple(lengths)
 
 
 def size_class(sequences: int) -> int:

@@ -16,7 +16,7 @@ import grpc
 from coordinator.batch_manager import Batch, BatchManager
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
-from coordinator.speculation_policy import SpeculationPolicy
+from coordinator.speculation_policy import SpeculationPolicy, draft_lengths
 from coordinator.stream_outbox import StreamOutbox
 from coordinator.workers import Workers
 from minedraft.proto import common_pb2, target_pb2
@@ -46,15 +46,19 @@ class StepLoop:
     after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts)."""
 
     def __init__(self, workers: Workers, manager: BatchManager, mode: str, k: int,
-                 metrics: CoordinatorMetrics | None = None, overlap: str = "auto", speculation: str = "auto"
-                 ) -> None:
+                 metrics: CoordinatorMetrics | None = None, overlap: str = "auto", speculation: str = "auto",
+                 min_k: int | None = None) -> None:
+        """`min_k`: the fewest tokens a step drafts under `speculation` auto (default k: k or none)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         self.workers, self.manager, self.mode = workers, manager, mode
         self.k = 0 if mode == "ar" else k
         self.metrics = metrics
         self.overlap_policy = OverlapPolicy(overlap)
-        self.speculation_policy = SpeculationPolicy(speculation)
+        # The draft lengths steps may take (each precaptured on the workers), the longest first.
+        self.draft_lengths = (() if self.k == 0 else draft_lengths(self.k, min_k or self.k) if speculation == "auto"
+                              else (self.k,))
+        self.speculation_policy = SpeculationPolicy(speculation, self.draft_lengths)
         # What a step emits reaches the clients' streams once the next worker calls are sent.
         self.outbox = StreamOutbox()
         workers.call_started = self.outbox.call_started
@@ -126,54 +130,60 @@ class StepLoop:
         sequences = max(sum(len(b.members) for b in batches), 1)  # (none, after a failed admission)
         policy = self.speculation_policy.at(sequences)
         start = time.perf_counter()
-        # A sampled token depends on whether its position was drafted: while a request sampled with its client's
-        # seed runs, every step drafts, so that its output is the seed's whatever the policy measures.
-        if not (drafting and (self._choose_drafting() or any(r.seeded for b in batches for r in b.members))):
+        k = self._choose_draft_length() if drafting else 0
+        # A sampled token depends on whether its position was drafted, and how long the draft was: while a request
+        # sampled with its client's seed runs, every step drafts k, so that its output is the seed's whatever the
+        # policy measures.
+        if drafting and any(r.seeded for b in batches for r in b.members):
+            k = self.k
+        if not k:
             emitted = 0
             for batch in batches:
                 if batch.members:
                     emitted += await self._verify(batch)
             if drafting and to_verify is None:  # (a step that verified drafts is not the target's alone)
-                policy.record(False, time.perf_counter() - start, emitted / sequences)
+                policy.record(0, time.perf_counter() - start, emitted / sequences)
         elif to_verify is not None and to_propose is not None:
-            verified = len(to_verify.members)
+            verified, verified_k = len(to_verify.members), to_verify.drafts_to_verify
             overlap = self.overlap_policy.choose()
             if overlap:
-                emitted, _ = await asyncio.gather(self._verify(to_verify), self._propose(to_propose))
+                emitted, _ = await asyncio.gather(self._verify(to_verify), self._propose(to_propose, k))
             else:
                 emitted = await self._verify(to_verify)
-                await self._propose(to_propose)
+                await self._propose(to_propose, k)
             self.overlap_policy.record(overlap, time.perf_counter() - start, verified)
-            policy.record(True, time.perf_counter() - start, emitted / sequences)
+            # (the tokens, and most of the step, are the verified batch's, drafted a step before)
+            policy.record(verified_k, time.perf_counter() - start, emitted / sequences)
             if self.metrics is not None and overlap:
                 self.metrics.overlapped_step(start, time.perf_counter())
         elif to_verify is not None:
             await self._verify(to_verify)
         elif to_propose is not None:
-            await self._propose(to_propose)
+            await self._propose(to_propose, k)
             other_has_work = any(b.members for b in batches if b is not to_propose)
             if not other_has_work:  # fallback: standard SD on the only batch with work
                 emitted = await self._verify(to_propose)
-                policy.record(True, time.perf_counter() - start, emitted / sequences)
+                policy.record(k, time.perf_counter() - start, emitted / sequences)
 
-    def _choose_drafting(self) -> bool:
-        """The speculation policy's choice for this step (at the size `at` was last given), logged when its
-        preference turns."""
+    def _choose_draft_length(self) -> int:
+        """The speculation policy's draft length for this step (at the size `at` was last given; 0: the target
+        alone), logged when its preference turns."""
         policy = self.speculation_policy.current
-        drafting = policy.choose()
-        if self.speculation_policy.turned():
-            drafts, alone = (f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
-                             for way in (True, False))
-            log.warning("%s at batches near %d: a token for each sequence every %s decoding with drafts, every %s with "
-                        "the target alone", "drafting again" if policy.preferred
-                        else "drafts do not pay, decoding with the target alone",
-                        sum(len(b.members) for b in self.manager.batches), drafts, alone)
-        return drafting
+        k = policy.choose()
+        before = self.speculation_policy.turned()
+        if before is not None:
+            now = policy.preferred
+            costs = {way: f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
+                     for way in (now, before)}
+            log.warning("%s at batches near %d: a token for each sequence every %s, against %s %s",
+                        _describe(now, before), sum(len(b.members) for b in self.manager.batches), costs[now],
+                        costs[before], _way(before))
+        return k
 
     @property
     def drafting(self) -> bool:
         """Whether steps draft (the speculation policy's preference, a trial aside)."""
-        return self.mode != "ar" and self.workers.draft is not None and self.speculation_policy.current.preferred
+        return self.mode != "ar" and self.workers.draft is not None and self.speculation_policy.current.preferred > 0
 
     async def _remove_finished(self) -> None:
         await self._release([r for b in self.manager.batches if not b.awaiting_verify
@@ -201,20 +211,20 @@ class StepLoop:
             self.metrics.prefilled(admitted, target_reply.results)
         return True
 
-    async def _propose(self, batch: Batch) -> None:
+    async def _propose(self, batch: Batch, k: int) -> None:
         # The membership is frozen from here: a rebalance by the concurrent Verify of the other batch must put
         # its surplus in `joining`, not among the members whose drafts are being made (their count would no
         # longer match the drafts).
         batch.drafts = common_pb2.DraftPayload()
         try:
-            reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, self.k)
+            reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, k)
         except Exception as exc:
             if not self._lose_draft(exc):
                 self._fail(batch.members, exc)
             # Failed members stay until remove_finished releases them on the workers; joiners become members.
             batch.drafts, batch.members, batch.joining = None, batch.members + batch.joining, []
             return
-        batch.drafts, batch.num_drafts = reply.drafts, self.k
+        batch.drafts, batch.num_drafts = reply.drafts, k
         # Sent ahead, unless requests wait: their prefill on the target would queue behind this verify, and the
         # step that admits them would wait for it before drafting the other batch.
         if not self.manager.waiting:
@@ -385,3 +395,20 @@ class StepLoop:
     def step_trace(self) -> str:
         """The recorded worker calls as JSON lines (for the overlap test and the timeline plot)."""
         return "\n".join(json.dumps(vars(e)) for e in self.workers.events)
+
+
+def _way(k: int) -> str:
+    return f"drafting {_tokens(k)} a step" if k else "with the target alone"
+
+
+def _tokens(k: int) -> str:
+    return f"{k} token{'s' if k > 1 else ''}"
+
+
+def _describe(now: int, before: int) -> str:
+    """What a turn of the speculation policy from `before` to `now` tokens drafted means, for its log line."""
+    if not now:
+        return "drafts do not pay, decoding with the target alone"
+    if not before:
+        return f"drafting again, {_tokens(now)} a step,"
+    return f"{'shorter' if now < before else 'longer'} drafts pay, drafting {_tokens(now)} a step,"

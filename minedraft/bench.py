@@ -30,7 +30,7 @@ SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from minedraft.cli import DEMO_DIR, add_graph_flags
+    from minedraft.cli import DEMO_DIR, MIN_SPECULATIVE_TOKENS_HELP, add_graph_flags
 
     what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
     what.add_argument("--server", default=None,
@@ -60,6 +60,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--speculation", default="auto", choices=["auto", "always"],
                        help="psd and sd: draft at every step (always), or let the target decode alone while that "
                             "measures faster (auto)")
+    stack.add_argument("--min-speculative-tokens", type=int, default=0, help=MIN_SPECULATIVE_TOKENS_HELP)
     stack.add_argument("--threads", type=int, default=None,
                        help="OMP_NUM_THREADS for the started services (CPU: 1 keeps three services from "
                             "oversubscribing a small machine)")
@@ -377,7 +378,8 @@ class LocalStack:
             max_queue_size=max(256, args.num_prompts + args.num_warmup), max_prefill_tokens=args.max_prefill_tokens,
             channel=args.channel,
             step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
-            overlap=args.overlap, speculation=args.speculation, synthetic_acceptance=args.synthetic_acceptance,
+            overlap=args.overlap, speculation=args.speculation, min_speculative_tokens=args.min_speculative_tokens,
+            synthetic_acceptance=args.synthetic_acceptance,
             compile=args.compile, eager=args.eager, precapture_graphs=args.precapture_graphs,
         )
         self.env = dict(os.environ)

@@ -49,6 +49,9 @@ PRECAPTURE_CHOICES = ["auto", "on", "off"]
 MAX_PREFILL_TOKENS_HELP = ("prompt tokens one step prefills at most (0: no limit; a longer prompt goes alone): a burst "
                            "of requests is admitted over several steps, so the first start sooner and running "
                            "requests wait less")
+MIN_SPECULATIVE_TOKENS_HELP = ("with --speculation auto, steps may also draft fewer tokens, halving from "
+                               "--num-speculative-tokens down to this many (each length's CUDA graphs are captured at "
+                               "start-up), where a shorter draft measures cheaper per token; 0: that many, or none")
 PORT_FILE_HELP = "once listening, write the port to this file (for a launcher that passes --port 0)"
 Arguments = argparse.ArgumentParser | argparse._ArgumentGroup  # a parser, or one of its add_argument_group()s
 
@@ -103,6 +106,7 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--speculation", "auto", choices=["auto", "always"],
          help="psd and sd: draft at every step (always), or let the target decode alone while that measures "
               "faster per token than drafting (auto: a large batch, or a draft too slow for its acceptance)")
+    _add(parser, "--min-speculative-tokens", 0, type=int, help=MIN_SPECULATIVE_TOKENS_HELP)
     _add(parser, "--draft-retry-interval", 5.0, type=float,
          help="seconds between tries to reach a lost draft service again (requests go on with the target alone), "
               "or a lost target service (requests are refused meanwhile)")
@@ -248,7 +252,8 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size,
         max_prefill_tokens=args.max_prefill_tokens, channel=args.channel, tokenizer=args.tokenizer,
         step_trace=args.step_trace, overlap=args.overlap, speculation=args.speculation,
-        draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
+        min_speculative_tokens=args.min_speculative_tokens, draft_retry_interval=args.draft_retry_interval,
+        draft_timeout=args.draft_timeout,
         target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
     )
     tracing = setup_tracing("minedraft-coordinator")
@@ -361,7 +366,8 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
                         "--num-speculative-tokens", str(args.num_speculative_tokens),
                         "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
                         "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap,
-                        "--speculation", args.speculation]
+                        "--speculation", args.speculation,
+                        "--min-speculative-tokens", str(args.min_speculative_tokens)]
     # absent (bench's own arguments): the defaults
     for flag in ("--max-prefill-tokens", "--draft-retry-interval", "--draft-timeout", "--target-timeout",
                  "--drain-timeout"):
@@ -416,7 +422,8 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         max_queue_size=args.max_queue_size, max_prefill_tokens=args.max_prefill_tokens,
         channel="local" if args.channel == "auto" else args.channel,
         tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap, speculation=args.speculation,
-        draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
+        min_speculative_tokens=args.min_speculative_tokens, draft_retry_interval=args.draft_retry_interval,
+        draft_timeout=args.draft_timeout,
         target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
     )
     server, port, servicer = await serve_coordinator(coordinator_options, args.port, args.host)

@@ -8,7 +8,13 @@ from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.measured_choice import PROBE_EVERY, PROBE_STEPS
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import RequestState
-from coordinator.speculation_policy import EARLY_TRIAL_SIZE, FIRST_TRIAL_AFTER, SpeculationPolicy, size_class
+from coordinator.speculation_policy import (
+    EARLY_TRIAL_SIZE,
+    FIRST_TRIAL_AFTER,
+    SpeculationPolicy,
+    draft_lengths,
+    size_class,
+)
 from minedraft.errors import ModelLoadError
 from minedraft.models import VocabInfo, check_pair
 from minedraft.proto import common_pb2
@@ -141,14 +147,14 @@ def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_wh
     batch), then 0.5 against 1.0 (acceptance rose). It decodes alone after its first trial, tries drafting ever less
     often while nothing changes, starts a new size class from a measured neighbour's way, and drafts again once
     drafting pays; `always` drafts at every step."""
-    speculation = SpeculationPolicy("auto")
+    speculation = SpeculationPolicy("auto")  # drafting 1 token or none: True or False here
 
     def run(steps: int, drafting_cost: float, alone_cost: float, batch: int = 64) -> list[bool]:
         made = []
         for _ in range(steps):
             policy = speculation.at(batch)
             drafting = policy.choose()
-            made.append(drafting)
+            made.append(bool(drafting))
             policy.record(drafting, 2 * (drafting_cost if drafting else alone_cost), 2.0)
         return made
 
@@ -216,3 +222,43 @@ def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:
         check_pair(target, VocabInfo(1000, 1000, "bbbb", (0,)))
     with pytest.raises(ModelLoadError, match="propose ids the target cannot score"):
         check_pair(target, VocabInfo(1200, 1000, "aaaa", (0,)))
+
+
+def test_draft_lengths_halve_from_k_down_to_the_shortest() -> None:
+    assert [draft_lengths(*a) for a in ((4, 1), (6, 1), (5, 1), (8, 3), (4, 4), (4, 0), (1, 1))] == [
+        (4, 2, 1), (6, 3, 1), (5, 2, 1), (8, 4), (4,), (4, 2, 1), (1,)]
+
+
+def test_speculation_policy_walks_to_the_cheapest_draft_length() -> None:
+    """Per token each sequence got at 64 sequences: 4 drafts 1.5 ms, 2 drafts 1.1, 1 draft 1.0, none 1.3 (a verify
+    whose extra positions cost more than they save at that batch). From 4 it tries 2 after FIRST_TRIAL_AFTER steps,
+    turns, goes on to 1 as soon, turns, tries none, and stays at 1; then it tries its neighbours (2 and none) in turn,
+    ever less often. When the costs change (acceptance fell: none is cheapest) it walks on."""
+    speculation = SpeculationPolicy("auto", draft_lengths(4, 1))
+    costs = {4: 1.5e-3, 2: 1.2e-3, 1: 1.0e-3, 0: 1.3e-3}
+
+    def run(steps: int) -> list[int]:
+        made = []
+        for _ in range(steps):
+            policy = speculation.at(64)
+            k = policy.choose()
+            made.append(k)
+            policy.record(k, 2 * costs[k], 2.0)
+        return made
+
+    def spells(made: list[int]) -> list[int]:
+        """The way of each run of steps, in order."""
+        return [k for i, k in enumerate(made) if i == 0 or made[i - 1] != k]
+
+    walk = run(3 * (FIRST_TRIAL_AFTER + PROBE_STEPS))
+    assert spells(walk) == [4, 2, 1, 0, 1]
+    assert walk[:FIRST_TRIAL_AFTER - 1] == [4] * (FIRST_TRIAL_AFTER - 1)
+    assert speculation.at(64).preferred == 1
+    tail = run(3000)
+    assert set(spells(tail)) == {1, 2, 0} and tail.count(1) > 0.95 * len(tail)
+    assert spells(tail)[1::2].count(2) >= 2 and spells(tail)[1::2].count(0) >= 2  # both neighbours tried
+    costs[0] = 0.5e-3
+    later = run(3000)
+    assert speculation.at(64).preferred == 0 and later[-1000:].count(0) > 0.97 * 1000
+    fixed = SpeculationPolicy("always", draft_lengths(4, 1)).at(64)
+    assert {fixed.choose() for _ in range(2 * PROBE_EVERY)} == {4}

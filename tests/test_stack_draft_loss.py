@@ -308,11 +308,11 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
     notices: list[bool] = []  # whether the draft was still in use when the notice came
     propose = StepLoop._propose
 
-    async def propose_after_a_shutdown_notice(self: StepLoop, batch: Batch) -> None:
+    async def propose_after_a_shutdown_notice(self: StepLoop, batch: Batch, k: int) -> None:
         if armed and not notices:
             notices.append(self.workers.draft is not None)
             self.leave_draft("the draft service is shutting down (told mid-step by the test)")
-        await propose(self, batch)
+        await propose(self, batch, k)
 
     monkeypatch.setattr(StepLoop, "_propose", propose_after_a_shutdown_notice)
     armed = False

@@ -1,5 +1,6 @@
 """`--speculation auto` through the stack: drafts that do not pay leave the target decoding alone, output unchanged;
-drafts that pay keep drafting; a request sampled with its client's seed is drafted at every step."""
+drafts that pay keep drafting; shorter drafts are tried with `--min-speculative-tokens`, output unchanged; a request
+sampled with its client's seed is drafted at every step."""
 
 from __future__ import annotations
 
@@ -44,14 +45,14 @@ def _greedy(prompts: list[list[int]]) -> list[generation_pb2.GenerateRequest]:
     return [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params) for p in prompts]
 
 
-def _serve(workers: Workers, stack_logs: Path, requests: list[generation_pb2.GenerateRequest]
-           ) -> tuple[list[Completion], str]:
+def _serve(workers: Workers, stack_logs: Path, requests: list[generation_pb2.GenerateRequest],
+           extra: tuple[str, ...] = ()) -> tuple[list[Completion], str]:
     """The completions of `requests`, sent at once to a psd coordinator (--speculation auto), and its log."""
 
     async def all_of() -> list[Completion]:
         return await asyncio.gather(*(generate(coordinator.address, r) for r in requests))
 
-    with running_coordinator(workers, stack_logs, "psd", k=K) as coordinator:
+    with running_coordinator(workers, stack_logs, "psd", k=K, extra=extra) as coordinator:
         done = asyncio.run(all_of())
     return done, coordinator.log_tail(100_000)
 
@@ -77,6 +78,23 @@ def test_drafts_that_do_not_pay_leave_the_target_decoding_alone(
     assert [c.token_ids for c in done] == [hf_reference(target, p, MAX_TOKENS) for p in prompts]
     assert "drafts do not pay, decoding with the target alone" in log
     assert all(_drafted_share(c) < 0.5 for c in done), [(c.usage.drafted_steps, c.usage.steps) for c in done]
+
+
+def test_shorter_drafts_are_tried_and_output_is_unchanged(
+    tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path, hf_reference
+) -> None:
+    """With `--min-speculative-tokens 1` a step may draft 4, 2 or 1 tokens, or none: the unrelated tiny pair's
+    drafts are rejected whatever their length, so shorter ones cost less and are taken. Whatever lengths the steps
+    drafted, output equals `generate()`."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = text_prompts(tiny_pairs.tokenizer, 3, 6, 20, seed=24)
+    done, log = _serve(llama_workers, stack_logs, _greedy(prompts), ("--min-speculative-tokens", "1"))
+    target = AutoModelForCausalLM.from_pretrained(tiny_pairs["llama"].target, dtype=torch.float32).eval()
+    assert [c.token_ids for c in done] == [hf_reference(target, p, MAX_TOKENS) for p in prompts]
+    assert all(0 < c.usage.draft_tokens < K * c.usage.drafted_steps for c in done), [
+        (c.usage.draft_tokens, c.usage.drafted_steps) for c in done]
+    assert "shorter drafts pay" in log or "drafts do not pay" in log
 
 
 def test_a_request_sampled_with_its_seed_is_drafted_at_every_step(
