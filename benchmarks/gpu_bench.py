@@ -514,6 +514,7 @@ def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedMod
                    "--channel", run.channel, "--dtype", "bfloat16", "--num-speculative-tokens", "4",
                    "--max-batch-size", str(args.services_batch), "--overlap", args.services_overlap,
                    "--speculation", args.services_speculation,
+                   "--min-speculative-tokens", str(args.services_min_speculative_tokens),
                    "--synthetic-acceptance", str(args.synthetic_acceptance),
                    "--num-prompts", str(args.services_prompts or 2 * args.services_batch),
                    "--prompt-len", str(args.prefix),
@@ -664,6 +665,9 @@ def main() -> None:
     parser.add_argument("--services-speculation", default="auto", choices=["auto", "always"],
                         help="the coordinator's --speculation in the services runs (auto: what users get, the target "
                              "alone where drafting does not pay; always: draft at every step)")
+    parser.add_argument("--services-min-speculative-tokens", type=int, default=0,
+                        help="the coordinator's --min-speculative-tokens in the services runs (0: 4 tokens or none; "
+                             "1: also 2 or 1)")
     parser.add_argument("--services-profile", action="store_true",
                         help="the services write profiler traces of five calls each (profiles_<run>.tar.gz in --out)")
     parser.add_argument("--services-timeout", type=int, default=300,

@@ -22,10 +22,10 @@ OUTLIER = 3.0
 
 
 class MeasuredChoice(Generic[Way]):
-    """Ways of running a step, in an order along which their costs change gradually (by default True and False;
-    the first preferred until measured dearer); each costs its recent steps' seconds per unit of work (`record`: the
+    """Ways of running a step, on a ring along which their costs change gradually (by default True and False; the
+    first preferred until measured dearer); each costs its recent steps' seconds per unit of work (`record`: the
     median of their ratios, or pooled), so that steps of different sizes compare. Trials try a neighbour of the
-    preferred way in that order (two ways: the other one), so that a preference walks along it: after a turn, the
+    preferred way on the ring (two ways: the other one), so that a preference walks along it: after a turn, the
     next trial goes on in the same direction."""
 
     def __init__(self, fixed: Way | None = None, eager_trials: bool = True, margin: float = 0.0,
@@ -110,8 +110,9 @@ class MeasuredChoice(Generic[Way]):
         return self.preferred
 
     def _neighbours(self, way: Way) -> list[Way]:
-        i = self.ways.index(way)
-        return [self.ways[j] for j in (i - 1, i + 1) if 0 <= j < len(self.ways)]
+        """The ways before and after `way`, the last way's after being the first."""
+        i, n = self.ways.index(way), len(self.ways)
+        return list(dict.fromkeys(self.ways[j % n] for j in (i - 1, i + 1) if j % n != i))
 
     def _next_trial(self) -> Way:
         """The neighbour of the preferred way to try next: on in the direction of the last turn, else the one tried
@@ -142,8 +143,8 @@ class MeasuredChoice(Generic[Way]):
         cheapest, way = min(costs, key=lambda cw: cw[0])
         if cheapest < mine * (1 - self.margin):
             before, self.preferred, self._spacing = self.preferred, way, 1
-            i, j = self.ways.index(before), self.ways.index(way)
-            onward = j + (1 if j > i else -1)
-            self._toward = self.ways[onward] if 0 <= onward < len(self.ways) else None
+            i, j, n = self.ways.index(before), self.ways.index(way), len(self.ways)
+            onward = (2 * j - i) % n if abs(j - i) in (1, n - 1) else i  # (a jump, to a way not next: no direction)
+            self._toward = self.ways[onward] if n > 2 and onward not in (i, j) else None
             if self._toward is not None:
                 self._first_trial_after = self._quick_trial_after

@@ -39,8 +39,8 @@ def test_values_have_the_documented_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     expected = {
         "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "maxPrefillTokens",
-                        "overlap", "speculation", "channel", "tokenizer", "draftRetryInterval", "draftTimeout",
-                        "targetTimeout", "drainTimeout"],
+                        "overlap", "speculation", "minSpeculativeTokens", "channel", "tokenizer", "draftRetryInterval",
+                        "draftTimeout", "targetTimeout", "drainTimeout"],
         "target": [
             "model",
             "port",
