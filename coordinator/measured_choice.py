@@ -25,8 +25,8 @@ class MeasuredChoice(Generic[Way]):
     """Ways of running a step, on a ring along which their costs change gradually (by default True and False; the
     first preferred until measured dearer); each costs its recent steps' seconds per unit of work (`record`: the
     median of their ratios, or pooled), so that steps of different sizes compare. Trials try a neighbour of the
-    preferred way on the ring (two ways: the other one), so that a preference walks along it: after a turn, the
-    next trial goes on in the same direction."""
+    preferred way on the ring (two ways: the other one), so that a preference walks along it: after a turn between
+    two ways next in the order, the next trial goes on in the same direction, soon (`first_trial_after`)."""
 
     def __init__(self, fixed: Way | None = None, eager_trials: bool = True, margin: float = 0.0,
                  rare_above: float = CLEARLY_WORSE, preferred: Way | None = None, first_trial_after: int | None = None,
@@ -143,8 +143,9 @@ class MeasuredChoice(Generic[Way]):
         cheapest, way = min(costs, key=lambda cw: cw[0])
         if cheapest < mine * (1 - self.margin):
             before, self.preferred, self._spacing = self.preferred, way, 1
-            i, j, n = self.ways.index(before), self.ways.index(way), len(self.ways)
-            onward = (2 * j - i) % n if abs(j - i) in (1, n - 1) else i  # (a jump, to a way not next: no direction)
-            self._toward = self.ways[onward] if n > 2 and onward not in (i, j) else None
+            # On along the order, not across the ring's seam: from the last way back to the first is a trial's.
+            i, j = self.ways.index(before), self.ways.index(way)
+            onward = 2 * j - i if abs(j - i) == 1 else -1
+            self._toward = self.ways[onward] if 0 <= onward < len(self.ways) else None
             if self._toward is not None:
                 self._first_trial_after = self._quick_trial_after

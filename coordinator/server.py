@@ -125,7 +125,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if metrics is not None:
             metrics.track_state(lambda: self.manager.queue_length, lambda: self.manager.num_running,
                                 lambda: float(self.workers.draft is not None), lambda: len(self.manager.batches),
-                                lambda: float(self.loop.drafting))
+                                lambda: float(self.loop.drafting), lambda: float(self.loop.draft_length))
         self.tokenizer: object | None = None
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()

@@ -46,9 +46,12 @@ class SpeculationPolicy:
     trials: a load of short requests would spend a third of its first steps on them). Rows that a trial of the
     target alone left behind catch up at their next proposal, in one forward on the draft (`Proposer._catch_up`).
 
-    With several draft lengths the ways lie in their order, 0 last, and trials walk along it (`MeasuredChoice`):
-    where the verify's extra positions cost more than their accepted tokens save (a large batch, a verify bound by
-    compute), a shorter draft can beat both the longest and none."""
+    With several draft lengths the ways lie on a ring, the longest first and none last (`MeasuredChoice`): from
+    the longest, the first trial is of the target alone, as with one length, and a preference walks on along the
+    lengths soon after each turn between two of them, but not from none on to drafting (that trial costs the draft
+    its catch-up: it waits for the usual spacing). Where the verify's extra positions cost more than their accepted
+    tokens save (a large batch, a verify bound by compute, middling acceptance), a shorter draft can beat both the
+    longest and none."""
 
     def __init__(self, mode: str = "auto", draft_lengths: Sequence[int] = (1,)) -> None:
         if mode not in SPECULATION_CHOICES:

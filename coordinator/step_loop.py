@@ -185,6 +185,11 @@ class StepLoop:
         """Whether steps draft (the speculation policy's preference, a trial aside)."""
         return self.mode != "ar" and self.workers.draft is not None and self.speculation_policy.current.preferred > 0
 
+    @property
+    def draft_length(self) -> int:
+        """Tokens a step drafts (the speculation policy's length, a trial aside; 0: the target alone)."""
+        return self.speculation_policy.current.preferred if self.drafting else 0
+
     async def _remove_finished(self) -> None:
         await self._release([r for b in self.manager.batches if not b.awaiting_verify
                              for r in self.manager.remove_finished(b)])

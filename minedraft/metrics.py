@@ -92,6 +92,9 @@ class CoordinatorMetrics:
                                      "service is retried", registry=r)
         self.drafting = Gauge("minedraft_drafting", "1 while steps draft; 0 while the target decodes alone (ar mode, "
                               "a lost draft, or drafts measured not to pay: --speculation auto)", registry=r)
+        self.draft_length = Gauge("minedraft_draft_length",
+                                  "Tokens a step drafts at the current batch size (the speculation policy's length: "
+                                  "--min-speculative-tokens); 0 while the target decodes alone", registry=r)
         self.ttft = Histogram("minedraft_time_to_first_token_seconds", "Time to first token per request",
                               buckets=LATENCY, registry=r)
         self.tpot = Histogram("minedraft_time_per_output_token_seconds",
@@ -112,8 +115,9 @@ class CoordinatorMetrics:
 
     def track_state(self, queue_length: Callable[[], float], running: Callable[[], float],
                     draft_connected: Callable[[], float], batches: Callable[[], float],
-                    drafting: Callable[[], float]) -> None:
+                    drafting: Callable[[], float], draft_length: Callable[[], float]) -> None:
         """Gauges read at scrape time (nothing on the hot path)."""
+        self.draft_length.set_function(draft_length)
         self.queue_length.set_function(queue_length)
         self.running.set_function(running)
         self.draft_connected.set_function(draft_connected)

@@ -232,9 +232,10 @@ def test_draft_lengths_halve_from_k_down_to_the_shortest() -> None:
 def test_speculation_policy_walks_to_the_cheapest_draft_length() -> None:
     """Per token each sequence got at 64 sequences: 4 drafts 1.5 ms, 2 drafts 1.2, 1 draft 1.0, none 1.3 (a verify
     whose extra positions cost more than they save at that batch). The lengths and none lie on a ring (4, 2, 1, none,
-    back to 4). From 4 it tries none first after FIRST_TRIAL_AFTER steps (as with one length), turns, goes on to 1 as
-    soon, turns, tries 2 and stays at 1; then it tries its neighbours (2 and none) in turn, ever less often. When
-    the costs change (acceptance fell: none is cheapest) it follows."""
+    back to 4). From 4 it tries none first after FIRST_TRIAL_AFTER steps (as with one length) and turns; it tries 1
+    after the usual PROBE_EVERY (a trial that drafts again costs a catch-up), turns, goes on to 2 after
+    FIRST_TRIAL_AFTER and stays at 1; then it tries its neighbours (2 and none) in turn, ever less often. When the
+    costs change (acceptance fell: none is cheapest) it follows."""
     speculation = SpeculationPolicy("auto", draft_lengths(4, 1))
     costs = {4: 1.5e-3, 2: 1.2e-3, 1: 1.0e-3, 0: 1.3e-3}
 
@@ -251,9 +252,9 @@ def test_speculation_policy_walks_to_the_cheapest_draft_length() -> None:
         """The way of each run of steps, in order."""
         return [k for i, k in enumerate(made) if i == 0 or made[i - 1] != k]
 
-    walk = run(3 * (FIRST_TRIAL_AFTER + PROBE_STEPS))
-    assert spells(walk) == [4, 0, 1, 2, 1]
-    assert walk[:FIRST_TRIAL_AFTER - 1] == [4] * (FIRST_TRIAL_AFTER - 1)
+    quick, usual = FIRST_TRIAL_AFTER - 1 + PROBE_STEPS, PROBE_EVERY - 1 + PROBE_STEPS
+    walk = run(FIRST_TRIAL_AFTER - 1 + usual + quick + PROBE_STEPS + 1)
+    assert walk == [4] * (FIRST_TRIAL_AFTER - 1) + [0] * usual + [1] * quick + [2] * PROBE_STEPS + [1]
     assert speculation.at(64).preferred == 1
     tail = run(3000)
     assert set(spells(tail)) == {1, 2, 0} and tail.count(1) > 0.95 * len(tail)

@@ -96,7 +96,7 @@ def test_overlap_efficiency() -> None:
 def test_request_end_and_gauges() -> None:
     metrics = CoordinatorMetrics()
     waiting = [3]
-    metrics.track_state(lambda: waiting[0], lambda: 5, lambda: 0.0, lambda: 2, lambda: 0.0)
+    metrics.track_state(lambda: waiting[0], lambda: 5, lambda: 0.0, lambda: 2, lambda: 0.0, lambda: 2.0)
     usage = generation_pb2.Usage(completion_tokens=10, draft_tokens=12, accepted_tokens=6, steps=4,
                                  mean_accepted_length=2.5, acceptance_rate=0.5, time_to_first_token_s=0.2,
                                  time_per_output_token_s=0.01)
@@ -114,6 +114,7 @@ def test_request_end_and_gauges() -> None:
     assert value("minedraft_queue_length") == 3 and value("minedraft_running_sequences") == 5
     assert value("minedraft_draft_connected") == 0 and value("minedraft_batches") == 2
     assert value("minedraft_drafting") == 0
+    assert value("minedraft_draft_length") == 2
     waiting[0] = 0
     assert value("minedraft_queue_length") == 0
 
