@@ -81,15 +81,17 @@ class SpeculationPolicy:
 
     def _nearest_measured_preference(self, size: int) -> int:
         """The preference of the size class next above or below that measured two ways or more (the larger if both
-        did); the longest draft if neither did. Sizes further apart tell little: a warm-up's two requests measure the
-        target alone cheaper where 64 sequences draft (run 27d)."""
+        did), as drafting (the longest draft) or not; the longest draft if neither did. Sizes further apart tell
+        little: a warm-up's two requests measure the target alone cheaper where 64 sequences draft (run 27d). A
+        neighbour's shorter length is not taken over: those differ by less and are measured in fewer steps (a load
+        drained at the length its warm-up had settled on, on a noisy CPU)."""
         below = size - 1
         while below > 0 and size_class(below) == size:
             below -= 1
         for near in (size_class(size + 1), below and size_class(below)):
             choice = self._by_size.get(near)
             if choice is not None and choice.measured() >= 2:
-                return choice.preferred
+                return self.ways[0] if choice.preferred else 0
         return self.ways[0]
 
     def turned(self) -> int | None:

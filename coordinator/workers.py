@@ -34,6 +34,7 @@ class StepEvent:
     channel_s: float = 0.0
     worker_queue_s: float = 0.0  # waiting in the worker for its compute thread
     worker_s: float = 0.0  # the worker's handler from start to reply; the rest of the call is gRPC and event loops
+    num_drafts: int = 0  # tokens drafted per sequence (propose), or verified (verify)
 
 
 def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.SequenceSpec:
@@ -87,13 +88,14 @@ class Workers:
         for channel in self._channels:
             await channel.close()
 
-    def _record(self, kind: str, batch_id: int, size: int, start: float, timings: common_pb2.Timings) -> None:
+    def _record(self, kind: str, batch_id: int, size: int, start: float, timings: common_pb2.Timings, k: int = 0
+                ) -> None:
         end = time.perf_counter()
         if self.metrics is not None:
             self.metrics.worker_call(kind, size, start, end)
         if self.record_events:
             self.events.append(StepEvent(kind, batch_id, size, start, end, timings.compute_s, timings.channel_s,
-                                         timings.queue_s, timings.end_unix_s - timings.start_unix_s))
+                                         timings.queue_s, timings.end_unix_s - timings.start_unix_s, k))
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()
@@ -130,7 +132,7 @@ class Workers:
         with self._releasing("draft") as released:
             request.release_seq_ids.extend(released)
             reply = await self._started(self.draft.Propose(request, timeout=self.draft_timeout))
-        self._record("propose", batch_id, len(members), start, reply.timings)
+        self._record("propose", batch_id, len(members), start, reply.timings, k)
         return reply
 
     async def verify(self, step_id: int, batch_id: int, members: Sequence[RequestState],
@@ -144,7 +146,7 @@ class Workers:
         with self._releasing("target") as released:
             request.release_seq_ids.extend(released)
             reply = await self._started(self.target.Verify(request, timeout=self.target_timeout))
-        self._record("verify", batch_id, len(members), start, reply.timings)
+        self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
 
     def release_later(self, seq_ids: Sequence[int]) -> None:

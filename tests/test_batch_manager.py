@@ -234,8 +234,9 @@ def test_speculation_policy_walks_to_the_cheapest_draft_length() -> None:
     whose extra positions cost more than they save at that batch). The lengths and none lie on a ring (4, 2, 1, none,
     back to 4). From 4 it tries none first after FIRST_TRIAL_AFTER steps (as with one length) and turns; it tries 1
     after the usual PROBE_EVERY (a trial that drafts again costs a catch-up), turns, goes on to 2 after
-    FIRST_TRIAL_AFTER and stays at 1; then it tries its neighbours (2 and none) in turn, ever less often. When the
-    costs change (acceptance fell: none is cheapest) it follows."""
+    FIRST_TRIAL_AFTER and stays at 1; then it tries its neighbours (2 and none) in turn, ever less often. A new size
+    class next to it starts from the longest length. When the costs change (acceptance fell: none is cheapest) it
+    follows."""
     speculation = SpeculationPolicy("auto", draft_lengths(4, 1))
     costs = {4: 1.5e-3, 2: 1.2e-3, 1: 1.0e-3, 0: 1.3e-3}
 
@@ -259,6 +260,7 @@ def test_speculation_policy_walks_to_the_cheapest_draft_length() -> None:
     tail = run(3000)
     assert set(spells(tail)) == {1, 2, 0} and tail.count(1) > 0.95 * len(tail)
     assert spells(tail)[1::2].count(2) >= 2 and spells(tail)[1::2].count(0) >= 2  # both neighbours tried
+    assert speculation.at(40).preferred == 4  # a new size drafts if its neighbour does, from the longest length
     costs[0] = 0.5e-3
     later = run(3000)
     assert speculation.at(64).preferred == 0 and later[-1000:].count(0) > 0.97 * 1000
