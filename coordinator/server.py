@@ -178,7 +178,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
         async def prepare_draft() -> float:
             seconds = 0.0
-            for length in self.loop.draft_lengths:  # (a restarted draft's target is prepared: a no-op for it)
+            for length in self.loop.draft_lengths:
                 seconds += await prepare_worker(draft.Prepare, draft_pb2.DraftServicePrepareRequest(
                     num_speculative_tokens=length, max_batch_size=batch, num_batches=batches))
             return seconds

@@ -54,6 +54,7 @@ class SpeculationPolicy:
     longest and none."""
 
     def __init__(self, mode: str = "auto", draft_lengths: Sequence[int] = (1,)) -> None:
+        """`draft_lengths`: the tokens a drafting step may draft (default: one way to draft, 1, against none)."""
         if mode not in SPECULATION_CHOICES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_CHOICES)}")
         self.mode = mode
