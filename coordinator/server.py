@@ -8,7 +8,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -83,13 +83,14 @@ def _vocab(info: common_pb2.WorkerInfo) -> VocabInfo:
     return VocabInfo(info.logits_size, info.tokenizer_size, info.tokenizer_hash, tuple(info.eos_token_ids))
 
 
-async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], request: object) -> float:
-    """A worker's Prepare call; returns the seconds it took. A worker older than that RPC answers UNIMPLEMENTED and
-    prepares in its SetupChannel, as it always did: a rolling upgrade can start a new coordinator before its
-    workers."""
+async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequence[object]) -> float:
+    """A worker's Prepare calls, one after the other (one per draft length); returns the seconds they took. A worker
+    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel, as it always did: a rolling upgrade
+    can start a new coordinator before its workers."""
     start = time.perf_counter()
     try:
-        await rpc(request)
+        for request in requests:
+            await rpc(request)
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
             raise
@@ -112,7 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
         self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
                                metrics=metrics, overlap=options.overlap, speculation=options.speculation,
-                               min_k=options.min_speculative_tokens or None)
+                               min_k=options.min_speculative_tokens)
         self.loop.draft_back = self.draft_back
         self.loop.hand_over_draft = self.hand_over_draft
         self.loop.target_back = self.target_back
@@ -175,15 +176,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Both workers' start-up work at once, not one after the other inside the SetupChannels below (which then find
         # it done): run 17d's compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
         # restarted draft, the target's is a no-op.
-
-        async def prepare_draft() -> float:
-            seconds = 0.0
-            for length in self.loop.draft_lengths:
-                seconds += await prepare_worker(draft.Prepare, draft_pb2.DraftServicePrepareRequest(
-                    num_speculative_tokens=length, max_batch_size=batch, num_batches=batches))
-            return seconds
-
-        draft_s, target_s = await asyncio.gather(prepare_draft(), self._prepare_target())
+        draft_s, target_s = await asyncio.gather(
+            prepare_worker(draft.Prepare, [draft_pb2.DraftServicePrepareRequest(
+                num_speculative_tokens=length, max_batch_size=batch, num_batches=batches)
+                for length in self.loop.draft_lengths]),
+            self._prepare_target())
         start = time.perf_counter()
         exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
             channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches))
@@ -216,12 +213,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         seconds it took. With the draft's in `_connect_draft`, alone when no draft is connected (ar; a target back
         while the draft is lost): without it an ar target captured each CUDA graph at its shape's first use, while
         requests waited."""
-        seconds = 0.0
-        for length in self.loop.draft_lengths or (0,):  # each length's verifies (and the target's steps alone)
-            seconds += await prepare_worker(self.workers.target.Prepare, target_pb2.TargetServicePrepareRequest(
-                num_speculative_tokens=length, max_batch_size=self.manager.max_batch_size,
-                num_batches=len(self.manager.batches)))
-        return seconds
+        return await prepare_worker(self.workers.target.Prepare, [target_pb2.TargetServicePrepareRequest(
+            num_speculative_tokens=length, max_batch_size=self.manager.max_batch_size,
+            num_batches=len(self.manager.batches))
+            for length in self.loop.draft_lengths or (0,)])  # each length's verifies (and the target's steps alone)
 
     async def draft_back(self) -> bool:
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo

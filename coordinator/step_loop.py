@@ -47,8 +47,8 @@ class StepLoop:
 
     def __init__(self, workers: Workers, manager: BatchManager, mode: str, k: int,
                  metrics: CoordinatorMetrics | None = None, overlap: str = "auto", speculation: str = "auto",
-                 min_k: int | None = None) -> None:
-        """`min_k`: the fewest tokens a step drafts under `speculation` auto (default k: k or none)."""
+                 min_k: int = 0) -> None:
+        """`min_k`: the fewest tokens a step drafts under `speculation` auto (0: k, or none)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         self.workers, self.manager, self.mode = workers, manager, mode

@@ -169,7 +169,7 @@ def test_a_worker_without_prepare_is_prepared_by_its_setup_channel() -> None:
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = target_pb2_grpc.TargetServiceStub(channel)
-                await prepare_worker(stub.Prepare, target_pb2.TargetServicePrepareRequest(num_speculative_tokens=4))
+                await prepare_worker(stub.Prepare, [target_pb2.TargetServicePrepareRequest(num_speculative_tokens=4)])
         finally:
             await server.stop(None)
 
