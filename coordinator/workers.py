@@ -75,14 +75,26 @@ class Workers:
         self.events: list[StepEvent] = []
         self.record_events = False
         self.metrics: CoordinatorMetrics | None = None
-        self.call_started: Callable[[], None] | None = None  # told as each call is made (the step loop's outbox)
+        # Told as a call is made that the step's GPU work waits on, a target call or one made while one runs (the
+        # step loop's outbox: the clients' stream handlers run meanwhile). Not a proposal made alone: it is a step's
+        # shortest call, and its reply is what the verify that follows waits for.
+        self.call_started: Callable[[], None] | None = None
+        self._target_calls = 0  # in flight
         # Sequences to release on each worker, sent with the next call to it (`release_later`).
         self.unreleased: dict[str, list[int]] = {"target": [], "draft": []}
 
-    def _started(self, call: Call) -> Call:
-        if self.call_started is not None:
+    def _started(self, call: Call, on_target: bool = False) -> Call:
+        if self.call_started is not None and (on_target or self._target_calls):
             self.call_started()
         return call
+
+    @contextlib.contextmanager
+    def _on_target(self) -> Iterator[None]:
+        self._target_calls += 1
+        try:
+            yield
+        finally:
+            self._target_calls -= 1
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -99,10 +111,10 @@ class Workers:
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()
-        with self._releasing("target") as released:
+        with self._releasing("target") as released, self._on_target():
             reply = await self._started(self.target.Prefill(target_pb2.TargetServicePrefillRequest(
                 sequences=[sequence_spec(r) for r in requests], release_seq_ids=released),
-                timeout=self.target_timeout))
+                timeout=self.target_timeout), on_target=True)
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
@@ -143,9 +155,9 @@ class Workers:
         )
         if drafts is not None:
             request.drafts.CopyFrom(drafts)
-        with self._releasing("target") as released:
+        with self._releasing("target") as released, self._on_target():
             request.release_seq_ids.extend(released)
-            reply = await self._started(self.target.Verify(request, timeout=self.target_timeout))
+            reply = await self._started(self.target.Verify(request, timeout=self.target_timeout), on_target=True)
         self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
 
@@ -175,7 +187,7 @@ class Workers:
             if always or self.unreleased["target"]:
                 with self._releasing("target") as released:
                     await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=released),
-                                                            timeout=self.target_timeout))
+                                                            timeout=self.target_timeout), on_target=True)
 
         async def on_draft() -> grpc.RpcError | None:
             if self.draft is None or not (always or self.unreleased["draft"]):
