@@ -69,9 +69,13 @@ def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_
     return "nccl" if both_cuda else "grpc"
 
 
-def shares_gpu(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> bool:
-    """Whether target and draft run on one GPU (the same UUID; a GPU's index differs between containers)."""
-    return bool(target.gpu_uuid) and target.gpu_uuid == draft.gpu_uuid
+def shared_gpus(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> list[str]:
+    """The GPUs that target and draft both run on, by UUID (a GPU's index differs between containers); a worker of
+    before `gpu_uuids` names its first GPU only."""
+    def gpus(info: common_pb2.WorkerInfo) -> list[str]:
+        return list(info.gpu_uuids) or ([info.gpu_uuid] if info.gpu_uuid else [])
+
+    return [gpu for gpu in gpus(target) if gpu in gpus(draft)]
 
 
 def _detail(exc: BaseException) -> str:
@@ -201,12 +205,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._laid_out = True
         if self.options.mode != "psd" or self.options.overlap != "auto":
             return
-        if shares_gpu(self.target_info, self.draft_info):
+        shared = shared_gpus(self.target_info, self.draft_info)
+        if shared:
             self.manager.merge_batches()
             self.loop.mode = "sd"
             log.info("target and draft share GPU %s: one batch of up to %d sequences, drafted and verified in turn "
                      "(overlapping two batches does not pay on one GPU; --overlap always keeps them)",
-                     self.target_info.gpu_uuid, self.manager.max_batch_size)
+                     ", ".join(shared), self.manager.max_batch_size)
 
     async def _prepare_target(self) -> float:
         """The target's Prepare (its cache laid out for the batches, their step shapes run before serving); the

@@ -208,8 +208,15 @@ class ModelWorker:
             eos_token_ids=list(self.vocab.eos_token_ids),
             free_slots=self.runner.free_slots,
             channels=channels,
-            gpu_uuid=str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "",
+            gpu_uuid=self.gpu_uuids[0] if self.gpu_uuids else "",
+            gpu_uuids=self.gpu_uuids,
         )
+
+    @functools.cached_property
+    def gpu_uuids(self) -> list[str]:
+        """The UUIDs of the GPUs the model's weights are on (a device map may leave a listed GPU unused)."""
+        gpus = sorted({p.device.index or 0 for p in self.runner.model.parameters() if p.device.type == "cuda"})
+        return [str(torch.cuda.get_device_properties(gpu).uuid) for gpu in gpus]
 
     async def setup_channel(self, name: str, handshake: bytes, k: int, max_batch_size: int, exporter: bool) -> bytes:
         """The draft side exports (returns a handshake); the target side attaches to that handshake."""

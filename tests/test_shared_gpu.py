@@ -2,7 +2,7 @@
 verified in turn: the coordinator's choice, the workers' cache layout, and the same tokens as two batches.
 
 A GPU's UUID cannot be had here: the stack test makes the coordinator see one shared GPU by replacing
-`coordinator.server.shares_gpu`; everything else (workers, their layout, the steps) is real."""
+`coordinator.server.shared_gpus`; everything else (workers, their layout, the steps) is real."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import coordinator.server
 from coordinator.batch_manager import BatchManager
 from coordinator.request_state import RequestState
-from coordinator.server import shares_gpu
+from coordinator.server import shared_gpus
 from minedraft.model_runner import ModelRunner
 from minedraft.proto import common_pb2, generation_pb2, generation_pb2_grpc
 from minedraft.sampling import SamplingConfig
@@ -29,14 +29,20 @@ pytest_plugins = ["stack"]
 BATCH = 4
 
 
-def _info(gpu_uuid: str, device: str = "cuda:0") -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(device=device, gpu_uuid=gpu_uuid)
+def _info(*gpu_uuids: str, device: str = "cuda:0", listed: bool = True) -> common_pb2.WorkerInfo:
+    """A worker's info on `gpu_uuids`; `listed=False`: a worker from before `gpu_uuids`, naming its first only."""
+    return common_pb2.WorkerInfo(device=device, gpu_uuid=gpu_uuids[0] if gpu_uuids else "",
+                                 gpu_uuids=gpu_uuids if listed else ())
 
 
 def test_workers_share_a_gpu_when_their_uuids_match() -> None:
-    assert shares_gpu(_info("GPU-a1"), _info("GPU-a1"))
-    assert not shares_gpu(_info("GPU-a1"), _info("GPU-b2"))  # both cuda:0, in two containers on two GPUs
-    assert not shares_gpu(_info("", "cpu"), _info("", "cpu"))
+    assert shared_gpus(_info("GPU-a1"), _info("GPU-a1")) == ["GPU-a1"]
+    assert not shared_gpus(_info("GPU-a1"), _info("GPU-b2"))  # both cuda:0, in two containers on two GPUs
+    assert not shared_gpus(_info(device="cpu"), _info(device="cpu"))
+    # A target spread over two GPUs shares its second with a draft there (its first GPU alone would not tell).
+    assert shared_gpus(_info("GPU-a1", "GPU-b2", device="cuda:0,cuda:1"), _info("GPU-b2")) == ["GPU-b2"]
+    assert not shared_gpus(_info("GPU-a1", "GPU-b2", device="cuda:0,cuda:1"), _info("GPU-c3"))
+    assert shared_gpus(_info("GPU-a1", listed=False), _info("GPU-a1")) == ["GPU-a1"]  # an older target
 
 
 def test_merged_batches_admit_both_batches_room() -> None:
@@ -77,7 +83,7 @@ def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
                 for p in text_prompts(tiny_pairs.tokenizer, 2 * BATCH, 6, 20, seed=31)]
 
     async def serve_all(shared: bool) -> tuple[generation_pb2.GetServerInfoResponse, list[list[int]], int]:
-        monkeypatch.setattr(coordinator.server, "shares_gpu", lambda target, draft: shared)
+        monkeypatch.setattr(coordinator.server, "shared_gpus", lambda target, draft: ["GPU-test"] if shared else [])
         async with in_process_coordinator(workers, max_batch_size=BATCH) as (address, servicer):
             async with grpc.aio.insecure_channel(address) as channel:
                 info = await generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(

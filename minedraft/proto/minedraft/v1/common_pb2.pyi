@@ -54,7 +54,7 @@ class Timings(_message.Message):
     def __init__(self, compute_s: _Optional[float] = ..., channel_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., start_unix_s: _Optional[float] = ..., end_unix_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "device", "host_id", "num_slots", "max_model_len", "logits_size", "tokenizer_size", "tokenizer_hash", "eos_token_ids", "free_slots", "channels", "gpu_uuid")
+    __slots__ = ("model", "device", "host_id", "num_slots", "max_model_len", "logits_size", "tokenizer_size", "tokenizer_hash", "eos_token_ids", "free_slots", "channels", "gpu_uuid", "gpu_uuids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class WorkerInfo(_message.Message):
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     host_id: str
@@ -79,4 +80,5 @@ class WorkerInfo(_message.Message):
     free_slots: int
     channels: _containers.RepeatedScalarFieldContainer[str]
     gpu_uuid: str
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., host_id: _Optional[str] = ..., num_slots: _Optional[int] = ..., max_model_len: _Optional[int] = ..., logits_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ..., channels: _Optional[_Iterable[str]] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., host_id: _Optional[str] = ..., num_slots: _Optional[int] = ..., max_model_len: _Optional[int] = ..., logits_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ..., channels: _Optional[_Iterable[str]] = ..., gpu_uuid: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
