@@ -120,6 +120,29 @@ def test_requests_survive_the_draft_service_dying(tiny_pairs: TinyPairs, stack_l
         workers.stop()
 
 
+def test_a_draft_lost_while_the_target_decodes_alone_costs_nothing(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    """Under `--speculation auto` the tiny pair's rejected drafts leave the target decoding alone; the draft dies
+    then, unused: the next trial's proposal (its catch-up first) or release finds it gone, and the requests go on
+    with the target alone, every token as before."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "draft-loss-alone")
+    try:
+        requests = _requests(tiny_pairs, 200)
+        with running_coordinator(workers, stack_logs, "psd") as coordinator:
+            expected = _wave(coordinator.address, requests)
+            assert "drafts do not pay, decoding with the target alone" in coordinator.log_tail(10**6)
+            assert workers.draft is not None
+            workers.draft.proc.send_signal(signal.SIGKILL)
+            workers.draft.proc.wait()
+            after = _wave(coordinator.address, requests)
+            log = coordinator.log_tail(10**6)
+        assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+        assert all(c.finish_reason == generation_pb2.FINISH_REASON_LENGTH for c in after)
+        assert "continuing with the target alone" in log
+        assert "step failed" not in log and "failing" not in log, log[-3000:]
+    finally:
+        workers.stop()
+
+
 def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
     """Lost, then restarted on its address: the coordinator hands the running requests over and drafts again."""
     pair = tiny_pairs["llama"]
