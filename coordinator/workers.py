@@ -83,13 +83,14 @@ class Workers:
         # Sequences to release on each worker, sent with the next call to it (`release_later`).
         self.unreleased: dict[str, list[int]] = {"target": [], "draft": []}
 
-    def _started(self, call: Call, on_target: bool = False) -> Call:
-        if self.call_started is not None and (on_target or self._target_calls):
+    def _started(self, call: Call) -> Call:
+        if self.call_started is not None and self._target_calls:
             self.call_started()
         return call
 
     @contextlib.contextmanager
     def _on_target(self) -> Iterator[None]:
+        """Around a target call, from before it is made (so that `_started` sees it) until its reply."""
         self._target_calls += 1
         try:
             yield
@@ -114,7 +115,7 @@ class Workers:
         with self._releasing("target") as released, self._on_target():
             reply = await self._started(self.target.Prefill(target_pb2.TargetServicePrefillRequest(
                 sequences=[sequence_spec(r) for r in requests], release_seq_ids=released),
-                timeout=self.target_timeout), on_target=True)
+                timeout=self.target_timeout))
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
@@ -157,7 +158,7 @@ class Workers:
             request.drafts.CopyFrom(drafts)
         with self._releasing("target") as released, self._on_target():
             request.release_seq_ids.extend(released)
-            reply = await self._started(self.target.Verify(request, timeout=self.target_timeout), on_target=True)
+            reply = await self._started(self.target.Verify(request, timeout=self.target_timeout))
         self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
 
@@ -185,9 +186,9 @@ class Workers:
 
         async def on_target() -> None:
             if always or self.unreleased["target"]:
-                with self._releasing("target") as released:
+                with self._releasing("target") as released, self._on_target():
                     await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=released),
-                                                            timeout=self.target_timeout), on_target=True)
+                                                            timeout=self.target_timeout))
 
         async def on_draft() -> grpc.RpcError | None:
             if self.draft is None or not (always or self.unreleased["draft"]):
