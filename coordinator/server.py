@@ -50,6 +50,7 @@ class CoordinatorOptions:
     overlap: str = "auto"  # psd: run Verify and Propose concurrently always, never, or when it measures faster
     speculation: str = "auto"  # psd, sd: draft always, or let the target decode alone while that measures faster
     min_speculative_tokens: int = 0  # auto: the fewest tokens a step drafts (halving from k; 0: k, or none)
+    step_calls: str = "stream"  # Verify and Propose as messages on a stream per worker, or unary calls
     draft_retry_interval: float = 5.0  # seconds between tries to reach a lost draft service again
     draft_timeout: float = 30.0  # a draft call that takes longer counts the draft service as lost
     target_timeout: float = 120.0  # a target step call that takes longer counts the target service as lost (0: never)
@@ -110,7 +111,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.tracer = tracing.tracer if tracing is not None else None
         self.metrics = metrics
         workers_class = Workers if self.tracer is None else partial(TracedWorkers, tracer=self.tracer)
-        self.workers = workers_class(options.target, options.draft if options.mode != "ar" else None)
+        self.workers = workers_class(options.target, options.draft if options.mode != "ar" else None,
+                                     step_streams=options.step_calls == "stream")
         num_batches = 2 if options.mode == "psd" else 1
         self.manager = BatchManager(options.max_batch_size, options.max_queue_size, num_batches,
                                     options.max_prefill_tokens)

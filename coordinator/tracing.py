@@ -9,7 +9,7 @@ from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop
 from coordinator.workers import Workers
 from minedraft.proto import common_pb2, draft_pb2, target_pb2
-from minedraft.telemetry import TraceContextInjector, batch_span, links_to, message_attributes
+from minedraft.telemetry import TraceContextInjector, batch_span, inject_metadata, links_to, message_attributes
 
 TARGET, DRAFT = "minedraft-target", "minedraft-draft"
 
@@ -18,8 +18,9 @@ class TracedWorkers(Workers):
     """Workers whose calls are CLIENT spans (children of the current step span) that link to every request they
     serve; the trace context travels in the calls' metadata. Used only when tracing is on."""
 
-    def __init__(self, target_address: str, draft_address: str | None, tracer: Any) -> None:
-        super().__init__(target_address, draft_address, interceptors=[TraceContextInjector()])
+    def __init__(self, target_address: str, draft_address: str | None, tracer: Any, step_streams: bool = True
+                 ) -> None:
+        super().__init__(target_address, draft_address, [TraceContextInjector()], step_streams)
         self.tracer = tracer
         # Release gets bare sequence ids: it links through the request spans remembered at prefill.
         self._request_spans: dict[int, Any] = {}
@@ -58,6 +59,9 @@ class TracedWorkers(Workers):
             reply = await super().verify(step_id, batch_id, members, drafts, k)
             span.set_attributes(message_attributes(reply))
             return reply
+
+    def trace_context(self) -> dict[str, str]:
+        return dict(inject_metadata())
 
     def release_later(self, seq_ids: Sequence[int]) -> None:
         if not seq_ids:

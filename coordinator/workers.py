@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 
 from coordinator.request_state import RequestState
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.server_utils import CHANNEL_OPTIONS
+from minedraft.step_stream import StepStream
 
 if TYPE_CHECKING:
     from minedraft.metrics import CoordinatorMetrics
 
 Call = TypeVar("Call")
+Reply = TypeVar("Reply")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,7 +57,7 @@ class Workers:
     """The target and draft control stubs; the draft is absent in `ar` mode."""
 
     def __init__(self, target_address: str, draft_address: str | None,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = (), step_streams: bool = True) -> None:
         self._channels = [grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS,
                                                     interceptors=list(interceptors))]
         self.target_channel = self._channels[0]
@@ -67,6 +71,11 @@ class Workers:
                                                            interceptors=list(interceptors))
             self._channels.append(self.draft_channel)
             self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel)
+        # Verify and Propose as messages on a stream per worker (`StepStream`), unless unary calls are asked for.
+        self.verify_stream = StepStream(self.target.VerifyStream, target_pb2.VerifyStreamRequest) if step_streams \
+            else None
+        self.propose_stream = StepStream(self.draft_stub.ProposeStream, draft_pb2.ProposeStreamRequest) \
+            if step_streams and self.draft_stub is not None else None
         self.draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
         # A draft call that outlives this is a lost draft (a hung process must not stall the target's decoding);
         # a target call that outlives its own is a lost target (`StepLoop._lose_target`). None: no deadline.
@@ -97,7 +106,33 @@ class Workers:
         finally:
             self._target_calls -= 1
 
+    def _step_call(self, stream: StepStream | None, unary: Callable[..., Awaitable[Reply]], request: object,
+                   timeout: float | None) -> Awaitable[Reply]:
+        """A Verify or Propose call, sent now: on the worker's step stream, or unary where there is none (asked
+        for, or a worker that has none: it answers the first message UNIMPLEMENTED and gets this call again)."""
+        if stream is None or stream.unimplemented:
+            return unary(request, timeout=timeout)
+        reply = stream.call(request, timeout, self.trace_context())
+
+        async def or_unary() -> Reply:
+            try:
+                return cast(Reply, await reply)
+            except grpc.aio.AioRpcError:
+                if not stream.unimplemented:
+                    raise
+                log.warning("a worker has no step streams (an older version): unary step calls to it from now on")
+                return await unary(request, timeout=timeout)
+
+        return or_unary()
+
+    def trace_context(self) -> dict[str, str]:
+        """The caller's trace context for a message on a step stream (`TracedWorkers`: the current span's)."""
+        return {}
+
     async def close(self) -> None:
+        for stream in (self.verify_stream, self.propose_stream):
+            if stream is not None:
+                await stream.close()
         for channel in self._channels:
             await channel.close()
 
@@ -144,7 +179,8 @@ class Workers:
             request.missed_token_ids.extend(t for m in missed for t in m)
         with self._releasing("draft") as released:
             request.release_seq_ids.extend(released)
-            reply = await self._started(self.draft.Propose(request, timeout=self.draft_timeout))
+            reply = await self._started(self._step_call(self.propose_stream, self.draft.Propose, request,
+                                                        self.draft_timeout))
         self._record("propose", batch_id, len(members), start, reply.timings, k)
         return reply
 
@@ -158,7 +194,8 @@ class Workers:
             request.drafts.CopyFrom(drafts)
         with self._releasing("target") as released, self._on_target():
             request.release_seq_ids.extend(released)
-            reply = await self._started(self.target.Verify(request, timeout=self.target_timeout))
+            reply = await self._started(self._step_call(self.verify_stream, self.target.Verify, request,
+                                                        self.target_timeout))
         self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
 

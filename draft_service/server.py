@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -13,6 +13,7 @@ import torch
 from draft_service.proposer import Proposer
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from minedraft.server_utils import grpc_errors, timings
+from minedraft.step_stream import serve_step_stream
 from minedraft.worker import (
     Drain,
     ModelWorker,
@@ -72,6 +73,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
                       ) -> draft_pb2.ProposeResponse:
+        return await self._propose_call(request)
+
+    async def ProposeStream(self, requests: AsyncIterator[draft_pb2.ProposeStreamRequest],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.ProposeStreamResponse]:
+        async for reply in serve_step_stream(requests, self._propose_call, draft_pb2.ProposeStreamResponse):
+            yield reply
+
+    async def _propose_call(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         start_unix = time.time()
         await self._release_first(request.release_seq_ids)
         if not (len(request.seq_ids) == len(request.num_accepted) == len(request.next_token_ids)):

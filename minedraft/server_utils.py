@@ -61,13 +61,18 @@ def grpc_errors(handler: Handler) -> Handler:
         except (grpc.RpcError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", handler.__name__)
-            message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-            await context.abort(code, message or type(exc).__name__)
+            await context.abort(*error_status(exc, handler.__name__))
 
     return wrapped  # type: ignore[return-value]
+
+
+def error_status(exc: Exception, call: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a call that raised `exc` ends with; an unexpected error is logged with its trace."""
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed", call, exc_info=exc)
+    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return code, message or type(exc).__name__
 
 
 def timings(start_unix: float, compute_s: float, channel_s: float = 0.0, queue_s: float = 0.0) -> common_pb2.Timings:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import grpc
+
+from minedraft.step_stream import call_field, status_code, step_call_of
 
 # opentelemetry is optional (the GPU images do not ship it): without it every function here is a no-op.
 try:
@@ -169,25 +172,33 @@ class ServerObserver(grpc.aio.ServerInterceptor):
         observed = self._handlers.get(full_method)
         if observed is None:
             handler = await continuation(handler_call_details)
-            if handler is None or handler.unary_unary is None or full_method.startswith("/grpc."):
+            if handler is None or full_method.startswith("/grpc."):
                 return handler
-            observed = self._handlers[full_method] = self._observe(full_method, handler)
+            if handler.unary_unary is not None:
+                observed = self._observe(full_method, handler)
+            elif handler.stream_stream is not None and step_call_of(full_method.rpartition("/")[2]):
+                observed = self._observe_step_stream(full_method, handler)
+            else:
+                return handler
+            self._handlers[full_method] = observed
         return observed
+
+    def _start_span(self, full_method: str, carrier: Mapping[str, str], request: Any) -> Span | None:
+        if self.tracer is None:
+            return None
+        service, _, method = full_method[1:].rpartition("/")
+        return self.tracer.start_span(full_method[1:], context=propagate.extract(dict(carrier)), kind=SpanKind.SERVER,
+                                      attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
+                                                  **message_attributes(request)})
 
     def _observe(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
-        service, _, method = full_method[1:].rpartition("/")
+        method = full_method.rpartition("/")[2]
 
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             code, response = grpc.StatusCode.OK, None
-            span = None
-            if self.tracer is not None:
-                parent = propagate.extract(_carrier(context.invocation_metadata()))
-                span = self.tracer.start_span(full_method[1:], context=parent, kind=SpanKind.SERVER, attributes={
-                    "rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
-                    **message_attributes(request),
-                })
+            span = self._start_span(full_method, _carrier(context.invocation_metadata()), request)
             try:
                 response = await inner(request, context)
                 return response
@@ -202,6 +213,44 @@ class ServerObserver(grpc.aio.ServerInterceptor):
                     self.on_call(method, request, response, seconds, code)
 
         return grpc.unary_unary_rpc_method_handler(
+            observed, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _observe_step_stream(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """Each message of a step stream observed as the unary call it stands for (a span named after that method,
+        parented by the message's trace context; `on_call` with that method's name)."""
+        inner = handler.stream_stream
+        service, _, stream_method = full_method[1:].rpartition("/")
+        method = step_call_of(stream_method)
+        call_method = f"/{service}/{method}"
+
+        async def observed(envelopes: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            started: collections.deque[tuple[float, Any, Span | None]] = collections.deque()
+
+            async def requests() -> AsyncIterator[Any]:
+                async for envelope in envelopes:
+                    request = getattr(envelope, call_field(envelope))
+                    started.append((time.perf_counter(), request,
+                                    self._start_span(call_method, envelope.trace_context, request)))
+                    yield envelope
+
+            try:
+                async for reply in inner(requests(), context):
+                    start, request, span = started.popleft()
+                    code = status_code(reply.status.code)
+                    response = getattr(reply, call_field(reply)) if code == grpc.StatusCode.OK else None
+                    if span is not None:
+                        _end_rpc_span(span, code, response)
+                    if self.on_call is not None:
+                        self.on_call(method, request, response, time.perf_counter() - start, code)
+                    yield reply
+            finally:
+                for _, _, span in started:  # calls the stream ended before their replies
+                    if span is not None:
+                        _end_rpc_span(span, grpc.StatusCode.CANCELLED, None)
+
+        return grpc.stream_stream_rpc_method_handler(
             observed, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -13,6 +13,7 @@ import torch
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.sampling import SamplingConfig
 from minedraft.server_utils import grpc_errors, timings
+from minedraft.step_stream import serve_step_stream
 from minedraft.worker import (
     Drain,
     ModelWorker,
@@ -102,6 +103,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
                      ) -> target_pb2.VerifyResponse:
+        return await self._verify_call(request)
+
+    async def VerifyStream(self, requests: AsyncIterator[target_pb2.VerifyStreamRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
+        async for reply in serve_step_stream(requests, self._verify_call, target_pb2.VerifyStreamResponse):
+            yield reply
+
+    async def _verify_call(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         start_unix = time.time()
         await self._release_first(request.release_seq_ids)
         seq_ids = list(request.seq_ids)

@@ -39,8 +39,8 @@ def test_values_have_the_documented_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     expected = {
         "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "maxPrefillTokens",
-                        "overlap", "speculation", "minSpeculativeTokens", "channel", "tokenizer", "draftRetryInterval",
-                        "draftTimeout", "targetTimeout", "drainTimeout"],
+                        "overlap", "speculation", "minSpeculativeTokens", "stepCalls", "channel", "tokenizer",
+                        "draftRetryInterval", "draftTimeout", "targetTimeout", "drainTimeout"],
         "target": [
             "model",
             "port",
@@ -93,6 +93,7 @@ def test_templates_name_the_env_vars_and_probes() -> None:
         "MINEDRAFT_MAX_PREFILL_TOKENS",
         "MINEDRAFT_OVERLAP",
         "MINEDRAFT_SPECULATION",
+        "MINEDRAFT_STEP_CALLS",
         "MINEDRAFT_DRAIN_TIMEOUT",
         "terminationGracePeriodSeconds",
         "MINEDRAFT_COMPILE",

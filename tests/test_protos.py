@@ -134,9 +134,13 @@ def test_services_shape() -> None:
     assert generation.methods_by_name["Generate"].server_streaming
     assert set(generation.methods_by_name) == {"Generate", "GetServerInfo"}
     target = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
-    assert set(target.methods_by_name) == {"GetInfo", "SetupChannel", "Prepare", "Prefill", "Verify", "Release"}
+    assert set(target.methods_by_name) == {"GetInfo", "SetupChannel", "Prepare", "Prefill", "Verify", "VerifyStream",
+                                           "Release"}
     draft = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
-    assert set(draft.methods_by_name) == {"GetInfo", "SetupChannel", "Prepare", "Prefill", "Propose", "Release"}
+    assert set(draft.methods_by_name) == {"GetInfo", "SetupChannel", "Prepare", "Prefill", "Propose", "ProposeStream",
+                                          "Release"}
+    for method in (target.methods_by_name["VerifyStream"], draft.methods_by_name["ProposeStream"]):
+        assert method.client_streaming and method.server_streaming
 
 
 def test_grpc_modules_import_on_every_patch_release() -> None:

@@ -26,13 +26,17 @@ class Address:
 
 
 class DelayingProxy(grpc.GenericRpcHandler):
-    """Forwards every unary call to `upstream` as bytes, holding Release calls for RELEASE_DELAY first."""
+    """Forwards every call to `upstream` as bytes (the step streams as streams), holding Release calls for
+    RELEASE_DELAY first."""
 
     def __init__(self, upstream: str) -> None:
         self.channel = grpc.insecure_channel(upstream)
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method
+        if method.endswith("Stream"):
+            forward_stream = self.channel.stream_stream(method)
+            return grpc.stream_stream_rpc_method_handler(lambda requests, context: forward_stream(requests))
         forward = self.channel.unary_unary(method)  # no (de)serializers: bytes through
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:

@@ -26,6 +26,7 @@ from coordinator.tracing import TracedStepLoop, TracedWorkers  # noqa: E402
 from coordinator.workers import Workers  # noqa: E402
 from minedraft import telemetry  # noqa: E402
 from minedraft.proto import target_pb2  # noqa: E402
+from minedraft.step_stream import serve_step_stream  # noqa: E402
 
 pytest_plugins = ["stack", "observed_stack"]
 
@@ -211,6 +212,65 @@ def test_failed_call_is_an_error_span(memory_tracing: tuple[telemetry.Tracing, I
     assert not server.status.is_ok
     assert dict(server.attributes or {})["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     assert calls[0][2] is None and calls[0][4] == grpc.StatusCode.NOT_FOUND
+
+
+def test_each_message_of_a_step_stream_is_observed_as_its_call(
+        memory_tracing: tuple[telemetry.Tracing, InMemorySpanExporter]) -> None:
+    """A VerifyStream's messages: a SERVER span each, named and parented as a unary Verify's would be (from the
+    message's trace context), and the worker's metrics told of each with its own status."""
+    tracing, exporter = memory_tracing
+    calls: list[tuple[Any, ...]] = []
+
+    async def verify(request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        if request.batch_id > 1:
+            raise ValueError("batch_id must be 0 or 1")
+        return target_pb2.VerifyResponse(results=[target_pb2.SequenceResult(seq_id=s) for s in request.seq_ids])
+
+    async def verify_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for reply in serve_step_stream(requests, verify, target_pb2.VerifyStreamResponse):
+            yield reply
+
+    async def main() -> list[Any]:
+        handler = grpc.method_handlers_generic_handler("minedraft.v1.TargetService", {
+            "VerifyStream": grpc.stream_stream_rpc_method_handler(
+                verify_stream, request_deserializer=target_pb2.VerifyStreamRequest.FromString,
+                response_serializer=target_pb2.VerifyStreamResponse.SerializeToString)})
+        server = grpc.aio.server(interceptors=telemetry.server_interceptors(tracing, lambda *a: calls.append(a)))
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        assert tracing.tracer is not None
+        workers = TracedWorkers(f"127.0.0.1:{port}", None, tracing.tracer)
+        try:
+            stream = workers.verify_stream
+            assert stream is not None
+            outcomes = []
+            for batch_id in (0, 5):
+                with telemetry.batch_span(tracing.tracer, "verify", [], {}):
+                    try:
+                        reply = await stream.call(target_pb2.VerifyRequest(batch_id=batch_id, seq_ids=[4, 5]), 10,
+                                                  workers.trace_context())
+                        outcomes.append([r.seq_id for r in reply.results])
+                    except grpc.aio.AioRpcError as exc:
+                        outcomes.append(exc.code())
+            return outcomes
+        finally:
+            await workers.close()
+            await server.stop(None)
+
+    assert asyncio.run(main()) == [[4, 5], grpc.StatusCode.INVALID_ARGUMENT]
+    tracing.provider.force_flush()
+    spans = exporter.get_finished_spans()
+    clients = [s for s in spans if s.name == "verify"]
+    servers = [s for s in spans if s.name == "minedraft.v1.TargetService/Verify"]
+    assert len(servers) == 2 and all(s.kind == trace.SpanKind.SERVER for s in servers)
+    for client, server in zip(clients, servers, strict=True):
+        assert server.parent is not None and server.parent.span_id == client.context.span_id
+        assert dict(server.attributes or {})["minedraft.batch_size"] == 2
+    assert servers[0].status.is_ok and not servers[1].status.is_ok
+    assert [(c[0], c[4]) for c in calls] == [("Verify", grpc.StatusCode.OK),
+                                             ("Verify", grpc.StatusCode.INVALID_ARGUMENT)]
+    assert calls[0][2] is not None and calls[1][2] is None
 
 
 # --------------------------------------------------------------------------------------------- the stack

@@ -95,6 +95,29 @@ class ProposeResponse(_message.Message):
     timings: _common_pb2.Timings
     def __init__(self, drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
+class ProposeStreamRequest(_message.Message):
+    __slots__ = ("propose", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    propose: ProposeRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ProposeStreamResponse(_message.Message):
+    __slots__ = ("propose", "status")
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    propose: ProposeResponse
+    status: _common_pb2.CallStatus
+    def __init__(self, propose: _Optional[_Union[ProposeResponse, _Mapping]] = ..., status: _Optional[_Union[_common_pb2.CallStatus, _Mapping]] = ...) -> None: ...
+
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class DraftServiceStub:
                 request_serializer=minedraft_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/minedraft.v1.DraftService/ProposeStream',
+                request_serializer=minedraft_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/minedraft.v1.DraftService/Release',
                 request_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceReleaseRequest.SerializeToString,
@@ -111,6 +116,14 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """ProposeStream makes Propose calls as messages on one open stream, a reply per request in the order sent (see
+        TargetService.VerifyStream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Release frees the slots of finished or cancelled sequences.
         """
@@ -145,6 +158,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=minedraft_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
+                    request_deserializer=minedraft_dot_v1_dot_draft__pb2.ProposeStreamRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_draft__pb2.ProposeStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -289,6 +307,33 @@ class DraftService:
             '/minedraft.v1.DraftService/Propose',
             minedraft_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             minedraft_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/minedraft.v1.DraftService/ProposeStream',
+            minedraft_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
+            minedraft_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,29 @@ class VerifyResponse(_message.Message):
     timings: _common_pb2.Timings
     def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
+class VerifyStreamRequest(_message.Message):
+    __slots__ = ("verify", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    verify: VerifyRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class VerifyStreamResponse(_message.Message):
+    __slots__ = ("verify", "status")
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    verify: VerifyResponse
+    status: _common_pb2.CallStatus
+    def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ..., status: _Optional[_Union[_common_pb2.CallStatus, _Mapping]] = ...) -> None: ...
+
 class SequenceResult(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -62,6 +62,11 @@ class TargetServiceStub:
                 request_serializer=minedraft_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/minedraft.v1.TargetService/VerifyStream',
+                request_serializer=minedraft_dot_v1_dot_target__pb2.VerifyStreamRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_target__pb2.VerifyStreamResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/minedraft.v1.TargetService/Release',
                 request_serializer=minedraft_dot_v1_dot_target__pb2.TargetServiceReleaseRequest.SerializeToString,
@@ -112,6 +117,15 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """VerifyStream makes Verify calls as messages on one open stream, a reply per request in the order sent: a
+        coordinator's step calls without a unary call's round trip each. Each message is its own call (its own status
+        in the reply); requests are handled as they arrive, as concurrent unary calls would be.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Release frees the slots of finished or cancelled sequences.
         """
@@ -146,6 +160,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=minedraft_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
+                    request_deserializer=minedraft_dot_v1_dot_target__pb2.VerifyStreamRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_target__pb2.VerifyStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -291,6 +310,33 @@ class TargetService:
             '/minedraft.v1.TargetService/Verify',
             minedraft_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             minedraft_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/minedraft.v1.TargetService/VerifyStream',
+            minedraft_dot_v1_dot_target__pb2.VerifyStreamRequest.SerializeToString,
+            minedraft_dot_v1_dot_target__pb2.VerifyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,177 @@
+"""Step calls as messages on a worker's stream: each its own call, replies in order, failures as unary calls fail."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from stack import Workers, generate, in_process_coordinator, run_async
+
+from coordinator.request_state import RequestState
+from coordinator.workers import Workers as WorkerClients
+from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.sampling import SamplingConfig
+from minedraft.step_stream import StepStream
+
+pytest_plugins = ["stack"]
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+SERVICE = "minedraft.v1.TargetService"
+
+
+async def _prefill(stub: target_pb2_grpc.TargetServiceStub, seq_id: int) -> None:
+    params = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0)
+    await stub.Prefill(target_pb2.TargetServicePrefillRequest(sequences=[
+        common_pb2.SequenceSpec(seq_id=seq_id, prompt_token_ids=PROMPT, params=params)]), timeout=60)
+
+
+def _decode(seq_id: int, step_id: int) -> target_pb2.VerifyRequest:
+    """A verify without drafts (the target decodes one token), on batch 0."""
+    return target_pb2.VerifyRequest(step_id=step_id, batch_id=0, seq_ids=[seq_id], num_draft_tokens=0)
+
+
+def test_a_failed_call_leaves_the_stream_open_and_calls_sent_together_are_answered_in_order(
+        llama_workers: Workers) -> None:
+    on_stream, on_unary = 10**9 + 11, 10**9 + 12
+
+    async def main() -> tuple[list[int], list[int], int]:
+        async with grpc.aio.insecure_channel(llama_workers.target.address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            stream = StepStream(stub.VerifyStream, target_pb2.VerifyStreamRequest)
+            try:
+                await _prefill(stub, on_stream)
+                await _prefill(stub, on_unary)
+                # All three sent before any reply: the worker handles them as they come, and answers in turn.
+                bad = stream.call(target_pb2.VerifyRequest(step_id=1, batch_id=5, seq_ids=[on_stream]), 60)
+                good = [stream.call(_decode(on_stream, step), 60) for step in (2, 3, 4)]
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await bad
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "batch_id must be 0 or 1" in str(error.value.details())
+                streamed = [(await reply).results[0].token_ids[0] for reply in good]
+                unary = [(await stub.Verify(_decode(on_unary, step), timeout=60)).results[0].token_ids[0]
+                         for step in (2, 3, 4)]
+                return streamed, unary, stream.opened
+            finally:
+                await stream.close()
+                await stub.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=[on_stream, on_unary]), timeout=60)
+
+    streamed, unary, opened = run_async(main())  # type: ignore[misc]
+    assert streamed == unary  # the same tokens as unary calls, in the order of the calls
+    assert opened == 1  # the failed call did not end the stream
+
+
+class _FakeTarget:
+    """A target service's gRPC surface for what no real worker does: answer nothing on its first stream (hung), or
+    have no stream at all (a worker older than the streams). Replies carry the request's step id as their sequence."""
+
+    def __init__(self, streams: bool) -> None:
+        self.streams_opened = 0
+        self.unary_calls = 0
+        handlers = {"Verify": grpc.unary_unary_rpc_method_handler(
+            self._verify, request_deserializer=target_pb2.VerifyRequest.FromString,
+            response_serializer=target_pb2.VerifyResponse.SerializeToString)}
+        if streams:
+            handlers["VerifyStream"] = grpc.stream_stream_rpc_method_handler(
+                self._verify_stream, request_deserializer=target_pb2.VerifyStreamRequest.FromString,
+                response_serializer=target_pb2.VerifyStreamResponse.SerializeToString)
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+
+    @staticmethod
+    def _reply(request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        return target_pb2.VerifyResponse(results=[target_pb2.SequenceResult(seq_id=request.step_id)])
+
+    async def _verify(self, request: target_pb2.VerifyRequest, context: object) -> target_pb2.VerifyResponse:
+        self.unary_calls += 1
+        return self._reply(request)
+
+    async def _verify_stream(self, requests: AsyncIterator[target_pb2.VerifyStreamRequest], context: object
+                             ) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
+        self.streams_opened += 1
+        hung = self.streams_opened == 1
+        async for envelope in requests:
+            if not hung:
+                yield target_pb2.VerifyStreamResponse(verify=self._reply(envelope.verify))
+
+
+def test_a_call_past_its_deadline_fails_every_call_on_its_stream_and_the_next_call_opens_a_new_one() -> None:
+    async def main() -> None:
+        fake = _FakeTarget(streams=True)
+        await fake.server.start()
+        try:
+            async with grpc.aio.insecure_channel(fake.address) as channel:
+                stream = StepStream(target_pb2_grpc.TargetServiceStub(channel).VerifyStream,
+                                    target_pb2.VerifyStreamRequest)
+                first, second = stream.call(_decode(1, 1), 0.5), stream.call(_decode(1, 2), 60)
+                for call in (first, second):
+                    with pytest.raises(grpc.aio.AioRpcError) as error:
+                        await call
+                    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                replies = [stream.call(_decode(1, step), 5) for step in (3, 4)]
+                assert [(await reply).results[0].seq_id for reply in replies] == [3, 4]
+                assert stream.opened == fake.streams_opened == 2
+                await stream.close()
+        finally:
+            await fake.server.stop(None)
+
+    run_async(main())
+
+
+def test_a_worker_without_step_streams_gets_unary_calls() -> None:
+    async def main() -> None:
+        fake = _FakeTarget(streams=False)
+        await fake.server.start()
+        workers = WorkerClients(fake.address, None)
+        try:
+            member = RequestState(1, PROMPT, SamplingConfig(), (), None)
+            for step in (5, 6):
+                reply = await workers.verify(step, 0, [member], None, 0)
+                assert reply.results[0].seq_id == step
+            assert workers.verify_stream is not None and workers.verify_stream.unimplemented
+            assert fake.unary_calls == 2
+        finally:
+            await workers.close()
+            await fake.server.stop(None)
+
+    run_async(main())
+
+
+def test_unary_step_calls_give_the_same_output(llama_workers: Workers, stack_logs: Path) -> None:
+    """--step-calls unary (each Verify and Propose its own call) against the default, the streams: same tokens."""
+    request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=generation_pb2.SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))
+
+    async def main(step_calls: str) -> list[int]:
+        async with in_process_coordinator(llama_workers, step_calls=step_calls) as (address, servicer):
+            tokens = (await generate(address, request)).token_ids
+            stream = servicer.workers.verify_stream
+            assert (stream is None) == (step_calls == "unary")
+            return tokens
+
+    outputs = [run_async(main(mode)) for mode in ("stream", "unary")]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 12  # type: ignore[arg-type]
+
+
+def test_closing_a_stream_fails_the_calls_still_waiting() -> None:
+    async def main() -> None:
+        fake = _FakeTarget(streams=True)
+        await fake.server.start()
+        try:
+            async with grpc.aio.insecure_channel(fake.address) as channel:
+                stream = StepStream(target_pb2_grpc.TargetServiceStub(channel).VerifyStream,
+                                    target_pb2.VerifyStreamRequest)
+                waiting = asyncio.ensure_future(stream.call(_decode(1, 1), 60))
+                await asyncio.sleep(0.1)
+                await stream.close()
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await waiting
+                assert error.value.code() == grpc.StatusCode.CANCELLED
+        finally:
+            await fake.server.stop(None)
+
+    run_async(main())
