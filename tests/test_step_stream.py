@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -99,25 +100,32 @@ class _FakeTarget:
                 yield target_pb2.VerifyStreamResponse(verify=self._reply(envelope.verify))
 
 
+@contextlib.asynccontextmanager
+async def _stream_to_fake_target() -> AsyncIterator[tuple[StepStream, _FakeTarget]]:
+    fake = _FakeTarget(streams=True)
+    await fake.server.start()
+    try:
+        async with grpc.aio.insecure_channel(fake.address) as channel:
+            stream = StepStream(target_pb2_grpc.TargetServiceStub(channel).VerifyStream, target_pb2.VerifyStreamRequest)
+            try:
+                yield stream, fake
+            finally:
+                await stream.close()
+    finally:
+        await fake.server.stop(None)
+
+
 def test_a_call_past_its_deadline_fails_every_call_on_its_stream_and_the_next_call_opens_a_new_one() -> None:
     async def main() -> None:
-        fake = _FakeTarget(streams=True)
-        await fake.server.start()
-        try:
-            async with grpc.aio.insecure_channel(fake.address) as channel:
-                stream = StepStream(target_pb2_grpc.TargetServiceStub(channel).VerifyStream,
-                                    target_pb2.VerifyStreamRequest)
-                first, second = stream.call(_decode(1, 1), 0.5), stream.call(_decode(1, 2), 60)
-                for call in (first, second):
-                    with pytest.raises(grpc.aio.AioRpcError) as error:
-                        await call
-                    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                replies = [stream.call(_decode(1, step), 5) for step in (3, 4)]
-                assert [(await reply).results[0].seq_id for reply in replies] == [3, 4]
-                assert stream.opened == fake.streams_opened == 2
-                await stream.close()
-        finally:
-            await fake.server.stop(None)
+        async with _stream_to_fake_target() as (stream, fake):
+            first, second = stream.call(_decode(1, 1), 0.5), stream.call(_decode(1, 2), 60)
+            for call in (first, second):
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await call
+                assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            replies = [stream.call(_decode(1, step), 5) for step in (3, 4)]
+            assert [(await reply).results[0].seq_id for reply in replies] == [3, 4]
+            assert stream.opened == fake.streams_opened == 2
 
     run_async(main())
 
@@ -159,19 +167,12 @@ def test_unary_step_calls_give_the_same_output(llama_workers: Workers, stack_log
 
 def test_closing_a_stream_fails_the_calls_still_waiting() -> None:
     async def main() -> None:
-        fake = _FakeTarget(streams=True)
-        await fake.server.start()
-        try:
-            async with grpc.aio.insecure_channel(fake.address) as channel:
-                stream = StepStream(target_pb2_grpc.TargetServiceStub(channel).VerifyStream,
-                                    target_pb2.VerifyStreamRequest)
-                waiting = asyncio.ensure_future(stream.call(_decode(1, 1), 60))
-                await asyncio.sleep(0.1)
-                await stream.close()
-                with pytest.raises(grpc.aio.AioRpcError) as error:
-                    await waiting
-                assert error.value.code() == grpc.StatusCode.CANCELLED
-        finally:
-            await fake.server.stop(None)
+        async with _stream_to_fake_target() as (stream, _):
+            waiting = asyncio.ensure_future(stream.call(_decode(1, 1), 60))  # on the first stream: never answered
+            await asyncio.sleep(0.1)
+            await stream.close()
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await waiting
+            assert error.value.code() == grpc.StatusCode.CANCELLED
 
     run_async(main())
