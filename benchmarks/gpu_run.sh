@@ -15,8 +15,9 @@
 #                       profiled (PROFILE_BATCHES= empty: not profiled)
 #   calls               a served load of the demo pair on the GPUs: each worker call's time outside the worker
 #   stepcalls           the step calls' transport side by side (--step-calls unary and stream; ORDERS: each order
-#                       once) on served loads of the demo pair: 64 at once (sd and ar, batches of 32) and one at a
-#                       time (sd); each worker call's time outside the worker (CALLS_PROMPTS, CALLS_OUTPUT)
+#                       once) on served loads of the demo pair (LOADS): 64 at once (CALLS_MODES: sd and ar, batches
+#                       of 32) and one at a time (sd); each worker call's time outside the worker (CALLS_PROMPTS,
+#                       CALLS_OUTPUT)
 #   steps               the 8B verify and a draft's proposal in process: step times, host time before and during
 #                       each graph's launch, the host's calls, kernels (COMPILE=1: compiled layers; PROFILE_BATCHES,
 #                       PROFILE_DRAFT; EXTRA=--one-graph: a graph per step, not a chain)
@@ -119,9 +120,9 @@ calls)
 stepcalls)
     for order in ${ORDERS:-unary,stream stream,unary}; do
         for calls in ${order//,/ }; do
-            for load in c64 c1; do
+            for load in ${LOADS:-c64 c1}; do
                 name=${calls}_${load}_${order%%,*}_first
-                if [ $load = c64 ]; then size="--modes sd,ar --num-prompts ${CALLS_PROMPTS:-256} --concurrency 64"
+                if [ $load = c64 ]; then size="--modes ${CALLS_MODES:-sd,ar} --num-prompts ${CALLS_PROMPTS:-256} --concurrency 64"
                 else size="--modes sd --num-prompts 16 --concurrency 1"; fi
                 MINEDRAFT_STEP_CALLS=$calls timeout -k 10 ${BENCH_SECONDS:-100} python3 -m minedraft.cli bench \
                     --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --max-batch-size 32 \

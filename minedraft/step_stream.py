@@ -108,19 +108,21 @@ class StepStream:
         awaitable; `timeout` as a unary call's deadline, but a call that misses it fails the whole stream (a worker
         that holds one call that long holds those behind it too)."""
         stream = self._stream if self._stream is not None else self._start()
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[Any] = loop.create_future()
         stream.waiting.append(reply)
         stream.outgoing.put_nowait(self._request_type(**{self._field: request}, trace_context=trace_context or {}))
-        return self._wait(stream, reply, timeout)
+        if timeout is not None:
+            deadline = loop.call_later(timeout, self._deadline, stream, reply, timeout)
+            reply.add_done_callback(lambda _: deadline.cancel())
+        # The future itself, not a coroutine around it (asyncio.wait_for and shield cost three turns of the event
+        # loop after the reply, each behind whatever else is ready there: a busy coordinator's client streams). A
+        # caller cancelled cancels its reply, which the reader skips when it comes.
+        return reply
 
-    async def _wait(self, stream: _OpenStream, reply: asyncio.Future[Any], timeout: float | None) -> Any:
-        try:
-            # Shielded: a caller cancelled leaves its reply to be read in turn.
-            return await asyncio.wait_for(asyncio.shield(reply), timeout)
-        except TimeoutError:
-            if not reply.done():
-                self._end(stream, call_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout} s"))
-            return reply.result()  # (raises the call's error)
+    def _deadline(self, stream: _OpenStream, reply: asyncio.Future[Any], timeout: float) -> None:
+        if not reply.done():
+            self._end(stream, call_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout} s"))
 
     def _start(self) -> _OpenStream:
         outgoing: asyncio.Queue[Any] = asyncio.Queue()
