@@ -51,20 +51,20 @@ async def serve_step_stream(envelopes: AsyncIterator[Any], handle: Callable[[Any
                             ) -> AsyncIterator[Any]:
     """The worker's side: each request handled by `handle` as soon as it arrives, as a unary call would be, and
     answered in turn as a `reply_type` (the reply, or the status the unary call would have ended with)."""
-    field = call_field(reply_type())
+    name = call_field(reply_type())
     calls: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
 
     async def one(request: Any) -> Any:
         try:
-            return reply_type(**{field: await handle(request)})
+            return reply_type(**{name: await handle(request)})
         except Exception as exc:
-            code, message = error_status(exc, field)
+            code, message = error_status(exc, name)
             return reply_type(status=common_pb2.CallStatus(code=code.value[0], message=message))
 
     async def read() -> None:
         try:
             async for envelope in envelopes:
-                calls.put_nowait(asyncio.create_task(one(getattr(envelope, field))))
+                calls.put_nowait(asyncio.create_task(one(getattr(envelope, name))))
         except (grpc.RpcError, grpc.aio.AbortError) as exc:  # the caller went away: its calls still run, unread
             log.debug("step stream ended: %s", exc)
         finally:
