@@ -165,6 +165,20 @@ def test_unary_step_calls_give_the_same_output(llama_workers: Workers, stack_log
     assert outputs[0] == outputs[1] and len(outputs[0]) == 12  # type: ignore[arg-type]
 
 
+def test_a_caller_cancelled_leaves_the_replies_in_step_with_the_calls() -> None:
+    async def main() -> None:
+        async with _stream_to_fake_target() as (stream, fake):
+            fake.streams_opened = 1  # (the fake answers every stream after its first)
+            for step in (1, 2):
+                cancelled = asyncio.ensure_future(stream.call(_decode(1, step * 10), 5))
+                cancelled.cancel()  # a step loop stopped while its call was on the way
+                reply = await stream.call(_decode(1, step * 10 + 1), 5)
+                assert reply.results[0].seq_id == step * 10 + 1  # its own reply, not the cancelled call's
+            assert stream.opened == 1
+
+    run_async(main())
+
+
 def test_closing_a_stream_fails_the_calls_still_waiting() -> None:
     async def main() -> None:
         async with _stream_to_fake_target() as (stream, _):
