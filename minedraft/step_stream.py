@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,7 +45,12 @@ def step_call_of(method: str) -> str:
 
 def call_field(envelope: Any) -> str:
     """The field of a step stream's message that holds the call's request or reply ("verify", "propose")."""
-    return next(f.name for f in envelope.DESCRIPTOR.fields if f.name not in ("trace_context", "status"))
+    return _call_field(envelope.DESCRIPTOR)
+
+
+@functools.cache
+def _call_field(descriptor: Any) -> str:  # once per message type: the workers' interceptor asks for every message
+    return next(f.name for f in descriptor.fields if f.name not in ("trace_context", "status"))
 
 
 async def serve_step_stream(envelopes: AsyncIterator[Any], handle: Callable[[Any], Awaitable[Any]], reply_type: type,
