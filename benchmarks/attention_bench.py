@@ -23,8 +23,10 @@ SHAPES = {"8b-verify": (32, 8, 128, 5), "1b-decode": (32, 8, 64, 1), "68m-decode
 PATHS = ("kernel", "fused", "matmuls")
 # Sweeps: the decode_attention settings each varies, and their values.
 SWEEPS = {
-    "tiles": (("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES"),
-              ((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4))),
+    "tiles": (
+        ("BLOCK_KEYS", "PROGRAMS_PER_SM", "NUM_WARPS", "NUM_STAGES"),
+        ((32, 64, 128), (1, 2, 4), (4, 8), (2, 3, 4)),
+    ),
     "chunks": (("CHUNKS", "NUM_WARPS", "NUM_STAGES"), ((None, 1, 2, 4, 8), (4, 8), (3, 4))),
 }
 LAYERS = 32  # calls per graph, each on its own layer's K/V (one layer's K/V at batch 16 would fit in the L2 cache)
@@ -68,8 +70,15 @@ def layer_inputs(
     query = torch.randn(batch, n, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
 
     def call(layer: torch.Tensor, attend: Callable[..., tuple[torch.Tensor, None]]) -> torch.Tensor:
-        return attend(module, query, layer[0, :batch, :, :kv_len], layer[1, :batch, :, :kv_len], mask,
-                      position_ids=positions, **{attention.CAUSAL_BY_POSITIONS: True})[0]
+        return attend(
+            module,
+            query,
+            layer[0, :batch, :, :kv_len],
+            layer[1, :batch, :, :kv_len],
+            mask,
+            position_ids=positions,
+            **{attention.CAUSAL_BY_POSITIONS: True},
+        )[0]
 
     return [functools.partial(call, layer) for layer in cache]
 
@@ -81,20 +90,29 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--kv-len", type=int, default=768, help="keys read, a multiple of the cache's KV bucket")
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--sweep", nargs="?", const="tiles", choices=tuple(SWEEPS),
-                        help="time the kernels' parameters instead of the three paths: tiles (decode_attention's "
-                             "BLOCK_KEYS, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES) or chunks (CHUNKS, NUM_WARPS, "
-                             "NUM_STAGES)")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const="tiles",
+        choices=tuple(SWEEPS),
+        help="time the kernels' parameters instead of the three paths: tiles (decode_attention's "
+        "BLOCK_KEYS, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES) or chunks (CHUNKS, NUM_WARPS, "
+        "NUM_STAGES)",
+    )
     args = parser.parse_args()
     if args.sweep:
         sweep(args)
         return
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per layer, compiled, {LAYERS} layers in a "
-          f"CUDA graph; prefix {args.prefix}, keys read {args.kv_len}; the path a step takes marked *; max diff "
-          "against the matmuls")
-    print(f"{'shape':12s} {'B':>3s} {'K/V MB':>7s} {'floor us':>8s} {'kernel':>7s} {'fused':>7s} {'matmuls':>7s} "
-          f"{'max diff':>9s}")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per layer, compiled, {LAYERS} layers in a "
+        f"CUDA graph; prefix {args.prefix}, keys read {args.kv_len}; the path a step takes marked *; max diff "
+        "against the matmuls"
+    )
+    print(
+        f"{'shape':12s} {'B':>3s} {'K/V MB':>7s} {'floor us':>8s} {'kernel':>7s} {'fused':>7s} {'matmuls':>7s} "
+        f"{'max diff':>9s}"
+    )
     kernels, chosen = attention.KERNELS, attention.takes_matmuls
     for name in args.shapes.split(","):
         heads, kv_heads, _, n = SHAPES[name]
@@ -114,8 +132,13 @@ def main() -> None:
                 times[path] = graph_ms([functools.partial(call, layer) for call in layers]) * 1e3
                 outputs[path] = layers[0](layer).float()
             attention.KERNELS, attention.takes_matmuls = kernels, chosen
-            picked = ("kernel" if kernels is not None
-                      else "matmuls" if chosen(batch, kv_heads, heads // kv_heads * n) else "fused")
+            picked = (
+                "kernel"
+                if kernels is not None
+                else "matmuls"
+                if chosen(batch, kv_heads, heads // kv_heads * n)
+                else "fused"
+            )
             cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in PATHS)
             diff = max((outputs[p] - outputs["matmuls"]).abs().max().item() for p in PATHS)
             print(f"{name:12s} {batch:3d} {kv_bytes / 1e6:7.1f} {floor_us:8.1f} {cells} {diff:9.2e}", flush=True)
@@ -129,8 +152,10 @@ def sweep(args: argparse.Namespace) -> None:
     names, values = SWEEPS[args.sweep]
     defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)
     settings = [defaults, *(s for s in itertools.product(*values) if s != defaults)]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
-          f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
+        f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *"
+    )
     # The kernels are opaque to the compiler: one compile serves every setting.
     layer: Callable[..., tuple[torch.Tensor, None]] = torch.compile(attention.grouped_sdpa_attention, fullgraph=True)
     for name in args.shapes.split(","):

@@ -27,8 +27,10 @@ def main(trace_dir: str, min_calls: int = 5) -> None:
                 call = statistics.median(c for c, _ in times)
                 worker = statistics.median(w for _, w in times)
                 outside = statistics.median(c - w for c, w in times)
-                print(f"{path.stem:>4} {kind:>7} B={batch:<3} call {call:7.2f} ms  worker {worker:7.2f} ms  "
-                      f"outside {outside:5.2f} ms  ({len(times)} calls)")
+                print(
+                    f"{path.stem:>4} {kind:>7} B={batch:<3} call {call:7.2f} ms  worker {worker:7.2f} ms  "
+                    f"outside {outside:5.2f} ms  ({len(times)} calls)"
+                )
 
 
 if __name__ == "__main__":

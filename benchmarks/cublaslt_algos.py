@@ -22,8 +22,13 @@ sys.path.insert(0, ".")
 from benchmarks.attention_bench import graph_ms  # noqa: E402
 
 # (name, output features, input features) of the Llama-3-8B shape, fused as minedraft.fused_projections fuses them
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-          ("lm_head", 128256, 4096)]
+SHAPES = [
+    ("qkv", 6144, 4096),
+    ("o", 4096, 4096),
+    ("gate_up", 28672, 4096),
+    ("down", 4096, 14336),
+    ("lm_head", 128256, 4096),
+]
 
 # cublasLt.h / library_types.h
 CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF = 68, 0, 14
@@ -42,8 +47,13 @@ class MatmulAlgo(ctypes.Structure):
 class HeuristicResult(ctypes.Structure):
     """cublasLtMatmulHeuristicResult_t: one candidate of the heuristic."""
 
-    _fields_ = [("algo", MatmulAlgo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+    _fields_ = [
+        ("algo", MatmulAlgo),
+        ("workspaceSize", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("wavesCount", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 P, SIZE = ctypes.c_void_p, ctypes.c_size_t
@@ -54,11 +64,10 @@ SIGNATURES: dict[str, list[type]] = {
     "cublasLtMatrixLayoutCreate": [ctypes.POINTER(P), ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
     "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(P)],
     "cublasLtMatmulPreferenceSetAttribute": [P, ctypes.c_int, P, SIZE],
-    "cublasLtMatmulAlgoGetHeuristic": [P] * 7 + [ctypes.c_int, ctypes.POINTER(HeuristicResult),
-                                                 ctypes.POINTER(ctypes.c_int)],
+    "cublasLtMatmulAlgoGetHeuristic": [P] * 7
+    + [ctypes.c_int, ctypes.POINTER(HeuristicResult), ctypes.POINTER(ctypes.c_int)],
     "cublasLtMatmul": [P] * 12 + [ctypes.POINTER(MatmulAlgo), P, SIZE, P],
-    "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(MatmulAlgo), ctypes.c_int, P, SIZE,
-                                             ctypes.POINTER(SIZE)],
+    "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(MatmulAlgo), ctypes.c_int, P, SIZE, ctypes.POINTER(SIZE)],
 }
 
 
@@ -100,8 +109,13 @@ class LtLinear:
             self.lt("cublasLtMatmulDescSetAttribute", self.op, attr, ctypes.byref(value), ctypes.sizeof(value))
         self.lt("cublasLtMatmulPreferenceCreate", ctypes.byref(self.pref))
         limit = ctypes.c_uint64(WORKSPACE_BYTES)
-        self.lt("cublasLtMatmulPreferenceSetAttribute", self.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                ctypes.byref(limit), ctypes.sizeof(limit))
+        self.lt(
+            "cublasLtMatmulPreferenceSetAttribute",
+            self.pref,
+            CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            ctypes.byref(limit),
+            ctypes.sizeof(limit),
+        )
 
     def lt(self, name: str, *args: object) -> None:
         """Call a cuBLASLt function, raising on a status other than CUBLAS_STATUS_SUCCESS."""
@@ -123,10 +137,24 @@ class LtLinear:
         """The heuristic's candidates for x [m, k] @ w[n, k].T, in its order, less those it cannot run here."""
         a, b, c = self.layout(m, n, k)
         results, returned = (HeuristicResult * count)(), ctypes.c_int(0)
-        self.lt("cublasLtMatmulAlgoGetHeuristic", self.handle, self.op, a, b, c, c, self.pref, count, results,
-                ctypes.byref(returned))
-        return [HeuristicResult.from_buffer_copy(r) for r in results[:returned.value]
-                if r.state == 0 and r.workspaceSize <= WORKSPACE_BYTES]
+        self.lt(
+            "cublasLtMatmulAlgoGetHeuristic",
+            self.handle,
+            self.op,
+            a,
+            b,
+            c,
+            c,
+            self.pref,
+            count,
+            results,
+            ctypes.byref(returned),
+        )
+        return [
+            HeuristicResult.from_buffer_copy(r)
+            for r in results[: returned.value]
+            if r.state == 0 and r.workspaceSize <= WORKSPACE_BYTES
+        ]
 
     def label(self, result: HeuristicResult) -> str:
         """The candidate's algorithm id, tile id and splits of K ('?' where cuBLASLt does not say)."""
@@ -134,7 +162,8 @@ class LtLinear:
         for attr in (CUBLASLT_ALGO_CONFIG_ID, CUBLASLT_ALGO_CONFIG_TILE_ID, CUBLASLT_ALGO_CONFIG_SPLITK_NUM):
             value, written = ctypes.c_int32(0), SIZE(0)
             status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(
-                ctypes.byref(result.algo), attr, ctypes.byref(value), ctypes.sizeof(value), ctypes.byref(written))
+                ctypes.byref(result.algo), attr, ctypes.byref(value), ctypes.sizeof(value), ctypes.byref(written)
+            )
             values.append(str(value.value) if status == 0 else "?")
         return f"(algo {values[0]}, tile {values[1]}, splitK {values[2]}, waves {result.wavesCount:.2f})"
 
@@ -142,13 +171,30 @@ class LtLinear:
         """out = x @ w.T with `algo`, one launch on the current stream (the capturing one, inside a graph)."""
         (m, k), n = x.shape, w.shape[0]
         a, b, c = self.layout(m, n, k)
-        self.lt("cublasLtMatmul", self.handle, self.op, ctypes.byref(self.alpha), w.data_ptr(), a, x.data_ptr(), b,
-                ctypes.byref(self.beta), out.data_ptr(), c, out.data_ptr(), c, ctypes.byref(algo),
-                self.workspace.data_ptr(), WORKSPACE_BYTES, torch.cuda.current_stream().cuda_stream)
+        self.lt(
+            "cublasLtMatmul",
+            self.handle,
+            self.op,
+            ctypes.byref(self.alpha),
+            w.data_ptr(),
+            a,
+            x.data_ptr(),
+            b,
+            ctypes.byref(self.beta),
+            out.data_ptr(),
+            c,
+            out.data_ptr(),
+            c,
+            ctypes.byref(algo),
+            self.workspace.data_ptr(),
+            WORKSPACE_BYTES,
+            torch.cuda.current_stream().cuda_stream,
+        )
 
 
-def sweep(lt: LtLinear, name: str, n: int, k: int, rows: int, weights: list[torch.Tensor], args: argparse.Namespace
-          ) -> tuple[float, float, float]:
+def sweep(
+    lt: LtLinear, name: str, n: int, k: int, rows: int, weights: list[torch.Tensor], args: argparse.Namespace
+) -> tuple[float, float, float]:
     """Time torch's linear and each candidate at one shape and row count; print them; return the us per call of
     torch, the heuristic's first candidate and the fastest correct candidate (torch's where none is)."""
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -161,8 +207,9 @@ def sweep(lt: LtLinear, name: str, n: int, k: int, rows: int, weights: list[torc
         try:
             lt(x, weights[0], outs[0], result.algo)
             diff = (outs[0].float() - reference).abs().max().item()
-            calls: list[Callable[[], object]] = [functools.partial(lt, x, w, out, result.algo)
-                                                 for w, out in zip(weights, outs)]
+            calls: list[Callable[[], object]] = [
+                functools.partial(lt, x, w, out, result.algo) for w, out in zip(weights, outs)
+            ]
             timed.append((graph_ms(calls, args.repeats) * 1e3, i, lt.label(result), diff, diff <= tolerance))
         except RuntimeError as error:  # torch's CUDA errors (AcceleratorError, OutOfMemoryError) are RuntimeErrors
             print(f"    #{i} {lt.label(result)} failed: {error}", flush=True)
@@ -177,9 +224,12 @@ def sweep(lt: LtLinear, name: str, n: int, k: int, rows: int, weights: list[torc
         return torch_us, first_us, torch_us
     best_us, best_i, best_label, _, _ = correct[0]
     gain = torch_us - best_us
-    print(f"{head}, best #{best_i} {best_us:.1f} us {best_label}: {gain:+.1f} us per call, "
-          f"{gain * layers / 1e3:+.3f} ms per step (x {layers} layers)", flush=True)
-    for us, i, label, diff, ok in [t for t in sorted(timed) if t[1] != best_i][:args.top]:
+    print(
+        f"{head}, best #{best_i} {best_us:.1f} us {best_label}: {gain:+.1f} us per call, "
+        f"{gain * layers / 1e3:+.3f} ms per step (x {layers} layers)",
+        flush=True,
+    )
+    for us, i, label, diff, ok in [t for t in sorted(timed) if t[1] != best_i][: args.top]:
         print(f"    #{i:<2} {us:7.1f} us {label} max diff {diff:.4f}{'' if ok else ' WRONG'}", flush=True)
     return torch_us, first_us, best_us
 
@@ -196,8 +246,11 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     lib, path = load_cublaslt()
     lt = LtLinear(lib)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {path}; us per call, 32 weights per graph "
-          f"(LM head 1)", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {path}; us per call, 32 weights per graph "
+        f"(LM head 1)",
+        flush=True,
+    )
     totals = {r: [0.0, 0.0, 0.0] for r in rows}  # torch, heuristic's first, best: ms per verify step
     for name, n, k in (shape for shape in SHAPES if shape[0] in args.shapes.split(",")):
         layers = 1 if name == "lm_head" else 32
@@ -209,8 +262,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     for r in rows:
         torch_ms, first_ms, best_ms = totals[r]
-        print(f"a verify's GEMMs at {r} rows (x32 layers, LM head x1), ms: torch {torch_ms:.3f}, heuristic #0 "
-              f"{first_ms:.3f}, best candidates {best_ms:.3f}", flush=True)
+        print(
+            f"a verify's GEMMs at {r} rows (x32 layers, LM head x1), ms: torch {torch_ms:.3f}, heuristic #0 "
+            f"{first_ms:.3f}, best candidates {best_ms:.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

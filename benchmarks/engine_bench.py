@@ -159,10 +159,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--synthetic-acceptance", type=float, default=0.7, help="for random models only")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--target-shape", type=int, nargs=2, default=[256, 4], metavar=("HIDDEN", "LAYERS"),
-                        help="random target (without --models)")
-    parser.add_argument("--draft-shape", type=int, nargs=2, default=[64, 1], metavar=("HIDDEN", "LAYERS"),
-                        help="random draft (without --models)")
+    parser.add_argument(
+        "--target-shape",
+        type=int,
+        nargs=2,
+        default=[256, 4],
+        metavar=("HIDDEN", "LAYERS"),
+        help="random target (without --models)",
+    )
+    parser.add_argument(
+        "--draft-shape",
+        type=int,
+        nargs=2,
+        default=[64, 1],
+        metavar=("HIDDEN", "LAYERS"),
+        help="random draft (without --models)",
+    )
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -223,8 +235,10 @@ def main() -> None:
     print(f"date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}")
     print(f"machine: {machine()}")
     print(f"models: {what}")
-    print(f"greedy, k = {args.k}, {args.new_tokens} new tokens per request, prompts of {args.prompt_len} tokens, "
-          f"{args.requests_per_batch} x batch requests per run, median of {args.repeats} alternating repeats")
+    print(
+        f"greedy, k = {args.k}, {args.new_tokens} new tokens per request, prompts of {args.prompt_len} tokens, "
+        f"{args.requests_per_batch} x batch requests per run, median of {args.repeats} alternating repeats"
+    )
     print()
     print("| batch | mode | tokens/s | SD/AR | mean accepted length | output equals AR |")
     print("|---:|---|---:|---:|---:|---|")
@@ -232,8 +246,10 @@ def main() -> None:
         ar_speed = statistics.median(next(r for r in rows if r.batch == m.batch and r.setting == ar.name).tokens_per_s)
         speed = statistics.median(m.tokens_per_s)
         check = {None: "n/a", True: "yes", False: "**NO**"}[m.lossless_ok]
-        print(f"| {m.batch} | {m.setting} | {speed:.1f} | {speed / ar_speed:.2f} | {m.mean_accepted_length:.2f} | "
-              f"{check} |")
+        print(
+            f"| {m.batch} | {m.setting} | {speed:.1f} | {speed / ar_speed:.2f} | {m.mean_accepted_length:.2f} | "
+            f"{check} |"
+        )
     if any(m.lossless_ok is False for m in rows):
         sys.exit("a lossless setting produced tokens different from AR")
 

@@ -19,8 +19,13 @@ sys.path.insert(0, ".")
 from benchmarks.attention_bench import graph_ms  # noqa: E402
 
 # (name, output features, input features) of the Llama-3-8B shape, fused as minedraft.fused_projections fuses them
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-          ("lm_head", 128256, 4096)]
+SHAPES = [
+    ("qkv", 6144, 4096),
+    ("o", 4096, 4096),
+    ("gate_up", 28672, 4096),
+    ("down", 4096, 14336),
+    ("lm_head", 128256, 4096),
+]
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -28,9 +33,11 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
     summed: `splits` times the thread blocks of one GEMM whose output tiles alone leave SMs idle (run 20d: the 8B
     output projection at 80 rows ran 64 blocks on 132 SMs, at 2.2 TB/s)."""
     rows, features = x.shape
-    parts = torch.bmm(x.view(rows, splits, features // splits).transpose(0, 1),
-                      weight.view(weight.shape[0], splits, features // splits).permute(1, 2, 0),
-                      out_dtype=torch.float32)
+    parts = torch.bmm(
+        x.view(rows, splits, features // splits).transpose(0, 1),
+        weight.view(weight.shape[0], splits, features // splits).permute(1, 2, 0),
+        out_dtype=torch.float32,
+    )
     return parts.sum(0).to(x.dtype)
 
 
@@ -39,8 +46,9 @@ def split_m_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
     batch stride of 0, no copy): cuBLAS tiles each slice as a GEMM of fewer rows, so the call runs `splits` times the
     thread blocks, the slices' blocks of one weight tile reading it from L2 after the first."""
     rows, features = x.shape
-    return torch.bmm(x.view(splits, rows // splits, features),
-                     weight.t().expand(splits, features, weight.shape[0])).view(rows, weight.shape[0])
+    return torch.bmm(
+        x.view(splits, rows // splits, features), weight.t().expand(splits, features, weight.shape[0])
+    ).view(rows, weight.shape[0])
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, splits: int = 1, row_splits: int = 1) -> torch.Tensor:
@@ -52,19 +60,29 @@ def project(x: torch.Tensor, weight: torch.Tensor, splits: int = 1, row_splits: 
     return torch.nn.functional.linear(x, weight)
 
 
-def with_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int, row_splits: int = 1
-                  ) -> torch.Tensor:
+def with_residual(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int, row_splits: int = 1
+) -> torch.Tensor:
     """A layer's projection and the residual add after it, as a compiled layer fuses them (the split's sum too)."""
     return residual + project(x, weight, splits, row_splits)
 
 
-def time_shape(out_features: int, in_features: int, rows: int, layers: int, repeats: int, splits: int | None = None,
-               autotune: bool = False, row_splits: int = 1) -> float:
+def time_shape(
+    out_features: int,
+    in_features: int,
+    rows: int,
+    layers: int,
+    repeats: int,
+    splits: int | None = None,
+    autotune: bool = False,
+    row_splits: int = 1,
+) -> float:
     """Median us of one call, `layers` calls (each on its own weight) replayed in a CUDA graph `repeats` times: the
     plain linear, or (`splits`) the compiled projection plus residual add (`autotune`: inductor choosing its GEMM
     among cuBLAS and its Triton templates by timing them); either split over the rows (`row_splits`)."""
-    weights = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
-               for _ in range(layers)]
+    weights = [
+        torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)
+    ]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     calls: list[Callable[[], object]]
     if splits is None:
@@ -72,8 +90,9 @@ def time_shape(out_features: int, in_features: int, rows: int, layers: int, repe
     else:
         residual = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
         torch._dynamo.reset()  # each shape recompiles `with_residual`: past the recompile limit it would run eagerly
-        compiled = torch.compile(with_residual, fullgraph=True, dynamic=False,
-                                 mode="max-autotune-no-cudagraphs" if autotune else None)
+        compiled = torch.compile(
+            with_residual, fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs" if autotune else None
+        )
         calls = [functools.partial(compiled, x, w, residual, splits, row_splits) for w in weights]
     us = graph_ms(calls, repeats) * 1e3
     del weights
@@ -88,8 +107,9 @@ def split_k(rows: list[int], splits: list[str], repeats: int, shapes: list[str])
     print(f"projection + residual add, compiled, cuBLASLt: us per call by splits of K ({', '.join(splits)})")
     for name, n, k in (shape for shape in SHAPES[:-1] if shape[0] in shapes):
         for r in rows:
-            cells = [f"{time_shape(n, k, r, 32, repeats, 1 if s == 'auto' else int(s), s == 'auto'):8.1f}"
-                     for s in splits]
+            cells = [
+                f"{time_shape(n, k, r, 32, repeats, 1 if s == 'auto' else int(s), s == 'auto'):8.1f}" for s in splits
+            ]
             print(f"{name:>9} {n:>6} {r:>5} " + " ".join(cells), flush=True)
 
 
@@ -97,11 +117,15 @@ def split_m(rows: list[int], splits: list[int], repeats: int, shapes: list[str])
     """The projections as one GEMM and split over the rows, plain and (compiled) followed by the residual add, under
     cuBLASLt; each split's output checked against the plain GEMM's."""
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    x, w = torch.randn(80, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(512, 4096, device="cuda",
-                                                                                    dtype=torch.bfloat16)
+    x, w = (
+        torch.randn(80, 4096, device="cuda", dtype=torch.bfloat16),
+        torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16),
+    )
     diffs = [(split_m_linear(x, w, s) - torch.nn.functional.linear(x, w)).abs().max().item() for s in splits]
-    print(f"projections under cuBLASLt, us per call by splits of the rows ({', '.join(map(str, splits))}; max diff "
-          f"against one GEMM {diffs}): plain | compiled with the residual add")
+    print(
+        f"projections under cuBLASLt, us per call by splits of the rows ({', '.join(map(str, splits))}; max diff "
+        f"against one GEMM {diffs}): plain | compiled with the residual add"
+    )
     for name, n, k in (shape for shape in SHAPES[:-1] if shape[0] in shapes):
         for r in rows:
             ways = [s for s in splits if r % s == 0]
@@ -115,11 +139,16 @@ def main() -> None:
     parser.add_argument("--rows", default="5,40,80", help="rows per call (a verify of k=4: 5 per sequence)")
     parser.add_argument("--backends", default="cublas,cublaslt")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--split-k", default="", help="e.g. 1,2,4,auto: time the projections (plus the residual add, "
-                                                      "compiled) split over K instead (auto: one GEMM, autotuned)")
+    parser.add_argument(
+        "--split-k",
+        default="",
+        help="e.g. 1,2,4,auto: time the projections (plus the residual add, "
+        "compiled) split over K instead (auto: one GEMM, autotuned)",
+    )
     parser.add_argument("--split-m", default="", help="e.g. 1,2,4: time the projections split over the rows instead")
-    parser.add_argument("--shapes", default=",".join(name for name, *_ in SHAPES[:-1]),
-                        help="with --split-k or --split-m")
+    parser.add_argument(
+        "--shapes", default=",".join(name for name, *_ in SHAPES[:-1]), help="with --split-k or --split-m"
+    )
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.split_m:
@@ -143,8 +172,10 @@ def main() -> None:
                 cells.append(f"{us:8.1f} ({n * k * 2 / us / 1e6:4.2f})")
             print(f"{name:>9} {n:>6} {r:>5} " + " ".join(f"{c:>18}" for c in cells))
     for r in rows:
-        print(f"a verify's GEMMs at {r} rows (32 layers + LM head), ms: "
-              + ", ".join(f"{b} {totals[(b, r)] / 1e3:.3f}" for b in backends))
+        print(
+            f"a verify's GEMMs at {r} rows (32 layers + LM head), ms: "
+            + ", ".join(f"{b} {totals[(b, r)] / 1e3:.3f}" for b in backends)
+        )
 
 
 if __name__ == "__main__":

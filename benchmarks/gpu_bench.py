@@ -46,19 +46,31 @@ VOCAB = 128256
 EAGER = False  # --eager: no CUDA graphs
 COMPILE = False  # the mode of --compile-modes being measured: torch.compile'd decoder layers
 SHAPES: dict[str, dict[str, Any]] = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, tie_word_embeddings=True),
-    "68m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
-                num_key_value_heads=12),
+    "8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "68m": dict(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=12
+    ),
 }
 
 
 def build(shape: str, device: str) -> PreTrainedModel:
     # transformers 5 still takes rope_theta (into rope_parameters), but LlamaConfig's typed signature lacks it.
-    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0,  # type: ignore[call-arg]
-                         **SHAPES[shape])
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,  # type: ignore[call-arg]
+        **SHAPES[shape],
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -121,14 +133,23 @@ def timed(fn: Callable[[], object], devices: list[str]) -> float:
 class Pair:
     """Verifier and proposer over two batches, driven step by step like the coordinator would."""
 
-    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, batch: int, k: int, prefix: int,
-                 synthetic: float | None, steps: int) -> None:
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel,
+        batch: int,
+        k: int,
+        prefix: int,
+        synthetic: float | None,
+        steps: int,
+    ) -> None:
         # A cache as long as the services' default (--max-model-len 2048): reading a row's first kv_len keys out of a
         # longer row is what a served step does (a cache just long enough read whole rows, faster).
         max_len = max(2048, prefix + (steps + 4) * (k + 1) * 3 + 16)
         graphs = not EAGER
-        self.verifier = Verifier(ModelRunner(target, 2 * batch, max_len, graphs, COMPILE, groups=2), [],
-                                 synthetic_acceptance=synthetic)
+        self.verifier = Verifier(
+            ModelRunner(target, 2 * batch, max_len, graphs, COMPILE, groups=2), [], synthetic_acceptance=synthetic
+        )
         self.verifier.warm_up(k)
         self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE, groups=2))
         self.k, self.batch = k, batch
@@ -196,8 +217,16 @@ class Pair:
         return end - start, *spans["verify"], *spans["propose"]
 
 
-def measure(name: str, target: PreTrainedModel, draft: PreTrainedModel, batch: int, k: int, args: argparse.Namespace,
-            bandwidth: float, timeline: list[dict] | None) -> Row:
+def measure(
+    name: str,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    batch: int,
+    k: int,
+    args: argparse.Namespace,
+    bandwidth: float,
+    timeline: list[dict] | None,
+) -> Row:
     devices = [args.target_device, args.draft_device]
     steps = args.steps
     pair = Pair(target, draft, batch, k, args.prefix, args.synthetic_acceptance, steps)
@@ -235,10 +264,21 @@ def measure(name: str, target: PreTrainedModel, draft: PreTrainedModel, batch: i
     verify_floor = (param_bytes(target) + kv_bytes(runner_t, batch, length)) / bandwidth
     draft_floor = k * (param_bytes(draft) + kv_bytes(runner_d, batch, length)) / bandwidth
     return Row(
-        draft=name, compiled=COMPILE, batch=batch, k=k, t_draft_ms=d * 1e3, t_verify_ms=v * 1e3, t_ar_ms=ar * 1e3,
-        t_psd_step_ms=p * 1e3, mean_accepted=acc, ideal=(d + v) / max(d, v), psd_over_sd=psd_tput / sd_tput,
+        draft=name,
+        compiled=COMPILE,
+        batch=batch,
+        k=k,
+        t_draft_ms=d * 1e3,
+        t_verify_ms=v * 1e3,
+        t_ar_ms=ar * 1e3,
+        t_psd_step_ms=p * 1e3,
+        mean_accepted=acc,
+        ideal=(d + v) / max(d, v),
+        psd_over_sd=psd_tput / sd_tput,
         sd_over_ar=sd_tput / ar_tput,
-        overlap_efficiency=max(d, v) / p, verify_floor_ms=verify_floor * 1e3, draft_floor_ms=draft_floor * 1e3,
+        overlap_efficiency=max(d, v) / p,
+        verify_floor_ms=verify_floor * 1e3,
+        draft_floor_ms=draft_floor * 1e3,
     )
 
 
@@ -252,8 +292,10 @@ def channel_costs(device: str, out: dict) -> None:
     for name, p in (("ids", None), ("ids+probs", probs)):
         # The default binds this iteration's p; mypy infers no type for such a lambda against Callable[[], object]
         # without the cast.
-        times = [timed(cast(Callable[[], object], lambda p=p: channel.receive(channel.send(0, ids, p))), [device])
-                 for _ in range(5)]
+        times = [
+            timed(cast(Callable[[], object], lambda p=p: channel.receive(channel.send(0, ids, p))), [device])
+            for _ in range(5)
+        ]
         out[f"grpc_{name}_ms"] = sorted(times)[2] * 1e3
 
 
@@ -293,8 +335,9 @@ def cuda_ipc_costs(target_device: str, draft_device: str, out: dict) -> None:
         payload = common_pb2.DraftPayload.FromString(raw)
         holder: list = []
         # As in channel_costs: mypy infers no type for this lambda with defaults without the cast.
-        elapsed = timed(cast(Callable[[], object], lambda h=holder, p=payload: h.append(channel.receive(p))),
-                        [target_device])
+        elapsed = timed(
+            cast(Callable[[], object], lambda h=holder, p=payload: h.append(channel.receive(p))), [target_device]
+        )
         ids, probs = holder[0]
         ok &= bool((ids.cpu() == ids_cpu).all())
         if probs_sum is not None:
@@ -388,8 +431,9 @@ def trace_stats(events: list[dict]) -> dict:
         # The worker's handler, arrival to reply (traces since run 8): the rest of a call is gRPC and event loops
         "verify_worker_ms": med([e.get("worker_s", float("nan")) for e in verify]) * 1e3,
         "propose_worker_ms": med([e.get("worker_s", float("nan")) for e in propose]) * 1e3,
-        "channel_share_of_verify": med([e["channel_s"] / e["worker_compute_s"] for e in verify
-                                        if e["worker_compute_s"]]),
+        "channel_share_of_verify": med(
+            [e["channel_s"] / e["worker_compute_s"] for e in verify if e["worker_compute_s"]]
+        ),
         "verify_time_overlapped_by_propose": overlapped / busy if busy else float("nan"),
     }
 
@@ -416,8 +460,15 @@ def services_plan(runs: list[str], args: argparse.Namespace, mps_available: bool
         name, _, sharing = run.partition(":")
         if args.target_device != args.draft_device:
             for i, channel in enumerate(channels):  # AR does not use the channel: measured once
-                plan.append(ServicesRun(f"{name}_2gpu_{channel}{suffix}", name,
-                                        args.services_modes if i == 0 else "psd,sd", args.draft_device, channel))
+                plan.append(
+                    ServicesRun(
+                        f"{name}_2gpu_{channel}{suffix}",
+                        name,
+                        args.services_modes if i == 0 else "psd,sd",
+                        args.draft_device,
+                        channel,
+                    )
+                )
             if not args.services_no_sd_on_target:
                 plan.append(ServicesRun(f"{name}_sd_draft_on_target_gpu{suffix}", name, "sd", args.target_device))
             continue
@@ -440,10 +491,18 @@ def steady_state(psd: dict, sd: dict) -> dict:
     t_d, t_v = sd["propose_ms"], sd["verify_ms"]
     ideal = (t_d + t_v) / max(t_d, t_v)
     ratio = sd["step_ms"] / psd["step_ms"]
-    return {"t_d_ms": t_d, "t_v_ms": t_v, "ideal": ideal, "psd_step_ms": psd["step_ms"], "sd_step_ms": sd["step_ms"],
-            "psd_over_sd": ratio, "share_of_ideal": ratio / ideal, "overlap_efficiency": max(t_d, t_v) / psd["step_ms"],
-            "channel_share_of_verify": psd["channel_share_of_verify"],
-            "verify_overlapped_by_propose": psd["verify_time_overlapped_by_propose"]}
+    return {
+        "t_d_ms": t_d,
+        "t_v_ms": t_v,
+        "ideal": ideal,
+        "psd_step_ms": psd["step_ms"],
+        "sd_step_ms": sd["step_ms"],
+        "psd_over_sd": ratio,
+        "share_of_ideal": ratio / ideal,
+        "overlap_efficiency": max(t_d, t_v) / psd["step_ms"],
+        "channel_share_of_verify": psd["channel_share_of_verify"],
+        "verify_overlapped_by_propose": psd["verify_time_overlapped_by_propose"],
+    }
 
 
 def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
@@ -452,17 +511,28 @@ def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
     suffix = "_compiled" if COMPILE else ""
     label = f"{name}_2gpu_{channel}{suffix}"
     own, same = results.get(label), results.get(f"{name}_sd_draft_on_target_gpu{suffix}")
-    ar_run = next((r for key, r in results.items()
-                   if key.startswith(f"{name}_2gpu_") and "ar" in r.get("results", {})), None)
+    ar_run = next(
+        (r for key, r in results.items() if key.startswith(f"{name}_2gpu_") and "ar" in r.get("results", {})), None
+    )
     if own is None or "psd" not in own["results"]:
         return {}
     tput = lambda run, mode: run["results"][mode]["output_throughput"] if run and mode in run["results"] else None  # noqa: E731
     psd, sd_own, sd_same, ar = tput(own, "psd"), tput(own, "sd"), tput(same, "sd"), tput(ar_run, "ar")
     sd_2b = tput(own, "sd2b")
-    out: dict = {"psd_tok_s": psd, "sd_draft_own_gpu_tok_s": sd_own, "sd_draft_on_target_gpu_tok_s": sd_same,
-                 "sd_same_concurrency_tok_s": sd_2b, "ar_tok_s": ar, "steady": results.get(f"{label}_steady")}
-    for key, base in (("psd_over_sd_draft_on_target_gpu", sd_same), ("psd_over_sd_draft_own_gpu", sd_own),
-                      ("psd_over_sd_same_concurrency", sd_2b), ("psd_over_ar", ar)):
+    out: dict = {
+        "psd_tok_s": psd,
+        "sd_draft_own_gpu_tok_s": sd_own,
+        "sd_draft_on_target_gpu_tok_s": sd_same,
+        "sd_same_concurrency_tok_s": sd_2b,
+        "ar_tok_s": ar,
+        "steady": results.get(f"{label}_steady"),
+    }
+    for key, base in (
+        ("psd_over_sd_draft_on_target_gpu", sd_same),
+        ("psd_over_sd_draft_own_gpu", sd_own),
+        ("psd_over_sd_same_concurrency", sd_2b),
+        ("psd_over_ar", ar),
+    ):
         out[key] = psd / base if psd and base else None
     psd_trace = results.get(f"{label}_psd_trace")
     same_trace = results.get(f"{name}_sd_draft_on_target_gpu{suffix}_sd_trace")
@@ -470,13 +540,20 @@ def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
         out["steady_psd_over_sd_draft_on_target_gpu"] = same_trace["step_ms"] / psd_trace["step_ms"]
     trace_2b = results.get(f"{label}_sd2b_trace")
     if psd_trace and trace_2b:  # per sequence-step: PSD's step advances one batch of B, sd2b's one of 2B
-        out["steady_psd_over_sd_same_concurrency"] = ((psd_trace["batch_size"] / psd_trace["step_ms"])
-                                                      / (trace_2b["batch_size"] / trace_2b["step_ms"]))
+        out["steady_psd_over_sd_same_concurrency"] = (psd_trace["batch_size"] / psd_trace["step_ms"]) / (
+            trace_2b["batch_size"] / trace_2b["step_ms"]
+        )
     return out
 
 
-def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedModel], runs: list[str],
-                        args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
+def services_comparison(
+    target: PreTrainedModel,
+    drafts: dict[str, PreTrainedModel],
+    runs: list[str],
+    args: argparse.Namespace,
+    summary: dict,
+    save: Callable[[], None],
+) -> None:
     """PSD, SD and AR through the real services (separate processes): `minedraft bench --modes ...` on random-weight
     checkpoints, as `services_plan` lays out (`runs` are draft shapes, on one GPU optionally `SHAPE:timesliced` or
     `SHAPE:mps`)."""
@@ -508,18 +585,51 @@ def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedMod
             subprocess.run([mps, "-d"], env=env, check=True)  # a user-level daemon: no GPU setting changes
         json_out = root / f"services_{label}.json"
         traces = root / f"traces_{label}"
-        command = [sys.executable, "-m", "minedraft.cli", "bench", "--modes", run.modes,
-                   "--target", str(root / "target"), "--draft", str(root / run.draft),
-                   "--target-device", args.target_device, "--draft-device", run.draft_device,
-                   "--channel", run.channel, "--dtype", "bfloat16", "--num-speculative-tokens", "4",
-                   "--max-batch-size", str(args.services_batch), "--overlap", args.services_overlap,
-                   "--speculation", args.services_speculation,
-                   "--min-speculative-tokens", str(args.services_min_speculative_tokens),
-                   "--synthetic-acceptance", str(args.synthetic_acceptance),
-                   "--num-prompts", str(args.services_prompts or 2 * args.services_batch),
-                   "--prompt-len", str(args.prefix),
-                   "--output-len", str(args.services_output_len), "--no-progress", "--json-out", str(json_out),
-                   "--step-trace-dir", str(traces), "--log-dir", str(root / f"logs_{label}")]
+        command = [
+            sys.executable,
+            "-m",
+            "minedraft.cli",
+            "bench",
+            "--modes",
+            run.modes,
+            "--target",
+            str(root / "target"),
+            "--draft",
+            str(root / run.draft),
+            "--target-device",
+            args.target_device,
+            "--draft-device",
+            run.draft_device,
+            "--channel",
+            run.channel,
+            "--dtype",
+            "bfloat16",
+            "--num-speculative-tokens",
+            "4",
+            "--max-batch-size",
+            str(args.services_batch),
+            "--overlap",
+            args.services_overlap,
+            "--speculation",
+            args.services_speculation,
+            "--min-speculative-tokens",
+            str(args.services_min_speculative_tokens),
+            "--synthetic-acceptance",
+            str(args.synthetic_acceptance),
+            "--num-prompts",
+            str(args.services_prompts or 2 * args.services_batch),
+            "--prompt-len",
+            str(args.prefix),
+            "--output-len",
+            str(args.services_output_len),
+            "--no-progress",
+            "--json-out",
+            str(json_out),
+            "--step-trace-dir",
+            str(traces),
+            "--log-dir",
+            str(root / f"logs_{label}"),
+        ]
         command += ["--compile"] if COMPILE else []
         command += ["--concurrency", str(args.services_concurrency)] if args.services_concurrency else []
         command += ["--precapture-graphs", args.services_precapture]
@@ -542,8 +652,10 @@ def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedMod
         if (root / f"logs_{label}").exists():
             shutil.copytree(root / f"logs_{label}", Path(args.out) / f"logs_{label}", dirs_exist_ok=True)
         for log in sorted((root / f"logs_{label}").glob("*.log")):  # the services' own output, for diagnosis
-            print(f"--- {log.name} (last lines) ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]),
-                  flush=True)
+            print(
+                f"--- {log.name} (last lines) ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]),
+                flush=True,
+            )
         if json_out.exists():
             results[label] = json.loads(json_out.read_text())
         if args.services_profile and (root / f"profiles_{label}").exists():
@@ -559,11 +671,13 @@ def services_comparison(target: PreTrainedModel, drafts: dict[str, PreTrainedMod
             results[f"{label}_{mode}_trace"] = trace_stats(events)
             print(f"services, {label}, {mode} trace: {results[f'{label}_{mode}_trace']}", flush=True)
             calls = [e for e in events if e["kind"] in ("propose", "verify")]
-            window = calls[len(calls) // 2: len(calls) // 2 + 40]  # steady state, full batches
+            window = calls[len(calls) // 2 : len(calls) // 2 + 40]  # steady state, full batches
             if mode == "psd" and window:
                 origin = window[0]["start"]
-                timelines[label] = [{"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin,
-                                     "end": e["end"] - origin} for e in window]
+                timelines[label] = [
+                    {"kind": e["kind"], "batch": e["batch_id"], "start": e["start"] - origin, "end": e["end"] - origin}
+                    for e in window
+                ]
         if f"{label}_psd_trace" in results and f"{label}_sd_trace" in results:
             results[f"{label}_steady"] = steady_state(results[f"{label}_psd_trace"], results[f"{label}_sd_trace"])
             print(f"services, {label}, steady state: {results[f'{label}_steady']}", flush=True)
@@ -590,8 +704,9 @@ def plot(rows: list[Row], timelines: dict[str, list[dict]], out_dir: Path) -> No
         for ax, (label, events) in zip(axes[:, 0], timelines.items()):
             for event in events:
                 y = 1 if event["kind"] == "verify" else 0
-                ax.barh(y, event["end"] - event["start"], left=event["start"],
-                        color="C0" if event["batch"] == 0 else "C1")
+                ax.barh(
+                    y, event["end"] - event["start"], left=event["start"], color="C0" if event["batch"] == 0 else "C1"
+                )
             ax.set_yticks([0, 1], ["draft: Propose", "target: Verify"])
             ax.set_title(f"PSD step timeline, {label}", fontsize=9)
         axes[-1, 0].set_xlabel("seconds (blue: batch 0, orange: batch 1)")
@@ -607,14 +722,23 @@ def plot(rows: list[Row], timelines: dict[str, list[dict]], out_dir: Path) -> No
             sel = [r for r in rows if (r.draft, r.compiled, r.k) == (draft, compiled, k)]
             sd = [r.batch * (r.mean_accepted + 1) / (r.t_draft_ms + r.t_verify_ms) * 1e3 for r in sel]
             ax.plot([r.batch for r in sel], sd, marker="o", color=f"C{i}", label=f"SD, {draft} draft{how}, k={k}")
-            psd = [(r.batch, r.batch * (r.mean_accepted + 1) / r.t_psd_step_ms * 1e3) for r in sel
-                   if r.t_psd_step_ms == r.t_psd_step_ms]
+            psd = [
+                (r.batch, r.batch * (r.mean_accepted + 1) / r.t_psd_step_ms * 1e3)
+                for r in sel
+                if r.t_psd_step_ms == r.t_psd_step_ms
+            ]
             if psd:
                 ax.plot(*zip(*psd), marker="s", ls="--", color=f"C{i}", label=f"PSD (one process), {draft}{how}, k={k}")
     for compiled in sorted({r.compiled for r in rows}):
         ar = {r.batch: r.batch / r.t_ar_ms * 1e3 for r in rows if r.compiled == compiled}
-        ax.plot(sorted(ar), [ar[b] for b in sorted(ar)], marker="^", color="grey", ls=":" if compiled else "-",
-                label="AR (target alone)" + (", compiled" if compiled else ""))
+        ax.plot(
+            sorted(ar),
+            [ar[b] for b in sorted(ar)],
+            marker="^",
+            color="grey",
+            ls=":" if compiled else "-",
+            label="AR (target alone)" + (", compiled" if compiled else ""),
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
@@ -635,48 +759,103 @@ def main() -> None:
     parser.add_argument("--ks", default="2,4,6")
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--synthetic-acceptance", type=float, default=0.7,
-                        help="BENCHMARK ONLY, not lossless: accept each draft with this probability")
+    parser.add_argument(
+        "--synthetic-acceptance",
+        type=float,
+        default=0.7,
+        help="BENCHMARK ONLY, not lossless: accept each draft with this probability",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"))
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs")
-    parser.add_argument("--compile-modes", default="off",
-                        help="off, on or off,on: without and/or with torch.compile'd decoder layers, side by side "
-                             "(compiling is in place, so off is measured first)")
-    parser.add_argument("--services", default="",
-                        help="draft shapes to also run through the real services on one GPU, time-sliced and "
-                             "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)")
-    parser.add_argument("--services-channels", default="auto",
-                        help="channels of the services runs, comma-separated (auto: cuda-ipc on one host)")
+    parser.add_argument(
+        "--compile-modes",
+        default="off",
+        help="off, on or off,on: without and/or with torch.compile'd decoder layers, side by side "
+        "(compiling is in place, so off is measured first)",
+    )
+    parser.add_argument(
+        "--services",
+        default="",
+        help="draft shapes to also run through the real services on one GPU, time-sliced and "
+        "under MPS (e.g. 68m), or one way only (e.g. 68m,1b:mps)",
+    )
+    parser.add_argument(
+        "--services-channels",
+        default="auto",
+        help="channels of the services runs, comma-separated (auto: cuda-ipc on one host)",
+    )
     parser.add_argument("--services-modes", default="psd,sd,ar", help="modes of each services run")
     parser.add_argument("--services-output-len", type=int, default=128, help="tokens generated per request")
-    parser.add_argument("--services-no-sd-on-target", action="store_true",
-                        help="on two GPUs, skip SD with the draft on the target's GPU (the paper's baseline)")
-    parser.add_argument("--services-precapture", default="auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES,
-                        help="workers' --precapture-graphs: every step shape run when the coordinator connects")
+    parser.add_argument(
+        "--services-no-sd-on-target",
+        action="store_true",
+        help="on two GPUs, skip SD with the draft on the target's GPU (the paper's baseline)",
+    )
+    parser.add_argument(
+        "--services-precapture",
+        default="auto",
+        nargs="?",
+        const="on",
+        choices=PRECAPTURE_CHOICES,
+        help="workers' --precapture-graphs: every step shape run when the coordinator connects",
+    )
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")
-    parser.add_argument("--services-prompts", type=int, default=None,
-                        help="requests per services run (default: two full batches; more gives steadier figures)")
-    parser.add_argument("--services-concurrency", type=int, default=None,
-                        help="requests in flight per services run (default: two full batches; more keeps some waiting)")
-    parser.add_argument("--services-overlap", default="always", choices=["always", "auto", "never"],
-                        help="the coordinator's --overlap in the services runs (always: measure the overlap itself; "
-                             "auto: what users get, sequential calls where overlapping does not pay)")
-    parser.add_argument("--services-speculation", default="auto", choices=["auto", "always"],
-                        help="the coordinator's --speculation in the services runs (auto: what users get, the target "
-                             "alone where drafting does not pay; always: draft at every step)")
-    parser.add_argument("--services-min-speculative-tokens", type=int, default=0,
-                        help="the coordinator's --min-speculative-tokens in the services runs (0: 4 tokens or none; "
-                             "1: also 2 or 1)")
-    parser.add_argument("--services-profile", action="store_true",
-                        help="the services write profiler traces of five calls each (profiles_<run>.tar.gz in --out)")
-    parser.add_argument("--services-timeout", type=int, default=300,
-                        help="seconds per services comparison (three stacks started and stopped)")
-    parser.add_argument("--in-process-psd", action="store_true",
-                        help="also time PSD in this process (two threads, two streams); it hung with CUDA graphs, "
-                             "so the default times PSD through the real services (--services)")
-    parser.add_argument("--psd-watchdog", type=int, default=90,
-                        help="seconds one configuration may take before the run dumps every thread and exits")
+    parser.add_argument(
+        "--services-prompts",
+        type=int,
+        default=None,
+        help="requests per services run (default: two full batches; more gives steadier figures)",
+    )
+    parser.add_argument(
+        "--services-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight per services run (default: two full batches; more keeps some waiting)",
+    )
+    parser.add_argument(
+        "--services-overlap",
+        default="always",
+        choices=["always", "auto", "never"],
+        help="the coordinator's --overlap in the services runs (always: measure the overlap itself; "
+        "auto: what users get, sequential calls where overlapping does not pay)",
+    )
+    parser.add_argument(
+        "--services-speculation",
+        default="auto",
+        choices=["auto", "always"],
+        help="the coordinator's --speculation in the services runs (auto: what users get, the target "
+        "alone where drafting does not pay; always: draft at every step)",
+    )
+    parser.add_argument(
+        "--services-min-speculative-tokens",
+        type=int,
+        default=0,
+        help="the coordinator's --min-speculative-tokens in the services runs (0: 4 tokens or none; 1: also 2 or 1)",
+    )
+    parser.add_argument(
+        "--services-profile",
+        action="store_true",
+        help="the services write profiler traces of five calls each (profiles_<run>.tar.gz in --out)",
+    )
+    parser.add_argument(
+        "--services-timeout",
+        type=int,
+        default=300,
+        help="seconds per services comparison (three stacks started and stopped)",
+    )
+    parser.add_argument(
+        "--in-process-psd",
+        action="store_true",
+        help="also time PSD in this process (two threads, two streams); it hung with CUDA graphs, "
+        "so the default times PSD through the real services (--services)",
+    )
+    parser.add_argument(
+        "--psd-watchdog",
+        type=int,
+        default=90,
+        help="seconds one configuration may take before the run dumps every thread and exits",
+    )
     args = parser.parse_args()
     # `timeout -s USR1` then shows where every thread is, should a run hang.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -685,20 +864,29 @@ def main() -> None:
     EAGER = args.eager
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "eager": args.eager,
-                     "synthetic_acceptance": args.synthetic_acceptance, "torch": torch.__version__}
+    summary: dict = {
+        "gpu": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d"),
+        "eager": args.eager,
+        "synthetic_acceptance": args.synthetic_acceptance,
+        "torch": torch.__version__,
+    }
     bandwidth = hbm_bandwidth(args.target_device)
     summary["hbm_bandwidth_GBps"] = bandwidth / 1e9
     print(f"HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     target = load_model(args.target, args.target_device) if args.target else build("8b", args.target_device)
-    drafts = ({Path(d).name: load_model(d, args.draft_device) for d in args.draft} if args.draft
-              else {s: build(s, args.draft_device) for s in args.drafts.split(",")})
+    drafts = (
+        {Path(d).name: load_model(d, args.draft_device) for d in args.draft}
+        if args.draft
+        else {s: build(s, args.draft_device) for s in args.drafts.split(",")}
+    )
     rows: list[Row] = []
     timeline: list[dict] = []
 
     def save() -> None:  # after every stage: a run cut short keeps what it measured
-        (out_dir / "gpu_bench.json").write_text(json.dumps({"summary": summary, "rows": [asdict(r) for r in rows],
-                                                            "timeline": timeline}, indent=1))
+        (out_dir / "gpu_bench.json").write_text(
+            json.dumps({"summary": summary, "rows": [asdict(r) for r in rows], "timeline": timeline}, indent=1)
+        )
 
     if not args.services_only:
         channel_costs(args.target_device, summary)
@@ -733,16 +921,44 @@ def main() -> None:
         services_comparison(target, drafts, args.services.split(","), args, summary, save)
     plot(rows, {"one process": timeline} if timeline else summary.get("services_timelines", {}), out_dir)
     save()
-    header = ("draft", "compiled", "B", "k", "T_d ms", "T_v ms", "floor_v", "T_psd", "acc", "ideal", "PSD/SD",
-              "ovl_eff", "SD/AR")
+    header = (
+        "draft",
+        "compiled",
+        "B",
+        "k",
+        "T_d ms",
+        "T_v ms",
+        "floor_v",
+        "T_psd",
+        "acc",
+        "ideal",
+        "PSD/SD",
+        "ovl_eff",
+        "SD/AR",
+    )
     print(f"\nsynthetic acceptance {args.synthetic_acceptance} (benchmark only); {summary['gpu']}")
     print(" | ".join(header))
     for r in rows:
-        print(" | ".join(str(x) for x in (r.draft, r.compiled, r.batch, r.k, f"{r.t_draft_ms:.1f}",
-                                           f"{r.t_verify_ms:.1f}",
-                                           f"{r.verify_floor_ms:.1f}", f"{r.t_psd_step_ms:.1f}",
-                                           f"{r.mean_accepted:.2f}", f"{r.ideal:.2f}", f"{r.psd_over_sd:.2f}",
-                                           f"{r.overlap_efficiency:.2f}", f"{r.sd_over_ar:.2f}")))
+        print(
+            " | ".join(
+                str(x)
+                for x in (
+                    r.draft,
+                    r.compiled,
+                    r.batch,
+                    r.k,
+                    f"{r.t_draft_ms:.1f}",
+                    f"{r.t_verify_ms:.1f}",
+                    f"{r.verify_floor_ms:.1f}",
+                    f"{r.t_psd_step_ms:.1f}",
+                    f"{r.mean_accepted:.2f}",
+                    f"{r.ideal:.2f}",
+                    f"{r.psd_over_sd:.2f}",
+                    f"{r.overlap_efficiency:.2f}",
+                    f"{r.sd_over_ar:.2f}",
+                )
+            )
+        )
     # SD at the same total concurrency runs one batch of 2B: compare PSD at B with the SD row at 2B.
     by_key = {(r.draft, r.compiled, r.batch, r.k): r for r in rows}
     for r in rows:
@@ -750,8 +966,10 @@ def main() -> None:
         if twice is not None:
             psd_tput = r.batch * (r.mean_accepted + 1) / r.t_psd_step_ms
             sd_tput = twice.batch * (twice.mean_accepted + 1) / (twice.t_draft_ms + twice.t_verify_ms)
-            print(f"same concurrency {2 * r.batch}: {r.draft} k={r.k} PSD(2x{r.batch}) / SD(1x{2 * r.batch}) = "
-                  f"{psd_tput / sd_tput:.2f}")
+            print(
+                f"same concurrency {2 * r.batch}: {r.draft} k={r.k} PSD(2x{r.batch}) / SD(1x{2 * r.batch}) = "
+                f"{psd_tput / sd_tput:.2f}"
+            )
     print(json.dumps(summary, indent=1))
 
 

@@ -37,10 +37,17 @@ async def _stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerCont
 
 async def serve() -> None:
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(_unary, _same, _same),
-        "Stream": grpc.stream_stream_rpc_method_handler(_stream, _same, _same),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Unary": grpc.unary_unary_rpc_method_handler(_unary, _same, _same),
+                    "Stream": grpc.stream_stream_rpc_method_handler(_stream, _same, _same),
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -71,8 +78,11 @@ async def measure(port: int, rounds: int, calls: int, size: int) -> None:
         await median_ms(one_unary), await median_ms(one_message)  # warm-up
         for i in range(rounds):
             unary_ms, stream_ms = await median_ms(one_unary), await median_ms(one_message)
-            print(f"round {i + 1}: unary call {unary_ms:.3f} ms, message on a stream {stream_ms:.3f} ms "
-                  f"({stream_ms / unary_ms:.2f}x)", flush=True)
+            print(
+                f"round {i + 1}: unary call {unary_ms:.3f} ms, message on a stream {stream_ms:.3f} ms "
+                f"({stream_ms / unary_ms:.2f}x)",
+                flush=True,
+            )
         await stream.done_writing()
 
 

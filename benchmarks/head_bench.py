@@ -27,8 +27,13 @@ def graph_time(fn: Callable[[], object], blas: str = "cublaslt") -> float:
         torch.backends.cuda.preferred_blas_library(library)
 
 
-def measure(rows: int, weight: torch.Tensor, padded: torch.Tensor, compiled: Callable[..., torch.Tensor],
-            compiled_op: Callable[..., torch.Tensor]) -> None:
+def measure(
+    rows: int,
+    weight: torch.Tensor,
+    padded: torch.Tensor,
+    compiled: Callable[..., torch.Tensor],
+    compiled_op: Callable[..., torch.Tensor],
+) -> None:
     """Each way of the LM head, then each way of the argmax, at `rows` hidden states."""
     floor_us = weight.numel() * 2 / 4.64e6  # bytes at the 4.64 TB/s that gemm_bench's fit gives
     x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)

@@ -70,8 +70,10 @@ def main() -> None:
     big = torch.randn(4096, 4096, device="cuda")
     busy = lambda: big @ big  # noqa: E731  (~0.1 ms of GPU work queued ahead of each call)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call (median of {args.repeats})")
-    print(f"{'B':>4} {'pageable':>9} {'pinned':>7} {'device':>7} {'2 inputs':>9} {'packed':>7} {'tensor()':>9} "
-          f"{'replay':>7}")
+    print(
+        f"{'B':>4} {'pageable':>9} {'pinned':>7} {'device':>7} {'2 inputs':>9} {'packed':>7} {'tensor()':>9} "
+        f"{'replay':>7}"
+    )
     for batch in [int(b) for b in args.batches.split(",")]:
         figures = figures_at(batch, args.k, args.repeats, busy)
         print(f"{batch:>4} " + " ".join(f"{f:>{w}.1f}" for f, w in zip(figures, (9, 7, 7, 9, 7, 9, 7), strict=True)))

@@ -47,8 +47,10 @@ def main() -> None:
     }
     reference = cache[rows, :, :kv]
     gathered_bytes = reference.numel() * reference.element_size()
-    print(f"B={args.batch} kv_len={kv} max_len={args.max_len}: {gathered_bytes / 2**20:.0f} MiB per gather "
-          f"(one layer's keys)")
+    print(
+        f"B={args.batch} kv_len={kv} max_len={args.max_len}: {gathered_bytes / 2**20:.0f} MiB per gather "
+        f"(one layer's keys)"
+    )
     for name, fn in variants.items():
         out = fn()
         same = torch.equal(out[:, :, :kv], reference) if "contiguous" not in name else True

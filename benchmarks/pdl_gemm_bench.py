@@ -26,8 +26,20 @@ from benchmarks.gemm_bench import SHAPES  # noqa: E402
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, rows, features, stride_x, stride_w, stride_y,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rows,
+    features,
+    stride_x,
+    stride_w,
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program: BLOCK_N output features of every row, over all input features (weights [N, K], rows [M, K])."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -46,17 +58,28 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, rows, features, stride_x, stride_w, stri
     tl.store(y_ptr + m[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def triton_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int, pdl: bool, block_k: int = 128
-                  ) -> torch.Tensor:
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int, pdl: bool, block_k: int = 128) -> torch.Tensor:
     """x @ weight.T for at most 128 rows, `block_n` output features a program."""
     rows, features = x.shape
     stages = 4 if rows <= 64 else 3  # four stages of 128-row tiles exceed an H200's shared memory
     out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
     assert weight.shape[0] % block_n == 0 and features % block_k == 0 and rows <= 128
     _linear_kernel[(weight.shape[0] // block_n,)](
-        x, weight, out, rows, features, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=4, num_stages=stages, launch_pdl=pdl,
+        x,
+        weight,
+        out,
+        rows,
+        features,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PDL=pdl,
+        num_warps=4,
+        num_stages=stages,
+        launch_pdl=pdl,
     )
     return out
 
@@ -70,8 +93,10 @@ def main() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
     blocks = [int(b) for b in args.block_n.split(",")]
     columns = ["cuBLASLt"] + [f"N{b}{' PDL' if pdl else ''}" for b in blocks for pdl in (False, True)]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}; us per call, "
-          "32 calls in a CUDA graph")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}; us per call, "
+        "32 calls in a CUDA graph"
+    )
     print(f"{'shape':>9} {'rows':>5} " + " ".join(f"{c:>10}" for c in columns))
     for name, n, k in (shape for shape in SHAPES if shape[0] in args.shapes.split(",")):
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(32)]
@@ -84,8 +109,9 @@ def main() -> None:
                     got = triton_linear(x, weights[0], block_n, pdl).float()
                     want = torch.nn.functional.linear(x, weights[0]).float()
                     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item(), (name, rows, block_n)
-                    calls: list[Callable[[], object]] = [functools.partial(triton_linear, x, w, block_n, pdl)
-                                                         for w in weights]
+                    calls: list[Callable[[], object]] = [
+                        functools.partial(triton_linear, x, w, block_n, pdl) for w in weights
+                    ]
                     cells.append(graph_ms(calls) * 1e3)
             print(f"{name:>9} {rows:>5} " + " ".join(f"{c:10.1f}" for c in cells), flush=True)
         del weights

@@ -15,8 +15,7 @@ from pathlib import Path
 def load_events(path: Path) -> list[dict]:
     """The trace's calls from the load's start, with times relative to it (a `.gz` trace is read as gzip)."""
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    events = sorted((json.loads(line) for line in text.splitlines() if line.strip()),
-                    key=lambda e: e["start"])
+    events = sorted((json.loads(line) for line in text.splitlines() if line.strip()), key=lambda e: e["start"])
     end, gap, first = events[0]["end"], -1.0, 0
     for i, event in enumerate(events[1:], 1):
         if event["start"] - end > gap:
@@ -43,8 +42,13 @@ def plot_verifies(ax: object, events: list[dict]) -> None:
     steps = verifies(events)
     for drafted, color, name in ((True, "C0", "verify of drafts"), (False, "C1", "target alone")):
         chosen = [s for s in steps if s[2] == drafted]
-        ax.scatter([s[0] for s in chosen], [s[1] for s in chosen], s=4, color=color,  # type: ignore[attr-defined]
-                   label=f"{name} ({len(chosen)})")
+        ax.scatter(
+            [s[0] for s in chosen],
+            [s[1] for s in chosen],
+            s=4,
+            color=color,  # type: ignore[attr-defined]
+            label=f"{name} ({len(chosen)})",
+        )
     ax.set_ylabel("verify ms")  # type: ignore[attr-defined]
     ax.legend(loc="upper right", fontsize=8, markerscale=3)  # type: ignore[attr-defined]
 
@@ -53,8 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("traces", nargs="+", help="LABEL=PATH of a step trace (JSON lines, or gzipped)")
     parser.add_argument("--out", default="load_timeline.png")
-    parser.add_argument("--verifies", action="store_true",
-                        help="each verify's time, drafted or the target's step alone, instead of every call's span")
+    parser.add_argument(
+        "--verifies",
+        action="store_true",
+        help="each verify's time, drafted or the target's step alone, instead of every call's span",
+    )
     args = parser.parse_args()
     import matplotlib
 
@@ -74,8 +81,9 @@ def main() -> None:
             color = "grey" if event["kind"] == "prefill" else "C0" if event["batch_id"] == 0 else "C1"
             ax.barh(y, event["end"] - event["start"], left=event["start"], color=color, height=0.7)
         ax.set_yticks([0, 1], ["draft: Propose", "target: Prefill, Verify"])
-    axes[-1, 0].set_xlabel("seconds from the load's first call" + (
-        "" if args.verifies else " (grey: prefill; blue / orange: batch 0 / 1)"))
+    axes[-1, 0].set_xlabel(
+        "seconds from the load's first call" + ("" if args.verifies else " (grey: prefill; blue / orange: batch 0 / 1)")
+    )
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")

@@ -32,8 +32,12 @@ def _prefetch_kernel(ptr, last_byte, LINES: tl.constexpr, LINE_BYTES: tl.constex
     SM (yet the kernel lasts as long as a read of the whole tensor would: 8 us for 33.5 MB in run 22e)."""
     offsets = (tl.program_id(0) * LINES + tl.arange(0, LINES)).to(tl.int64) * LINE_BYTES
     tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-        [ptr + tl.minimum(offsets, last_byte)], dtype=tl.int32, is_pure=False, pack=1,
+        "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptr + tl.minimum(offsets, last_byte)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
     )
 
 
@@ -42,8 +46,9 @@ def prefetch(tensor: torch.Tensor) -> None:
     data = tensor.view(-1).view(torch.uint8)
     lines = triton.cdiv(data.numel(), LINE)
     with torch.cuda.device(tensor.device):
-        _prefetch_kernel[(triton.cdiv(lines, LINES_PER_PROGRAM),)](data, data.numel() - 1, LINES=LINES_PER_PROGRAM,
-                                                                    LINE_BYTES=LINE, num_warps=8)
+        _prefetch_kernel[(triton.cdiv(lines, LINES_PER_PROGRAM),)](
+            data, data.numel() - 1, LINES=LINES_PER_PROGRAM, LINE_BYTES=LINE, num_warps=8
+        )
 
 
 def measure(batch: int, layer: Callable[..., tuple[torch.Tensor, None]], side: torch.cuda.Stream) -> list[float]:
@@ -96,8 +101,10 @@ def main() -> None:
     print(f"{'B':>3} " + " ".join(columns))
     for batch in (int(b) for b in args.batches.split(",")):
         cells = measure(batch, layer, side)
-        print(f"{batch:3d} " + " ".join(f"{ms * 1e3:{len(c)}.1f}" for ms, c in zip(cells, columns, strict=True)),
-              flush=True)
+        print(
+            f"{batch:3d} " + " ".join(f"{ms * 1e3:{len(c)}.1f}" for ms, c in zip(cells, columns, strict=True)),
+            flush=True,
+        )
         torch.cuda.empty_cache()
 
 

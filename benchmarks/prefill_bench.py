@@ -50,15 +50,22 @@ def main() -> None:
     parser.add_argument("--shape", default="8b", choices=["8b", "1b", "68m"])
     parser.add_argument("--batches", default="1,8,16,24,32,39,48,64", help="prompts per prefill (empty: none)")
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--mixed", default="2000,100*15;1500*2,500*6,100*8;512*16",
-                        help="prefills of prompts of mixed lengths (`;` between prefills, `L*N`: N prompts of L "
-                             "tokens), each grouped by length (the workers' default) and in one padded forward, "
-                             "side by side (empty: none)")
+    parser.add_argument(
+        "--mixed",
+        default="2000,100*15;1500*2,500*6,100*8;512*16",
+        help="prefills of prompts of mixed lengths (`;` between prefills, `L*N`: N prompts of L "
+        "tokens), each grouped by length (the workers' default) and in one padded forward, "
+        "side by side (empty: none)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers (as --compile serves)")
     parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--blas", default="", help="BLAS libraries to compare on the batches, alternating (e.g. "
-                        "cublas,cublaslt; empty: the process's, which eager forwards use)")
+    parser.add_argument(
+        "--blas",
+        default="",
+        help="BLAS libraries to compare on the batches, alternating (e.g. "
+        "cublas,cublaslt; empty: the process's, which eager forwards use)",
+    )
     args = parser.parse_args()
     device = args.device
     model = build(args.shape, device)
@@ -83,8 +90,10 @@ def main() -> None:
         return seconds
 
     grouped_cost = sequence_table.PREFILL_FORWARD_COST
-    print(f"{args.shape} prefill, {'compiled' if args.compile else 'uncompiled'} layers, median of {args.repeats}",
-          flush=True)
+    print(
+        f"{args.shape} prefill, {'compiled' if args.compile else 'uncompiled'} layers, median of {args.repeats}",
+        flush=True,
+    )
     libraries = args.blas.split(",") if args.blas else [""]
     for batch in batches:
         prompts = torch.randint(0, VOCAB, (batch, args.prompt_len), generator=generator).tolist()
@@ -96,9 +105,12 @@ def main() -> None:
                 runs[library].append(prefill_seconds(prompts, grouped_cost))
         for library, measured in runs.items():
             seconds, tokens = statistics.median(measured[1:]), batch * args.prompt_len
-            print(f"B={batch:3d} x {args.prompt_len}{' ' + library if library else ''}: {seconds * 1e3:8.1f} ms  "
-                  f"{tokens / seconds:8.0f} prompt tok/s  "
-                  f"{prefill_flops(model, batch, args.prompt_len) / seconds / 1e12:6.0f} TFLOP/s", flush=True)
+            print(
+                f"B={batch:3d} x {args.prompt_len}{' ' + library if library else ''}: {seconds * 1e3:8.1f} ms  "
+                f"{tokens / seconds:8.0f} prompt tok/s  "
+                f"{prefill_flops(model, batch, args.prompt_len) / seconds / 1e12:6.0f} TFLOP/s",
+                flush=True,
+            )
     for lengths in mixed:
         prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
         times: dict[int, list[float]] = {grouped_cost: [], ONE_FORWARD: []}
@@ -108,9 +120,12 @@ def main() -> None:
         grouped, one = (statistics.median(times[c][1:]) for c in (grouped_cost, ONE_FORWARD))
         groups = sequence_table.prefill_groups(lengths, grouped_cost)
         padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
-        print(f"{len(lengths)} prompts, {sum(lengths)} tokens: grouped {grouped * 1e3:8.1f} ms ({len(groups)} "
-              f"forwards, {padded} tokens computed), one forward {one * 1e3:8.1f} ms ({len(lengths) * max(lengths)} "
-              f"tokens computed): {one / grouped:.2f}x", flush=True)
+        print(
+            f"{len(lengths)} prompts, {sum(lengths)} tokens: grouped {grouped * 1e3:8.1f} ms ({len(groups)} "
+            f"forwards, {padded} tokens computed), one forward {one * 1e3:8.1f} ms ({len(lengths) * max(lengths)} "
+            f"tokens computed): {one / grouped:.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,18 @@ from target_service.verifier import Verifier  # noqa: E402
 
 # The functions a step's host path passes through before its graphs launch, outermost first
 HOST_PATH: list[tuple[type, str]] = [
-    (Verifier, "verify"), (Proposer, "propose"), (SequenceTable, "arranged_rows"),
-    (model_runner.ModelRunner, "arrange"), (SequenceTable, "sampling_kind"), (model_runner.ModelRunner, "score"),
-    (model_runner.ModelRunner, "decode"), (model_runner.ModelRunner, "_run"),
-    (model_runner.ModelRunner, "_replay_or_run"), (model_runner.CudaGraphs, "run"),
-    (model_runner.CudaGraphs, "_copy_inputs"), (torch.cuda.CUDAGraph, "replay"),
+    (Verifier, "verify"),
+    (Proposer, "propose"),
+    (SequenceTable, "arranged_rows"),
+    (model_runner.ModelRunner, "arrange"),
+    (SequenceTable, "sampling_kind"),
+    (model_runner.ModelRunner, "score"),
+    (model_runner.ModelRunner, "decode"),
+    (model_runner.ModelRunner, "_run"),
+    (model_runner.ModelRunner, "_replay_or_run"),
+    (model_runner.CudaGraphs, "run"),
+    (model_runner.CudaGraphs, "_copy_inputs"),
+    (torch.cuda.CUDAGraph, "replay"),
 ]
 
 
@@ -42,8 +49,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32", help="batch sizes to profile")
     parser.add_argument("--draft", default="68m", choices=["68m", "1b"], help="draft shape")
     parser.add_argument("--one-graph", action="store_true", help="one CUDA graph per step, not a chain")
-    parser.add_argument("--chain-growth", type=int, default=model_runner.CHAIN_GROWTH,
-                        help="each graph of a step's chain this many times the calls of the one before")
+    parser.add_argument(
+        "--chain-growth",
+        type=int,
+        default=model_runner.CHAIN_GROWTH,
+        help="each graph of a step's chain this many times the calls of the one before",
+    )
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
     model_runner.SPLIT_LAUNCH = not args.one_graph
@@ -76,13 +87,18 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 fn(0)
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70),
-                  flush=True)
+            print(
+                prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70),
+                flush=True,
+            )
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy = sum(e.device_time for e in kernels) / 1e3
             print(f"B={batch} {name}: {len(kernels)} kernels, {busy:.2f} ms of kernel time", flush=True)
-            gpu_gaps(kernels, f"B={batch} {name}", Path(args.kernel_tables) / f"kernels_{name}_b{batch}.tsv"
-                     if args.kernel_tables else None)
+            gpu_gaps(
+                kernels,
+                f"B={batch} {name}",
+                Path(args.kernel_tables) / f"kernels_{name}_b{batch}.tsv" if args.kernel_tables else None,
+            )
             if args.trace_dir:
                 prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{name}_b{batch}.json"))
         host_phases(pair, batch)
@@ -116,10 +132,15 @@ def gpu_gaps(kernels: list, label: str, table: Path | None) -> None:
     span = (end_so_far - spans[0][0]) / 1e3
     idle = sum(g for g, _, _ in gaps) / 1e3
     bins = [(0, 1), (1, 2), (2, 5), (5, 20), (20, float("inf"))]
-    counted = ", ".join(f"{lo}-{hi} us: {sum(1 for g, _, _ in gaps if lo <= g < hi)} "
-                        f"({sum(g for g, _, _ in gaps if lo <= g < hi) / 1e3:.3f} ms)" for lo, hi in bins)
-    print(f"{label} on the GPU: span {span:.3f} ms, idle between kernels {idle:.3f} ms over {len(gaps)} gaps "
-          f"({counted})", flush=True)
+    counted = ", ".join(
+        f"{lo}-{hi} us: {sum(1 for g, _, _ in gaps if lo <= g < hi)} "
+        f"({sum(g for g, _, _ in gaps if lo <= g < hi) / 1e3:.3f} ms)"
+        for lo, hi in bins
+    )
+    print(
+        f"{label} on the GPU: span {span:.3f} ms, idle between kernels {idle:.3f} ms over {len(gaps)} gaps ({counted})",
+        flush=True,
+    )
     for gap, before, after in sorted(gaps, reverse=True)[:8]:
         print(f"  gap {gap:6.1f} us  {family(before)} -> {family(after)}", flush=True)
     by_next: dict[str, list[float]] = {}
@@ -169,9 +190,12 @@ def host_phases(pair: Pair, batch: int, repeats: int = 20) -> None:
                 print(f"B={batch} {name}: no graph replayed", flush=True)
                 continue
             before, first, rest, after = (sorted(p[i] for p in phases)[len(phases) // 2] * 1e3 for i in range(4))
-            print(f"B={batch} {name} host phases (median ms): {before:.3f} before the first launch, {first:.3f} "
-                  f"launching the first graph, {rest:.3f} launching the other {len(marks) // 2 - 1}, {after:.3f} "
-                  f"from the last launch's return to the step's end", flush=True)
+            print(
+                f"B={batch} {name} host phases (median ms): {before:.3f} before the first launch, {first:.3f} "
+                f"launching the first graph, {rest:.3f} launching the other {len(marks) // 2 - 1}, {after:.3f} "
+                f"from the last launch's return to the step's end",
+                flush=True,
+            )
     finally:
         torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
 
@@ -210,8 +234,11 @@ def host_marks(pair: Pair, batch: int, repeats: int = 20) -> None:
                 for mark, at in first.items():
                     seen.setdefault(mark, []).append(at * 1e6)
             path = sorted((statistics.median(times), mark) for mark, times in seen.items())
-            print(f"B={batch} {step} host path (us from the call, medians): "
-                  + "; ".join(f"{mark} {at:.0f}" for at, mark in path), flush=True)
+            print(
+                f"B={batch} {step} host path (us from the call, medians): "
+                + "; ".join(f"{mark} {at:.0f}" for at, mark in path),
+                flush=True,
+            )
     finally:
         for cls, name, fn in originals:
             setattr(cls, name, fn)
@@ -247,8 +274,11 @@ def host_calls(pair: Pair, batch: int, repeats: int = 50, rows: int = 22) -> Non
             continue
         stats = pstats.Stats(*kept)
         top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:rows]  # type: ignore[attr-defined]
-        print(f"B={batch} {name} host calls (own time per step, us; calls per step; {len(kept)} of {repeats} steps, "
-              "those without a capture):", flush=True)
+        print(
+            f"B={batch} {name} host calls (own time per step, us; calls per step; {len(kept)} of {repeats} steps, "
+            "those without a capture):",
+            flush=True,
+        )
         for (file, line, function), (_, calls, own, _, _) in top:
             where = function if file == "~" else f"{Path(file).name}:{line} {function}"
             print(f"  {own / len(kept) * 1e6:8.1f} {calls / len(kept):5.1f}  {where[:110]}", flush=True)
@@ -259,7 +289,7 @@ def launch_times(pair: Pair, batch: int) -> None:
     launches down): the first launch is what a step pays on the host before the GPU starts, against the chain's GPU
     time. Replays advance the rows of their last inputs: run it on a pair about to be dropped."""
     for role, runner in (("target", pair.verifier.runner), ("draft", pair.proposer.runner)):
-        for key, (graphs, _, _) in (runner.graphs.graphs.items() if runner.graphs else []):
+        for key, (graphs, _, _) in runner.graphs.graphs.items() if runner.graphs else []:
             first, host, total, gpu = [], [], [], []
             begun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(5):
@@ -275,10 +305,13 @@ def launch_times(pair: Pair, batch: int) -> None:
                 torch.cuda.synchronize()
                 total.append(time.perf_counter() - start)
                 gpu.append(begun.elapsed_time(done) / 1e3)
-            print(f"B={batch} {role} graphs {key}: {len(graphs)} in its chain, the first launched in "
-                  f"{sorted(first)[2] * 1e3:.3f} ms on the host, all in {sorted(host)[2] * 1e3:.3f} ms, "
-                  f"{sorted(total)[2] * 1e3:.2f} ms to finish, {sorted(gpu)[2] * 1e3:.3f} ms on the GPU (events, "
-                  "no profiler)", flush=True)
+            print(
+                f"B={batch} {role} graphs {key}: {len(graphs)} in its chain, the first launched in "
+                f"{sorted(first)[2] * 1e3:.3f} ms on the host, all in {sorted(host)[2] * 1e3:.3f} ms, "
+                f"{sorted(total)[2] * 1e3:.2f} ms to finish, {sorted(gpu)[2] * 1e3:.3f} ms on the GPU (events, "
+                "no profiler)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

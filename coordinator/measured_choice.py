@@ -28,10 +28,19 @@ class MeasuredChoice(Generic[Way]):
     preferred way on the ring (two ways: the other one), so that a preference walks along it: after a turn between
     two ways next in the order, the next trial goes on in the same direction, soon (`first_trial_after`)."""
 
-    def __init__(self, fixed: Way | None = None, eager_trials: bool = True, margin: float = 0.0,
-                 rare_above: float = CLEARLY_WORSE, preferred: Way | None = None, first_trial_after: int | None = None,
-                 backoff: int = 1, fresh_trials: bool = False, pooled: bool = False,
-                 ways: Sequence[Way] = (True, False)) -> None:  # type: ignore[assignment]
+    def __init__(
+        self,
+        fixed: Way | None = None,
+        eager_trials: bool = True,
+        margin: float = 0.0,
+        rare_above: float = CLEARLY_WORSE,
+        preferred: Way | None = None,
+        first_trial_after: int | None = None,
+        backoff: int = 1,
+        fresh_trials: bool = False,
+        pooled: bool = False,
+        ways: Sequence[Way] = (True, False),
+    ) -> None:  # type: ignore[assignment]
         """`fixed`: always that way, None: the cheapest one, as measured, starting from `preferred` (default: the
         first way). `eager_trials`: until the way to try next has a full window of samples, try it every
         2 x PROBE_STEPS steps, not every PROBE_EVERY. `margin`: the preferred way changes only for one that costs
@@ -120,8 +129,10 @@ class MeasuredChoice(Generic[Way]):
         often)."""
         if self._toward is not None:
             return self._toward
-        return min(self._neighbours(self.preferred) or [self.preferred],
-                   key=lambda way: (self._ratio(way) >= self.rare_above, self._tried[way]))
+        return min(
+            self._neighbours(self.preferred) or [self.preferred],
+            key=lambda way: (self._ratio(way) >= self.rare_above, self._tried[way]),
+        )
 
     def _ratio(self, way: Way) -> float:
         """How many times what a step run `way` costs a step run the preferred way costs (0 before both have run)."""

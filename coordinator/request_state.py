@@ -129,8 +129,7 @@ class RequestState:
     def _first_stop_string(self) -> int | None:
         # Only text not yet streamed can newly contain a stop string (plus its length - 1 before it).
         positions = [
-            pos for s in self.stop_strings
-            if (pos := self.text.find(s, max(0, self.sent_text_len - len(s) + 1))) >= 0
+            pos for s in self.stop_strings if (pos := self.text.find(s, max(0, self.sent_text_len - len(s) + 1))) >= 0
         ]
         return min(positions) if positions else None
 

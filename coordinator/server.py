@@ -73,6 +73,7 @@ def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_
 def shared_gpus(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> list[str]:
     """The GPUs that target and draft both run on, by UUID (a GPU's index differs between containers); a worker of
     before `gpu_uuids` names its first GPU only."""
+
     def gpus(info: common_pb2.WorkerInfo) -> list[str]:
         return list(info.gpu_uuids) or ([info.gpu_uuid] if info.gpu_uuid else [])
 
@@ -104,22 +105,32 @@ async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequ
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, options: CoordinatorOptions, tracing: Tracing | None = None,
-                 metrics: CoordinatorMetrics | None = None) -> None:
+    def __init__(
+        self, options: CoordinatorOptions, tracing: Tracing | None = None, metrics: CoordinatorMetrics | None = None
+    ) -> None:
         self.options = options
         # Tracing is decided here, once: when it is off, the plain classes run and no span object is ever made.
         self.tracer = tracing.tracer if tracing is not None else None
         self.metrics = metrics
         workers_class = Workers if self.tracer is None else partial(TracedWorkers, tracer=self.tracer)
-        self.workers = workers_class(options.target, options.draft if options.mode != "ar" else None,
-                                     step_streams=options.step_calls == "stream")
+        self.workers = workers_class(
+            options.target, options.draft if options.mode != "ar" else None, step_streams=options.step_calls == "stream"
+        )
         num_batches = 2 if options.mode == "psd" else 1
-        self.manager = BatchManager(options.max_batch_size, options.max_queue_size, num_batches,
-                                    options.max_prefill_tokens)
+        self.manager = BatchManager(
+            options.max_batch_size, options.max_queue_size, num_batches, options.max_prefill_tokens
+        )
         loop_class = StepLoop if self.tracer is None else partial(TracedStepLoop, tracer=self.tracer)
-        self.loop = loop_class(self.workers, self.manager, options.mode, options.num_speculative_tokens,
-                               metrics=metrics, overlap=options.overlap, speculation=options.speculation,
-                               min_k=options.min_speculative_tokens)
+        self.loop = loop_class(
+            self.workers,
+            self.manager,
+            options.mode,
+            options.num_speculative_tokens,
+            metrics=metrics,
+            overlap=options.overlap,
+            speculation=options.speculation,
+            min_k=options.min_speculative_tokens,
+        )
         self.loop.draft_back = self.draft_back
         self.loop.hand_over_draft = self.hand_over_draft
         self.loop.target_back = self.target_back
@@ -130,9 +141,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.target_timeout = options.target_timeout or None
         self.workers.metrics = metrics
         if metrics is not None:
-            metrics.track_state(lambda: self.manager.queue_length, lambda: self.manager.num_running,
-                                lambda: float(self.workers.draft is not None), lambda: len(self.manager.batches),
-                                lambda: float(self.loop.drafting), lambda: float(self.loop.draft_length))
+            metrics.track_state(
+                lambda: self.manager.queue_length,
+                lambda: self.manager.num_running,
+                lambda: float(self.workers.draft is not None),
+                lambda: len(self.manager.batches),
+                lambda: float(self.loop.drafting),
+                lambda: float(self.loop.draft_length),
+            )
         self.tokenizer: object | None = None
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()
@@ -163,11 +179,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
-        self._watches = [asyncio.create_task(self._follow_health(
-            self.workers.target_channel, "target", self._target_stopping, self.loop.lose_target))]
+        self._watches = [
+            asyncio.create_task(
+                self._follow_health(self.workers.target_channel, "target", self._target_stopping, self.loop.lose_target)
+            )
+        ]
         if self.workers.draft_channel is not None:
-            self._watches.append(asyncio.create_task(self._follow_health(
-                self.workers.draft_channel, "draft", self._draft_stopping)))
+            self._watches.append(
+                asyncio.create_task(self._follow_health(self.workers.draft_channel, "draft", self._draft_stopping))
+            )
 
     async def _connect_draft(self, timeout: float | None = None) -> None:
         """Check the pair and set the channel up through both workers' control RPCs."""
@@ -183,20 +203,42 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # it done): run 17d's compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
         # restarted draft, the target's is a no-op.
         draft_s, target_s = await asyncio.gather(
-            prepare_worker(draft.Prepare, [draft_pb2.DraftServicePrepareRequest(
-                num_speculative_tokens=length, max_batch_size=batch, num_batches=batches)
-                for length in self.loop.draft_lengths]),
-            self._prepare_target())
+            prepare_worker(
+                draft.Prepare,
+                [
+                    draft_pb2.DraftServicePrepareRequest(
+                        num_speculative_tokens=length, max_batch_size=batch, num_batches=batches
+                    )
+                    for length in self.loop.draft_lengths
+                ],
+            ),
+            self._prepare_target(),
+        )
         start = time.perf_counter()
-        exported = draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(
-            channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches))
+        exported = draft.SetupChannel(
+            draft_pb2.DraftServiceSetupChannelRequest(
+                channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches
+            )
+        )
         # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
         handshake = (await exported).handshake
-        await self.workers.target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(
-            channel=self.channel, handshake=handshake, num_speculative_tokens=k, max_batch_size=batch,
-            num_batches=batches))
-        log.info("workers prepared in %.1f s (draft %.1f s, target %.1f s, at once); %s channel set up in %.1f s",
-                 max(draft_s, target_s), draft_s, target_s, self.channel, time.perf_counter() - start)
+        await self.workers.target.SetupChannel(
+            target_pb2.TargetServiceSetupChannelRequest(
+                channel=self.channel,
+                handshake=handshake,
+                num_speculative_tokens=k,
+                max_batch_size=batch,
+                num_batches=batches,
+            )
+        )
+        log.info(
+            "workers prepared in %.1f s (draft %.1f s, target %.1f s, at once); %s channel set up in %.1f s",
+            max(draft_s, target_s),
+            draft_s,
+            target_s,
+            self.channel,
+            time.perf_counter() - start,
+        )
 
     def _lay_out_batches(self) -> None:
         """psd with `--overlap auto` on a GPU that target and draft share: one batch of both batches' room, drafted and
@@ -211,19 +253,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if shared:
             self.manager.merge_batches()
             self.loop.mode = "sd"
-            log.info("target and draft share GPU %s: one batch of up to %d sequences, drafted and verified in turn "
-                     "(overlapping two batches does not pay on one GPU; --overlap always keeps them)",
-                     ", ".join(shared), self.manager.max_batch_size)
+            log.info(
+                "target and draft share GPU %s: one batch of up to %d sequences, drafted and verified in turn "
+                "(overlapping two batches does not pay on one GPU; --overlap always keeps them)",
+                ", ".join(shared),
+                self.manager.max_batch_size,
+            )
 
     async def _prepare_target(self) -> float:
         """The target's Prepare (its cache laid out for the batches, their step shapes run before serving); the
         seconds it took. With the draft's in `_connect_draft`, alone when no draft is connected (ar; a target back
         while the draft is lost): without it an ar target captured each CUDA graph at its shape's first use, while
         requests waited."""
-        return await prepare_worker(self.workers.target.Prepare, [target_pb2.TargetServicePrepareRequest(
-            num_speculative_tokens=length, max_batch_size=self.manager.max_batch_size,
-            num_batches=len(self.manager.batches))
-            for length in self.loop.draft_lengths or (0,)])  # each length's verifies (and the target's steps alone)
+        return await prepare_worker(
+            self.workers.target.Prepare,
+            [
+                target_pb2.TargetServicePrepareRequest(
+                    num_speculative_tokens=length,
+                    max_batch_size=self.manager.max_batch_size,
+                    num_batches=len(self.manager.batches),
+                )
+                for length in self.loop.draft_lengths or (0,)
+            ],
+        )  # each length's verifies (and the target's steps alone)
 
     async def draft_back(self) -> bool:
         """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
@@ -291,8 +343,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         the new one back. Without this the coordinator kept it busy with new requests until its drain timeout cut
         every one of them off."""
         if stopping and not self.target_draining and not self.loop.target_lost:
-            log.warning("the target service is shutting down: admitting nothing new until it is back; "
-                        "%d requests to finish on it", self.open_streams)
+            log.warning(
+                "the target service is shutting down: admitting nothing new until it is back; "
+                "%d requests to finish on it",
+                self.open_streams,
+            )
             await self._target_lost(True)
         self.target_draining = stopping
 
@@ -312,9 +367,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         process still answers there); while the coordinator drains too, it drafts on."""
         return self.draft_draining and not self.draining
 
-    async def _follow_health(self, channel: grpc.aio.Channel, service: str,
-                             changed: Callable[[bool], Awaitable[None]], gone: Callable[[str], None] | None = None
-                             ) -> None:
+    async def _follow_health(
+        self,
+        channel: grpc.aio.Channel,
+        service: str,
+        changed: Callable[[bool], Awaitable[None]],
+        gone: Callable[[str], None] | None = None,
+    ) -> None:
         """Watch a worker's health for the coordinator's lifetime: `changed(stopping)` with each status it reports,
         `gone(why)` when its stream ends after it said it was stopping (it has stopped) or breaks while it said it
         was serving (killed, crashed, or its host gone); watch again (the next process on its address) every
@@ -373,30 +432,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             lengths.append(self.draft_info.max_model_len)
         return min(lengths)
 
-    async def GetServerInfo(self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
-                            ) -> generation_pb2.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GetServerInfoResponse:
         return generation_pb2.GetServerInfoResponse(
-            target_model=self.target_info.model, draft_model=self.draft_info.model, mode=self.loop.mode,
-            channel=self.channel, num_speculative_tokens=self.loop.k, max_batch_size=self.manager.max_batch_size,
-            max_queue_size=self.options.max_queue_size, max_model_len=self.max_model_len,
+            target_model=self.target_info.model,
+            draft_model=self.draft_info.model,
+            mode=self.loop.mode,
+            channel=self.channel,
+            num_speculative_tokens=self.loop.k,
+            max_batch_size=self.manager.max_batch_size,
+            max_queue_size=self.options.max_queue_size,
+            max_model_len=self.max_model_len,
             vocab_size=self.target_info.logits_size,
         )
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         if self.draining:
             self._rejected("draining")
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "this coordinator is shutting down: send the request to another replica or retry")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "this coordinator is shutting down: send the request to another replica or retry",
+            )
         if self.loop.target_lost:
             self._rejected("target_lost")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target service is unreachable; the coordinator "
-                                f"tries it again every {self.options.draft_retry_interval:g} s: retry shortly")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the target service is unreachable; the coordinator "
+                f"tries it again every {self.options.draft_retry_interval:g} s: retry shortly",
+            )
         if self.target_draining:
             self._rejected("target_draining")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target service is shutting down; the coordinator "
-                                "finishes the requests it admitted and serves again once a new one is up: retry "
-                                "shortly")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the target service is shutting down; the coordinator "
+                "finishes the requests it admitted and serves again once a new one is up: retry "
+                "shortly",
+            )
         try:
             state = self._new_request(request)
             self.manager.submit(state)
@@ -407,10 +481,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self._rejected("queue_full")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if self.tracer is not None:
-            state.span = start_request_span(self.tracer, context, {
-                "minedraft.seq_id": state.seq_id, "minedraft.prompt_tokens": len(state.prompt_ids),
-                "minedraft.max_tokens": state.config.max_tokens, "minedraft.temperature": state.config.temperature,
-            })
+            state.span = start_request_span(
+                self.tracer,
+                context,
+                {
+                    "minedraft.seq_id": state.seq_id,
+                    "minedraft.prompt_tokens": len(state.prompt_ids),
+                    "minedraft.max_tokens": state.config.max_tokens,
+                    "minedraft.temperature": state.config.temperature,
+                },
+            )
         self.loop.wake()
         usage, error = None, None
         self.open_streams += 1
@@ -418,9 +498,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             while True:
                 item = await state.stream.get()
                 if isinstance(item, BaseException):
-                    code = (item.code() if isinstance(item, grpc.aio.AioRpcError)
-                            else grpc.StatusCode.UNAVAILABLE if isinstance(item, Unavailable)
-                            else grpc.StatusCode.INTERNAL)
+                    code = (
+                        item.code()
+                        if isinstance(item, grpc.aio.AioRpcError)
+                        else grpc.StatusCode.UNAVAILABLE
+                        if isinstance(item, Unavailable)
+                        else grpc.StatusCode.INTERNAL
+                    )
                     error = _detail(item) or "generation failed"
                     await context.abort(code, error)
                     return
@@ -489,16 +573,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         config = SamplingConfig(
-            temperature=float(p.temperature), top_p=float(p.top_p) or 1.0, top_k=int(p.top_k),
-            seed=p.seed if p.HasField("seed") else secrets.randbits(63), max_tokens=max_tokens,
-            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+            temperature=float(p.temperature),
+            top_p=float(p.top_p) or 1.0,
+            top_k=int(p.top_k),
+            seed=p.seed if p.HasField("seed") else secrets.randbits(63),
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
         )
-        return RequestState(next(self._seq_ids), prompt_ids, config, tuple(s for s in p.stop if s), self.tokenizer,
-                            seeded=not config.greedy and p.HasField("seed"))
+        return RequestState(
+            next(self._seq_ids),
+            prompt_ids,
+            config,
+            tuple(s for s in p.stop if s),
+            self.tokenizer,
+            seeded=not config.greedy and p.HasField("seed"),
+        )
 
 
-async def serve(options: CoordinatorOptions, port: int, host: str = "[::]", tracing: Tracing | None = None,
-                metrics: CoordinatorMetrics | None = None) -> tuple[grpc.aio.Server, int, GenerationServicer]:
+async def serve(
+    options: CoordinatorOptions,
+    port: int,
+    host: str = "[::]",
+    tracing: Tracing | None = None,
+    metrics: CoordinatorMetrics | None = None,
+) -> tuple[grpc.aio.Server, int, GenerationServicer]:
     servicer = GenerationServicer(options, tracing, metrics)
     await servicer.start()
     server, bound = await start_server(

@@ -73,10 +73,17 @@ class SpeculationPolicy:
             preferred = self._nearest_measured_preference(size)
             self._announced[size] = preferred  # (that size's turn was logged)
             choice = self._by_size[size] = MeasuredChoice(
-                None if self.mode == "auto" else self.ways[0], eager_trials=False, margin=SWITCH_MARGIN,
-                rare_above=1 - SWITCH_MARGIN, preferred=preferred,
+                None if self.mode == "auto" else self.ways[0],
+                eager_trials=False,
+                margin=SWITCH_MARGIN,
+                rare_above=1 - SWITCH_MARGIN,
+                preferred=preferred,
                 first_trial_after=FIRST_TRIAL_AFTER if size >= EARLY_TRIAL_SIZE else None,
-                backoff=BACKOFF, fresh_trials=True, pooled=True, ways=self.ways)
+                backoff=BACKOFF,
+                fresh_trials=True,
+                pooled=True,
+                ways=self.ways,
+            )
         self.current = choice
         return choice
 

@@ -33,8 +33,11 @@ class Unavailable(Exception):
 
 
 # Target call failures that mean the target is gone or has restarted (its sequences, and its channel, lost)
-TARGET_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                     grpc.StatusCode.FAILED_PRECONDITION)
+TARGET_LOST_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
 
 
 MODES = ("psd", "sd", "ar")
@@ -45,9 +48,17 @@ class StepLoop:
     once on the two workers. With one batch empty, or in sd mode (a single batch), Propose and Verify run one
     after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts)."""
 
-    def __init__(self, workers: Workers, manager: BatchManager, mode: str, k: int,
-                 metrics: CoordinatorMetrics | None = None, overlap: str = "auto", speculation: str = "auto",
-                 min_k: int = 0) -> None:
+    def __init__(
+        self,
+        workers: Workers,
+        manager: BatchManager,
+        mode: str,
+        k: int,
+        metrics: CoordinatorMetrics | None = None,
+        overlap: str = "auto",
+        speculation: str = "auto",
+        min_k: int = 0,
+    ) -> None:
         """`min_k`: the fewest tokens a step drafts under `speculation` auto (0: k, or none)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
@@ -56,8 +67,9 @@ class StepLoop:
         self.metrics = metrics
         self.overlap_policy = OverlapPolicy(overlap)
         # The draft lengths steps may take (each precaptured on the workers), the longest first.
-        self.draft_lengths = (() if self.k == 0 else draft_lengths(self.k, min_k or self.k) if speculation == "auto"
-                              else (self.k,))
+        self.draft_lengths = (
+            () if self.k == 0 else draft_lengths(self.k, min_k or self.k) if speculation == "auto" else (self.k,)
+        )
         self.speculation_policy = SpeculationPolicy(speculation, self.draft_lengths)
         # What a step emits reaches the clients' streams once the next worker calls are sent.
         self.outbox = StreamOutbox()
@@ -173,11 +185,18 @@ class StepLoop:
         before = self.speculation_policy.turned()
         if before is not None:
             now = policy.preferred
-            costs = {way: f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
-                     for way in (now, before)}
-            log.warning("%s at batches near %d: a token for each sequence every %s, against %s %s",
-                        _describe(now, before), sum(len(b.members) for b in self.manager.batches), costs[now],
-                        costs[before], _way(before))
+            costs = {
+                way: f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
+                for way in (now, before)
+            }
+            log.warning(
+                "%s at batches near %d: a token for each sequence every %s, against %s %s",
+                _describe(now, before),
+                sum(len(b.members) for b in self.manager.batches),
+                costs[now],
+                costs[before],
+                _way(before),
+            )
         return k
 
     @property
@@ -191,8 +210,9 @@ class StepLoop:
         return self.speculation_policy.current.preferred if self.drafting else 0
 
     async def _remove_finished(self) -> None:
-        await self._release([r for b in self.manager.batches if not b.awaiting_verify
-                             for r in self.manager.remove_finished(b)])
+        await self._release(
+            [r for b in self.manager.batches if not b.awaiting_verify for r in self.manager.remove_finished(b)]
+        )
 
     async def _admit(self) -> bool:
         """Prefill what the batches have room for; False if the prefill failed (its requests failed with it)."""
@@ -236,8 +256,9 @@ class StepLoop:
             self._verifying[batch.batch_id] = asyncio.ensure_future(self._call_verify(batch))
 
     def _call_verify(self, batch: Batch) -> Awaitable[target_pb2.VerifyResponse]:
-        return self.workers.verify(next(self._step_ids), batch.batch_id, batch.members, batch.drafts,
-                                   batch.drafts_to_verify)
+        return self.workers.verify(
+            next(self._step_ids), batch.batch_id, batch.members, batch.drafts, batch.drafts_to_verify
+        )
 
     async def _verify(self, batch: Batch) -> int:
         """Verify the batch's drafts (a plain decode step if it has none); the tokens the target emitted."""
@@ -319,8 +340,9 @@ class StepLoop:
         if not self.target_lost:
             log.error("target service lost (%s): failing every request until it is back", reason)
             self.target_lost = True
-            self._fail_open("the target service became unreachable or restarted before this request finished: "
-                            "send it again")
+            self._fail_open(
+                "the target service became unreachable or restarted before this request finished: send it again"
+            )
             self._wake.set()  # an idle loop reconnects at once
 
     def _fail_open(self, message: str) -> None:

@@ -18,18 +18,24 @@ class TracedWorkers(Workers):
     """Workers whose calls are CLIENT spans (children of the current step span) that link to every request they
     serve; the trace context travels in the calls' metadata. Used only when tracing is on."""
 
-    def __init__(self, target_address: str, draft_address: str | None, tracer: Any, step_streams: bool = True
-                 ) -> None:
+    def __init__(self, target_address: str, draft_address: str | None, tracer: Any, step_streams: bool = True) -> None:
         super().__init__(target_address, draft_address, [TraceContextInjector()], step_streams)
         self.tracer = tracer
         # Release gets bare sequence ids: it links through the request spans remembered at prefill.
         self._request_spans: dict[int, Any] = {}
 
     def _span(self, name: str, peer: str, requests: Sequence[RequestState], **attributes: Any) -> Any:
-        return batch_span(self.tracer, name, links_to(r.span for r in requests), {
-            "peer.service": peer, "minedraft.batch_size": len(requests),
-            "minedraft.seq_ids": [r.seq_id for r in requests], **attributes,
-        })
+        return batch_span(
+            self.tracer,
+            name,
+            links_to(r.span for r in requests),
+            {
+                "peer.service": peer,
+                "minedraft.batch_size": len(requests),
+                "minedraft.seq_ids": [r.seq_id for r in requests],
+                **attributes,
+            },
+        )
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         self._request_spans.update((r.seq_id, r.span) for r in requests if r.span is not None)
@@ -42,20 +48,41 @@ class TracedWorkers(Workers):
         with self._span("prefill", DRAFT, requests, **{"minedraft.resume": resume}):
             await super().prefill_draft(requests, resume)
 
-    async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
-                      ) -> draft_pb2.ProposeResponse:
-        with self._span("propose", DRAFT, members, **{
-            "minedraft.step_id": step_id, "minedraft.batch_id": batch_id, "minedraft.num_draft_tokens": k,
-        }) as span:
+    async def propose(
+        self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
+    ) -> draft_pb2.ProposeResponse:
+        with self._span(
+            "propose",
+            DRAFT,
+            members,
+            **{
+                "minedraft.step_id": step_id,
+                "minedraft.batch_id": batch_id,
+                "minedraft.num_draft_tokens": k,
+            },
+        ) as span:
             reply = await super().propose(step_id, batch_id, members, k)
             span.set_attributes(message_attributes(reply))
             return reply
 
-    async def verify(self, step_id: int, batch_id: int, members: Sequence[RequestState],
-                     drafts: common_pb2.DraftPayload | None, k: int) -> target_pb2.VerifyResponse:
-        with self._span("verify", TARGET, members, **{
-            "minedraft.step_id": step_id, "minedraft.batch_id": batch_id, "minedraft.num_draft_tokens": k,
-        }) as span:
+    async def verify(
+        self,
+        step_id: int,
+        batch_id: int,
+        members: Sequence[RequestState],
+        drafts: common_pb2.DraftPayload | None,
+        k: int,
+    ) -> target_pb2.VerifyResponse:
+        with self._span(
+            "verify",
+            TARGET,
+            members,
+            **{
+                "minedraft.step_id": step_id,
+                "minedraft.batch_id": batch_id,
+                "minedraft.num_draft_tokens": k,
+            },
+        ) as span:
             reply = await super().verify(step_id, batch_id, members, drafts, k)
             span.set_attributes(message_attributes(reply))
             return reply
@@ -81,7 +108,10 @@ class TracedStepLoop(StepLoop):
         self.tracer = tracer
 
     async def step(self) -> None:
-        attributes = {"minedraft.mode": self.mode, "minedraft.queue_length": self.manager.queue_length,
-                      "minedraft.running": self.manager.num_running}
+        attributes = {
+            "minedraft.mode": self.mode,
+            "minedraft.queue_length": self.manager.queue_length,
+            "minedraft.running": self.manager.num_running,
+        }
         with self.tracer.start_as_current_span("step", attributes=attributes):
             await super().step()

@@ -46,8 +46,13 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
     proposal feeds (a draft service that joins a running request)."""
     c = request.config
     params = generation_pb2.SamplingParams(
-        max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=c.seed,
-        stop_token_ids=list(c.stop_token_ids), ignore_eos=c.ignore_eos,
+        max_tokens=c.max_tokens,
+        temperature=c.temperature,
+        top_p=c.top_p,
+        top_k=c.top_k,
+        seed=c.seed,
+        stop_token_ids=list(c.stop_token_ids),
+        ignore_eos=c.ignore_eos,
     )
     tokens = request.prompt_ids + request.output_ids[:-1] if resume else request.prompt_ids
     return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params)
@@ -56,10 +61,16 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
 class Workers:
     """The target and draft control stubs; the draft is absent in `ar` mode."""
 
-    def __init__(self, target_address: str, draft_address: str | None,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = (), step_streams: bool = True) -> None:
-        self._channels = [grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS,
-                                                    interceptors=list(interceptors))]
+    def __init__(
+        self,
+        target_address: str,
+        draft_address: str | None,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        step_streams: bool = True,
+    ) -> None:
+        self._channels = [
+            grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+        ]
         self.target_channel = self._channels[0]
         self.target = target_pb2_grpc.TargetServiceStub(self.target_channel)
         # `draft` is the stub in use; `draft_stub` stays when the draft service is lost, to reconnect through.
@@ -67,15 +78,20 @@ class Workers:
         self.draft_stub: draft_pb2_grpc.DraftServiceStub | None = None
         self.draft_channel: grpc.aio.Channel | None = None
         if draft_address:
-            self.draft_channel = grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS,
-                                                           interceptors=list(interceptors))
+            self.draft_channel = grpc.aio.insecure_channel(
+                draft_address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
+            )
             self._channels.append(self.draft_channel)
             self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel)
         # Verify and Propose as messages on a stream per worker (`StepStream`), unless unary calls are asked for.
-        self.verify_stream = StepStream(self.target.VerifyStream, target_pb2.VerifyStreamRequest) if step_streams \
+        self.verify_stream = (
+            StepStream(self.target.VerifyStream, target_pb2.VerifyStreamRequest) if step_streams else None
+        )
+        self.propose_stream = (
+            StepStream(self.draft_stub.ProposeStream, draft_pb2.ProposeStreamRequest)
+            if step_streams and self.draft_stub is not None
             else None
-        self.propose_stream = StepStream(self.draft_stub.ProposeStream, draft_pb2.ProposeStreamRequest) \
-            if step_streams and self.draft_stub is not None else None
+        )
         self.draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
         # A draft call that outlives this is a lost draft (a hung process must not stall the target's decoding);
         # a target call that outlives its own is a lost target (`StepLoop._lose_target`). None: no deadline.
@@ -106,8 +122,9 @@ class Workers:
         finally:
             self._target_calls -= 1
 
-    def _step_call(self, stream: StepStream | None, unary: Callable[..., Awaitable[Reply]], request: object,
-                   timeout: float | None) -> Awaitable[Reply]:
+    def _step_call(
+        self, stream: StepStream | None, unary: Callable[..., Awaitable[Reply]], request: object, timeout: float | None
+    ) -> Awaitable[Reply]:
         """A Verify or Propose call, sent now: on the worker's step stream, or unary where there is none (asked
         for, or a worker that has none: it answers the first message UNIMPLEMENTED and gets this call again)."""
         if stream is None or stream.unimplemented:
@@ -136,41 +153,68 @@ class Workers:
         for channel in self._channels:
             await channel.close()
 
-    def _record(self, kind: str, batch_id: int, size: int, start: float, timings: common_pb2.Timings, k: int = 0
-                ) -> None:
+    def _record(
+        self, kind: str, batch_id: int, size: int, start: float, timings: common_pb2.Timings, k: int = 0
+    ) -> None:
         end = time.perf_counter()
         if self.metrics is not None:
             self.metrics.worker_call(kind, size, start, end)
         if self.record_events:
-            self.events.append(StepEvent(kind, batch_id, size, start, end, timings.compute_s, timings.channel_s,
-                                         timings.queue_s, timings.end_unix_s - timings.start_unix_s, k))
+            self.events.append(
+                StepEvent(
+                    kind,
+                    batch_id,
+                    size,
+                    start,
+                    end,
+                    timings.compute_s,
+                    timings.channel_s,
+                    timings.queue_s,
+                    timings.end_unix_s - timings.start_unix_s,
+                    k,
+                )
+            )
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()
         with self._releasing("target") as released, self._on_target():
-            reply = await self._started(self.target.Prefill(target_pb2.TargetServicePrefillRequest(
-                sequences=[sequence_spec(r) for r in requests], release_seq_ids=released),
-                timeout=self.target_timeout))
+            reply = await self._started(
+                self.target.Prefill(
+                    target_pb2.TargetServicePrefillRequest(
+                        sequences=[sequence_spec(r) for r in requests], release_seq_ids=released
+                    ),
+                    timeout=self.target_timeout,
+                )
+            )
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
     async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
         assert self.draft_stub is not None
         with self._releasing("draft") as released:
-            await self._started(self.draft_stub.Prefill(draft_pb2.DraftServicePrefillRequest(
-                sequences=[sequence_spec(r, resume) for r in requests], release_seq_ids=released),
-                timeout=self.draft_timeout))
+            await self._started(
+                self.draft_stub.Prefill(
+                    draft_pb2.DraftServicePrefillRequest(
+                        sequences=[sequence_spec(r, resume) for r in requests], release_seq_ids=released
+                    ),
+                    timeout=self.draft_timeout,
+                )
+            )
         if resume:
             for request in requests:
                 request.draft_from = len(request.output_ids) - 1
 
-    async def propose(self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
-                      ) -> draft_pb2.ProposeResponse:
+    async def propose(
+        self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
+    ) -> draft_pb2.ProposeResponse:
         assert self.draft is not None
         start = time.perf_counter()
         request = draft_pb2.ProposeRequest(
-            step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members],
-            num_accepted=[r.num_accepted for r in members], next_token_ids=[r.last_token for r in members],
+            step_id=step_id,
+            batch_id=batch_id,
+            seq_ids=[r.seq_id for r in members],
+            num_accepted=[r.num_accepted for r in members],
+            next_token_ids=[r.last_token for r in members],
             num_draft_tokens=k,
         )
         missed = [r.missed_by_draft for r in members]
@@ -179,13 +223,20 @@ class Workers:
             request.missed_token_ids.extend(t for m in missed for t in m)
         with self._releasing("draft") as released:
             request.release_seq_ids.extend(released)
-            reply = await self._started(self._step_call(self.propose_stream, self.draft.Propose, request,
-                                                        self.draft_timeout))
+            reply = await self._started(
+                self._step_call(self.propose_stream, self.draft.Propose, request, self.draft_timeout)
+            )
         self._record("propose", batch_id, len(members), start, reply.timings, k)
         return reply
 
-    async def verify(self, step_id: int, batch_id: int, members: Sequence[RequestState],
-                     drafts: common_pb2.DraftPayload | None, k: int) -> target_pb2.VerifyResponse:
+    async def verify(
+        self,
+        step_id: int,
+        batch_id: int,
+        members: Sequence[RequestState],
+        drafts: common_pb2.DraftPayload | None,
+        k: int,
+    ) -> target_pb2.VerifyResponse:
         start = time.perf_counter()
         request = target_pb2.VerifyRequest(
             step_id=step_id, batch_id=batch_id, seq_ids=[r.seq_id for r in members], num_draft_tokens=k
@@ -194,8 +245,9 @@ class Workers:
             request.drafts.CopyFrom(drafts)
         with self._releasing("target") as released, self._on_target():
             request.release_seq_ids.extend(released)
-            reply = await self._started(self._step_call(self.verify_stream, self.target.Verify, request,
-                                                        self.target_timeout))
+            reply = await self._started(
+                self._step_call(self.verify_stream, self.target.Verify, request, self.target_timeout)
+            )
         self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
 
@@ -224,16 +276,22 @@ class Workers:
         async def on_target() -> None:
             if always or self.unreleased["target"]:
                 with self._releasing("target") as released, self._on_target():
-                    await self._started(self.target.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=released),
-                                                            timeout=self.target_timeout))
+                    await self._started(
+                        self.target.Release(
+                            target_pb2.TargetServiceReleaseRequest(seq_ids=released), timeout=self.target_timeout
+                        )
+                    )
 
         async def on_draft() -> grpc.RpcError | None:
             if self.draft is None or not (always or self.unreleased["draft"]):
                 return None
             try:
                 with self._releasing("draft") as released:
-                    await self._started(self.draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=released),
-                                                           timeout=self.draft_timeout))
+                    await self._started(
+                        self.draft.Release(
+                            draft_pb2.DraftServiceReleaseRequest(seq_ids=released), timeout=self.draft_timeout
+                        )
+                    )
             except grpc.RpcError as exc:
                 return exc
             return None

@@ -57,8 +57,13 @@ class Proposer:
             self.committed_host[row], self.last_k_host[row] = len(prompt), 0
 
     def propose(
-        self, seq_ids: Sequence[int], num_accepted: torch.Tensor, next_tokens: torch.Tensor, k: int,
-        batch_id: int | None = None, missed: Sequence[Sequence[int]] = (),
+        self,
+        seq_ids: Sequence[int],
+        num_accepted: torch.Tensor,
+        next_tokens: torch.Tensor,
+        k: int,
+        batch_id: int | None = None,
+        missed: Sequence[Sequence[int]] = (),
     ) -> Proposal:
         """Reconcile every row with the target's last verdict, then draft k tokens for each (`batch_id`: as in
         `Verifier.verify`), all in the proposal's CUDA graph. `num_accepted` and `next_tokens` are host tensors.
@@ -78,8 +83,9 @@ class Proposer:
         all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         choose, kind = self._chooser(all_greedy or self.greedy_drafts, filtered, k)
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
-        outputs = self.runner.decode(rows, [verdicts], k, max(widest, longest + k - 1), self._start, choose, kind,
-                                     arrangement)
+        outputs = self.runner.decode(
+            rows, [verdicts], k, max(widest, longest + k - 1), self._start, choose, kind, arrangement
+        )
         for row, (kept, tail) in zip(host_rows, kept_and_tail):
             self.committed_host[row], self.last_k_host[row] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
@@ -109,8 +115,15 @@ class Proposer:
         ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_start`: a wider target vocabulary)
         lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
         self.runner.truncate(rows, torch.tensor(kept, dtype=torch.long, device=device))
-        self.runner.score(rows, [ids.to(device), torch.tensor([len(t) for t in appended], device=device)],
-                          _no_outputs, "catch-up", needed=max(kept) + width, tokens=width, last_only=True)
+        self.runner.score(
+            rows,
+            [ids.to(device), torch.tensor([len(t) for t in appended], device=device)],
+            _no_outputs,
+            "catch-up",
+            needed=max(kept) + width,
+            tokens=width,
+            last_only=True,
+        )
         self.committed[rows] = torch.tensor(lengths, dtype=torch.long, device=device)
         self.last_k[rows] = 0
         for row, length in zip(host_rows, lengths):
@@ -123,8 +136,15 @@ class Proposer:
         for all_greedy, filtered in kinds:
             choose, kind = self._chooser(all_greedy, filtered, k)
 
-            def proposal(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
-                         choose: Chooser = choose, kind: str = kind) -> object:
+            def proposal(
+                r: torch.Tensor,
+                i: torch.Tensor,
+                v: torch.Tensor,
+                needed: int,
+                view: Arrangement | None,
+                choose: Chooser = choose,
+                kind: str = kind,
+            ) -> object:
                 verdicts = torch.zeros(len(r), 2, dtype=torch.long, device=r.device)
                 return self.runner.decode(r, [verdicts], k, needed, self._start, choose, kind, view)
 

@@ -34,13 +34,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.proposer = Proposer(self.worker.runner, greedy_drafts=greedy_drafts)
 
     @grpc_errors
-    async def GetInfo(self, request: draft_pb2.DraftServiceGetInfoRequest, context: grpc.aio.ServicerContext
-                      ) -> draft_pb2.DraftServiceGetInfoResponse:
+    async def GetInfo(
+        self, request: draft_pb2.DraftServiceGetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.DraftServiceGetInfoResponse:
         return draft_pb2.DraftServiceGetInfoResponse(info=self.worker.info())
 
     @grpc_errors
-    async def SetupChannel(self, request: draft_pb2.DraftServiceSetupChannelRequest,
-                           context: grpc.aio.ServicerContext) -> draft_pb2.DraftServiceSetupChannelResponse:
+    async def SetupChannel(
+        self, request: draft_pb2.DraftServiceSetupChannelRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.DraftServiceSetupChannelResponse:
         # Before the export (a no-op after Prepare): an nccl export waits (120 s at most) for the target, which
         # attaches after this reply.
         await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
@@ -50,8 +52,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftServiceSetupChannelResponse(handshake=handshake)
 
     @grpc_errors
-    async def Prepare(self, request: draft_pb2.DraftServicePrepareRequest, context: grpc.aio.ServicerContext
-                      ) -> draft_pb2.DraftServicePrepareResponse:
+    async def Prepare(
+        self, request: draft_pb2.DraftServicePrepareRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.DraftServicePrepareResponse:
         await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
         return draft_pb2.DraftServicePrepareResponse()
 
@@ -59,8 +62,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         await self.worker.prepare(self.proposer.precapture, k, max_batch_size, num_batches)
 
     @grpc_errors
-    async def Prefill(self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext
-                      ) -> draft_pb2.DraftServicePrefillResponse:
+    async def Prefill(
+        self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.DraftServicePrefillResponse:
         start_unix = time.time()
         await self._release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prompts_and_configs(request.sequences)
@@ -71,12 +75,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftServicePrefillResponse(timings=timings(start_unix, compute_s, queue_s=queue_s))
 
     @grpc_errors
-    async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
-                      ) -> draft_pb2.ProposeResponse:
+    async def Propose(
+        self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.ProposeResponse:
         return await self._propose_call(request)
 
-    async def ProposeStream(self, requests: AsyncIterator[draft_pb2.ProposeStreamRequest],
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.ProposeStreamResponse]:
+    async def ProposeStream(
+        self, requests: AsyncIterator[draft_pb2.ProposeStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.ProposeStreamResponse]:
         async for reply in serve_step_stream(requests, self._propose_call, draft_pb2.ProposeStreamResponse):
             yield reply
 
@@ -107,8 +113,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         ends = list(itertools.accumulate(counts))
         return [flat[end - count : end] for count, end in zip(counts, ends)]
 
-    def _propose(self, request: draft_pb2.ProposeRequest, missed: list[list[int]]
-                 ) -> tuple[common_pb2.DraftPayload, float]:
+    def _propose(
+        self, request: draft_pb2.ProposeRequest, missed: list[list[int]]
+    ) -> tuple[common_pb2.DraftPayload, float]:
         channel = self.worker.require_channel()
         proposal = self.proposer.propose(
             list(request.seq_ids),
@@ -128,17 +135,28 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             await self.worker.run(self.proposer.release, list(seq_ids))
 
     @grpc_errors
-    async def Release(self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.aio.ServicerContext
-                      ) -> draft_pb2.DraftServiceReleaseResponse:
+    async def Release(
+        self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> draft_pb2.DraftServiceReleaseResponse:
         await self.worker.run(self.proposer.release, list(request.seq_ids))
         return draft_pb2.DraftServiceReleaseResponse(free_slots=self.worker.runner.free_slots)
 
 
-async def serve(options: WorkerOptions, port: int, host: str = "[::]", greedy_drafts: bool = False,
-                interceptors: Sequence[grpc.aio.ServerInterceptor] = (), metrics: WorkerMetrics | None = None
-                ) -> tuple[grpc.aio.Server, int, Drain]:
+async def serve(
+    options: WorkerOptions,
+    port: int,
+    host: str = "[::]",
+    greedy_drafts: bool = False,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    metrics: WorkerMetrics | None = None,
+) -> tuple[grpc.aio.Server, int, Drain]:
     servicer = DraftServicer(options, greedy_drafts)
     return await start_worker_server(
-        servicer.worker, lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
-        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name, port, host, interceptors, metrics,
+        servicer.worker,
+        lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
+        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
+        port,
+        host,
+        interceptors,
+        metrics,
     )

@@ -58,10 +58,10 @@ def chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
         if count:
-            _chunk_argmax_kernel[(count, chunks)](rows, best, where, rows.stride(0), vocab, chunks, CHUNK=CHUNK,
-                                                  num_warps=8)
-            _pick_chunk_kernel[(count,)](best, where, out, chunks, CHUNKS=triton.next_power_of_2(chunks),
-                                         num_warps=1)
+            _chunk_argmax_kernel[(count, chunks)](
+                rows, best, where, rows.stride(0), vocab, chunks, CHUNK=CHUNK, num_warps=8
+            )
+            _pick_chunk_kernel[(count,)](best, where, out, chunks, CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
     return out.view(logits.shape[:-1])
 
 

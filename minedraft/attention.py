@@ -42,25 +42,31 @@ def grouped_sdpa_attention(
     """
     groups = int(getattr(module, "num_key_value_groups", 1))
     if (
-        attention_mask is None or attention_mask.shape[1] != 1 or dropout
-        or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+        attention_mask is None
+        or attention_mask.shape[1] != 1
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
-    scale = scaling if scaling is not None else dim ** -0.5
+    scale = scaling if scaling is not None else dim**-0.5
     if uses_kernel(query, key, value, attention_mask, groups * n):
         # The decoder layers pass the step's positions on to here: the kernels read each row's keys up to them. Where
         # the model runner says its mask is causal by these positions alone, they replace the mask (run 21a).
         positions = kwargs.get("position_ids")
-        causal = (kwargs.get(CAUSAL_BY_POSITIONS) is True and positions is not None
-                  and tuple(positions.shape) == (batch, n))
+        causal = (
+            kwargs.get(CAUSAL_BY_POSITIONS) is True and positions is not None and tuple(positions.shape) == (batch, n)
+        )
         mask = None if causal else attention_mask
         return torch.ops.minedraft.short_query_attention(query, key, value, mask, scale, positions), None
     # Query head h reads K/V head h // groups (transformers' repeat_kv order).
     folded = query.reshape(batch, kv_heads, groups * n, dim)
-    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
-        attention_mask.shape[0], 1, groups * n, attention_mask.shape[-1]
+    mask = (
+        attention_mask[:, :, None]
+        .expand(-1, -1, groups, -1, -1)
+        .reshape(attention_mask.shape[0], 1, groups * n, attention_mask.shape[-1])
     )
     if takes_matmuls(batch, kv_heads, groups * n):
         out = short_query_attention(folded, key, value, mask, scale)
@@ -78,12 +84,12 @@ def fused_query_tokens(config: object) -> int:
     return SHORT_QUERY // groups + 1
 
 
-def uses_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, queries: int
-                ) -> bool:
+def uses_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, queries: int) -> bool:
     """Whether a CUDA step of `queries` per K/V head runs `minedraft.decode_attention`'s Triton kernels (on CPU, or
     without Triton, the matmuls or the fused kernel)."""
-    return (query.is_cuda and queries <= SHORT_QUERY and KERNELS is not None
-            and KERNELS.supports(query, key, value, mask))
+    return (
+        query.is_cuda and queries <= SHORT_QUERY and KERNELS is not None and KERNELS.supports(query, key, value, mask)
+    )
 
 
 def load_kernels(module: str) -> ModuleType | None:

@@ -33,13 +33,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from minedraft.cli import DEMO_DIR, MIN_SPECULATIVE_TOKENS_HELP, add_graph_flags
 
     what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
-    what.add_argument("--server", default=None,
-                      help="address of a running server (the default when --modes is not given: localhost:50051)")
-    what.add_argument("--modes", default=None,
-                      help="comma-separated modes among psd,sd,ar (and sd2b: sd with one batch of 2 x "
-                           "--max-batch-size): start a local stack per mode, one after the other, on the same load")
-    what.add_argument("--sd-batch-equal-concurrency", action="store_true",
-                      help="with --modes: also run sd at the same total concurrency as psd (adds sd2b)")
+    what.add_argument(
+        "--server",
+        default=None,
+        help="address of a running server (the default when --modes is not given: localhost:50051)",
+    )
+    what.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated modes among psd,sd,ar (and sd2b: sd with one batch of 2 x "
+        "--max-batch-size): start a local stack per mode, one after the other, on the same load",
+    )
+    what.add_argument(
+        "--sd-batch-equal-concurrency",
+        action="store_true",
+        help="with --modes: also run sd at the same total concurrency as psd (adds sd2b)",
+    )
 
     stack = parser.add_argument_group("local stacks (--modes)")
     stack.add_argument("--target", default=str(DEMO_DIR / "target"), help="target model directory")
@@ -49,33 +58,60 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     stack.add_argument("--num-speculative-tokens", type=int, default=4)
     stack.add_argument("--max-batch-size", type=int, default=8, help="sequences per batch (psd runs two batches)")
-    stack.add_argument("--max-prefill-tokens", type=int, default=None,
-                       help="the coordinator's --max-prefill-tokens (default: its own)")
-    stack.add_argument("--max-model-len", type=int, default=None,
-                       help="cache length per sequence (default: room for the prompt and output lengths)")
+    stack.add_argument(
+        "--max-prefill-tokens", type=int, default=None, help="the coordinator's --max-prefill-tokens (default: its own)"
+    )
+    stack.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="cache length per sequence (default: room for the prompt and output lengths)",
+    )
     add_graph_flags(stack)
     stack.add_argument("--channel", default="auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
-    stack.add_argument("--overlap", default="auto", choices=["auto", "always", "never"],
-                       help="psd: run Verify and Propose concurrently always, never, or when it measures faster")
-    stack.add_argument("--speculation", default="auto", choices=["auto", "always"],
-                       help="psd and sd: draft at every step (always), or let the target decode alone while that "
-                            "measures faster (auto)")
+    stack.add_argument(
+        "--overlap",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="psd: run Verify and Propose concurrently always, never, or when it measures faster",
+    )
+    stack.add_argument(
+        "--speculation",
+        default="auto",
+        choices=["auto", "always"],
+        help="psd and sd: draft at every step (always), or let the target decode alone while that "
+        "measures faster (auto)",
+    )
     stack.add_argument("--min-speculative-tokens", type=int, default=0, help=MIN_SPECULATIVE_TOKENS_HELP)
-    stack.add_argument("--threads", type=int, default=None,
-                       help="OMP_NUM_THREADS for the started services (CPU: 1 keeps three services from "
-                            "oversubscribing a small machine)")
-    stack.add_argument("--synthetic-acceptance", type=float, default=None,
-                       help="BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability "
-                            "(throughput at a realistic acceptance with random-weight models)")
-    stack.add_argument("--step-trace-dir", default=None,
-                       help="write each mode's coordinator step trace (every worker call, JSON lines) to "
-                            "DIR/MODE.jsonl")
+    stack.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for the started services (CPU: 1 keeps three services from "
+        "oversubscribing a small machine)",
+    )
+    stack.add_argument(
+        "--synthetic-acceptance",
+        type=float,
+        default=None,
+        help="BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability "
+        "(throughput at a realistic acceptance with random-weight models)",
+    )
+    stack.add_argument(
+        "--step-trace-dir",
+        default=None,
+        help="write each mode's coordinator step trace (every worker call, JSON lines) to DIR/MODE.jsonl",
+    )
     stack.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
 
     load = parser.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=64)
-    load.add_argument("--concurrency", type=int, default=None,
-                      help="requests in flight at once (default: 2 x --max-batch-size, both psd batches full)")
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at once (default: 2 x --max-batch-size, both psd batches full)",
+    )
     load.add_argument("--prompt-len", type=int, default=64, help="prompt length in tokens (about, without a tokenizer)")
     load.add_argument("--output-len", type=int, default=64, help="tokens generated per request (EOS is ignored)")
     load.add_argument("--temperature", type=float, default=0.0)
@@ -83,9 +119,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--top-k", type=int, default=0)
     load.add_argument("--seed", type=int, default=0, help="seeds the prompt choice and each request's sampling")
     load.add_argument("--num-warmup", type=int, default=2, help="requests sent (and not measured) before the load")
-    load.add_argument("--tokenizer", default=None,
-                      help="tokenizer directory used to cut prompts of --prompt-len tokens (default: the target "
-                           "model directory when it is on this machine)")
+    load.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory used to cut prompts of --prompt-len tokens (default: the target "
+        "model directory when it is on this machine)",
+    )
     load.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
 
     out = parser.add_argument_group("output")
@@ -163,8 +202,12 @@ def _request(prompt: str, index: int, args: argparse.Namespace) -> Any:
     from minedraft.proto import generation_pb2
 
     params = generation_pb2.SamplingParams(
-        max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=(args.seed + index) % 2**64, ignore_eos=True,
+        max_tokens=args.output_len,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=(args.seed + index) % 2**64,
+        ignore_eos=True,
     )
     return generation_pb2.GenerateRequest(prompt=prompt, params=params, request_id=f"bench-{index}")
 
@@ -198,8 +241,9 @@ async def _one(stub: Any, request: Any, timeout: float) -> RequestResult:
     return result
 
 
-async def run_load(address: str, prompts: Sequence[str], args: argparse.Namespace, label: str
-                   ) -> tuple[list[RequestResult], float]:
+async def run_load(
+    address: str, prompts: Sequence[str], args: argparse.Namespace, label: str
+) -> tuple[list[RequestResult], float]:
     """Warm up, then send `prompts` with `args.concurrency` streams in flight; return the results and wall time."""
     from tqdm import tqdm
 
@@ -274,10 +318,14 @@ def summarize(label: str, results: Sequence[RequestResult], wall: float, server:
 
     def pcts(values: list[float], scale: float) -> dict[str, float]:
         return {f"p{q}": round(percentile(values, q) * scale, 3) for q in (50, 90, 99)} | {
-            "mean": round(sum(values) / len(values) * scale, 3) if values else float("nan")}
+            "mean": round(sum(values) / len(values) * scale, 3) if values else float("nan")
+        }
 
     return Summary(
-        label=label, completed=len(ok), failed=len(results) - len(ok), wall_s=round(wall, 3),
+        label=label,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        wall_s=round(wall, 3),
         request_throughput=round(len(ok) / wall, 4) if wall > 0 else 0.0,
         output_throughput=round(out_tokens / wall, 3) if wall > 0 else 0.0,
         total_token_throughput=round((out_tokens + prompt_tokens) / wall, 3) if wall > 0 else 0.0,
@@ -299,8 +347,10 @@ def format_summary(s: Summary) -> str:
     srv = s.server
     head = f"== {s.label} =="
     if srv:
-        head += (f"  mode {srv.get('mode')}, k={srv.get('num_speculative_tokens')}, max batch "
-                 f"{srv.get('max_batch_size')}, channel {srv.get('channel')}")
+        head += (
+            f"  mode {srv.get('mode')}, k={srv.get('num_speculative_tokens')}, max batch "
+            f"{srv.get('max_batch_size')}, channel {srv.get('channel')}"
+        )
     lines = [
         head,
         f"  requests        {s.completed} ok, {s.failed} failed in {s.wall_s:.2f} s",
@@ -335,17 +385,24 @@ def ratios(summaries: dict[str, Summary]) -> dict[str, dict[str, float]]:
 
 
 def format_comparison(summaries: dict[str, Summary], measured: dict[str, dict[str, float]]) -> str:
-    lines = ["", "mode     req/s     out tok/s  TTFT p50 ms  TPOT p50 ms  TPOT p99 ms  accepted len",
-             "-------  --------  ---------  -----------  -----------  -----------  ------------"]
+    lines = [
+        "",
+        "mode     req/s     out tok/s  TTFT p50 ms  TPOT p50 ms  TPOT p99 ms  accepted len",
+        "-------  --------  ---------  -----------  -----------  -----------  ------------",
+    ]
     for name, s in summaries.items():
-        lines.append(f"{name:<7}  {s.request_throughput:8.3f}  {s.output_throughput:9.1f}  "
-                     f"{s.ttft_ms['p50']:11.2f}  {s.tpot_ms['p50']:11.2f}  {s.tpot_ms['p99']:11.2f}  "
-                     f"{s.mean_accepted_length:12.3f}")
+        lines.append(
+            f"{name:<7}  {s.request_throughput:8.3f}  {s.output_throughput:9.1f}  "
+            f"{s.ttft_ms['p50']:11.2f}  {s.tpot_ms['p50']:11.2f}  {s.tpot_ms['p99']:11.2f}  "
+            f"{s.mean_accepted_length:12.3f}"
+        )
     if measured:
         lines.append("")
         for pair, r in measured.items():
-            lines.append(f"{pair:<9} throughput ratio {r['request_throughput']:.3f} (requests/s), "
-                         f"{r['output_throughput']:.3f} (output tokens/s)")
+            lines.append(
+                f"{pair:<9} throughput ratio {r['request_throughput']:.3f} (requests/s), "
+                f"{r['output_throughput']:.3f} (output tokens/s)"
+            )
     return "\n".join(lines)
 
 
@@ -359,7 +416,8 @@ def _server_info(address: str) -> dict[str, Any]:
 
     with grpc.insecure_channel(address) as channel:
         reply = generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
-            generation_pb2.GetServerInfoRequest(), timeout=30)
+            generation_pb2.GetServerInfoRequest(), timeout=30
+        )
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
@@ -372,15 +430,28 @@ class LocalStack:
         max_len = args.max_model_len or _default_max_len(args)
         self.port = 0  # the coordinator's, known once started
         self.args = argparse.Namespace(
-            target=args.target, draft=args.draft, target_device=args.target_device, draft_device=args.draft_device,
-            dtype=args.dtype, max_batch_size=batch, max_model_len=max_len, port=0, host="127.0.0.1",
-            mode=self.mode, num_speculative_tokens=args.num_speculative_tokens,
-            max_queue_size=max(256, args.num_prompts + args.num_warmup), max_prefill_tokens=args.max_prefill_tokens,
+            target=args.target,
+            draft=args.draft,
+            target_device=args.target_device,
+            draft_device=args.draft_device,
+            dtype=args.dtype,
+            max_batch_size=batch,
+            max_model_len=max_len,
+            port=0,
+            host="127.0.0.1",
+            mode=self.mode,
+            num_speculative_tokens=args.num_speculative_tokens,
+            max_queue_size=max(256, args.num_prompts + args.num_warmup),
+            max_prefill_tokens=args.max_prefill_tokens,
             channel=args.channel,
             step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
-            overlap=args.overlap, speculation=args.speculation, min_speculative_tokens=args.min_speculative_tokens,
+            overlap=args.overlap,
+            speculation=args.speculation,
+            min_speculative_tokens=args.min_speculative_tokens,
             synthetic_acceptance=args.synthetic_acceptance,
-            compile=args.compile, eager=args.eager, precapture_graphs=args.precapture_graphs,
+            compile=args.compile,
+            eager=args.eager,
+            precapture_graphs=args.precapture_graphs,
         )
         self.env = dict(os.environ)
         if args.threads:
@@ -396,9 +467,11 @@ class LocalStack:
         from minedraft.cli import start_stack
 
         with open(self.log_path, "w") as log:
+
             def popen(command: list[str]) -> subprocess.Popen:
-                return subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                return subprocess.Popen(
+                    command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
 
             self.port = start_stack(self.args, popen, self.processes)
 
@@ -503,19 +576,26 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
     modes = _parse_modes(args)
     for name, path in (("target", args.target), ("draft", args.draft)):
         if (name == "target" or any(m != "ar" for m in modes)) and not os.path.isdir(path):
-            raise ValueError(f"no {name} model directory at {path}: pass --{name} DIR (the demo pair is made by "
-                             "scripts/train_demo_pair.py)")
+            raise ValueError(
+                f"no {name} model directory at {path}: pass --{name} DIR (the demo pair is made by "
+                "scripts/train_demo_pair.py)"
+            )
     tokenizer = _load_tokenizer(args.tokenizer or args.target)
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="minedraft-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     if args.step_trace_dir:
         Path(args.step_trace_dir).mkdir(parents=True, exist_ok=True)
-    print(f"modes {', '.join(modes)}: {args.num_prompts} prompts of ~{args.prompt_len} tokens, {args.output_len} "
-          f"output tokens, concurrency {args.concurrency}; service logs in {log_dir}", flush=True)
+    print(
+        f"modes {', '.join(modes)}: {args.num_prompts} prompts of ~{args.prompt_len} tokens, {args.output_len} "
+        f"output tokens, concurrency {args.concurrency}; service logs in {log_dir}",
+        flush=True,
+    )
     if args.synthetic_acceptance is not None:
-        print(f"BENCHMARK ONLY: synthetic acceptance {args.synthetic_acceptance}, outputs are not the target's",
-              flush=True)
+        print(
+            f"BENCHMARK ONLY: synthetic acceptance {args.synthetic_acceptance}, outputs are not the target's",
+            flush=True,
+        )
     for mode in modes:
         stack = LocalStack(args, mode, log_dir)
         try:

@@ -41,17 +41,23 @@ def _env_default(flag: str, default: object) -> object:
 
 
 COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs); compiles at start-up (minutes)"
-PRECAPTURE_HELP = ("run every batch and key-length shape when a coordinator connects, so CUDA graphs are captured "
-                   "then and not while requests wait (0.1-0.5 s at each shape's first use); a psd connect takes "
-                   "about a minute longer on an H200 (8B target, 1B draft). auto: on where CUDA graphs are (a bare "
-                   "flag means on)")
+PRECAPTURE_HELP = (
+    "run every batch and key-length shape when a coordinator connects, so CUDA graphs are captured "
+    "then and not while requests wait (0.1-0.5 s at each shape's first use); a psd connect takes "
+    "about a minute longer on an H200 (8B target, 1B draft). auto: on where CUDA graphs are (a bare "
+    "flag means on)"
+)
 PRECAPTURE_CHOICES = ["auto", "on", "off"]
-MAX_PREFILL_TOKENS_HELP = ("prompt tokens one step prefills at most (0: no limit; a longer prompt goes alone): a burst "
-                           "of requests is admitted over several steps, so the first start sooner and running "
-                           "requests wait less")
-MIN_SPECULATIVE_TOKENS_HELP = ("with --speculation auto, steps may also draft fewer tokens, halving from "
-                               "--num-speculative-tokens down to this many (each length's CUDA graphs are captured at "
-                               "start-up), where a shorter draft measures cheaper per token; 0: that many, or none")
+MAX_PREFILL_TOKENS_HELP = (
+    "prompt tokens one step prefills at most (0: no limit; a longer prompt goes alone): a burst "
+    "of requests is admitted over several steps, so the first start sooner and running "
+    "requests wait less"
+)
+MIN_SPECULATIVE_TOKENS_HELP = (
+    "with --speculation auto, steps may also draft fewer tokens, halving from "
+    "--num-speculative-tokens down to this many (each length's CUDA graphs are captured at "
+    "start-up), where a shorter draft measures cheaper per token; 0: that many, or none"
+)
 PORT_FILE_HELP = "once listening, write the port to this file (for a launcher that passes --port 0)"
 Arguments = argparse.ArgumentParser | argparse._ArgumentGroup  # a parser, or one of its add_argument_group()s
 
@@ -61,8 +67,7 @@ def _add(parser: Arguments, flag: str, default: object = None, **kwargs: object)
     choices = kwargs.get("choices")
     if choices is not None and value != default and value not in choices:  # type: ignore[operator]
         # argparse checks the choices of values given on the command line only, not of defaults
-        raise SystemExit(f"{_env_name(flag)}={value!r}: expected one of "
-                         f"{', '.join(map(str, choices))}")  # type: ignore[call-overload]
+        raise SystemExit(f"{_env_name(flag)}={value!r}: expected one of {', '.join(map(str, choices))}")  # type: ignore[call-overload]
     parser.add_argument(flag, default=value, **kwargs)  # type: ignore[arg-type]
 
 
@@ -84,12 +89,21 @@ def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
     _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
     _add(parser, "--port-file", None, help=PORT_FILE_HELP)
     add_graph_flags(parser)
-    _add(parser, "--profile-dir", None,
-         help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)")
+    _add(
+        parser,
+        "--profile-dir",
+        None,
+        help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)",
+    )
     _add(parser, "--profile-after", 100, type=int)
-    _add(parser, "--drain-timeout", 30.0, type=float,
-         help="on SIGTERM, the most seconds it keeps serving (it stops once no call has come for 5 s: its "
-              "coordinator drained); health reports NOT_SERVING meanwhile; SIGINT (Ctrl-C) stops at once")
+    _add(
+        parser,
+        "--drain-timeout",
+        30.0,
+        type=float,
+        help="on SIGTERM, the most seconds it keeps serving (it stops once no call has come for 5 s: its "
+        "coordinator drained); health reports NOT_SERVING meanwhile; SIGINT (Ctrl-C) stops at once",
+    )
 
 
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
@@ -100,28 +114,63 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-prefill-tokens", 8192, type=int, help=MAX_PREFILL_TOKENS_HELP)
     _add(parser, "--channel", "auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
     _add(parser, "--step-trace", None, help="write every worker call as JSON lines here on shutdown")
-    _add(parser, "--overlap", "auto", choices=["auto", "always", "never"],
-         help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto; on a GPU "
-              "that target and draft share, auto runs sd on one batch of twice --max-batch-size instead)")
-    _add(parser, "--speculation", "auto", choices=["auto", "always"],
-         help="psd and sd: draft at every step (always), or let the target decode alone while that measures "
-              "faster per token than drafting (auto: a large batch, or a draft too slow for its acceptance)")
+    _add(
+        parser,
+        "--overlap",
+        "auto",
+        choices=["auto", "always", "never"],
+        help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto; on a GPU "
+        "that target and draft share, auto runs sd on one batch of twice --max-batch-size instead)",
+    )
+    _add(
+        parser,
+        "--speculation",
+        "auto",
+        choices=["auto", "always"],
+        help="psd and sd: draft at every step (always), or let the target decode alone while that measures "
+        "faster per token than drafting (auto: a large batch, or a draft too slow for its acceptance)",
+    )
     _add(parser, "--min-speculative-tokens", 0, type=int, help=MIN_SPECULATIVE_TOKENS_HELP)
-    _add(parser, "--step-calls", "stream", choices=["stream", "unary"],
-         help="how the step's Verify and Propose calls travel: as messages on one open stream per worker "
-              "(stream: ~0.5 ms less a call on an H200 host), or as unary calls (unary; a worker without the "
-              "streams gets unary calls either way)")
-    _add(parser, "--draft-retry-interval", 5.0, type=float,
-         help="seconds between tries to reach a lost draft service again (requests go on with the target alone), "
-              "or a lost target service (requests are refused meanwhile)")
-    _add(parser, "--draft-timeout", 30.0, type=float,
-         help="seconds a draft call may take before the draft service counts as lost (a hung draft)")
-    _add(parser, "--target-timeout", 120.0, type=float,
-         help="seconds a target prefill, verify or release may take before the target service counts as lost (a "
-              "hung target: its requests end with UNAVAILABLE until it answers again); 0: no limit")
-    _add(parser, "--drain-timeout", 30.0, type=float,
-         help="on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new "
-              "requests get UNAVAILABLE; SIGINT (Ctrl-C) stops at once")
+    _add(
+        parser,
+        "--step-calls",
+        "stream",
+        choices=["stream", "unary"],
+        help="how the step's Verify and Propose calls travel: as messages on one open stream per worker "
+        "(stream: ~0.5 ms less a call on an H200 host), or as unary calls (unary; a worker without the "
+        "streams gets unary calls either way)",
+    )
+    _add(
+        parser,
+        "--draft-retry-interval",
+        5.0,
+        type=float,
+        help="seconds between tries to reach a lost draft service again (requests go on with the target alone), "
+        "or a lost target service (requests are refused meanwhile)",
+    )
+    _add(
+        parser,
+        "--draft-timeout",
+        30.0,
+        type=float,
+        help="seconds a draft call may take before the draft service counts as lost (a hung draft)",
+    )
+    _add(
+        parser,
+        "--target-timeout",
+        120.0,
+        type=float,
+        help="seconds a target prefill, verify or release may take before the target service counts as lost (a "
+        "hung target: its requests end with UNAVAILABLE until it answers again); 0: no limit",
+    )
+    _add(
+        parser,
+        "--drain-timeout",
+        30.0,
+        type=float,
+        help="on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new "
+        "requests get UNAVAILABLE; SIGINT (Ctrl-C) stops at once",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,16 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--max-model-len", 2048, type=int)
     add_graph_flags(serve)
     _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
-    _add(serve, "--single-process", False, action="store_true",
-         help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)")
-    _add(serve, "--metrics-port", 0, type=int,
-         help="Prometheus /metrics: coordinator on this port, target on +1, draft on +2 (0: off)")
+    _add(
+        serve,
+        "--single-process",
+        False,
+        action="store_true",
+        help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)",
+    )
+    _add(
+        serve,
+        "--metrics-port",
+        0,
+        type=int,
+        help="Prometheus /metrics: coordinator on this port, target on +1, draft on +2 (0: off)",
+    )
     _coordinator_flags(serve)
 
     target = sub.add_parser("target", help="start the target service")
     _worker_flags(target, DEMO_DIR / "target")
-    _add(target, "--synthetic-acceptance", None, type=float,
-         help="BENCHMARK ONLY, not lossless: accept each draft token with this probability")
+    _add(
+        target,
+        "--synthetic-acceptance",
+        None,
+        type=float,
+        help="BENCHMARK ONLY, not lossless: accept each draft token with this probability",
+    )
     draft = sub.add_parser("draft", help="start the draft service")
     _worker_flags(draft, DEMO_DIR / "draft")
     _add(draft, "--greedy-drafts", False, action="store_true", help="draft greedily even for sampled requests")
@@ -189,9 +253,14 @@ def _run_until_signal(main: object) -> None:
     asyncio.run(main)  # type: ignore[arg-type]
 
 
-async def _serve_forever(server: grpc.aio.Server, name: str, port: int, on_stop: object = None,
-                         port_file: str | None = None,
-                         drain: Callable[[asyncio.Event], Awaitable[None]] | None = None) -> None:
+async def _serve_forever(
+    server: grpc.aio.Server,
+    name: str,
+    port: int,
+    on_stop: object = None,
+    port_file: str | None = None,
+    drain: Callable[[asyncio.Event], Awaitable[None]] | None = None,
+) -> None:
     """Serve until SIGINT or SIGTERM; after a SIGTERM first `drain(cut_short)`, which another signal cuts short."""
     stop, terminated = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -226,9 +295,17 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
         start_metrics_server(args.metrics_port, args.host, metrics.registry)
     interceptors = server_interceptors(tracing, metrics.observe_call if metrics is not None else None)
     options = WorkerOptions(
-        args.model, args.device, args.dtype, args.max_batch_size, args.max_model_len, cuda_graphs=not args.eager,
-        compile_layers=args.compile, profile_dir=args.profile_dir, profile_after=args.profile_after,
-        synthetic_acceptance=getattr(args, "synthetic_acceptance", None), precapture_graphs=args.precapture_graphs,
+        args.model,
+        args.device,
+        args.dtype,
+        args.max_batch_size,
+        args.max_model_len,
+        cuda_graphs=not args.eager,
+        compile_layers=args.compile,
+        profile_dir=args.profile_dir,
+        profile_after=args.profile_after,
+        synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
+        precapture_graphs=args.precapture_graphs,
         drain_timeout=args.drain_timeout,
     )
     try:
@@ -239,8 +316,9 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
         else:
             from draft_service.server import serve as serve_draft
 
-            server, port, drain = await serve_draft(options, args.port, args.host, args.greedy_drafts, interceptors,
-                                                    metrics)
+            server, port, drain = await serve_draft(
+                options, args.port, args.host, args.greedy_drafts, interceptors, metrics
+            )
         await _serve_forever(server, kind, port, port_file=args.port_file, drain=drain)
     finally:
         tracing.shutdown()  # export the spans still queued
@@ -252,13 +330,24 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
     from minedraft.telemetry import setup_tracing
 
     options = CoordinatorOptions(
-        target=args.target, draft=args.draft, mode=args.mode, num_speculative_tokens=args.num_speculative_tokens,
-        max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size,
-        max_prefill_tokens=args.max_prefill_tokens, channel=args.channel, tokenizer=args.tokenizer,
-        step_trace=args.step_trace, overlap=args.overlap, speculation=args.speculation,
-        min_speculative_tokens=args.min_speculative_tokens, step_calls=args.step_calls,
-        draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
-        target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
+        target=args.target,
+        draft=args.draft,
+        mode=args.mode,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_batch_size=args.max_batch_size,
+        max_queue_size=args.max_queue_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        channel=args.channel,
+        tokenizer=args.tokenizer,
+        step_trace=args.step_trace,
+        overlap=args.overlap,
+        speculation=args.speculation,
+        min_speculative_tokens=args.min_speculative_tokens,
+        step_calls=args.step_calls,
+        draft_retry_interval=args.draft_retry_interval,
+        draft_timeout=args.draft_timeout,
+        target_timeout=args.target_timeout,
+        drain_timeout=args.drain_timeout,
     )
     tracing = setup_tracing("minedraft-coordinator")
     metrics = CoordinatorMetrics() if args.metrics_port else None
@@ -289,8 +378,11 @@ def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: f
 
     deadline = time.monotonic() + timeout
     # Short reconnect backoff: a service that takes 20 s to start must be seen within a poll, not a backoff later.
-    options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500),
-               ("grpc.min_reconnect_backoff_ms", 100)]
+    options = [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 100),
+    ]
     with grpc.insecure_channel(address, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
@@ -332,12 +424,14 @@ def _interrupts_deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
-def start_stack(args: argparse.Namespace, popen: Callable[[list[str]], subprocess.Popen],
-                processes: list[subprocess.Popen]) -> int:
+def start_stack(
+    args: argparse.Namespace, popen: Callable[[list[str]], subprocess.Popen], processes: list[subprocess.Popen]
+) -> int:
     """Start the services of `stack_commands(args, ...)`, workers first, each on a port it binds itself (a port
     picked here and handed over could be taken in between); appends them to `processes` as they start and returns
     the coordinator's port once it serves (`args.port`, or the one it picked for 0)."""
     with tempfile.TemporaryDirectory(prefix="minedraft-ports-") as directory:
+
         def launch(command: list[str], name: str) -> Path:
             path = Path(directory) / name
             with _interrupts_deferred():  # a Ctrl-C inside Popen would leave its child running, untracked
@@ -358,23 +452,58 @@ def start_stack(args: argparse.Namespace, popen: Callable[[list[str]], subproces
 def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
     """The three service command lines that `serve` starts (the draft is left out in ar mode)."""
     py = [sys.executable, "-m", "minedraft.cli"]
-    common = ["--dtype", str(args.dtype), "--max-batch-size", str(args.max_batch_size),
-              "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1"]
+    common = [
+        "--dtype",
+        str(args.dtype),
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--host",
+        "127.0.0.1",
+    ]
     common += ["--compile"] if args.compile else []
     common += ["--eager"] if args.eager else []
     common += ["--precapture-graphs", args.precapture_graphs]
-    commands = [py + ["target", "--model", args.target, "--port", str(target_port),
-                      "--device", args.target_device, *common]]
-    coordinator = py + ["coordinator", "--target", f"127.0.0.1:{target_port}", "--port", str(args.port),
-                        "--host", args.host, "--mode", args.mode,
-                        "--num-speculative-tokens", str(args.num_speculative_tokens),
-                        "--max-batch-size", str(args.max_batch_size), "--max-queue-size", str(args.max_queue_size),
-                        "--channel", args.channel, "--tokenizer", args.target, "--overlap", args.overlap,
-                        "--speculation", args.speculation,
-                        "--min-speculative-tokens", str(args.min_speculative_tokens)]
+    commands = [
+        py + ["target", "--model", args.target, "--port", str(target_port), "--device", args.target_device, *common]
+    ]
+    coordinator = py + [
+        "coordinator",
+        "--target",
+        f"127.0.0.1:{target_port}",
+        "--port",
+        str(args.port),
+        "--host",
+        args.host,
+        "--mode",
+        args.mode,
+        "--num-speculative-tokens",
+        str(args.num_speculative_tokens),
+        "--max-batch-size",
+        str(args.max_batch_size),
+        "--max-queue-size",
+        str(args.max_queue_size),
+        "--channel",
+        args.channel,
+        "--tokenizer",
+        args.target,
+        "--overlap",
+        args.overlap,
+        "--speculation",
+        args.speculation,
+        "--min-speculative-tokens",
+        str(args.min_speculative_tokens),
+    ]
     # absent (bench's own arguments): the defaults
-    for flag in ("--max-prefill-tokens", "--step-calls", "--draft-retry-interval", "--draft-timeout",
-                 "--target-timeout", "--drain-timeout"):
+    for flag in (
+        "--max-prefill-tokens",
+        "--step-calls",
+        "--draft-retry-interval",
+        "--draft-timeout",
+        "--target-timeout",
+        "--drain-timeout",
+    ):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             coordinator += [flag, str(value)]
@@ -387,8 +516,9 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
         coordinator += ["--metrics-port", str(metrics_port)]
         commands[0] += ["--metrics-port", str(metrics_port + 1)]
     if args.mode != "ar":
-        commands.append(py + ["draft", "--model", args.draft, "--port", str(draft_port),
-                              "--device", args.draft_device, *common])
+        commands.append(
+            py + ["draft", "--model", args.draft, "--port", str(draft_port), "--device", args.draft_device, *common]
+        )
         if metrics_port:
             commands[-1] += ["--metrics-port", str(metrics_port + 2)]
         coordinator += ["--draft", f"127.0.0.1:{draft_port}"]
@@ -409,8 +539,16 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     graphs = not args.eager
 
     def options(model: str, device: str) -> WorkerOptions:
-        return WorkerOptions(model, device, args.dtype, args.max_batch_size, args.max_model_len, graphs, args.compile,
-                             precapture_graphs=args.precapture_graphs)
+        return WorkerOptions(
+            model,
+            device,
+            args.dtype,
+            args.max_batch_size,
+            args.max_model_len,
+            graphs,
+            args.compile,
+            precapture_graphs=args.precapture_graphs,
+        )
 
     servers = []
     server, target_port, _ = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")
@@ -421,18 +559,30 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         servers.append(server)
         draft_address = f"127.0.0.1:{draft_port}"
     coordinator_options = CoordinatorOptions(
-        target=f"127.0.0.1:{target_port}", draft=draft_address, mode=args.mode,
-        num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
-        max_queue_size=args.max_queue_size, max_prefill_tokens=args.max_prefill_tokens,
+        target=f"127.0.0.1:{target_port}",
+        draft=draft_address,
+        mode=args.mode,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_batch_size=args.max_batch_size,
+        max_queue_size=args.max_queue_size,
+        max_prefill_tokens=args.max_prefill_tokens,
         channel="local" if args.channel == "auto" else args.channel,
-        tokenizer=args.target, step_trace=args.step_trace, overlap=args.overlap, speculation=args.speculation,
-        min_speculative_tokens=args.min_speculative_tokens, step_calls=args.step_calls,
-        draft_retry_interval=args.draft_retry_interval, draft_timeout=args.draft_timeout,
-        target_timeout=args.target_timeout, drain_timeout=args.drain_timeout,
+        tokenizer=args.target,
+        step_trace=args.step_trace,
+        overlap=args.overlap,
+        speculation=args.speculation,
+        min_speculative_tokens=args.min_speculative_tokens,
+        step_calls=args.step_calls,
+        draft_retry_interval=args.draft_retry_interval,
+        draft_timeout=args.draft_timeout,
+        target_timeout=args.target_timeout,
+        drain_timeout=args.drain_timeout,
     )
     server, port, servicer = await serve_coordinator(coordinator_options, args.port, args.host)
-    print(f"minedraft serving {args.mode} on localhost:{port} in one process "
-          f"(target {args.target}, draft {args.draft})", flush=True)
+    print(
+        f"minedraft serving {args.mode} on localhost:{port} in one process (target {args.target}, draft {args.draft})",
+        flush=True,
+    )
     if args.generate:
         request = ["generate", "--server", f"localhost:{port}", "--prompt", args.generate]
         await asyncio.to_thread(generate_main, build_parser().parse_args(request))
@@ -511,8 +661,12 @@ def generate_main(args: argparse.Namespace) -> int:
     from minedraft.proto import generation_pb2, generation_pb2_grpc
 
     params = generation_pb2.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop=args.stop, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     if args.seed is not None:
         params.seed = args.seed
@@ -542,21 +696,28 @@ def generate_main(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         u = usage or generation_pb2.Usage()
-        print(json.dumps({
-            "token_ids": token_ids,
-            "text": text,
-            "finish_reason": generation_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower(),
-            "usage": {
-                "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens, "steps": u.steps,
-                "drafted_steps": u.drafted_steps,
-                "mean_accepted_length": round(u.mean_accepted_length, 4),
-                "acceptance_rate": round(u.acceptance_rate, 4),
-                "accepted_per_position": list(u.accepted_per_position),
-                "time_to_first_token_s": round(u.time_to_first_token_s, 6),
-                "time_per_output_token_s": round(u.time_per_output_token_s, 6),
-            },
-        }))
+        print(
+            json.dumps(
+                {
+                    "token_ids": token_ids,
+                    "text": text,
+                    "finish_reason": generation_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower(),
+                    "usage": {
+                        "prompt_tokens": u.prompt_tokens,
+                        "completion_tokens": u.completion_tokens,
+                        "draft_tokens": u.draft_tokens,
+                        "accepted_tokens": u.accepted_tokens,
+                        "steps": u.steps,
+                        "drafted_steps": u.drafted_steps,
+                        "mean_accepted_length": round(u.mean_accepted_length, 4),
+                        "acceptance_rate": round(u.acceptance_rate, 4),
+                        "accepted_per_position": list(u.accepted_per_position),
+                        "time_to_first_token_s": round(u.time_to_first_token_s, 6),
+                        "time_per_output_token_s": round(u.time_per_output_token_s, 6),
+                    },
+                }
+            )
+        )
     else:
         print()
     return 0

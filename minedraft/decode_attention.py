@@ -44,11 +44,45 @@ def _folded_offset(b, h, r, groups, queries, s_b, s_n, s_h):
 
 @triton.jit
 def _chunk_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, pos_ptr, part_ptr, lse_ptr, out_ptr,
-    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_q, sm_n, sp_b, sp_n, so_b, so_n, so_h,
-    kv_heads, groups, queries, rows, keys, chunk, scale,
-    ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    POSITIONS: tl.constexpr, MASK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    pos_ptr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    sq_b,
+    sq_h,
+    sq_n,
+    sk_b,
+    sk_h,
+    sk_n,
+    sv_b,
+    sv_h,
+    sv_n,
+    sm_b,
+    sm_q,
+    sm_n,
+    sp_b,
+    sp_n,
+    so_b,
+    so_n,
+    so_h,
+    kv_heads,
+    groups,
+    queries,
+    rows,
+    keys,
+    chunk,
+    scale,
+    ROWS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    POSITIONS: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
     folded queries of K/V head h (`_folded_offset`)."""
@@ -59,8 +93,11 @@ def _chunk_kernel(
     r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM)
     live = r < rows
-    q = tl.load(q_ptr + _folded_offset(b, h, r, groups, queries, sq_b, sq_n, sq_h)[:, None] + d[None, :],
-                mask=live[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + _folded_offset(b, h, r, groups, queries, sq_b, sq_n, sq_h)[:, None] + d[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )
     mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
     end = keys
     if POSITIONS:  # causal: no query of the row sees a key past its own position
@@ -92,14 +129,26 @@ def _chunk_kernel(
         tl.store(lse_ptr + (bh * tl.num_programs(1) + c) * ROWS + r, lse)
     else:
         out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)[:, None]
-        tl.store(out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=live[:, None])
+        tl.store(
+            out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None]
+        )
 
 
 @triton.jit
 def _merge_kernel(
-    part_ptr, lse_ptr, out_ptr, so_b, so_n, so_h, kv_heads, groups, queries, chunks,
-    ROWS: tl.constexpr, DIM: tl.constexpr, CHUNKS: tl.constexpr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    so_b,
+    so_n,
+    so_h,
+    kv_heads,
+    groups,
+    queries,
+    chunks,
+    ROWS: tl.constexpr,
+    DIM: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """Program (row x K/V head, folded query): the chunks' outputs weighted by exp(their log-sum-exp)."""
     bh = tl.program_id(0)
@@ -111,8 +160,9 @@ def _merge_kernel(
     lse = tl.load(lse_ptr + (bh * chunks + c) * ROWS + r, mask=c < chunks, other=float("-inf"))
     top = tl.max(lse, 0)
     weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
-    parts = tl.load(part_ptr + ((bh * chunks + c) * ROWS + r)[:, None] * DIM + d[None, :], mask=(c < chunks)[:, None],
-                    other=0.0)
+    parts = tl.load(
+        part_ptr + ((bh * chunks + c) * ROWS + r)[:, None] * DIM + d[None, :], mask=(c < chunks)[:, None], other=0.0
+    )
     merged = tl.sum(parts * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
     out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)
     tl.store(out + d, merged.to(out_ptr.dtype.element_ty))
@@ -122,9 +172,13 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     """Whether the kernels take these shapes: one power-of-two head size of 16 or more for queries, keys and values,
     contiguous along it, and a mask of one row per query."""
     dim = query.shape[-1]
-    return (dim >= 16 and dim & (dim - 1) == 0 and key.shape[-1] == value.shape[-1] == dim
-            and mask.shape[2] == query.shape[2]
-            and query.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1)
+    return (
+        dim >= 16
+        and dim & (dim - 1) == 0
+        and key.shape[-1] == value.shape[-1] == dim
+        and mask.shape[2] == query.shape[2]
+        and query.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
+    )
 
 
 @functools.cache
@@ -156,8 +210,13 @@ def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, de
 
 
 def short_query_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    positions: torch.Tensor | None = None, chunks: int | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    positions: torch.Tensor | None = None,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for `query` `[B, heads, n, D]` over `key`/`value` `[B, kv_heads, L, D]` (any
     strides with a unit last one: the query as the projections leave it, transposed, is read without a copy) and an
@@ -179,8 +238,9 @@ def short_query_attention(
     chunks = math.ceil(keys / chunk)
     padded_rows = max(16, triton.next_power_of_2(rows))
     split = chunks > 1
-    part = torch.empty(batch * kv_heads * chunks * padded_rows * dim if split else 1, dtype=torch.float32,
-                       device=query.device)
+    part = torch.empty(
+        batch * kv_heads * chunks * padded_rows * dim if split else 1, dtype=torch.float32, device=query.device
+    )
     lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and (mask is None or mask.stride(-1) == 1)
@@ -191,26 +251,71 @@ def short_query_attention(
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         _chunk_kernel[(batch * kv_heads, chunks)](
-            query, key, value, lse if mask is None else mask, lse if limits is None else limits, part, lse, out,
-            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), *mask_strides,
-            *((0, 0) if limits is None else limits.stride()), out.stride(0), out.stride(1), out.stride(2),
-            kv_heads, groups, queries, rows, keys, chunk, scale,
-            ROWS=padded_rows, DIM=dim, BLOCK_N=block_keys, SPLIT=split, PRECISION=precision,
-            POSITIONS=limits is not None, MASK=mask is not None,
-            num_warps=NUM_WARPS, num_stages=stages,
+            query,
+            key,
+            value,
+            lse if mask is None else mask,
+            lse if limits is None else limits,
+            part,
+            lse,
+            out,
+            query.stride(0),
+            query.stride(1),
+            query.stride(2),
+            key.stride(0),
+            key.stride(1),
+            key.stride(2),
+            value.stride(0),
+            value.stride(1),
+            value.stride(2),
+            *mask_strides,
+            *((0, 0) if limits is None else limits.stride()),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            kv_heads,
+            groups,
+            queries,
+            rows,
+            keys,
+            chunk,
+            scale,
+            ROWS=padded_rows,
+            DIM=dim,
+            BLOCK_N=block_keys,
+            SPLIT=split,
+            PRECISION=precision,
+            POSITIONS=limits is not None,
+            MASK=mask is not None,
+            num_warps=NUM_WARPS,
+            num_stages=stages,
         )
         if split:
             _merge_kernel[(batch * kv_heads, rows)](
-                part, lse, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, groups, queries, chunks,
-                ROWS=padded_rows, DIM=dim, CHUNKS=triton.next_power_of_2(chunks),
+                part,
+                lse,
+                out,
+                out.stride(0),
+                out.stride(1),
+                out.stride(2),
+                kv_heads,
+                groups,
+                queries,
+                chunks,
+                ROWS=padded_rows,
+                DIM=dim,
+                CHUNKS=triton.next_power_of_2(chunks),
             )
     return out
 
 
 @torch.library.custom_op("minedraft::short_query_attention", mutates_args=())
 def short_query_attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`short_query_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
@@ -218,7 +323,13 @@ def short_query_attention_op(
 
 
 @short_query_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-      positions: torch.Tensor | None = None) -> torch.Tensor:
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)

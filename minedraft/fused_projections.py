@@ -63,8 +63,13 @@ class FusedQKVAttention(torch.nn.Module):
         self.eager_attention = family.eager_attention_forward
 
     def forward(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None, past_key_values: Any = None, cache: Any = None, **kwargs: Any,
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Any = None,
+        cache: Any = None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = cache if cache is not None else past_key_values  # transformers >= 5.24 renamed the argument
         input_shape = hidden_states.shape[:-1]
@@ -72,20 +77,21 @@ class FusedQKVAttention(torch.nn.Module):
         cos, sin = position_embeddings
         if isinstance(cache, SlotKVCache) and cache.stacked:
             # Rotated and written in one kernel, and read here: `read`'s graph break then falls in this frame.
-            query = cache.rotate_and_write(projections, cos, sin, self.splits[0] // self.head_dim,
-                                           self.splits[1] // self.head_dim, self.layer_idx)
+            query = cache.rotate_and_write(
+                projections, cos, sin, self.splits[0] // self.head_dim, self.splits[1] // self.head_dim, self.layer_idx
+            )
             key, value = cache.read(self.layer_idx)
         else:
-            query, key, value = (t.view(*input_shape, -1, self.head_dim).transpose(1, 2)
-                                 for t in projections.split(self.splits, dim=-1))
+            query, key, value = (
+                t.view(*input_shape, -1, self.head_dim).transpose(1, 2) for t in projections.split(self.splits, dim=-1)
+            )
             query, key = self.rotate(query, key, cos, sin)
             if cache is not None:
                 key, value = cache.update(key, value, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get(self.config._attn_implementation, self.eager_attention)
         if self.sliding_window is not None:
             kwargs["sliding_window"] = self.sliding_window
-        output, weights = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                                 **kwargs)
+        output, weights = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -110,10 +116,13 @@ def plain_linears(module: torch.nn.Module) -> bool:
 
 def fuse_projections(model: torch.nn.Module) -> int:
     """Swap the attention and MLP modules of known classes for fused ones, in place (once); returns how many."""
-    found = [(parent, name, type(child).__name__) for parent in model.modules()
-             for name, child in parent.named_children()]
+    found = [
+        (parent, name, type(child).__name__) for parent in model.modules() for name, child in parent.named_children()
+    ]
     fused_class: dict[str, type[torch.nn.Module]] = {
-        **dict.fromkeys(ATTENTION_CLASSES, FusedQKVAttention), **dict.fromkeys(GATED_MLP_CLASSES, FusedGatedMLP)}
+        **dict.fromkeys(ATTENTION_CLASSES, FusedQKVAttention),
+        **dict.fromkeys(GATED_MLP_CLASSES, FusedGatedMLP),
+    }
     swapped = 0
     for parent, name, kind in found:
         fused = fused_class.get(kind)

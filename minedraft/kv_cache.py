@@ -32,8 +32,7 @@ class SlotKVCache(Cache):
     `keys`/`values` are views of them; without it (a model spread over GPUs) each layer's lives on its GPU.
     """
 
-    def __init__(self, num_rows: int, max_len: int, device: torch.device | str, num_layers: int | None = None
-                 ) -> None:
+    def __init__(self, num_rows: int, max_len: int, device: torch.device | str, num_layers: int | None = None) -> None:
         super().__init__(layers=[])
         # Allocated at the first update, from the shapes the model itself produces: no need to know each
         # architecture's head layout.
@@ -95,22 +94,26 @@ class SlotKVCache(Cache):
         assert self._stacks is not None and self._layer_index is not None and self._rows is not None
         keys, values = self._stacks
         if key_states.shape[1] != keys.shape[2] or key_states.shape[3] != keys.shape[4]:
-            raise ValueError(f"layer {layer_idx} has K/V heads of shape {tuple(key_states.shape[1::2])}, layer 0 "
-                             f"{tuple(keys.shape[2::2])}: a stacked cache needs the same in every layer")
+            raise ValueError(
+                f"layer {layer_idx} has K/V heads of shape {tuple(key_states.shape[1::2])}, layer 0 "
+                f"{tuple(keys.shape[2::2])}: a stacked cache needs the same in every layer"
+            )
         # keys[layer, rows[b], :, positions[b, i]] = key_states[b, :, i]
         index = [self._layer_index[layer_idx], self._rows[:, None], None, self._positions]
         torch.ops.aten.index_put_(keys, index, key_states.transpose(1, 2).to(keys.dtype))  # (None: all heads)
         torch.ops.aten.index_put_(values, index, value_states.transpose(1, 2).to(values.dtype))
 
-    def rotate_and_write(self, projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                         kv_heads: int, layer_idx: int) -> torch.Tensor:
+    def rotate_and_write(
+        self, projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, layer_idx: int
+    ) -> torch.Tensor:
         """The rotated queries `[B, heads, n, D]` of a fused Q/K/V projection's output `[B, n, (heads + 2 kv_heads)
         D]`, with its rotated keys and its values written to layer `layer_idx` of a stacked cache (`write`): one
         kernel on CUDA (`minedraft.rotary_write`) where compiled code gave three."""
         assert self._stacks is not None and self._rows is not None and self._positions is not None
         keys, values = self._stacks
-        query = torch.ops.minedraft.rotate_and_write(projections, cos, sin, keys, values, layer_idx, self._rows,
-                                                     self._positions, heads, kv_heads)
+        query = torch.ops.minedraft.rotate_and_write(
+            projections, cos, sin, keys, values, layer_idx, self._rows, self._positions, heads, kv_heads
+        )
         return query.transpose(1, 2)
 
     # Outside compiled layers: the key length and the block's start are Python ints that compiled code would
@@ -190,8 +193,9 @@ class SlotKVCache(Cache):
         """The committed K/V of logical row `row`, per layer, as `[kv_heads, length, head_dim]` (for tests and
         debugging)."""
         length, cache_row = int(self.lengths[row]), int(self.physical[row])
-        return [(k[cache_row, :, :length].clone(), v[cache_row, :, :length].clone())
-                for k, v in zip(self.keys, self.values)]
+        return [
+            (k[cache_row, :, :length].clone(), v[cache_row, :, :length].clone()) for k, v in zip(self.keys, self.values)
+        ]
 
 
 # Loaded here, not in the operator: compiled layers call it, and an import has no business there.
@@ -200,8 +204,16 @@ ROTARY_KERNEL = load_kernels("rotary_write")
 
 @torch.library.custom_op("minedraft::rotate_and_write", mutates_args=("keys", "values"))
 def rotate_and_write(
-    projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    layer: int, rows: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
+    projections: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+    kv_heads: int,
 ) -> torch.Tensor:
     """Rotary embedding and K/V write of a Llama-family layer (Mistral's and Qwen2's rotary are copies of Llama's):
     the rotated queries `[B, n, heads, D]`; keys and values go to `keys[layer, rows[b], :, positions[b, i]]` (and
@@ -210,9 +222,11 @@ def rotate_and_write(
     batch, queries = projections.shape[:2]
     dim = keys.shape[-1]
     if keys.shape[2] != kv_heads or projections.shape[-1] != (heads + 2 * kv_heads) * dim:
-        raise ValueError(f"layer {layer} projects {projections.shape[-1]} features for {heads} query and {kv_heads} "
-                         f"K/V heads, the cache holds {keys.shape[2]} K/V heads of size {dim}: a stacked cache needs "
-                         "the same in every layer")
+        raise ValueError(
+            f"layer {layer} projects {projections.shape[-1]} features for {heads} query and {kv_heads} "
+            f"K/V heads, the cache holds {keys.shape[2]} K/V heads of size {dim}: a stacked cache needs "
+            "the same in every layer"
+        )
     keys, values = keys[layer], values[layer]
     if ROTARY_KERNEL is not None and ROTARY_KERNEL.supports(projections, cos, keys, dim):
         return ROTARY_KERNEL.rotate_and_write(projections, cos, sin, keys, values, rows, positions, heads, kv_heads)
@@ -224,6 +238,16 @@ def rotate_and_write(
 
 
 @rotate_and_write.register_fake
-def _(projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-      layer: int, rows: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+def _(
+    projections: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
     return projections.new_empty(*projections.shape[:2], heads, keys.shape[-1])

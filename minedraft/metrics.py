@@ -52,70 +52,104 @@ class CoordinatorMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
-        self.requests = Counter("minedraft_requests", "Requests ended, by finish reason", ["finish_reason"],
-                                registry=r)
-        self.rejected = Counter("minedraft_requests_rejected", "Requests refused at admission", ["reason"],
-                                registry=r)
+        self.requests = Counter("minedraft_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter("minedraft_requests_rejected", "Requests refused at admission", ["reason"], registry=r)
         self.prompt_tokens = Counter("minedraft_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter("minedraft_generation_tokens", "Tokens generated and streamed",
-                                         registry=r)
+        self.generation_tokens = Counter("minedraft_generation_tokens", "Tokens generated and streamed", registry=r)
         self.draft_tokens = Counter("minedraft_draft_tokens", "Draft tokens proposed and verified", registry=r)
-        self.accepted_tokens = Counter("minedraft_accepted_tokens", "Draft tokens the target accepted",
-                                       registry=r)
+        self.accepted_tokens = Counter("minedraft_accepted_tokens", "Draft tokens the target accepted", registry=r)
         self.accepted_by_position = Counter(
             "minedraft_accepted_tokens_by_position",
             "Draft tokens accepted at each draft position (0 = first); divide by minedraft_verified_sequences",
-            ["position"], registry=r,
+            ["position"],
+            registry=r,
         )
         self.verified_sequences = Counter(
             "minedraft_verified_sequences", "Sequences verified with drafts, summed over steps", registry=r
         )
         self.verify_steps = Counter("minedraft_verify_steps", "Verify calls with drafts", registry=r)
-        self.step_seconds = Histogram("minedraft_step_seconds", "Worker call time seen by the coordinator",
-                                      ["kind"], buckets=SECONDS, registry=r)
-        self.batch_size = Histogram("minedraft_batch_size", "Sequences per worker call", ["kind"],
-                                    buckets=BATCH_SIZES, registry=r)
+        self.step_seconds = Histogram(
+            "minedraft_step_seconds", "Worker call time seen by the coordinator", ["kind"], buckets=SECONDS, registry=r
+        )
+        self.batch_size = Histogram(
+            "minedraft_batch_size", "Sequences per worker call", ["kind"], buckets=BATCH_SIZES, registry=r
+        )
         self.overlapped_step_seconds = Histogram(
-            "minedraft_overlapped_step_seconds", "Time of a PSD step (verify of one batch, propose of the other)",
-            buckets=SECONDS, registry=r,
+            "minedraft_overlapped_step_seconds",
+            "Time of a PSD step (verify of one batch, propose of the other)",
+            buckets=SECONDS,
+            registry=r,
         )
         self.overlap_efficiency = Histogram(
-            "minedraft_overlap_efficiency", "max(T_draft, T_verify) / T_step of each PSD step", buckets=EFFICIENCY,
+            "minedraft_overlap_efficiency",
+            "max(T_draft, T_verify) / T_step of each PSD step",
+            buckets=EFFICIENCY,
             registry=r,
         )
         self.queue_length = Gauge("minedraft_queue_length", "Requests waiting for admission", registry=r)
         self.running = Gauge("minedraft_running_sequences", "Sequences in the batches", registry=r)
-        self.batches = Gauge("minedraft_batches", "Batches the coordinator alternates: 2 in psd, 1 in sd (and in psd "
-                             "on a GPU that target and draft share)", registry=r)
-        self.draft_connected = Gauge("minedraft_draft_connected",
-                                     "1 while a draft service is connected; 0 in ar mode or while a lost draft "
-                                     "service is retried", registry=r)
-        self.drafting = Gauge("minedraft_drafting", "1 while steps draft; 0 while the target decodes alone (ar mode, "
-                              "a lost draft, or drafts measured not to pay: --speculation auto)", registry=r)
-        self.draft_length = Gauge("minedraft_draft_length",
-                                  "Tokens a step drafts at the current batch size (the speculation policy's length: "
-                                  "--min-speculative-tokens); 0 while the target decodes alone", registry=r)
-        self.ttft = Histogram("minedraft_time_to_first_token_seconds", "Time to first token per request",
-                              buckets=LATENCY, registry=r)
-        self.tpot = Histogram("minedraft_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request", buckets=SECONDS, registry=r)
-        self.request_seconds = Histogram("minedraft_request_duration_seconds", "Arrival to end, per request",
-                                         buckets=LATENCY, registry=r)
+        self.batches = Gauge(
+            "minedraft_batches",
+            "Batches the coordinator alternates: 2 in psd, 1 in sd (and in psd on a GPU that target and draft share)",
+            registry=r,
+        )
+        self.draft_connected = Gauge(
+            "minedraft_draft_connected",
+            "1 while a draft service is connected; 0 in ar mode or while a lost draft service is retried",
+            registry=r,
+        )
+        self.drafting = Gauge(
+            "minedraft_drafting",
+            "1 while steps draft; 0 while the target decodes alone (ar mode, "
+            "a lost draft, or drafts measured not to pay: --speculation auto)",
+            registry=r,
+        )
+        self.draft_length = Gauge(
+            "minedraft_draft_length",
+            "Tokens a step drafts at the current batch size (the speculation policy's length: "
+            "--min-speculative-tokens); 0 while the target decodes alone",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "minedraft_time_to_first_token_seconds", "Time to first token per request", buckets=LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "minedraft_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "minedraft_request_duration_seconds", "Arrival to end, per request", buckets=LATENCY, registry=r
+        )
         self.mean_accepted_length = Histogram(
             "minedraft_request_mean_accepted_length",
             "Per request: accepted drafts per drafted verify step, plus one (the tokens such a step emitted)",
-            buckets=ACCEPTED_LENGTH, registry=r,
+            buckets=ACCEPTED_LENGTH,
+            registry=r,
         )
-        self.acceptance_rate = Histogram("minedraft_request_acceptance_rate",
-                                         "Per request: accepted / proposed draft tokens", buckets=RATES, registry=r)
-        self._step_kinds = {kind: (self.step_seconds.labels(kind), self.batch_size.labels(kind))
-                            for kind in ("prefill", "propose", "verify")}
+        self.acceptance_rate = Histogram(
+            "minedraft_request_acceptance_rate",
+            "Per request: accepted / proposed draft tokens",
+            buckets=RATES,
+            registry=r,
+        )
+        self._step_kinds = {
+            kind: (self.step_seconds.labels(kind), self.batch_size.labels(kind))
+            for kind in ("prefill", "propose", "verify")
+        }
         self._positions: list[Any] = []
         self._last_call: dict[str, tuple[float, float]] = {}
 
-    def track_state(self, queue_length: Callable[[], float], running: Callable[[], float],
-                    draft_connected: Callable[[], float], batches: Callable[[], float],
-                    drafting: Callable[[], float], draft_length: Callable[[], float]) -> None:
+    def track_state(
+        self,
+        queue_length: Callable[[], float],
+        running: Callable[[], float],
+        draft_connected: Callable[[], float],
+        batches: Callable[[], float],
+        drafting: Callable[[], float],
+        draft_length: Callable[[], float],
+    ) -> None:
         """Gauges read at scrape time (nothing on the hot path)."""
         self.draft_length.set_function(draft_length)
         self.queue_length.set_function(queue_length)
@@ -191,27 +225,42 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
-        self.rpcs = Counter("minedraft_worker_rpcs", "RPCs handled, by method and status", ["method", "code"],
-                            registry=r)
-        self.rpc_seconds = Histogram("minedraft_worker_rpc_seconds", "Handler time, waiting for the model included",
-                                     ["method"], buckets=SECONDS, registry=r)
-        self.compute_seconds = Histogram("minedraft_worker_compute_seconds", "Model time per call (Timings)",
-                                         ["method"], buckets=SECONDS, registry=r)
-        self.channel_seconds = Histogram("minedraft_worker_channel_seconds",
-                                         "Draft transfer time per call (Timings)", ["method"], buckets=SECONDS,
-                                         registry=r)
-        self.queue_seconds = Histogram("minedraft_worker_queue_seconds",
-                                       "Time a call waited for the compute thread (Timings)", ["method"],
-                                       buckets=SECONDS, registry=r)
-        self.batch_size = Histogram("minedraft_worker_batch_size", "Sequences per call", ["method"],
-                                    buckets=BATCH_SIZES, registry=r)
+        self.rpcs = Counter(
+            "minedraft_worker_rpcs", "RPCs handled, by method and status", ["method", "code"], registry=r
+        )
+        self.rpc_seconds = Histogram(
+            "minedraft_worker_rpc_seconds",
+            "Handler time, waiting for the model included",
+            ["method"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.compute_seconds = Histogram(
+            "minedraft_worker_compute_seconds", "Model time per call (Timings)", ["method"], buckets=SECONDS, registry=r
+        )
+        self.channel_seconds = Histogram(
+            "minedraft_worker_channel_seconds",
+            "Draft transfer time per call (Timings)",
+            ["method"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "minedraft_worker_queue_seconds",
+            "Time a call waited for the compute thread (Timings)",
+            ["method"],
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "minedraft_worker_batch_size", "Sequences per call", ["method"], buckets=BATCH_SIZES, registry=r
+        )
         self.free_slots = Gauge("minedraft_worker_free_slots", "Free KV cache slots", registry=r)
         self.tokens = Counter("minedraft_worker_tokens", "Tokens emitted (target: prefill and verify)", registry=r)
         self.draft_tokens = Counter(
             "minedraft_worker_draft_tokens", "Draft tokens proposed (draft) or verified (target)", registry=r
         )
-        self.accepted_tokens = Counter("minedraft_worker_accepted_tokens", "Draft tokens accepted (target)",
-                                       registry=r)
+        self.accepted_tokens = Counter("minedraft_worker_accepted_tokens", "Draft tokens accepted (target)", registry=r)
 
     def observe_call(self, method: str, request: Any, response: Any, seconds: float, code: grpc.StatusCode) -> None:
         self.rpcs.labels(method, code.name).inc()

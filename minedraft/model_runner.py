@@ -118,16 +118,22 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Module):
             module.compile(dynamic=True)
     model._minedraft_compiled = True  # type: ignore[assignment]
-    log.info("compiling %d decoder layers of %s (each kind of step compiles on first use)", len(layers),
-             type(model).__name__)
+    log.info(
+        "compiling %d decoder layers of %s (each kind of step compiles on first use)", len(layers), type(model).__name__
+    )
 
 
 class ModelRunner:
     """Owns a model and its slot cache: allocates rows, runs forwards that append tokens, rolls rows back."""
 
     def __init__(
-        self, model: PreTrainedModel, num_slots: int, max_len: int, cuda_graphs: bool = True,
-        compile_layers: bool = False, groups: int = 1,
+        self,
+        model: PreTrainedModel,
+        num_slots: int,
+        max_len: int,
+        cuda_graphs: bool = True,
+        compile_layers: bool = False,
+        groups: int = 1,
     ) -> None:
         """`groups`: batches that `arrange` gives a block of `num_slots // groups` cache rows each."""
         fuse_projections(model)
@@ -212,8 +218,9 @@ class ModelRunner:
         """Blocks for `groups` batches from now on, `num_slots // groups` cache rows each (`arrange`). Only while no
         row is held: its K/V sits in a block of the old layout."""
         if len(self._free) != self.num_slots:
-            raise RuntimeError(f"cannot lay out {groups} batches while {self.num_slots - len(self._free)} rows are "
-                               "held")
+            raise RuntimeError(
+                f"cannot lay out {groups} batches while {self.num_slots - len(self._free)} rows are held"
+            )
         self.groups, self.block_size = groups, self.num_slots // groups
         self._arranged.clear()
 
@@ -243,8 +250,7 @@ class ModelRunner:
         step on a compile (`eager_on_recompile`)."""
         start = time.perf_counter()
 
-        def forward(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None
-                    ) -> object:
+        def forward(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None) -> object:
             return self._step(r, i, v, self.step_shape(len(r), needed)[1], True, None if view is None else view.start)
 
         # A first step allocates the cache (eagerly), whose K/V head count says how many rows make attention take
@@ -254,8 +260,11 @@ class ModelRunner:
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
         # Batches read K/V as views (arrange); prefills gather theirs, short ones too. The strides differ, and so
         # does the code.
-        kinds = [(batch, n, view) for batch in (1, 2, many)
-                 for n, view in ((1, True), (2, True), (2, False), (min(SHORT_QUERY + 1, self.max_len), False))]
+        kinds = [
+            (batch, n, view)
+            for batch in (1, 2, many)
+            for n, view in ((1, True), (2, True), (2, False), (min(SHORT_QUERY + 1, self.max_len), False))
+        ]
         for batch, n, view in kinds:
             self._scratch_step(batch, n, n, forward, self._block(0, batch) if view else None)
         self.cache.lengths[self.scratch_row] = 0
@@ -325,7 +334,8 @@ class ModelRunner:
             self._arranged.clear()  # other groups' rows may have moved
             self.cache.move(sources, destinations)
             self.cache.physical[torch.tensor(changed, device=self.device)] = torch.tensor(
-                [self._cache_row[r] for r in changed], device=self.device)
+                [self._cache_row[r] for r in changed], device=self.device
+            )
         offsets = [self._cache_row[r] - start for r in rows]
         if offsets == list(range(len(rows))):
             return block
@@ -358,22 +368,37 @@ class ModelRunner:
         shapes = len(runs) * len(lengths)
         self.cache.lengths[self.scratch_row] = 0
         reserved = torch.cuda.memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else 0.0
-        log.info("ran %d step shapes (n=%d) ahead of serving in %.1f s; %.1f GiB of GPU memory reserved",
-                 shapes, n, time.perf_counter() - start, reserved)
+        log.info(
+            "ran %d step shapes (n=%d) ahead of serving in %.1f s; %.1f GiB of GPU memory reserved",
+            shapes,
+            n,
+            time.perf_counter() - start,
+            reserved,
+        )
         return shapes
 
     def _scratch_step(self, batch: int, n: int, needed: int, step: PrecaptureFn, view: Arrangement | None) -> None:
         """`step` on `batch` copies of the scratch row, each appending `n` tokens to an empty row."""
         rows = torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
         self.cache.lengths[self.scratch_row] = 0
-        step(rows, torch.zeros(batch, n, dtype=torch.long, device=self.device),
-             torch.full((batch,), n, dtype=torch.long, device=self.device), needed, view)
+        step(
+            rows,
+            torch.zeros(batch, n, dtype=torch.long, device=self.device),
+            torch.full((batch,), n, dtype=torch.long, device=self.device),
+            needed,
+            view,
+        )
 
     # -- forward ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
-        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, last_only: bool = False,
-        needed: int | None = None, arrangement: Arrangement | None = None,
+        self,
+        rows: torch.Tensor,
+        input_ids: torch.Tensor,
+        num_valid: torch.Tensor,
+        last_only: bool = False,
+        needed: int | None = None,
+        arrangement: Arrangement | None = None,
     ) -> torch.Tensor:
         """Append `input_ids[b, :num_valid[b]]` to row `rows[b]` and return float32 logits.
 
@@ -385,13 +410,32 @@ class ModelRunner:
         """
         n = input_ids.shape[1]
         needed = self.longest_after(rows, n) if needed is None else needed
-        return self._score(rows, [input_ids, num_valid], _as_given, _logits, "forward", last_only, needed,
-                           _graphable(n, last_only), arrangement, copy_outputs=False)[0]
+        return self._score(
+            rows,
+            [input_ids, num_valid],
+            _as_given,
+            _logits,
+            "forward",
+            last_only,
+            needed,
+            _graphable(n, last_only),
+            arrangement,
+            copy_outputs=False,
+        )[0]
 
     @torch.inference_mode()
     def score(
-        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], finish: Finisher, kind: str, *, needed: int,
-        tokens: int, start: Starter | None = None, last_only: bool = False, arrangement: Arrangement | None = None,
+        self,
+        rows: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        finish: Finisher,
+        kind: str,
+        *,
+        needed: int,
+        tokens: int,
+        start: Starter | None = None,
+        last_only: bool = False,
+        arrangement: Arrangement | None = None,
     ) -> list[torch.Tensor]:
         """A forward and `finish(rows, input_ids, num_valid, lengths before, logits, *extras)` in one CUDA graph, on
         `(input_ids, num_valid, *extras) = start(rows, *inputs)` (default: `inputs` as they are).
@@ -406,30 +450,58 @@ class ModelRunner:
         tokens each row appends. Prefills (`last_only`) run eagerly: a graph per prompt length would be captured
         mid-load. The outputs are the caller's own.
         """
-        return self._score(rows, list(inputs), start or _as_given, finish, kind, last_only, needed,
-                           _graphable(tokens, last_only), arrangement, copy_outputs=True)
+        return self._score(
+            rows,
+            list(inputs),
+            start or _as_given,
+            finish,
+            kind,
+            last_only,
+            needed,
+            _graphable(tokens, last_only),
+            arrangement,
+            copy_outputs=True,
+        )
 
     def longest_after(self, rows: torch.Tensor, n: int) -> int:
         """The longest of `rows` after appending `n` tokens each: a host sync, for callers that do not know it."""
         return int((self.cache.lengths[rows.to(self.device)] + n).max())
 
     def _score(
-        self, rows: torch.Tensor, inputs: list[torch.Tensor], start: Starter, finish: Finisher, kind: str,
-        last_only: bool, needed: int, graphable: bool, arrangement: Arrangement | None, copy_outputs: bool,
+        self,
+        rows: torch.Tensor,
+        inputs: list[torch.Tensor],
+        start: Starter,
+        finish: Finisher,
+        kind: str,
+        last_only: bool,
+        needed: int,
+        graphable: bool,
+        arrangement: Arrangement | None,
+        copy_outputs: bool,
     ) -> list[torch.Tensor]:
-        def step(r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
-                 ) -> list[torch.Tensor]:
+        def step(
+            r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
+        ) -> list[torch.Tensor]:
             i, v, *extras = start(r, *inputs)
             before = self.cache.lengths[r]
             return finish(r, i, v, before, self._step(r, i, v, kv_len, last_only, view_start), *extras)
 
-        return self._run((kind, last_only), step, rows, inputs, [0] * len(inputs), needed, graphable, arrangement,
-                         copy_outputs)
+        return self._run(
+            (kind, last_only), step, rows, inputs, [0] * len(inputs), needed, graphable, arrangement, copy_outputs
+        )
 
     @torch.inference_mode()
     def decode(
-        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], steps: int, needed: int, start: Starter,
-        choose: Chooser, kind: str, arrangement: Arrangement | None = None,
+        self,
+        rows: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        steps: int,
+        needed: int,
+        start: Starter,
+        choose: Chooser,
+        kind: str,
+        arrangement: Arrangement | None = None,
     ) -> list[torch.Tensor]:
         """`steps` decode steps, the first on the tokens `start(rows, *inputs)` gives, each next on the tokens
         `choose` picks from the last logits: the tokens `[B, steps]`, then `choose`'s distributions `[B, steps, V]`
@@ -441,8 +513,9 @@ class ModelRunner:
         are kept per kind). `needed` is the longest row after the last step.
         """
 
-        def loop(r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
-                 ) -> list[torch.Tensor]:
+        def loop(
+            r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
+        ) -> list[torch.Tensor]:
             tokens, probs = [], []
             i, v = start(r, *inputs)[:2]
             for step in range(steps):
@@ -456,8 +529,16 @@ class ModelRunner:
         return self._run((kind, steps), loop, rows, list(inputs), [0] * len(inputs), needed, True, arrangement, True)
 
     def _run(
-        self, tag: tuple[str, object], fn: StepFn, rows: torch.Tensor, inputs: list[torch.Tensor], fills: list[int],
-        needed: int, graphable: bool, arrangement: Arrangement | None, copy_outputs: bool,
+        self,
+        tag: tuple[str, object],
+        fn: StepFn,
+        rows: torch.Tensor,
+        inputs: list[torch.Tensor],
+        fills: list[int],
+        needed: int,
+        graphable: bool,
+        arrangement: Arrangement | None,
+        copy_outputs: bool,
     ) -> list[torch.Tensor]:
         """Check capacity, pick the key-length bucket, take the rows in cache-row order, pad to a batch bucket on
         CUDA (padding rows: the scratch row, with `fills` in `inputs`), then replay or run `fn`; outputs come back
@@ -478,15 +559,23 @@ class ModelRunner:
             inputs = [arrangement.rows, *(t.to(self.device, non_blocking=True)[arrangement.order] for t in inputs)]
         else:
             inputs = [rows, *inputs]
-        outputs = self._replay_or_run(key, fn, inputs, [self.scratch_row, *fills], kv_len, view_start, padded,
-                                      graphable)
+        outputs = self._replay_or_run(
+            key, fn, inputs, [self.scratch_row, *fills], kv_len, view_start, padded, graphable
+        )
         if arrangement is not None and arrangement.inverse is not None:
             return [t[arrangement.inverse] for t in outputs]  # (indexing copies)
         return [t.clone() for t in outputs] if copy_outputs else outputs
 
     def _replay_or_run(
-        self, key: tuple[object, ...], fn: StepFn, inputs: list[torch.Tensor], fills: list[int], kv_len: int,
-        view_start: int | None, padded: int, graphable: bool,
+        self,
+        key: tuple[object, ...],
+        fn: StepFn,
+        inputs: list[torch.Tensor],
+        fills: list[int],
+        kv_len: int,
+        view_start: int | None,
+        padded: int,
+        graphable: bool,
     ) -> list[torch.Tensor]:
         """`inputs`: the rows, then the per-row inputs (on the host or the device)."""
         if self.device.type != "cuda":
@@ -507,14 +596,24 @@ class ModelRunner:
         # Eagerly, with the very shapes a graph would have, so both give identical outputs (prefills unpadded).
         batch = len(inputs[0])
         on_device = [t.to(self.device, non_blocking=True) for t in inputs]
-        padded_inputs = on_device if padded == batch else [  # (prefills are not padded)
-            torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
-            for t, fill in zip(on_device, fills, strict=True)]
+        padded_inputs = (
+            on_device
+            if padded == batch
+            else [  # (prefills are not padded)
+                torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
+                for t, fill in zip(on_device, fills, strict=True)
+            ]
+        )
         self.cache.lengths[self.scratch_row] = 0
         return [t[:batch] for t in fn(padded_inputs[0], padded_inputs[1:], kv_len, view_start)]
 
     def _step(
-        self, rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, kv_len: int, last_only: bool,
+        self,
+        rows: torch.Tensor,
+        input_ids: torch.Tensor,
+        num_valid: torch.Tensor,
+        kv_len: int,
+        last_only: bool,
         view_start: int | None,
     ) -> torch.Tensor:
         """The forward proper, free of host syncs so that a CUDA graph can capture it."""
@@ -547,8 +646,9 @@ class ModelRunner:
             logits = torch.tanh(logits.float() / self._softcap) * self._softcap
         return logits
 
-    def _step_masks(self, starts: torch.Tensor, n: int, kv_len: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _step_masks(
+        self, starts: torch.Tensor, n: int, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(the positions of `n` new tokens after rows of lengths `starts`, the additive causal mask `[B, 1, n,
         kv_len]`, the same within the sliding window if the model has one). Compiled with the layers (`_masks`):
         eagerly it is about ten small kernels a step. Takes only tensors made inside the step: compiled code
@@ -582,8 +682,9 @@ def _as_given(rows: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, 
     return inputs
 
 
-def _logits(rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor,
-            logits: torch.Tensor) -> list[torch.Tensor]:
+def _logits(
+    rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor, logits: torch.Tensor
+) -> list[torch.Tensor]:
     """The finisher of a plain forward: its logits, in float32."""
     return [logits.float()]
 
@@ -610,8 +711,15 @@ class CudaGraphs:
         # A rows buffer's address -> the host rows last copied into it (and its padding filled)
         self.rows_held: dict[int, torch.Tensor] = {}
 
-    def run(self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int,
-            block: int | None = None) -> list[torch.Tensor]:
+    def run(
+        self,
+        key: tuple[object, ...],
+        fn: GraphFn,
+        inputs: list[torch.Tensor],
+        fills: list[int],
+        padded: int,
+        block: int | None = None,
+    ) -> list[torch.Tensor]:
         """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), whose rows past
         theirs up to `padded` hold `fills`; `block`: the batch's block of cache rows (its rows' buffer is its
         own)."""
@@ -629,8 +737,9 @@ class CudaGraphs:
                 graph.replay()
             return [t[:batch] for t in outputs]
 
-    def _copy_inputs(self, static: list[torch.Tensor], inputs: list[torch.Tensor], fills: list[int], padded: int
-                     ) -> None:
+    def _copy_inputs(
+        self, static: list[torch.Tensor], inputs: list[torch.Tensor], fills: list[int], padded: int
+    ) -> None:
         """Into a graph's input buffers: `inputs`, then `fills` in the padding rows up to `padded`."""
         batch = len(inputs[0])
         rows, held = inputs[0], self.rows_held.get(static[0].data_ptr())
@@ -647,8 +756,9 @@ class CudaGraphs:
         elif not unchanged:
             self.rows_held[static[0].data_ptr()] = rows.clone()
 
-    def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int, block: int | None
-                 ) -> Captured:
+    def _capture(
+        self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int, block: int | None
+    ) -> Captured:
         # GRAPH_BLAS's kernels go into the graph (and its workspace is allocated in the warm-up, before the capture).
         # The switch is process-wide: in `serve --single-process` the other worker's prefill meanwhile may get them
         # too (a few % slower or faster).
@@ -659,8 +769,9 @@ class CudaGraphs:
         finally:
             torch.backends.cuda.preferred_blas_library(library)
 
-    def _warm_and_capture(self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int,
-                          block: int | None) -> Captured:
+    def _warm_and_capture(
+        self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int, block: int | None
+    ) -> Captured:
         device = self.runner.device
         static = []
         for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):

@@ -45,7 +45,10 @@ def load_model(path: str, device: str = "cpu", dtype: str | None = "auto") -> Pr
         placement = {"device_map": "auto", "max_memory": {g: int(free[g] * 0.85) for g in gpus}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, devices[0]), attn_implementation="sdpa", local_files_only=True,
+            path,
+            dtype=resolve_dtype(dtype, devices[0]),
+            attn_implementation="sdpa",
+            local_files_only=True,
             **placement,
         )
     except (OSError, ValueError, ImportError) as exc:

@@ -45,7 +45,7 @@ def generate_offline(
         room = max_batch_size - len(active)
         joining = [i for i in waiting[:room] if requests[i].arrival_step <= step]  # waiting is sorted by arrival
         if joining:
-            waiting = waiting[len(joining):]
+            waiting = waiting[len(joining) :]
             prompts = [requests[i].prompt for i in joining]
             configs = [requests[i].config for i in joining]
             first = verifier.prefill(joining, prompts, configs).per_row()

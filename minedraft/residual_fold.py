@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 FOLDED_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
 
 
-def _layer(layer: Any, hidden_states: torch.Tensor, residual: torch.Tensor, **kwargs: Any
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer(
+    layer: Any, hidden_states: torch.Tensor, residual: torch.Tensor, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' Llama decoder layer, its input the sum of `hidden_states` and `residual`, without the last
     residual add: (the MLP's output, the residual to add it to)."""
     hidden_states = residual + hidden_states  # the previous layer's last add
@@ -53,16 +54,22 @@ def fold_residuals(base_model: torch.nn.Module, layers: list[torch.nn.Module]) -
     `FOLDED_LAYERS` or the model is spread over devices."""
     norm = getattr(base_model, "norm", None)
     devices = {p.device for p in base_model.parameters()}
-    if not layers or not isinstance(norm, torch.nn.Module) or len(devices) > 1 or any(
-            type(layer).__name__ not in FOLDED_LAYERS for layer in layers):
+    if (
+        not layers
+        or not isinstance(norm, torch.nn.Module)
+        or len(devices) > 1
+        or any(type(layer).__name__ not in FOLDED_LAYERS for layer in layers)
+    ):
         return False
     # One compiled function for every layer, as a compiled layer's forward was: the layer is an argument.
     layer_step = torch.compile(_layer, dynamic=True)
     norm_step = torch.compile(_norm, dynamic=True)
     carry = _Carry()
     for index, layer in enumerate(layers):
-        def forward(hidden_states: torch.Tensor, layer: Any = layer, first: bool = index == 0, **kwargs: Any
-                    ) -> torch.Tensor:
+
+        def forward(
+            hidden_states: torch.Tensor, layer: Any = layer, first: bool = index == 0, **kwargs: Any
+        ) -> torch.Tensor:
             # The first layer adds zeros (exact): one compiled variant serves every layer.
             residual = torch.zeros_like(hidden_states) if first or carry.residual is None else carry.residual
             out, carry.residual = layer_step(layer, hidden_states, residual, **kwargs)

@@ -19,9 +19,33 @@ import triton.language as tl
 
 @triton.jit
 def _rotary_write_kernel(
-    x_ptr, cos_ptr, sin_ptr, query_ptr, keys_ptr, values_ptr, rows_ptr, pos_ptr,
-    sx_b, sx_n, sc_b, sc_n, ss_b, ss_n, sq_b, sq_n, sk_row, sk_head, sk_pos, sr, sp_b, sp_n,
-    queries, heads, kv_heads, DIM: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    query_ptr,
+    keys_ptr,
+    values_ptr,
+    rows_ptr,
+    pos_ptr,
+    sx_b,
+    sx_n,
+    sc_b,
+    sc_n,
+    ss_b,
+    ss_n,
+    sq_b,
+    sq_n,
+    sk_row,
+    sk_head,
+    sk_pos,
+    sr,
+    sp_b,
+    sp_n,
+    queries,
+    heads,
+    kv_heads,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program (token b * queries + i, head): head < heads a query head, then the K heads, then the V heads."""
     token = tl.program_id(0)
@@ -52,13 +76,25 @@ def _rotary_write_kernel(
 def supports(projections: torch.Tensor, cos: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
     """Whether the kernel takes these: a CUDA step, an even head size rotated whole, unit last strides, the cache in
     the projections' type."""
-    return (projections.is_cuda and head_dim % 2 == 0 and cos.shape[-1] == head_dim
-            and projections.stride(-1) == cos.stride(-1) == 1 and keys.dtype == projections.dtype)
+    return (
+        projections.is_cuda
+        and head_dim % 2 == 0
+        and cos.shape[-1] == head_dim
+        and projections.stride(-1) == cos.stride(-1) == 1
+        and keys.dtype == projections.dtype
+    )
 
 
 def rotate_and_write(
-    projections: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    rows: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
+    projections: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+    kv_heads: int,
 ) -> torch.Tensor:
     """The rotated queries `[B, n, heads, D]` of `projections` `[B, n, (heads + 2 kv_heads) D]`; writes the rotated
     keys and the values to `keys`/`values` `[rows, kv_heads, length, D]` (one layer's) at `rows[b]`, positions
@@ -71,11 +107,35 @@ def rotate_and_write(
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(projections.device) if projections.is_cuda else contextlib.nullcontext():
         _rotary_write_kernel[(batch * queries, heads + 2 * kv_heads)](
-            projections, cos, sin, query, keys, values, rows, positions,
-            projections.stride(0), projections.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-            query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), rows.stride(0),
-            positions.stride(0), positions.stride(1), queries, heads, kv_heads,
+            projections,
+            cos,
+            sin,
+            query,
+            keys,
+            values,
+            rows,
+            positions,
+            projections.stride(0),
+            projections.stride(1),
+            cos.stride(0),
+            cos.stride(1),
+            sin.stride(0),
+            sin.stride(1),
+            query.stride(0),
+            query.stride(1),
+            keys.stride(0),
+            keys.stride(1),
+            keys.stride(2),
+            rows.stride(0),
+            positions.stride(0),
+            positions.stride(1),
+            queries,
+            heads,
+            kv_heads,
             # No fused multiply-add: eager rounds the product before the sum.
-            DIM=dim, BLOCK=triton.next_power_of_2(dim), num_warps=1, enable_fp_fusion=False,
+            DIM=dim,
+            BLOCK=triton.next_power_of_2(dim),
+            num_warps=1,
+            enable_fp_fusion=False,
         )
     return query

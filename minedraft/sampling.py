@@ -82,7 +82,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def processed_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, filtered: bool,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    filtered: bool,
 ) -> torch.Tensor:
     """Softmax of `logits` [B, n, V] after per-row temperature, then top-k, then top-p (Hugging Face's order).
 

@@ -82,7 +82,8 @@ class SequenceTable:
         self.top_k[index] = column([c.top_k for c in configs], torch.long)
         # Seeds are uint64 on the wire; fold them into int64's range bit for bit.
         self.seed_key[index] = seed_key(
-            column([c.seed - (1 << 64) if c.seed >= 1 << 63 else c.seed for c in configs], torch.long))
+            column([c.seed - (1 << 64) if c.seed >= 1 << 63 else c.seed for c in configs], torch.long)
+        )
         self.max_tokens[index] = column([c.max_tokens for c in configs], torch.long)
         self.generated[index] = 0
         self.ignore_eos[index] = column([c.ignore_eos for c in configs], torch.bool)
@@ -91,8 +92,12 @@ class SequenceTable:
         return index
 
     def prefill(
-        self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig],
-        finish: Finisher, kind: str,
+        self,
+        seq_ids: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        configs: Sequence[SamplingConfig],
+        finish: Finisher,
+        kind: str,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Take rows for new sequences and cache their prompts, in a padded forward per group of similar lengths
         (`prefill_groups`), whose logits after each prompt's last token go to `finish` (`ModelRunner.score`).
@@ -113,8 +118,17 @@ class SequenceTable:
                 for row, i in enumerate(group):
                     ids[row, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
                 index = torch.tensor(group, device=device)
-                parts.append(self.runner.score(rows[index], [ids.to(device), lengths[index]], finish, kind,
-                                               needed=longest, tokens=longest, last_only=True))
+                parts.append(
+                    self.runner.score(
+                        rows[index],
+                        [ids.to(device), lengths[index]],
+                        finish,
+                        kind,
+                        needed=longest,
+                        tokens=longest,
+                        last_only=True,
+                    )
+                )
             outputs = parts[0]
             if len(groups) > 1:  # back in the prompts' order
                 back = torch.tensor([i for group in groups for i in group], device=device).argsort()
@@ -132,8 +146,9 @@ class SequenceTable:
             raise ValueError("a step lists a sequence id more than once")
         return [self.rows_by_id[s] for s in seq_ids]
 
-    def arranged_rows(self, seq_ids: Sequence[int], batch_id: int | None
-                      ) -> tuple[list[int], torch.Tensor, Arrangement | None]:
+    def arranged_rows(
+        self, seq_ids: Sequence[int], batch_id: int | None
+    ) -> tuple[list[int], torch.Tensor, Arrangement | None]:
         """The rows of a batch's step (a list, and a host tensor that a step copies straight into its graph's
         inputs), and with `batch_id` their K/V moved into that batch's block of cache rows (`ModelRunner.arrange`)."""
         ids = tuple(seq_ids)
@@ -154,8 +169,9 @@ class SequenceTable:
         self.runner.release(rows)
         return rows
 
-    def sampling_kind(self, seq_ids: Sequence[int], vocab: int, configs: Sequence[SamplingConfig] | None = None
-                      ) -> tuple[bool, bool]:
+    def sampling_kind(
+        self, seq_ids: Sequence[int], vocab: int, configs: Sequence[SamplingConfig] | None = None
+    ) -> tuple[bool, bool]:
         """(every sequence greedy, some sequence restricted by top-k or top-p), known on the host; `configs`: of
         sequences not held yet."""
         if configs is None:
@@ -165,8 +181,7 @@ class SequenceTable:
                     self._kinds.clear()
                 self._kinds[ids] = self.sampling_kind(ids, vocab, [self.configs_by_id[s] for s in ids])
             return self._kinds[ids]
-        return (all(c.greedy for c in configs),
-                any(0 < c.top_k < vocab or c.top_p < 1 for c in configs))
+        return (all(c.greedy for c in configs), any(0 < c.top_k < vocab or c.top_p < 1 for c in configs))
 
     def _forget_batches(self) -> None:
         self._rows_of_batch.clear()

@@ -115,8 +115,10 @@ async def start_server(
 
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
     # A worker that restarts is dialled again within a second or two, not after gRPC's default backoff (up to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]

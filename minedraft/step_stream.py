@@ -53,8 +53,11 @@ def _call_field(descriptor: Any) -> str:  # once per message type: the workers' 
     return next(f.name for f in descriptor.fields if f.name not in ("trace_context", "status"))
 
 
-async def serve_step_stream(envelopes: AsyncIterator[Any], handle: Callable[[Any], Awaitable[Any]], reply_type: type,
-                            ) -> AsyncIterator[Any]:
+async def serve_step_stream(
+    envelopes: AsyncIterator[Any],
+    handle: Callable[[Any], Awaitable[Any]],
+    reply_type: type,
+) -> AsyncIterator[Any]:
     """The worker's side: each request handled by `handle` as soon as it arrives, as a unary call would be, and
     answered in turn as a `reply_type` (the reply, or the status the unary call would have ended with)."""
     name = call_field(reply_type())
@@ -98,8 +101,9 @@ class StepStream:
     """The coordinator's side for one method of one worker: `call` writes a request on the open stream (opening one
     first if there is none) and returns its reply, or raises the `grpc.aio.AioRpcError` a unary call would have."""
 
-    def __init__(self, open_stream: Callable[[AsyncIterator[Any]], grpc.aio.StreamStreamCall],
-                 request_type: type) -> None:
+    def __init__(
+        self, open_stream: Callable[[AsyncIterator[Any]], grpc.aio.StreamStreamCall], request_type: type
+    ) -> None:
         self._open, self._request_type = open_stream, request_type
         self._field = call_field(request_type())
         self._stream: _OpenStream | None = None
@@ -108,8 +112,9 @@ class StepStream:
         self.unimplemented = False
         self.opened = 0  # streams opened: one, unless a stream failed (a worker lost, a deadline passed)
 
-    def call(self, request: Any, timeout: float | None, trace_context: Mapping[str, str] | None = None
-             ) -> Awaitable[Any]:
+    def call(
+        self, request: Any, timeout: float | None, trace_context: Mapping[str, str] | None = None
+    ) -> Awaitable[Any]:
         """Sends `request` now (before the caller awaits, as a unary stub call does) and returns its reply's
         awaitable; `timeout` as a unary call's deadline, but a call that misses it fails the whole stream (a worker
         that holds one call that long holds those behind it too)."""

@@ -118,8 +118,9 @@ class TraceContextInjector(grpc.aio.UnaryUnaryClientInterceptor):
     The interceptor runs in a task created when the stub is called, so it sees the caller's current span.
     """
 
-    async def intercept_unary_unary(self, continuation: Callable[..., Awaitable[Any]],
-                                    client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Awaitable[Any]], client_call_details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         extra = inject_metadata()
         if extra:
             metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()), *extra)
@@ -166,8 +167,9 @@ class ServerObserver(grpc.aio.ServerInterceptor):
         self.tracer, self.on_call = tracer, on_call
         self._handlers: dict[str, Any] = {}  # full method name -> the observed handler, made once
 
-    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
-                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[..., Awaitable[Any]], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
         full_method: str = handler_call_details.method  # "/package.Service/Method"
         observed = self._handlers.get(full_method)
         if observed is None:
@@ -187,9 +189,17 @@ class ServerObserver(grpc.aio.ServerInterceptor):
         if self.tracer is None:
             return None
         service, _, method = full_method[1:].rpartition("/")
-        return self.tracer.start_span(full_method[1:], context=propagate.extract(dict(carrier)), kind=SpanKind.SERVER,
-                                      attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
-                                                  **message_attributes(request)})
+        return self.tracer.start_span(
+            full_method[1:],
+            context=propagate.extract(dict(carrier)),
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": service,
+                "rpc.method": method,
+                **message_attributes(request),
+            },
+        )
 
     def _observe(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = handler.unary_unary
@@ -213,7 +223,8 @@ class ServerObserver(grpc.aio.ServerInterceptor):
                     self.on_call(method, request, response, seconds, code)
 
         return grpc.unary_unary_rpc_method_handler(
-            observed, request_deserializer=handler.request_deserializer,
+            observed,
+            request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
 
@@ -231,8 +242,9 @@ class ServerObserver(grpc.aio.ServerInterceptor):
             async def requests() -> AsyncIterator[Any]:
                 async for envelope in envelopes:
                     request = getattr(envelope, call_field(envelope))
-                    started.append((time.perf_counter(), request,
-                                    self._start_span(call_method, envelope.trace_context, request)))
+                    started.append(
+                        (time.perf_counter(), request, self._start_span(call_method, envelope.trace_context, request))
+                    )
                     yield envelope
 
             try:
@@ -251,7 +263,8 @@ class ServerObserver(grpc.aio.ServerInterceptor):
                         _end_rpc_span(span, grpc.StatusCode.CANCELLED, None)
 
         return grpc.stream_stream_rpc_method_handler(
-            observed, request_deserializer=handler.request_deserializer,
+            observed,
+            request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
 
@@ -265,8 +278,9 @@ def _end_rpc_span(span: Span, code: grpc.StatusCode, response: Any) -> None:
     span.end()
 
 
-def server_interceptors(tracing: Tracing | None, on_call: CallObserver | None = None
-                        ) -> list[grpc.aio.ServerInterceptor]:
+def server_interceptors(
+    tracing: Tracing | None, on_call: CallObserver | None = None
+) -> list[grpc.aio.ServerInterceptor]:
     """What a worker's gRPC server installs: nothing when tracing and metrics are both off."""
     tracer = tracing.tracer if tracing is not None else None
     return [ServerObserver(tracer, on_call)] if tracer is not None or on_call is not None else []
@@ -278,19 +292,35 @@ def start_request_span(tracer: Tracer, context: grpc.aio.ServicerContext, attrib
     It is not made current (it outlives many awaits); the worker calls of each step link to it instead.
     """
     parent = propagate.extract(_carrier(context.invocation_metadata()))
-    return tracer.start_span(GENERATE_SPAN, context=parent, kind=SpanKind.SERVER, attributes={
-        "rpc.system": "grpc", "rpc.service": "minedraft.v1.GenerationService", "rpc.method": "Generate",
-        **attributes,
-    })
+    return tracer.start_span(
+        GENERATE_SPAN,
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes={
+            "rpc.system": "grpc",
+            "rpc.service": "minedraft.v1.GenerationService",
+            "rpc.method": "Generate",
+            **attributes,
+        },
+    )
 
 
 def end_request_span(span: Span, finish_reason: str, usage: Any = None, error: str | None = None) -> None:
     """Close the request span with its finish reason and, when the request got one, its usage."""
     span.set_attribute("minedraft.finish_reason", finish_reason)
     if usage is not None:
-        for field in ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "steps",
-                      "drafted_steps", "mean_accepted_length", "acceptance_rate", "time_to_first_token_s",
-                      "time_per_output_token_s"):
+        for field in (
+            "prompt_tokens",
+            "completion_tokens",
+            "draft_tokens",
+            "accepted_tokens",
+            "steps",
+            "drafted_steps",
+            "mean_accepted_length",
+            "acceptance_rate",
+            "time_to_first_token_s",
+            "time_per_output_token_s",
+        ):
             span.set_attribute(f"minedraft.usage.{field}", getattr(usage, field))
         span.set_attribute("minedraft.usage.accepted_per_position", list(usage.accepted_per_position))
     if error is not None:

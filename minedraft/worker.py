@@ -98,8 +98,12 @@ class ModelWorker:
         self.vocab = VocabInfo.of(self.model, tokenizer)
         # Two batches of max_batch_size each live here at once (batch-parallel decoding).
         self.runner = ModelRunner(
-            self.model, 2 * options.max_batch_size, options.max_model_len, cuda_graphs=options.cuda_graphs,
-            compile_layers=options.compile_layers, groups=NUM_BATCHES,
+            self.model,
+            2 * options.max_batch_size,
+            options.max_model_len,
+            cuda_graphs=options.cuda_graphs,
+            compile_layers=options.compile_layers,
+            groups=NUM_BATCHES,
         )
         self.channel: Channel | None = None
         # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
@@ -157,8 +161,9 @@ class ModelWorker:
         next draft serves), unless it is draining itself."""
         await health_servicer.drain()
         deadline = time.monotonic() + self.options.drain_timeout
-        log.info("draining: serving until no call has come for %.0f s, for up to %.0f s", QUIET_S,
-                 self.options.drain_timeout)
+        log.info(
+            "draining: serving until no call has come for %.0f s, for up to %.0f s", QUIET_S, self.options.drain_timeout
+        )
         while not cut_short.is_set():
             now = time.monotonic()
             if now >= deadline or (self._in_flight == 0 and now - self._last_call >= QUIET_S):
@@ -229,8 +234,9 @@ class ModelWorker:
         self.channel = channel
         return reply
 
-    async def prepare(self, precapture: Callable[[int, int, list[int]], int], k: int, max_batch_size: int,
-                      num_batches: int) -> None:
+    async def prepare(
+        self, precapture: Callable[[int, int, list[int]], int], k: int, max_batch_size: int, num_batches: int
+    ) -> None:
         """A coordinator's Prepare (or SetupChannel) (`num_batches` 0, from an older coordinator: two). The cache rows
         laid out in as many blocks as the coordinator has batches (one batch of twice the size, on a GPU the pair
         shares, reads its K/V as views of one block of every row); then, with --precapture-graphs,
@@ -242,11 +248,13 @@ class ModelWorker:
                 await self.run(self.runner.regroup, groups)
                 log.info("cache rows laid out for %d batch(es) of up to %d rows", groups, self.runner.block_size)
             else:  # a coordinator restarted while this worker holds sequences: its batches gather rows that don't fit
-                log.warning("asked for %d batch(es) while holding sequences: the cache keeps %d blocks", groups,
-                            self.runner.groups)
+                log.warning(
+                    "asked for %d batch(es) while holding sequences: the cache keeps %d blocks",
+                    groups,
+                    self.runner.groups,
+                )
         wanted = precaptures(self.options.precapture_graphs, self.device, self.options.cuda_graphs)
-        batch_ids = [b for b in range(groups)
-                     if (k, max_batch_size, b) not in self._precaptured]
+        batch_ids = [b for b in range(groups) if (k, max_batch_size, b) not in self._precaptured]
         if wanted and batch_ids:
             await self.run(precapture, k, max_batch_size, batch_ids)
             self._precaptured.update((k, max_batch_size, b) for b in batch_ids)
@@ -258,8 +266,13 @@ class ModelWorker:
 
 
 async def start_worker_server(
-    worker: ModelWorker, add: Callable[[grpc.aio.Server], None], service_name: str, port: int, host: str,
-    interceptors: Sequence[grpc.aio.ServerInterceptor], metrics: WorkerMetrics | None,
+    worker: ModelWorker,
+    add: Callable[[grpc.aio.Server], None],
+    service_name: str,
+    port: int,
+    host: str,
+    interceptors: Sequence[grpc.aio.ServerInterceptor],
+    metrics: WorkerMetrics | None,
 ) -> tuple[grpc.aio.Server, int, Drain]:
     """A worker service's gRPC server (`add` registers its servicer; health and reflection come too), its free
     slots on /metrics, and its drain after a SIGTERM (`ModelWorker.drain`)."""

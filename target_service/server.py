@@ -52,18 +52,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, options: WorkerOptions) -> None:
         self.worker = ModelWorker(options)
         if options.synthetic_acceptance is not None:
-            log.warning("BENCHMARK ONLY: drafts are accepted with probability %s whatever the target says; output "
-                        "is not the target's", options.synthetic_acceptance)
+            log.warning(
+                "BENCHMARK ONLY: drafts are accepted with probability %s whatever the target says; output "
+                "is not the target's",
+                options.synthetic_acceptance,
+            )
         self.verifier = Verifier(self.worker.runner, self.worker.vocab.eos_token_ids, options.synthetic_acceptance)
 
     @grpc_errors
-    async def GetInfo(self, request: target_pb2.TargetServiceGetInfoRequest, context: grpc.aio.ServicerContext
-                      ) -> target_pb2.TargetServiceGetInfoResponse:
+    async def GetInfo(
+        self, request: target_pb2.TargetServiceGetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetServiceGetInfoResponse:
         return target_pb2.TargetServiceGetInfoResponse(info=self.worker.info())
 
     @grpc_errors
-    async def SetupChannel(self, request: target_pb2.TargetServiceSetupChannelRequest,
-                           context: grpc.aio.ServicerContext) -> target_pb2.TargetServiceSetupChannelResponse:
+    async def SetupChannel(
+        self, request: target_pb2.TargetServiceSetupChannelRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetServiceSetupChannelResponse:
         handshake = await self.worker.setup_channel(
             request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, False
         )
@@ -72,8 +77,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetServiceSetupChannelResponse(handshake=handshake)
 
     @grpc_errors
-    async def Prepare(self, request: target_pb2.TargetServicePrepareRequest, context: grpc.aio.ServicerContext
-                      ) -> target_pb2.TargetServicePrepareResponse:
+    async def Prepare(
+        self, request: target_pb2.TargetServicePrepareRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetServicePrepareResponse:
         await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
         return target_pb2.TargetServicePrepareResponse()
 
@@ -83,8 +89,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         await self.worker.prepare(self.verifier.precapture, k, max_batch_size, num_batches)
 
     @grpc_errors
-    async def Prefill(self, request: target_pb2.TargetServicePrefillRequest, context: grpc.aio.ServicerContext
-                      ) -> target_pb2.TargetServicePrefillResponse:
+    async def Prefill(
+        self, request: target_pb2.TargetServicePrefillRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetServicePrefillResponse:
         start_unix = time.time()
         await self._release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prompts_and_configs(request.sequences)
@@ -92,21 +99,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {limit})")
         results, queue_s, compute_s = await self.worker.run_timed(self._prefill, seq_ids, prompts, configs)
-        return target_pb2.TargetServicePrefillResponse(results=results,
-                                                       timings=timings(start_unix, compute_s, queue_s=queue_s))
+        return target_pb2.TargetServicePrefillResponse(
+            results=results, timings=timings(start_unix, compute_s, queue_s=queue_s)
+        )
 
-    def _prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]
-                 ) -> list[target_pb2.SequenceResult]:
+    def _prefill(
+        self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]
+    ) -> list[target_pb2.SequenceResult]:
         # The results are read on the compute thread: its CUDA stream is the one that made them.
         return results_proto(seq_ids, self.verifier.prefill(seq_ids, prompts, configs))
 
     @grpc_errors
-    async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
-                     ) -> target_pb2.VerifyResponse:
+    async def Verify(
+        self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.VerifyResponse:
         return await self._verify_call(request)
 
-    async def VerifyStream(self, requests: AsyncIterator[target_pb2.VerifyStreamRequest],
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
+    async def VerifyStream(
+        self, requests: AsyncIterator[target_pb2.VerifyStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
         async for reply in serve_step_stream(requests, self._verify_call, target_pb2.VerifyStreamResponse):
             yield reply
 
@@ -116,11 +127,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         seq_ids = list(request.seq_ids)
         check_batch_id(request.batch_id)
         (results, channel_s), queue_s, compute_s = await self.worker.run_timed(
-            self._verify, seq_ids, request.drafts, request.num_draft_tokens, request.batch_id)
+            self._verify, seq_ids, request.drafts, request.num_draft_tokens, request.batch_id
+        )
         return target_pb2.VerifyResponse(results=results, timings=timings(start_unix, compute_s, channel_s, queue_s))
 
-    def _verify(self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int, batch_id: int
-                ) -> tuple[list[target_pb2.SequenceResult], float]:
+    def _verify(
+        self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int, batch_id: int
+    ) -> tuple[list[target_pb2.SequenceResult], float]:
         start = time.perf_counter()
         if k == 0:  # target-only decoding: nothing travels
             draft_ids, draft_probs = torch.zeros(len(seq_ids), 0, dtype=torch.long), None
@@ -138,17 +151,27 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             await self.worker.run(self.verifier.release, list(seq_ids))
 
     @grpc_errors
-    async def Release(self, request: target_pb2.TargetServiceReleaseRequest, context: grpc.aio.ServicerContext
-                      ) -> target_pb2.TargetServiceReleaseResponse:
+    async def Release(
+        self, request: target_pb2.TargetServiceReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetServiceReleaseResponse:
         await self.worker.run(self.verifier.release, list(request.seq_ids))
         return target_pb2.TargetServiceReleaseResponse(free_slots=self.worker.runner.free_slots)
 
 
-async def serve(options: WorkerOptions, port: int, host: str = "[::]",
-                interceptors: Sequence[grpc.aio.ServerInterceptor] = (), metrics: WorkerMetrics | None = None
-                ) -> tuple[grpc.aio.Server, int, Drain]:
+async def serve(
+    options: WorkerOptions,
+    port: int,
+    host: str = "[::]",
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    metrics: WorkerMetrics | None = None,
+) -> tuple[grpc.aio.Server, int, Drain]:
     servicer = TargetServicer(options)
     return await start_worker_server(
-        servicer.worker, lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
-        target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name, port, host, interceptors, metrics,
+        servicer.worker,
+        lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
+        target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name,
+        port,
+        host,
+        interceptors,
+        metrics,
     )

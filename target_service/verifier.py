@@ -60,9 +60,12 @@ class Verifier:
         # Without inductor's coalescing analysis (a tiling heuristic for large kernels, not these small ones): with the
         # argmax an operator of its own (`minedraft.argmax`) it failed an assertion compiling them (torch 2.11, H200).
         self._accept_and_commit = (
-            torch.compile(self._accept_and_commit_eagerly, dynamic=True,
-                          options={"triton.coalesce_tiling_analysis": False})
-            if runner.compiles else self._accept_and_commit_eagerly)
+            torch.compile(
+                self._accept_and_commit_eagerly, dynamic=True, options={"triton.coalesce_tiling_analysis": False}
+            )
+            if runner.compiles
+            else self._accept_and_commit_eagerly
+        )
         self._warmed_up: set[int] = set()  # draft counts (0: prefills) whose acceptance and commit are compiled
 
     def prefill(
@@ -76,8 +79,13 @@ class Verifier:
         rows = self.table.row_list(seq_ids)
         return StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]))  # the last one is pending
 
-    def verify(self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-               batch_id: int | None = None) -> StepResult:
+    def verify(
+        self,
+        seq_ids: Sequence[int],
+        draft_ids: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        batch_id: int | None = None,
+    ) -> StepResult:
         """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest:
         all in the step's CUDA graph (`ModelRunner.score`).
 
@@ -92,7 +100,7 @@ class Verifier:
             before = self.runner.cache.lengths[rows.to(self.runner.device)].tolist()
         all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         probs = () if draft_probs is None else (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
-        packed, = self._score(rows, draft_ids, probs, all_greedy, filtered, max(before) + k + 1, arrangement)
+        (packed,) = self._score(rows, draft_ids, probs, all_greedy, filtered, max(before) + k + 1, arrangement)
         for r in host_rows:  # unknown until the result is read
             self.cached.pop(r, None)
         return StepResult(packed, self._recorder(host_rows, before))
@@ -101,8 +109,16 @@ class Verifier:
         for row in self.table.remove(seq_ids):
             self.cached.pop(row, None)
 
-    def _score(self, rows: torch.Tensor, draft_ids: torch.Tensor, probs: tuple[torch.Tensor, ...], all_greedy: bool,
-               filtered: bool, needed: int, arrangement: Arrangement | None) -> list[torch.Tensor]:
+    def _score(
+        self,
+        rows: torch.Tensor,
+        draft_ids: torch.Tensor,
+        probs: tuple[torch.Tensor, ...],
+        all_greedy: bool,
+        filtered: bool,
+        needed: int,
+        arrangement: Arrangement | None,
+    ) -> list[torch.Tensor]:
         """The verify step proper: its inputs are the drafts (and their probabilities); the pending tokens are
         gathered inside its graph, which leaves the host only the copies into the graph's inputs."""
         k = draft_ids.shape[1]
@@ -110,9 +126,16 @@ class Verifier:
         def start(r: torch.Tensor, drafts: torch.Tensor, *probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return torch.cat([self.pending[r][:, None], drafts], dim=1), torch.full_like(r, k + 1), *probs
 
-        return self.runner.score(rows, [draft_ids, *probs], self._finisher(k, all_greedy, filtered),
-                                 self._kind(all_greedy, filtered), needed=needed, tokens=k + 1, start=start,
-                                 arrangement=arrangement)
+        return self.runner.score(
+            rows,
+            [draft_ids, *probs],
+            self._finisher(k, all_greedy, filtered),
+            self._kind(all_greedy, filtered),
+            needed=needed,
+            tokens=k + 1,
+            start=start,
+            arrangement=arrangement,
+        )
 
     def _recorder(self, rows: list[int], starts: list[int]) -> Callable[[list[int]], None]:
         """What a step's result tells the host once read: each row now caches its start plus what it emitted
@@ -130,8 +153,17 @@ class Verifier:
         drafts do not pay, or its draft is lost."""
         shapes, vocab = 0, self.runner.vocab_size
         for drafts, (all_greedy, filtered) in itertools.product(sorted({k, 0}, reverse=True), KINDS):
-            def verify(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None,
-                       all_greedy: bool = all_greedy, filtered: bool = filtered, drafts: int = drafts) -> object:
+
+            def verify(
+                r: torch.Tensor,
+                i: torch.Tensor,
+                v: torch.Tensor,
+                needed: int,
+                view: Arrangement | None,
+                all_greedy: bool = all_greedy,
+                filtered: bool = filtered,
+                drafts: int = drafts,
+            ) -> object:
                 probs = (torch.zeros(len(r), drafts, vocab, device=r.device),) if not all_greedy and drafts else ()
                 return self._score(r, i[:, 1:], probs, all_greedy, filtered, needed, view)
 
@@ -154,8 +186,9 @@ class Verifier:
                     tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
                     probs = (torch.zeros(batch, drafts, vocab, device=device),) if not all_greedy and drafts else ()
                     logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
-                    self._finisher(drafts, all_greedy, filtered)(rows, tokens, torch.full_like(rows, drafts + 1),
-                                                                 torch.zeros_like(rows), logits, *probs)
+                    self._finisher(drafts, all_greedy, filtered)(
+                        rows, tokens, torch.full_like(rows, drafts + 1), torch.zeros_like(rows), logits, *probs
+                    )
         self.table.generated[row] = 0
         self.runner.cache.lengths[row] = 0
         self._warmed_up.update({0, k})
@@ -169,29 +202,62 @@ class Verifier:
         """Acceptance and commit of a step whose last k input tokens are drafts (a prefill: none), for a batch of
         this kind; runs inside the step's graph, so it reads only its arguments and the table's tensors."""
 
-        def finish(rows: torch.Tensor, inputs: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor,
-                   logits: torch.Tensor, *draft_probs: torch.Tensor) -> list[torch.Tensor]:
+        def finish(
+            rows: torch.Tensor,
+            inputs: torch.Tensor,
+            num_valid: torch.Tensor,
+            before: torch.Tensor,
+            logits: torch.Tensor,
+            *draft_probs: torch.Tensor,
+        ) -> list[torch.Tensor]:
             if logits.dim() == 2:  # a prefill's logits, at each prompt's last token
                 logits = logits[:, None]
             # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
-            draft_ids = inputs[:, inputs.shape[1] - k:] if k else inputs.new_zeros(len(inputs), 0)
-            stance = (torch.compiler.set_stance(self.runner.stance() if k in self._warmed_up else "default")
-                      if self.runner.compiles else contextlib.nullcontext())
+            draft_ids = inputs[:, inputs.shape[1] - k :] if k else inputs.new_zeros(len(inputs), 0)
+            stance = (
+                torch.compiler.set_stance(self.runner.stance() if k in self._warmed_up else "default")
+                if self.runner.compiles
+                else contextlib.nullcontext()
+            )
             with stance:
-                return [self._accept_and_commit(rows, draft_ids, before + num_valid - k, logits,
-                                                draft_probs[0] if draft_probs else None, all_greedy, filtered)]
+                return [
+                    self._accept_and_commit(
+                        rows,
+                        draft_ids,
+                        before + num_valid - k,
+                        logits,
+                        draft_probs[0] if draft_probs else None,
+                        all_greedy,
+                        filtered,
+                    )
+                ]
 
         return finish
 
-    def _accept_and_commit_eagerly(self, rows: torch.Tensor, draft_ids: torch.Tensor, first_position: torch.Tensor,
-                                   logits: torch.Tensor, draft_probs: torch.Tensor | None, all_greedy: bool,
-                                   filtered: bool) -> torch.Tensor:
+    def _accept_and_commit_eagerly(
+        self,
+        rows: torch.Tensor,
+        draft_ids: torch.Tensor,
+        first_position: torch.Tensor,
+        logits: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        all_greedy: bool,
+        filtered: bool,
+    ) -> torch.Tensor:
         """`rejection_sample`, then `_commit`; `first_position` is each row's sequence index of its first draft (or
         of its next token)."""
         t = self.table
         params = RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed_key[rows])
-        sampled = rejection_sample(logits, draft_ids, draft_probs, params, first_position, self.synthetic_acceptance,
-                                   all_greedy=all_greedy, filtered=filtered)
+        sampled = rejection_sample(
+            logits,
+            draft_ids,
+            draft_probs,
+            params,
+            first_position,
+            self.synthetic_acceptance,
+            all_greedy=all_greedy,
+            filtered=filtered,
+        )
         return self._commit(rows, first_position - 1, sampled)
 
     def _padded(self, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -211,9 +277,7 @@ class Verifier:
         first_stop = torch.where(is_stop.any(-1), is_stop.to(torch.long).argmax(-1), width)
         budget = t.max_tokens[rows] - t.generated[rows]
         keep = torch.minimum(torch.minimum(emitted, first_stop + 1), budget)
-        finish = torch.where(
-            first_stop < keep, FINISHED_STOP, torch.where(keep >= budget, FINISHED_LENGTH, RUNNING)
-        )
+        finish = torch.where(first_stop < keep, FINISHED_STOP, torch.where(keep >= budget, FINISHED_LENGTH, RUNNING))
         t.generated[rows] += keep
         # Cached now: old pending + the first keep-1 emitted tokens; the last emitted one becomes pending.
         self.runner.truncate(rows, starts + keep)

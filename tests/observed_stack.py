@@ -85,15 +85,21 @@ class OtlpReceiver(TraceServiceServicer):
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    received.append(ReceivedSpan(
-                        service=str(resource.get("service.name")), name=span.name, kind=span.kind,
-                        trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
-                        links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
-                        attributes={a.key: _value(a.value) for a in span.attributes},
-                        status_code=span.status.code,
-                        start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-                    ))
+                    received.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name")),
+                            name=span.name,
+                            kind=span.kind,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                            attributes={a.key: _value(a.value) for a in span.attributes},
+                            status_code=span.status.code,
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
+                        )
+                    )
         with self._lock:
             self.spans += received
             self.exports += 1
@@ -127,14 +133,16 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         text = reply.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text) for sample in family.samples
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
     }
 
 
 def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> tuple[Service, int]:
     metrics_port = free_port()  # a metrics port must be named (0 turns the endpoint off)
-    service = spawn(f"observed-{name}", [*args, "--host", "127.0.0.1", "--metrics-port", str(metrics_port)], log_dir,
-                    env=env)
+    service = spawn(
+        f"observed-{name}", [*args, "--host", "127.0.0.1", "--metrics-port", str(metrics_port)], log_dir, env=env
+    )
     return service, metrics_port
 
 
@@ -146,12 +154,14 @@ async def _requests(address: str) -> list[tuple[list[int], generation_pb2.Usage]
     ]
     prompts = ["def main(argv):\n    ", "import os\nimport sys\n"]
 
-    async def one(channel: grpc.aio.Channel, prompt: str, p: generation_pb2.SamplingParams,
-                  metadata: tuple[tuple[str, str], ...]) -> tuple[list[int], generation_pb2.Usage]:
+    async def one(
+        channel: grpc.aio.Channel, prompt: str, p: generation_pb2.SamplingParams, metadata: tuple[tuple[str, str], ...]
+    ) -> tuple[list[int], generation_pb2.Usage]:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         ids, usage = [], None
-        async for message in stub.Generate(generation_pb2.GenerateRequest(prompt=prompt, params=p), timeout=120,
-                                           metadata=metadata):
+        async for message in stub.Generate(
+            generation_pb2.GenerateRequest(prompt=prompt, params=p), timeout=120, metadata=metadata
+        ):
             ids += message.token_ids
             if message.finish_reason:
                 usage = message.usage
@@ -159,22 +169,26 @@ async def _requests(address: str) -> list[tuple[list[int], generation_pb2.Usage]
         return ids, usage
 
     async with grpc.aio.insecure_channel(address) as channel:
-        return list(await asyncio.gather(
-            one(channel, prompts[0], params[0], (("traceparent", CLIENT_TRACEPARENT),)),
-            one(channel, prompts[1], params[1], ()),
-        ))
+        return list(
+            await asyncio.gather(
+                one(channel, prompts[0], params[0], (("traceparent", CLIENT_TRACEPARENT),)),
+                one(channel, prompts[1], params[1], ()),
+            )
+        )
 
 
 def run_observed_stack(target: Path, draft: Path, log_dir: Path) -> ObservedRun:
     receiver = OtlpReceiver() if HAVE_OTLP else None
     env = {k: v for k, v in SERVICE_ENV.items() if not k.startswith("OTEL_")}
     if receiver is not None:
-        env.update({
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
-            # Nothing is exported before shutdown (fewer spans than a batch): the SIGINT flush is under test.
-            "OTEL_BSP_SCHEDULE_DELAY": "600000",
-            "OTEL_TRACES_SAMPLER": "parentbased_always_on",
-        })
+        env.update(
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+                # Nothing is exported before shutdown (fewer spans than a batch): the SIGINT flush is under test.
+                "OTEL_BSP_SCHEDULE_DELAY": "600000",
+                "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+            }
+        )
     common = ["--dtype", "float32", "--max-batch-size", str(MAX_BATCH), "--max-model-len", "256"]
     services: dict[str, Service] = {}
     metrics_ports: dict[str, int] = {}
@@ -182,11 +196,32 @@ def run_observed_stack(target: Path, draft: Path, log_dir: Path) -> ObservedRun:
         for name, model in (("target", target), ("draft", draft)):
             services[name], metrics_ports[name] = _spawn(name, [name, "--model", str(model), *common], log_dir, env)
         wait_all(list(services.values()))
-        services["coordinator"], metrics_ports["coordinator"] = _spawn("coordinator", [
-            "coordinator", "--target", services["target"].address, "--draft", services["draft"].address,
-            "--mode", "psd", "--num-speculative-tokens", str(K), "--max-batch-size", str(MAX_BATCH),
-            "--channel", "grpc", "--tokenizer", str(target), "--overlap", "always", "--speculation", "always",
-        ], log_dir, env)
+        services["coordinator"], metrics_ports["coordinator"] = _spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--target",
+                services["target"].address,
+                "--draft",
+                services["draft"].address,
+                "--mode",
+                "psd",
+                "--num-speculative-tokens",
+                str(K),
+                "--max-batch-size",
+                str(MAX_BATCH),
+                "--channel",
+                "grpc",
+                "--tokenizer",
+                str(target),
+                "--overlap",
+                "always",
+                "--speculation",
+                "always",
+            ],
+            log_dir,
+            env,
+        )
         wait_all([services["coordinator"]])
         results = asyncio.run(_requests(services["coordinator"].address))
         # The clients have their last tokens before the coordinator releases the sequences on the workers.
@@ -202,8 +237,12 @@ def run_observed_stack(target: Path, draft: Path, log_dir: Path) -> ObservedRun:
         if receiver is not None:
             receiver.stop()
     return ObservedRun(
-        usages=[usage for _, usage in results], token_ids=[ids for ids, _ in results], metrics=metrics,
-        spans=receiver.spans if receiver is not None else [], exit_codes=exit_codes, traced=receiver is not None,
+        usages=[usage for _, usage in results],
+        token_ids=[ids for ids, _ in results],
+        metrics=metrics,
+        spans=receiver.spans if receiver is not None else [],
+        exit_codes=exit_codes,
+        traced=receiver is not None,
         logs={name: service.log_tail() for name, service in services.items()},
     )
 

@@ -79,7 +79,9 @@ def make_tokenizer(vocab_size: int = 300) -> object:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS_TEXT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train(stdlib_sources(), trainer)
@@ -115,16 +117,30 @@ def make_tiny_pair(root: Path, arch: str, tokenizer: object) -> TinyPair:
         for directory, hidden, layers, seed in ((target_dir, 64, 2, 0), (draft_dir, 32, 1, 1)):
             torch.manual_seed(seed)
             cfg: transformers.PretrainedConfig = transformers.LlamaConfig(
-                vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-                tie_word_embeddings=False, **special,
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                initializer_range=0.2,
+                tie_word_embeddings=False,
+                **special,
             )
             _save(transformers.AutoModelForCausalLM.from_config(cfg), tokenizer, directory)
     elif arch == "gpt2":
         torch.manual_seed(2)
         cfg = transformers.GPT2Config(
-            vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512, initializer_range=0.2,
-            tie_word_embeddings=False, **special,
+            vocab_size=vocab,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_inner=128,
+            n_positions=512,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+            **special,
         )
         target = transformers.AutoModelForCausalLM.from_config(cfg)
         with torch.no_grad():  # a quieter second layer: the first-layer draft then agrees about half the time
@@ -188,8 +204,9 @@ class Service:
             try:
                 self._bound_port = wait_port_file(self.port_file, [self.proc], START_TIMEOUT)
             except (RuntimeError, TimeoutError) as exc:
-                raise RuntimeError(f"{self.name} never said which port it listens on: {exc}\n{self.log_tail()}"
-                                   ) from exc
+                raise RuntimeError(
+                    f"{self.name} never said which port it listens on: {exc}\n{self.log_tail()}"
+                ) from exc
         return self._bound_port
 
     @property
@@ -252,7 +269,11 @@ def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dic
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "minedraft.cli", *args, "--port", str(port), *port_file],
-            cwd=REPO, env=env or SERVICE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO,
+            env=env or SERVICE_ENV,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     _SPAWNED.append(proc)
     return Service(name, proc, log_path, port)
@@ -283,13 +304,32 @@ class Workers:
 
 
 def worker_args(kind: str, model: Path, max_batch_size: int, device: str = "cpu") -> list[str]:
-    return [kind, "--model", str(model), "--host", "127.0.0.1", "--device", device, "--dtype", "float32",
-            "--max-batch-size", str(max_batch_size), "--max-model-len", str(MAX_MODEL_LEN)]
+    return [
+        kind,
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        device,
+        "--dtype",
+        "float32",
+        "--max-batch-size",
+        str(max_batch_size),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ]
 
 
-def start_workers(pair: TinyPair, log_dir: Path, max_batch_size: int = WORKER_MAX_BATCH,
-                  with_draft: bool = True, target_device: str = "cpu", draft_device: str = "cpu",
-                  extra: Sequence[str] = ()) -> Workers:
+def start_workers(
+    pair: TinyPair,
+    log_dir: Path,
+    max_batch_size: int = WORKER_MAX_BATCH,
+    with_draft: bool = True,
+    target_device: str = "cpu",
+    draft_device: str = "cpu",
+    extra: Sequence[str] = (),
+) -> Workers:
     """Target and draft services of `pair`; `extra`: more flags for both."""
     target_args = worker_args("target", pair.target, max_batch_size, target_device) + list(extra)
     target = spawn(f"{pair.arch}-target", target_args, log_dir)
@@ -301,15 +341,38 @@ def start_workers(pair: TinyPair, log_dir: Path, max_batch_size: int = WORKER_MA
     return Workers(pair, target, draft, max_batch_size)
 
 
-def coordinator_args(workers: Workers, mode: str = "psd", *, k: int = 4, max_batch_size: int = 4,
-                     max_queue_size: int = 256, step_trace: Path | None = None,
-                     extra: Sequence[str] = ()) -> list[str]:
+def coordinator_args(
+    workers: Workers,
+    mode: str = "psd",
+    *,
+    k: int = 4,
+    max_batch_size: int = 4,
+    max_queue_size: int = 256,
+    step_trace: Path | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The `minedraft coordinator` arguments (less --port) for a coordinator in front of `workers`."""
     if max_batch_size > workers.max_batch_size:
         raise ValueError("the workers hold fewer sequences than this coordinator would admit")
-    args = ["coordinator", "--target", workers.target.address, "--host", "127.0.0.1", "--mode", mode,
-            "--num-speculative-tokens", str(k), "--max-batch-size", str(max_batch_size),
-            "--max-queue-size", str(max_queue_size), "--channel", "grpc", "--tokenizer", str(workers.pair.target)]
+    args = [
+        "coordinator",
+        "--target",
+        workers.target.address,
+        "--host",
+        "127.0.0.1",
+        "--mode",
+        mode,
+        "--num-speculative-tokens",
+        str(k),
+        "--max-batch-size",
+        str(max_batch_size),
+        "--max-queue-size",
+        str(max_queue_size),
+        "--channel",
+        "grpc",
+        "--tokenizer",
+        str(workers.pair.target),
+    ]
     if mode != "ar":
         assert workers.draft is not None
         args += ["--draft", workers.draft.address]
@@ -325,8 +388,7 @@ def start_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **opti
 
 
 @contextlib.contextmanager
-def running_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **options: object
-                        ) -> Iterator[Service]:
+def running_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **options: object) -> Iterator[Service]:
     """A coordinator for the duration of a `with` block; checks the workers are clean afterwards."""
     coordinator = start_coordinator(workers, log_dir, mode, **options)  # type: ignore[arg-type]
     try:
@@ -342,8 +404,13 @@ async def in_process_coordinator(workers: Workers, **options: Any) -> AsyncItera
     """A coordinator served in this process (`coordinator.server.serve`) in front of `workers`, over the grpc channel,
     batches of 4 unless `options` say otherwise: (its address, its servicer), for tests that reach into it."""
     assert workers.draft is not None
-    settings: dict[str, Any] = dict(target=workers.target.address, draft=workers.draft.address, max_batch_size=4,
-                                    channel="grpc", tokenizer=str(workers.pair.target))
+    settings: dict[str, Any] = dict(
+        target=workers.target.address,
+        draft=workers.draft.address,
+        max_batch_size=4,
+        channel="grpc",
+        tokenizer=str(workers.pair.target),
+    )
     server, port, servicer = await serve(CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1")
     try:
         yield f"127.0.0.1:{port}", servicer
@@ -397,8 +464,9 @@ def precapture_spans(log: str) -> list[tuple[float, float]]:
 def health(address: str, service: str = "") -> int:
     """A server's grpc.health.v1 status for `service` ("": the server as a whole)."""
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=10).status
+        return (
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        )
 
 
 def wait_health(address: str, status: int, timeout: float = 30.0) -> None:
@@ -412,8 +480,11 @@ def wait_health(address: str, status: int, timeout: float = 30.0) -> None:
 def worker_info(address: str, kind: str) -> common_pb2.WorkerInfo:
     with grpc.insecure_channel(address) as channel:
         if kind == "target":
-            return target_pb2_grpc.TargetServiceStub(channel).GetInfo(
-                target_pb2.TargetServiceGetInfoRequest(), timeout=10).info
+            return (
+                target_pb2_grpc.TargetServiceStub(channel)
+                .GetInfo(target_pb2.TargetServiceGetInfoRequest(), timeout=10)
+                .info
+            )
         return draft_pb2_grpc.DraftServiceStub(channel).GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=10).info
 
 

@@ -135,11 +135,11 @@ def test_overlap_policy_rarely_tries_a_much_slower_strategy_but_still_notices_a_
         return made
 
     choices = run(20 * PROBE_EVERY, 0.026, 0.050)
-    steady = choices[4 * PROBE_EVERY:]
+    steady = choices[4 * PROBE_EVERY :]
     assert steady.count(False) < 0.04 * len(steady)  # was 4 steps in 36 (11%)
     assert False in steady
     after = run(20 * PROBE_EVERY, 0.060, 0.040)  # now overlapping is the slow way
-    assert after[-4 * PROBE_EVERY:].count(True) < 0.04 * 4 * PROBE_EVERY
+    assert after[-4 * PROBE_EVERY :].count(True) < 0.04 * 4 * PROBE_EVERY
 
 
 def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_when_they_do() -> None:
@@ -183,7 +183,7 @@ def test_speculation_policy_leaves_drafts_that_do_not_pay_and_takes_them_back_wh
     assert not speculation.at(64).preferred
     # Acceptance rose: the next trial at 64 finds drafting at half the cost and keeps it.
     after = run(20 * PROBE_EVERY, 0.5e-3, 1.0e-3)
-    assert speculation.at(64).preferred and after[-4 * PROBE_EVERY:].count(True) >= 4 * PROBE_EVERY - PROBE_STEPS
+    assert speculation.at(64).preferred and after[-4 * PROBE_EVERY :].count(True) >= 4 * PROBE_EVERY - PROBE_STEPS
     always = SpeculationPolicy("always").at(64)
     always.record(True, 1.0, 1)
     always.record(False, 0.1, 1)
@@ -212,7 +212,23 @@ def test_speculation_costs_pool_steps_whose_tokens_vary() -> None:
 
 def test_speculation_size_classes_are_powers_of_two_and_one_and_a_half_times_them() -> None:
     assert [size_class(n) for n in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 25, 33, 48, 49, 64, 65)] == [
-        1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 32, 48, 48, 64, 64, 96]
+        1,
+        2,
+        3,
+        4,
+        6,
+        6,
+        8,
+        12,
+        16,
+        24,
+        32,
+        48,
+        48,
+        64,
+        64,
+        96,
+    ]
 
 
 def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:
@@ -226,7 +242,14 @@ def test_vocabulary_mismatch_is_refused_with_a_clear_message() -> None:
 
 def test_draft_lengths_halve_from_k_down_to_the_shortest() -> None:
     assert [draft_lengths(*a) for a in ((4, 1), (6, 1), (5, 1), (8, 3), (4, 4), (4, 0), (1, 1))] == [
-        (4, 2, 1), (6, 3, 1), (5, 2, 1), (8, 4), (4,), (4, 2, 1), (1,)]
+        (4, 2, 1),
+        (6, 3, 1),
+        (5, 2, 1),
+        (8, 4),
+        (4,),
+        (4, 2, 1),
+        (1,),
+    ]
 
 
 def test_speculation_policy_walks_to_the_cheapest_draft_length() -> None:

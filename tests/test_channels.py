@@ -83,10 +83,30 @@ def test_single_process_serve_over_the_local_channel_matches_the_services(
         expected = run_async(generate_all(coordinator.address, requests))
     pair, port = llama_workers.pair, free_port()
     serve = subprocess.Popen(
-        [sys.executable, "-m", "minedraft.cli", "serve", "--single-process", "--target", str(pair.target),
-         "--draft", str(pair.draft), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-         "--max-batch-size", "4", "--max-model-len", "256"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "minedraft.cli",
+            "serve",
+            "--single-process",
+            "--target",
+            str(pair.target),
+            "--draft",
+            str(pair.draft),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            "float32",
+            "--max-batch-size",
+            "4",
+            "--max-model-len",
+            "256",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         wait_healthy(f"127.0.0.1:{port}", [serve], timeout=180)

@@ -36,9 +36,13 @@ def test_precapture_is_auto_by_default_and_on_where_cuda_graphs_are(monkeypatch:
 
     assert build_parser().parse_args(["target"]).precapture_graphs == "auto"
     assert build_parser().parse_args(["target", "--precapture-graphs"]).precapture_graphs == "on"
-    for mode, device, graphs, expected in [("auto", "cpu", True, False), ("on", "cpu", True, True),
-                                           ("auto", "cuda", True, True), ("auto", "cuda", False, False),
-                                           ("off", "cuda", True, False)]:
+    for mode, device, graphs, expected in [
+        ("auto", "cpu", True, False),
+        ("on", "cpu", True, True),
+        ("auto", "cuda", True, True),
+        ("auto", "cuda", False, False),
+        ("off", "cuda", True, False),
+    ]:
         assert precaptures(mode, torch.device(device), graphs) is expected, (mode, device, graphs)
 
     monkeypatch.setenv("MINEDRAFT_PRECAPTURE_GRAPHS", "true")  # an older chart's boolean

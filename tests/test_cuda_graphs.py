@@ -40,8 +40,14 @@ PROMPTS = [[(7 * s + j) % 500 for j in range(10 + 5 * s)] for s in SEQS]
 
 
 def _model(device: str, seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -64,8 +70,9 @@ def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor,
     return out
 
 
-def _verifies(graphs: bool, kind: str, device: str, compiled: bool | None = None
-              ) -> list[list[tuple[list[int], int, int]]]:
+def _verifies(
+    graphs: bool, kind: str, device: str, compiled: bool | None = None
+) -> list[list[tuple[list[int], int, int]]]:
     """Verifies (acceptance and commit in the step's graph) of fixed drafts: ids only when greedy, with a draft's
     probabilities otherwise. `compiled` (True or False): a float32 model, its layers and acceptance compiled or not."""
     model = _model(device, 1) if compiled is None else _model(device, 1).float()
@@ -127,8 +134,10 @@ def test_what_runs_in_a_graph_copies_nothing_from_the_host(kind: str, monkeypatc
         def in_graph(*args):  # type: ignore[no-untyped-def]
             with copies:
                 return fn(*args)
-        return replay_or_run(self, key, in_graph if graphable else fn, inputs, fills, kv_len, view_start, padded,
-                             graphable)
+
+        return replay_or_run(
+            self, key, in_graph if graphable else fn, inputs, fills, kv_len, view_start, padded, graphable
+        )
 
     monkeypatch.setattr(ModelRunner, "_replay_or_run", watched)
     _proposals(False, kind, "cpu")
@@ -149,8 +158,7 @@ def test_graph_verifies_equal_eager_ones(kind: str, device: str) -> None:
 def _compiled_steps(compiled: bool) -> list[torch.Tensor]:
     """Logits of a prefill, verify-sized steps and one-token steps, in float32 (so that compiled and eager code agree
     to rounding)."""
-    runner = ModelRunner(_model("cuda:0", 0).float(), 8, 256, cuda_graphs=compiled, compile_layers=compiled,
-                         groups=2)
+    runner = ModelRunner(_model("cuda:0", 0).float(), 8, 256, cuda_graphs=compiled, compile_layers=compiled, groups=2)
     rows = torch.tensor(runner.allocate(3))
     generator = torch.Generator().manual_seed(4)
     # Each copied at once: a replayed step's logits live in its graph's buffers, which later replays reuse.

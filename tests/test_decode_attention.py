@@ -24,8 +24,9 @@ SHAPES = [
 ]
 
 
-def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
-              ) -> torch.Tensor:
+def reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     k, v = key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
     scores = query.double() @ k.transpose(-1, -2) * scale + mask.double()
@@ -55,16 +56,23 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
         if given:
             for row, length in enumerate(lengths.tolist()):
                 cache_k[row + 1, :, length:] = cache_v[row + 1, :, length:] = float("nan")
-        key, value = cache_k[1:batch + 1, :, :keys], cache_v[1:batch + 1, :, :keys]  # strided views, as the cache's
+        key, value = cache_k[1 : batch + 1, :, :keys], cache_v[1 : batch + 1, :, :keys]  # strided views, as the cache's
         positions = lengths[:, None] - n + torch.arange(n)
         allowed = torch.arange(keys)[None, None, :] <= positions[:, :, None]
         mask = torch.zeros(batch, 1, n, keys).masked_fill_(~allowed[:, None], torch.finfo(dtype).min).to(device, dtype)
-        scale = dim ** -0.5
+        scale = dim**-0.5
 
         decode_attention.BLOCK_KEYS = block_keys
         try:
-            out = short_query_attention(query, key, value, None if passed == "positions, no mask" else mask, scale,
-                                        positions.to(device) if given else None, chunks)
+            out = short_query_attention(
+                query,
+                key,
+                value,
+                None if passed == "positions, no mask" else mask,
+                scale,
+                positions.to(device) if given else None,
+                chunks,
+            )
         finally:
             decode_attention.BLOCK_KEYS = None
 
@@ -93,27 +101,46 @@ def check_a_model_on_the_kernels() -> None:
     from minedraft.model_runner import ModelRunner
 
     # Weights well above transformers' 0.02 init: attention then moves the logits by far more than the tolerance.
-    shape: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                 initializer_range=0.3)
+    shape: dict[str, Any] = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
     given: list[tuple[bool, bool]] = []  # (positions, mask) of each kernel call
     plain = decode_attention.short_query_attention
 
-    def watched(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def watched(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         given.append((positions is not None, mask is not None))
         return plain(query, key, value, mask, scale, positions)
 
     def steps(model: PreTrainedModel, on_kernels: bool) -> list[torch.Tensor]:
         # On the CPU the kernels run only if asked (here through Triton's interpreter).
         attention.KERNELS = decode_attention if on_kernels else None
-        attention.uses_kernel = (lambda q, k, v, m, queries: on_kernels  # type: ignore
-                                 and queries <= attention.SHORT_QUERY and decode_attention.supports(q, k, v, m))
+        attention.uses_kernel = lambda q, k, v, m, queries: (
+            on_kernels  # type: ignore
+            and queries <= attention.SHORT_QUERY
+            and decode_attention.supports(q, k, v, m)
+        )
         runner = ModelRunner(model, 4, 256)
         rows = torch.tensor(runner.allocate(2))
         generator = torch.Generator().manual_seed(1)
-        out = [runner.forward(rows, torch.randint(0, 300, (2, 12), generator=generator), torch.tensor([12, 7]),
-                              last_only=True)]
+        out = [
+            runner.forward(
+                rows, torch.randint(0, 300, (2, 12), generator=generator), torch.tensor([12, 7]), last_only=True
+            )
+        ]
         for n in (5, 1, 5):
             out.append(runner.forward(rows, torch.randint(0, 300, (2, n), generator=generator), torch.full((2,), n)))
         return out
@@ -148,8 +175,12 @@ def test_the_kernels_take_only_the_shapes_they_handle() -> None:
     from minedraft.decode_attention import supports
 
     def inputs(dim: int = 64, value_dim: int = 64, n: int = 5) -> list[torch.Tensor]:
-        return [torch.randn(2, 8, n, dim), torch.randn(2, 2, 40, dim), torch.randn(2, 2, 40, value_dim),
-                torch.zeros(2, 1, n, 40)]
+        return [
+            torch.randn(2, 8, n, dim),
+            torch.randn(2, 2, 40, dim),
+            torch.randn(2, 2, 40, value_dim),
+            torch.zeros(2, 1, n, 40),
+        ]
 
     assert supports(*inputs())
     assert not supports(*inputs(dim=80, value_dim=80))  # a 80-wide head: not a power of two

@@ -33,10 +33,7 @@ def _prompts(seed: int = 1234) -> list[tuple[list[int], int]]:
     lengths = torch.linspace(2, 40, NUM_PROMPTS).round().long()[torch.randperm(NUM_PROMPTS, generator=gen)]
     budgets = torch.randint(1, 17, (NUM_PROMPTS,), generator=gen)
     budgets[:3] = torch.tensor([1, 2, 16])  # a one-token request finishes at prefill
-    return [
-        (torch.randint(0, VOCAB, (int(n),), generator=gen).tolist(), int(m))
-        for n, m in zip(lengths, budgets)
-    ]
+    return [(torch.randint(0, VOCAB, (int(n),), generator=gen).tolist(), int(m)) for n, m in zip(lengths, budgets)]
 
 
 PROMPTS = _prompts()
@@ -120,9 +117,7 @@ def test_speculative_matches_hf(arch: str, draft_kind: str, k: int, tiny_models,
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_speculative_self_draft_accepts_everything(
-    arch: str, k: int, tiny_models, hf_reference: HFReference
-) -> None:
+def test_speculative_self_draft_accepts_everything(arch: str, k: int, tiny_models, hf_reference: HFReference) -> None:
     """The target drafting for itself: every draft is accepted and each step ends with the bonus token."""
     target = tiny_models.target(arch, vocab=VOCAB)
     results = _run(target, target, _greedy_requests(), k)
@@ -145,8 +140,9 @@ def test_prefill_groups_pad_little_and_keep_each_prompt_once() -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_prompts_prefilled_in_groups_by_length_match_hf(arch: str, tiny_models, hf_reference: HFReference,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prompts_prefilled_in_groups_by_length_match_hf(
+    arch: str, tiny_models, hf_reference: HFReference, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With a forward costing little, each step's prompts (2-40 tokens) are prefilled in several forwards, grouped
     by length and put back in order (`prefill_groups`); output and every later step are unchanged."""
     monkeypatch.setattr(sequence_table, "PREFILL_FORWARD_COST", 4)
@@ -183,7 +179,10 @@ def test_mixed_greedy_and_sampled_rows(greedy_drafts: bool, tiny_models, hf_refe
         SamplingConfig(max_tokens=m)
         if i % 2 == 0
         else SamplingConfig(
-            temperature=[1.0, 0.7, 1.5][i % 3], top_p=[1.0, 0.9][i // 2 % 2], top_k=[0, 20][i // 3 % 2], seed=i,
+            temperature=[1.0, 0.7, 1.5][i % 3],
+            top_p=[1.0, 0.9][i // 2 % 2],
+            top_k=[0, 20][i // 3 % 2],
+            seed=i,
             max_tokens=m,
         )
         for i, (_, m) in enumerate(PROMPTS)
@@ -238,7 +237,11 @@ def test_eos_and_ignore_eos(mode: str, k: int, tiny_models, hf_reference: HFRefe
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         hf_eos = target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False, eos_token_id=eos,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=budget,
+            do_sample=False,
+            eos_token_id=eos,
             pad_token_id=eos,
         )[0, len(prompt) :].tolist()
     assert hf_eos == reference[index][:6]

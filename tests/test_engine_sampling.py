@@ -234,8 +234,9 @@ def test_processed_probs_row_independent_of_other_rows() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 1, 128, generator=gen) * 6
     alone = processed_probs(logits[:1], torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), False)[0, 0]
-    mixed = processed_probs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 5]), torch.tensor([1.0, 1.0]),
-                            True)[0, 0]
+    mixed = processed_probs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 5]), torch.tensor([1.0, 1.0]), True)[
+        0, 0
+    ]
     dropped = int(((alone > 0) & (mixed == 0)).sum())
     assert dropped == 0, f"{dropped} tokens of positive probability dropped because another row used top-k"
     torch.testing.assert_close(mixed, alone, rtol=1e-5, atol=0)
@@ -278,8 +279,9 @@ def _resample_from_p(original: Callable[..., SamplerOutput]) -> Callable[..., Sa
         k = draft_ids.shape[1]
         rows = torch.arange(len(draft_ids))
         rejected = (out.num_accepted < k) & (params.temperature > 0)
-        p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p,
-                            bound["filtered"])[rows, out.num_accepted]
+        p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p, bound["filtered"])[
+            rows, out.num_accepted
+        ]
         position = first_position + out.num_accepted
         u = seeded_uniform(params.seed_key, position[:, None], STREAM_SAMPLE)[:, 0]
         tokens = out.tokens.clone()
@@ -306,9 +308,7 @@ def test_check_catches_wrong_acceptance_rule(wrong_rule: str, small_pair, monkey
 VOCAB = 128
 
 
-def _seeded_run(
-    tiny_models, requests: Sequence[OfflineRequest], k: int, max_batch: int = 8
-) -> list[OfflineResult]:
+def _seeded_run(tiny_models, requests: Sequence[OfflineRequest], k: int, max_batch: int = 8) -> list[OfflineResult]:
     target = tiny_models.target("llama", vocab=VOCAB)
     draft = tiny_models.noisy_draft("llama", vocab=VOCAB)
     verifier = Verifier(ModelRunner(target, max_batch, 96), [])
@@ -374,19 +374,28 @@ def test_bf16_logits_decide_as_their_float32_copy() -> None:
     draft_ids = torch.randint(0, vocab, (batch, k), generator=generator)
     draft_ids[:, :2] = logits[:, :2].float().argmax(-1)  # some drafts accepted by greedy rows
     draft_probs = torch.randn(batch, k, vocab, generator=generator).softmax(-1)
-    params = RowParams(torch.tensor([0.0, 0.7, 1.0, 1.3]), torch.tensor([0, 0, 50, 0]),
-                       torch.tensor([1.0, 0.9, 1.0, 1.0]), seed_key(torch.arange(batch) + 7))
+    params = RowParams(
+        torch.tensor([0.0, 0.7, 1.0, 1.3]),
+        torch.tensor([0, 0, 50, 0]),
+        torch.tensor([1.0, 0.9, 1.0, 1.0]),
+        seed_key(torch.arange(batch) + 7),
+    )
     first_position = torch.tensor([5, 9, 12, 30])
     for probs, all_greedy, filtered in ((None, True, False), (None, False, True), (draft_probs, False, True)):
-        got, want = (rejection_sampler.rejection_sample(t, draft_ids, probs, params, first_position, None,
-                                                        all_greedy=all_greedy, filtered=filtered)
-                     for t in (logits, logits.float()))
+        got, want = (
+            rejection_sampler.rejection_sample(
+                t, draft_ids, probs, params, first_position, None, all_greedy=all_greedy, filtered=filtered
+            )
+            for t in (logits, logits.float())
+        )
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
         assert int(want.num_accepted[0]) >= 2  # the greedy row took its accepted drafts
     assert torch.equal(greedy_tokens(logits), logits.float().argmax(-1))
     temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
-    assert torch.equal(processed_probs(logits, temperature, top_k, top_p, True),
-                       processed_probs(logits.float(), temperature, top_k, top_p, True))
+    assert torch.equal(
+        processed_probs(logits, temperature, top_k, top_p, True),
+        processed_probs(logits.float(), temperature, top_k, top_p, True),
+    )
 
 
 def test_seeded_uniforms_are_pinned() -> None:

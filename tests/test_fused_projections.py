@@ -18,9 +18,17 @@ def _model(arch: str) -> PreTrainedModel:
     torch.manual_seed(0)
     config: PretrainedConfig
     if arch == "qwen2":  # biased q/k/v projections
-        config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             initializer_range=0.2, tie_word_embeddings=False)
+        config = Qwen2Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
     else:
         config = tiny_config(arch, sliding_window=6) if arch == "mistral" else tiny_config(arch)
     config._attn_implementation = "sdpa"

@@ -38,9 +38,10 @@ def _generate_reference(model_dir: Path, prompts: list[list[int]]) -> list[list[
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt], device="cuda:0")
-            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                    do_sample=False, pad_token_id=0)
-            out.append(tokens[0, len(prompt):].tolist())
+            tokens = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )
+            out.append(tokens[0, len(prompt) :].tolist())
     return out
 
 

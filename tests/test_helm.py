@@ -38,9 +38,24 @@ def test_chart_metadata() -> None:
 def test_values_have_the_documented_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     expected = {
-        "coordinator": ["port", "mode", "numSpeculativeTokens", "maxBatchSize", "maxQueueSize", "maxPrefillTokens",
-                        "overlap", "speculation", "minSpeculativeTokens", "stepCalls", "channel", "tokenizer",
-                        "draftRetryInterval", "draftTimeout", "targetTimeout", "drainTimeout"],
+        "coordinator": [
+            "port",
+            "mode",
+            "numSpeculativeTokens",
+            "maxBatchSize",
+            "maxQueueSize",
+            "maxPrefillTokens",
+            "overlap",
+            "speculation",
+            "minSpeculativeTokens",
+            "stepCalls",
+            "channel",
+            "tokenizer",
+            "draftRetryInterval",
+            "draftTimeout",
+            "targetTimeout",
+            "drainTimeout",
+        ],
         "target": [
             "model",
             "port",

@@ -64,7 +64,8 @@ def test_rollback_equals_fresh_prefill(arch: str, tiny_models) -> None:
             # The draft cache: every committed token, then the drafts it ran to propose the next (d_1..d_{k-1}).
             row = proposer.table.rows_by_id[s]
             assert_state_equal(
-                proposer.runner.cache.rows_state(row), fresh_state(draft, committed[s] + drafts[b][: k - 1]),
+                proposer.runner.cache.rows_state(row),
+                fresh_state(draft, committed[s] + drafts[b][: k - 1]),
                 f"draft seq {s}",
             )
             # The host's copies, from which a proposal finds its key length, follow the device's.
@@ -111,8 +112,9 @@ def test_a_draft_that_missed_tokens_catches_up_as_if_prefilled_with_them(arch: s
         for b, s in enumerate(seq_ids):
             cached[s] += missed[b] + [nexts[b]]
             row = proposer.table.rows_by_id[s]
-            assert_state_equal(proposer.runner.cache.rows_state(row), fresh_state(draft, cached[s] + drafts[b][:-1]),
-                               f"draft seq {s}")
+            assert_state_equal(
+                proposer.runner.cache.rows_state(row), fresh_state(draft, cached[s] + drafts[b][:-1]), f"draft seq {s}"
+            )
             alone = Proposer(ModelRunner(draft, 1, 96))
             alone.prefill([s], [cached[s][:-1]], [configs[b]])
             again = alone.propose([s], torch.tensor([0]), torch.tensor([cached[s][-1]]), k)
@@ -270,8 +272,15 @@ def test_draft_with_a_narrower_vocabulary_accepts_any_target_token() -> None:
     from draft_service.proposer import Proposer
     from minedraft.sampling import SamplingConfig
 
-    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
     draft = transformers.AutoModelForCausalLM.from_config(config).eval()
     proposer = Proposer(ModelRunner(draft, 2, 64))
     proposer.prefill([7], [[1, 2, 3]], [SamplingConfig(max_tokens=8)])
@@ -293,7 +302,7 @@ def test_batches_kept_in_blocks_of_cache_rows_read_as_views(arch: str, tiny_mode
     moved = 0
 
     def admit(group: int) -> None:
-        row, = blocks.allocate(1)
+        (row,) = blocks.allocate(1)
         assert gathers.allocate(1) == [row]  # both hand out the same logical rows
         prompt = torch.randint(0, VOCAB, (1, int(torch.randint(2, 9, (1,), generator=rng))), generator=rng)
         for runner in (blocks, gathers):

@@ -22,8 +22,10 @@ pytest_plugins = ["stack", "observed_stack"]
 
 
 def _results(accepted: list[int], emitted: list[int]) -> list[target_pb2.SequenceResult]:
-    return [target_pb2.SequenceResult(seq_id=i, token_ids=[5] * n, num_accepted=a)
-            for i, (a, n) in enumerate(zip(accepted, emitted))]
+    return [
+        target_pb2.SequenceResult(seq_id=i, token_ids=[5] * n, num_accepted=a)
+        for i, (a, n) in enumerate(zip(accepted, emitted))
+    ]
 
 
 def _request(seq_id: int = 1) -> RequestState:
@@ -73,7 +75,8 @@ def test_verify_counters_match_record_verify() -> None:
     assert value("minedraft_accepted_tokens_total") == sum(u.accepted_tokens for u in usages) == 13
     for position in range(K):
         assert value("minedraft_accepted_tokens_by_position_total", {"position": str(position)}) == sum(
-            u.accepted_per_position[position] for u in usages)
+            u.accepted_per_position[position] for u in usages
+        )
     assert value("minedraft_verified_sequences_total") == sum(u.steps for u in usages) == 8
     assert value("minedraft_verify_steps_total") == 2
 
@@ -97,9 +100,16 @@ def test_request_end_and_gauges() -> None:
     metrics = CoordinatorMetrics()
     waiting = [3]
     metrics.track_state(lambda: waiting[0], lambda: 5, lambda: 0.0, lambda: 2, lambda: 0.0, lambda: 2.0)
-    usage = generation_pb2.Usage(completion_tokens=10, draft_tokens=12, accepted_tokens=6, steps=4,
-                                 mean_accepted_length=2.5, acceptance_rate=0.5, time_to_first_token_s=0.2,
-                                 time_per_output_token_s=0.01)
+    usage = generation_pb2.Usage(
+        completion_tokens=10,
+        draft_tokens=12,
+        accepted_tokens=6,
+        steps=4,
+        mean_accepted_length=2.5,
+        acceptance_rate=0.5,
+        time_to_first_token_s=0.2,
+        time_per_output_token_s=0.01,
+    )
     metrics.request_finished("length", usage, 1.5)
     metrics.request_finished("cancelled", None, 0.5)
     metrics.request_rejected("queue_full")
@@ -125,8 +135,13 @@ def test_worker_metrics_from_messages() -> None:
     verify = target_pb2.VerifyRequest(step_id=3, batch_id=1, seq_ids=[1, 2], num_draft_tokens=4)
     reply = target_pb2.VerifyResponse(results=_results([4, 1], [5, 2]), timings=timings)
     metrics.observe_call("Verify", verify, reply, 0.03, grpc.StatusCode.OK)
-    metrics.observe_call("Release", target_pb2.TargetServiceReleaseRequest(seq_ids=[1]),
-                         target_pb2.TargetServiceReleaseResponse(free_slots=15), 0.001, grpc.StatusCode.OK)
+    metrics.observe_call(
+        "Release",
+        target_pb2.TargetServiceReleaseRequest(seq_ids=[1]),
+        target_pb2.TargetServiceReleaseResponse(free_slots=15),
+        0.001,
+        grpc.StatusCode.OK,
+    )
     metrics.observe_call("Verify", verify, None, 0.001, grpc.StatusCode.NOT_FOUND)
     value = metrics.registry.get_sample_value
     assert value("minedraft_worker_rpcs_total", {"method": "Verify", "code": "OK"}) == 1
@@ -170,15 +185,15 @@ def test_coordinator_counters_agree_with_usage(observed_run: ObservedRun) -> Non
     assert m("minedraft_verified_sequences_total") == sum(u.steps for u in usages)
     for position in range(K):
         assert m("minedraft_accepted_tokens_by_position_total", position=str(position)) == sum(
-            u.accepted_per_position[position] for u in usages if len(u.accepted_per_position) > position)
-    assert m("minedraft_request_mean_accepted_length_sum") == pytest.approx(
-        sum(u.mean_accepted_length for u in usages))
+            u.accepted_per_position[position] for u in usages if len(u.accepted_per_position) > position
+        )
+    assert m("minedraft_request_mean_accepted_length_sum") == pytest.approx(sum(u.mean_accepted_length for u in usages))
     assert m("minedraft_request_acceptance_rate_sum") == pytest.approx(sum(u.acceptance_rate for u in usages))
     assert m("minedraft_time_to_first_token_seconds_count") == 2
-    assert m("minedraft_time_to_first_token_seconds_sum") == pytest.approx(
-        sum(u.time_to_first_token_s for u in usages))
+    assert m("minedraft_time_to_first_token_seconds_sum") == pytest.approx(sum(u.time_to_first_token_s for u in usages))
     assert m("minedraft_time_per_output_token_seconds_sum") == pytest.approx(
-        sum(u.time_per_output_token_s for u in usages))
+        sum(u.time_per_output_token_s for u in usages)
+    )
     assert m("minedraft_queue_length") == 0 and m("minedraft_running_sequences") == 0
     assert m("minedraft_draft_connected") == 1 and m("minedraft_batches") == 2  # psd on CPUs: no GPU shared
 
@@ -190,8 +205,12 @@ def test_step_metrics(observed_run: ObservedRun) -> None:
         return run.metric("coordinator", name, **labels)
 
     verifies = m("minedraft_step_seconds_count", kind="verify")
-    assert verifies == m("minedraft_step_seconds_count", kind="propose") == m("minedraft_batch_size_count",
-                                                                               kind="verify") > 0
+    assert (
+        verifies
+        == m("minedraft_step_seconds_count", kind="propose")
+        == m("minedraft_batch_size_count", kind="verify")
+        > 0
+    )
     assert m("minedraft_verify_steps_total") == verifies
     overlapped = m("minedraft_overlap_efficiency_count")
     assert overlapped > 0  # two requests in two batches: PSD steps ran

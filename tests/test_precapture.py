@@ -44,9 +44,11 @@ K, MAX_BATCH, MAX_LEN, VOCAB = 3, 5, 200, 128
 
 def _requests() -> list[OfflineRequest]:
     rng = random.Random(4)
-    configs = [SamplingConfig(max_tokens=120, ignore_eos=True),
-               SamplingConfig(temperature=0.8, seed=1, max_tokens=120, ignore_eos=True),
-               SamplingConfig(temperature=1.0, top_k=20, top_p=0.9, seed=2, max_tokens=120, ignore_eos=True)]
+    configs = [
+        SamplingConfig(max_tokens=120, ignore_eos=True),
+        SamplingConfig(temperature=0.8, seed=1, max_tokens=120, ignore_eos=True),
+        SamplingConfig(temperature=1.0, top_k=20, top_p=0.9, seed=2, max_tokens=120, ignore_eos=True),
+    ]
     lengths = [4] + [rng.randint(3, 60) for _ in range(8)]  # a prompt as short as a verify step: prefills stay eager
     prompts = [[rng.randrange(VOCAB) for _ in range(length)] for length in lengths]
     return [OfflineRequest(prompt, configs[i % 3], arrival_step=2 * i) for i, prompt in enumerate(prompts)]
@@ -69,8 +71,9 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     results = generate_offline(verifier, proposer, _requests(), K, MAX_BATCH)
     assert all(len(r.tokens) == 120 for r in results)
     served = [verifier.runner.step_keys, proposer.runner.step_keys]
-    assert served[0] <= ahead[0] and served[1] <= ahead[1], f"not run ahead: {served[0] - ahead[0]}, " \
-                                                            f"{served[1] - ahead[1]}"
+    assert served[0] <= ahead[0] and served[1] <= ahead[1], (
+        f"not run ahead: {served[0] - ahead[0]}, {served[1] - ahead[1]}"
+    )
     # The load went through several batch sizes, key-length buckets and kinds of verify and proposal. Keys are
     # (kind, steps or last_only, padded batch, key length, block start, the inputs' shapes...).
     assert len({key[2] for key in served[0]}) >= 3 and len({key[3] for key in served[0]}) >= 3
@@ -104,7 +107,8 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
         assert ran == ([["12"] * 12, ["12"] * 6] if extra else [[], []]), logs
         if extra:  # the coordinator's Prepare calls: both workers at once, not one after the other
             (target_start, target_end), (draft_start, draft_end) = (
-                (spans[0][0], spans[2][1]) for spans in map(precapture_spans, logs))
+                (spans[0][0], spans[2][1]) for spans in map(precapture_spans, logs)
+            )
             assert target_start < draft_end and draft_start < target_end, logs
     assert all(len(set(map(repr, runs))) == 1 for runs in outputs.values()), "precapture changed the output"
 
@@ -118,8 +122,9 @@ def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: T
     for extra in ([], ["--precapture-graphs"]):
         workers = start_workers(tiny_pairs["llama"], stack_logs, with_draft=False, extra=extra)
         try:
-            with running_coordinator(workers, stack_logs, "ar", k=4, max_batch_size=4,
-                                     extra=["--draft-retry-interval", "0.2"]) as coordinator:
+            with running_coordinator(
+                workers, stack_logs, "ar", k=4, max_batch_size=4, extra=["--draft-retry-interval", "0.2"]
+            ) as coordinator:
                 outputs.append(run_async(generate_all(coordinator.address, requests)))
                 if extra:  # killed and restarted on its address: taken back, and prepared before it serves again
                     logs.append(workers.target.log_tail(10**7))
@@ -127,9 +132,12 @@ def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: T
                     workers.target.proc.wait()
                     # (the idle coordinator's health watch sees it go)
                     wait_health(coordinator.address, health_pb2.HealthCheckResponse.NOT_SERVING)
-                    workers.target = spawn("llama-target-restarted", worker_args(
-                        "target", workers.pair.target, workers.max_batch_size) + extra, stack_logs,
-                        port=workers.target.port)
+                    workers.target = spawn(
+                        "llama-target-restarted",
+                        worker_args("target", workers.pair.target, workers.max_batch_size) + extra,
+                        stack_logs,
+                        port=workers.target.port,
+                    )
                     wait_all([workers.target])
                     outputs.append(_served_again(coordinator.address, requests))
             logs.append(workers.target.log_tail(10**7))
@@ -142,8 +150,9 @@ def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: T
     assert outputs[0] == outputs[1] == outputs[2]
 
 
-def _served_again(address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 60.0
-                  ) -> list[list[int]]:
+def _served_again(
+    address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 60.0
+) -> list[list[int]]:
     """The requests' tokens once the coordinator serves again (UNAVAILABLE while it takes the target back)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -157,6 +166,7 @@ def _served_again(address: str, requests: list[generation_pb2.GenerateRequest], 
 def test_a_worker_without_prepare_is_prepared_by_its_setup_channel() -> None:
     """A worker older than the Prepare RPC (a rolling upgrade starts the new coordinator first) answers UNIMPLEMENTED:
     the coordinator goes on to SetupChannel, which prepares such a worker. Any other error still fails the connect."""
+
     class Refusing(target_pb2_grpc.TargetServiceServicer):
         async def Prepare(self, request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of GPU memory")

@@ -93,9 +93,7 @@ def test_messages_round_trip() -> None:
         token_ids=[5, 6],
         text="hi",
         finish_reason=generation_pb2.FINISH_REASON_LENGTH,
-        usage=generation_pb2.Usage(
-            completion_tokens=2, accepted_per_position=[3, 1], time_to_first_token_s=0.25
-        ),
+        usage=generation_pb2.Usage(completion_tokens=2, accepted_per_position=[3, 1], time_to_first_token_s=0.25),
     )
     assert generation_pb2.GenerateResponse.FromString(response.SerializeToString()) == response
 
@@ -119,9 +117,7 @@ def test_messages_round_trip() -> None:
     assert type(decoded_verify).__module__ == "minedraft.proto.minedraft.v1.target_pb2"
 
     prefill = target_pb2.TargetServicePrefillRequest(
-        sequences=[
-            common_pb2.SequenceSpec(seq_id=1, prompt_token_ids=[4], params=generation_pb2.SamplingParams())
-        ]
+        sequences=[common_pb2.SequenceSpec(seq_id=1, prompt_token_ids=[4], params=generation_pb2.SamplingParams())]
     )
     assert target_pb2.TargetServicePrefillRequest.FromString(prefill.SerializeToString()) == prefill
 
@@ -134,11 +130,25 @@ def test_services_shape() -> None:
     assert generation.methods_by_name["Generate"].server_streaming
     assert set(generation.methods_by_name) == {"Generate", "GetServerInfo"}
     target = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
-    assert set(target.methods_by_name) == {"GetInfo", "SetupChannel", "Prepare", "Prefill", "Verify", "VerifyStream",
-                                           "Release"}
+    assert set(target.methods_by_name) == {
+        "GetInfo",
+        "SetupChannel",
+        "Prepare",
+        "Prefill",
+        "Verify",
+        "VerifyStream",
+        "Release",
+    }
     draft = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
-    assert set(draft.methods_by_name) == {"GetInfo", "SetupChannel", "Prepare", "Prefill", "Propose", "ProposeStream",
-                                          "Release"}
+    assert set(draft.methods_by_name) == {
+        "GetInfo",
+        "SetupChannel",
+        "Prepare",
+        "Prefill",
+        "Propose",
+        "ProposeStream",
+        "Release",
+    }
     for method in (target.methods_by_name["VerifyStream"], draft.methods_by_name["ProposeStream"]):
         assert method.client_streaming and method.server_streaming
 

@@ -21,8 +21,9 @@ def tokenizer() -> object:
     return AutoTokenizer.from_pretrained(str(TARGET_DIR))
 
 
-def _stream(tokenizer: object, ids: list[int], step: int, stops: tuple[str, ...] = (), lag: int = 0
-            ) -> tuple[RequestState, str]:
+def _stream(
+    tokenizer: object, ids: list[int], step: int, stops: tuple[str, ...] = (), lag: int = 0
+) -> tuple[RequestState, str]:
     """Emit `ids` `step` at a time; the stream's reader takes messages `lag` emits behind (a busy event loop)."""
     request = RequestState(1, [1], SamplingConfig(), stops, tokenizer)
     streamed = ""

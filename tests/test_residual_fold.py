@@ -14,8 +14,14 @@ from minedraft.residual_fold import fold_residuals
 
 
 def _llama(layers: int = 3) -> PreTrainedModel:
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
@@ -38,7 +44,7 @@ def _compiled(model: PreTrainedModel, fold: bool) -> PreTrainedModel:
 
 def _kernels_per_graph(code: list[str]) -> list[int]:
     """Kernel launches in each compiled graph's `call` (inductor's C++ or Triton kernels; matmuls are extern)."""
-    return [len(re.findall(r"\b(?:cpp_fused|triton)_\w+\(", graph[graph.find("def call("):])) for graph in code]
+    return [len(re.findall(r"\b(?:cpp_fused|triton)_\w+\(", graph[graph.find("def call(") :])) for graph in code]
 
 
 def test_folded_layers_give_the_models_output_and_one_kernel_fewer_each() -> None:

@@ -35,12 +35,14 @@ def check_against_reference(device: str, dtype: torch.dtype) -> None:
         rows = torch.randperm(cache_rows, generator=generator)[:batch].to(device)
         positions = (torch.randint(0, length - n + 1, (batch, 1), generator=generator) + torch.arange(n)).to(device)
         got, want = [s.clone() for s in stacks], [s.clone() for s in stacks]
-        query = rotary_write.rotate_and_write(projections, cos, sin, got[0][1], got[1][1], rows, positions, heads,
-                                              kv_heads)
+        query = rotary_write.rotate_and_write(
+            projections, cos, sin, got[0][1], got[1][1], rows, positions, heads, kv_heads
+        )
         kernel, kv_cache.ROTARY_KERNEL = kv_cache.ROTARY_KERNEL, None
         try:
-            expected = kv_cache.rotate_and_write(projections, cos, sin, want[0], want[1], 1, rows, positions, heads,
-                                                 kv_heads)
+            expected = kv_cache.rotate_and_write(
+                projections, cos, sin, want[0], want[1], 1, rows, positions, heads, kv_heads
+            )
         finally:
             kv_cache.ROTARY_KERNEL = kernel
         case = (batch, n, heads, kv_heads, dim, dtype)
@@ -65,5 +67,15 @@ def test_the_operator_refuses_a_cache_of_other_heads() -> None:
 
     stacks = torch.zeros(2, 1, 3, 4, 8, 16)
     with pytest.raises(ValueError, match="2 K/V heads"):
-        rotate_and_write(torch.zeros(1, 1, 8 * 16), torch.ones(1, 1, 16), torch.zeros(1, 1, 16), stacks[0],
-                         stacks[1], 0, torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), 4, 2)
+        rotate_and_write(
+            torch.zeros(1, 1, 8 * 16),
+            torch.ones(1, 1, 16),
+            torch.zeros(1, 1, 16),
+            stacks[0],
+            stacks[1],
+            0,
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long),
+            4,
+            2,
+        )

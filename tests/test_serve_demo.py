@@ -26,9 +26,25 @@ def test_serve_demo_pair_and_generate_json() -> None:
     (a container's stop) then lets the request in flight finish before all three stop."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     serve = subprocess.Popen(
-        [sys.executable, "-m", "minedraft.cli", "serve", "--port", "0", "--host", "127.0.0.1",
-         "--max-batch-size", "4", "--max-model-len", "512"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "minedraft.cli",
+            "serve",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--max-batch-size",
+            "4",
+            "--max-model-len",
+            "512",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     serving = threading.Event()
@@ -49,9 +65,24 @@ def test_serve_demo_pair_and_generate_json() -> None:
         port = int(found.group(1))
         assert port != 0
         result = subprocess.run(
-            [sys.executable, "-m", "minedraft.cli", "generate", "--server", f"127.0.0.1:{port}",
-             "--prompt", "def fib(n):", "--max-tokens", "32", "--ignore-eos", "--json"],
-            env=env, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "minedraft.cli",
+                "generate",
+                "--server",
+                f"127.0.0.1:{port}",
+                "--prompt",
+                "def fib(n):",
+                "--max-tokens",
+                "32",
+                "--ignore-eos",
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr
         answer = json.loads(result.stdout)
@@ -62,8 +93,9 @@ def test_serve_demo_pair_and_generate_json() -> None:
         assert usage["steps"] >= 1 and usage["draft_tokens"] == 4 * usage["steps"] == 4 * usage["drafted_steps"]
         # The distilled draft agrees with the target often: speculation really happens.
         assert usage["accepted_tokens"] > 0
-        assert usage["mean_accepted_length"] == pytest.approx(1 + usage["accepted_tokens"] / usage["drafted_steps"],
-                                                              1e-3)
+        assert usage["mean_accepted_length"] == pytest.approx(
+            1 + usage["accepted_tokens"] / usage["drafted_steps"], 1e-3
+        )
         assert _tokens_streamed_across_a_sigterm(serve, f"127.0.0.1:{port}", 200) == (200, "FINISH_REASON_LENGTH")
         serve.wait(timeout=60)
     finally:
@@ -79,7 +111,8 @@ def test_serve_demo_pair_and_generate_json() -> None:
 def _tokens_streamed_across_a_sigterm(serve: subprocess.Popen, address: str, max_tokens: int) -> tuple[int, str]:
     """Stream a request, SIGTERM `serve` after its first message; (tokens received, finish reason)."""
     request = generation_pb2.GenerateRequest(
-        prompt="def fib(n):", params=generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        prompt="def fib(n):", params=generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
     with grpc.insecure_channel(address) as channel:
         stream = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
         tokens, finish = 0, 0
@@ -110,9 +143,23 @@ def test_a_second_ctrl_c_stops_every_service_at_once() -> None:
     """Ctrl-C twice (an impatient operator) while `serve` stops its services: none of them is left running."""
     port = free_port()
     serve = subprocess.Popen(
-        [sys.executable, "-m", "minedraft.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
-         "--max-batch-size", "2", "--max-model-len", "256"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "minedraft.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--max-batch-size",
+            "2",
+            "--max-model-len",
+            "256",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     services: list[int] = []

@@ -31,8 +31,9 @@ BATCH = 4
 
 def _info(*gpu_uuids: str, device: str = "cuda:0", listed: bool = True) -> common_pb2.WorkerInfo:
     """A worker's info on `gpu_uuids`; `listed=False`: a worker from before `gpu_uuids`, naming its first only."""
-    return common_pb2.WorkerInfo(device=device, gpu_uuid=gpu_uuids[0] if gpu_uuids else "",
-                                 gpu_uuids=gpu_uuids if listed else ())
+    return common_pb2.WorkerInfo(
+        device=device, gpu_uuid=gpu_uuids[0] if gpu_uuids else "", gpu_uuids=gpu_uuids if listed else ()
+    )
 
 
 def test_workers_share_a_gpu_when_their_uuids_match() -> None:
@@ -57,8 +58,14 @@ def test_merged_batches_admit_both_batches_room() -> None:
 
 
 def test_a_runner_lays_out_its_blocks_again_only_while_it_holds_no_row() -> None:
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     runner = ModelRunner(AutoModelForCausalLM.from_config(config).eval(), 8, 32, cuda_graphs=False, groups=2)
     rows = runner.allocate(6)
     assert runner.arrange(rows, 0) is None  # 6 rows do not fit a block of 4: gathered at every step
@@ -73,21 +80,24 @@ def test_a_runner_lays_out_its_blocks_again_only_while_it_holds_no_row() -> None
 
 
 def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
-        llama_workers: Workers, tiny_pairs: TinyPairs, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    llama_workers: Workers, tiny_pairs: TinyPairs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The same greedy tokens as psd's two batches; the workers' cache laid out for one batch and back."""
     workers = llama_workers
     assert workers.draft is not None
     params = generation_pb2.SamplingParams(max_tokens=24, ignore_eos=True)
-    requests = [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params)
-                for p in text_prompts(tiny_pairs.tokenizer, 2 * BATCH, 6, 20, seed=31)]
+    requests = [
+        generation_pb2.GenerateRequest(prompt_token_ids=p, params=params)
+        for p in text_prompts(tiny_pairs.tokenizer, 2 * BATCH, 6, 20, seed=31)
+    ]
 
     async def serve_all(shared: bool) -> tuple[generation_pb2.GetServerInfoResponse, list[list[int]], int]:
         monkeypatch.setattr(coordinator.server, "shared_gpus", lambda target, draft: ["GPU-test"] if shared else [])
         async with in_process_coordinator(workers, max_batch_size=BATCH) as (address, servicer):
             async with grpc.aio.insecure_channel(address) as channel:
                 info = await generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
-                    generation_pb2.GetServerInfoRequest())
+                    generation_pb2.GetServerInfoRequest()
+                )
             completions = await asyncio.gather(*(generate(address, r) for r in requests))
             assert all(c.usage.draft_tokens > 0 for c in completions)  # drafted, not decoded alone
             return info, [c.token_ids for c in completions], len(servicer.manager.batches)
@@ -104,4 +114,3 @@ def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
     log = Path(workers.target.log_path).read_text()
     assert "cache rows laid out for 1 batch(es)" in log and "cache rows laid out for 2 batch(es)" in log, log[-3000:]
     assert_all_slots_free(workers)
-

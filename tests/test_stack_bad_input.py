@@ -48,11 +48,15 @@ BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
     # name: (GenerateRequest fields, words the message must contain)
     "empty prompt": ({"params": _params()}, ("prompt", "empty")),
     "empty text prompt": ({"prompt": "", "params": _params()}, ("prompt", "empty")),
-    "prompt and prompt_token_ids": ({"prompt": "def f():", "prompt_token_ids": PROMPT, "params": _params()},
-                                    ("prompt_token_ids", "not both")),
+    "prompt and prompt_token_ids": (
+        {"prompt": "def f():", "prompt_token_ids": PROMPT, "params": _params()},
+        ("prompt_token_ids", "not both"),
+    ),
     "prompt beyond context": ({"prompt_token_ids": PROMPT * 60, "params": _params()}, ("context",)),
-    "prompt + max_tokens beyond context": ({"prompt_token_ids": PROMPT * 10, "params": _params(max_tokens=250)},
-                                           ("max_tokens", "context")),
+    "prompt + max_tokens beyond context": (
+        {"prompt_token_ids": PROMPT * 10, "params": _params(max_tokens=250)},
+        ("max_tokens", "context"),
+    ),
     "negative temperature": ({"prompt_token_ids": PROMPT, "params": _params(temperature=-0.5)}, ("temperature",)),
     "top_p above 1": ({"prompt_token_ids": PROMPT, "params": _params(top_p=1.5)}, ("top_p",)),
     "negative top_p": ({"prompt_token_ids": PROMPT, "params": _params(top_p=-0.1)}, ("top_p",)),
@@ -85,11 +89,16 @@ def test_token_id_beyond_the_vocabulary(coordinator: Service, vocab_size: int) -
 def test_edge_values_that_are_valid(coordinator: Service) -> None:
     """top_p 0 is proto3's "unset" (1.0); top_k 0 is off; a prompt that exactly fills the context is fine."""
     room = MAX_MODEL_LEN - K
-    for params, prompt in ((_params(top_p=0.0, ignore_eos=True), PROMPT),
-                           (_params(top_p=1.0, top_k=0, temperature=0.0, ignore_eos=True), PROMPT),
-                           (_params(max_tokens=4, ignore_eos=True), [7] * (room - 4))):
-        done = asyncio.run(generate(coordinator.address, generation_pb2.GenerateRequest(
-            prompt_token_ids=prompt, params=params), timeout=60))
+    for params, prompt in (
+        (_params(top_p=0.0, ignore_eos=True), PROMPT),
+        (_params(top_p=1.0, top_k=0, temperature=0.0, ignore_eos=True), PROMPT),
+        (_params(max_tokens=4, ignore_eos=True), [7] * (room - 4)),
+    ):
+        done = asyncio.run(
+            generate(
+                coordinator.address, generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params), timeout=60
+            )
+        )
         assert len(done.token_ids) == 4, params
 
 
@@ -98,8 +107,9 @@ def test_queue_bound_gives_resource_exhausted(coordinator: Service) -> None:
 
     async def one() -> tuple[str, str]:
         try:
-            request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=_params(max_tokens=24,
-                                                                                          ignore_eos=True))
+            request = generation_pb2.GenerateRequest(
+                prompt_token_ids=PROMPT, params=_params(max_tokens=24, ignore_eos=True)
+            )
             done = await generate(coordinator.address, request, timeout=60)
             return "OK", str(len(done.token_ids))
         except grpc.aio.AioRpcError as exc:
@@ -119,8 +129,14 @@ def test_queue_bound_gives_resource_exhausted(coordinator: Service) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "minedraft.cli", "generate", *args], cwd=REPO, env=SERVICE_ENV,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "minedraft.cli", "generate", *args],
+        cwd=REPO,
+        env=SERVICE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_generate_cli_reports_bad_input_without_traceback(coordinator: Service, vocab_size: int) -> None:
@@ -132,15 +148,32 @@ def test_generate_cli_reports_bad_input_without_traceback(coordinator: Service, 
 
 
 def test_generate_cli_json(coordinator: Service) -> None:
-    run = _cli("--server", coordinator.address, "--prompt", "def main(argv):\n    ", "--max-tokens", "6",
-               "--ignore-eos", "--json")
+    run = _cli(
+        "--server",
+        coordinator.address,
+        "--prompt",
+        "def main(argv):\n    ",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    )
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert set(out) == {"token_ids", "text", "finish_reason", "usage"}
     assert len(out["token_ids"]) == 6 and isinstance(out["text"], str) and out["finish_reason"] == "length"
-    assert {"prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "steps",
-            "mean_accepted_length", "acceptance_rate", "accepted_per_position", "time_to_first_token_s",
-            "time_per_output_token_s"} <= set(out["usage"])
+    assert {
+        "prompt_tokens",
+        "completion_tokens",
+        "draft_tokens",
+        "accepted_tokens",
+        "steps",
+        "mean_accepted_length",
+        "acceptance_rate",
+        "accepted_per_position",
+        "time_to_first_token_s",
+        "time_per_output_token_s",
+    } <= set(out["usage"])
     assert out["usage"]["completion_tokens"] == 6
 
 
@@ -149,11 +182,21 @@ def test_workers_refuse_a_batch_id_beyond_the_two_batches(llama_workers: Workers
     from minedraft.proto import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
     calls = [
-        (llama_workers.target, lambda c: target_pb2_grpc.TargetServiceStub(c).Verify(
-            target_pb2.VerifyRequest(step_id=1, batch_id=2, seq_ids=[10**9]), timeout=10)),
-        (llama_workers.draft, lambda c: draft_pb2_grpc.DraftServiceStub(c).Propose(
-            draft_pb2.ProposeRequest(step_id=1, batch_id=7, seq_ids=[10**9], num_accepted=[0], next_token_ids=[3],
-                                     num_draft_tokens=K), timeout=10)),
+        (
+            llama_workers.target,
+            lambda c: target_pb2_grpc.TargetServiceStub(c).Verify(
+                target_pb2.VerifyRequest(step_id=1, batch_id=2, seq_ids=[10**9]), timeout=10
+            ),
+        ),
+        (
+            llama_workers.draft,
+            lambda c: draft_pb2_grpc.DraftServiceStub(c).Propose(
+                draft_pb2.ProposeRequest(
+                    step_id=1, batch_id=7, seq_ids=[10**9], num_accepted=[0], next_token_ids=[3], num_draft_tokens=K
+                ),
+                timeout=10,
+            ),
+        ),
     ]
     for service, call in calls:
         assert service is not None

@@ -25,8 +25,18 @@ def test_percentile_interpolates() -> None:
 
 
 def test_summary_and_ratios() -> None:
-    ok = RequestResult(True, 2.0, ttft_s=0.1, tpot_s=0.02, prompt_tokens=10, completion_tokens=20, draft_tokens=16,
-                       accepted_tokens=8, steps=4, drafted_steps=4)
+    ok = RequestResult(
+        True,
+        2.0,
+        ttft_s=0.1,
+        tpot_s=0.02,
+        prompt_tokens=10,
+        completion_tokens=20,
+        draft_tokens=16,
+        accepted_tokens=8,
+        steps=4,
+        drafted_steps=4,
+    )
     alone = RequestResult(True, 2.0, prompt_tokens=10, completion_tokens=20, steps=20)  # the target's steps alone
     failed = RequestResult(False, 0.5, error="RESOURCE_EXHAUSTED: full")
     fast = summarize("psd", [ok, ok, failed], wall=2.0, server={})
@@ -53,8 +63,14 @@ def test_modes_parsing() -> None:
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "minedraft.cli", "bench", "--no-progress", *args], cwd=REPO,
-                          env=SERVICE_ENV, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "minedraft.cli", "bench", "--no-progress", *args],
+        cwd=REPO,
+        env=SERVICE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_bad_mode_is_an_error_without_traceback() -> None:
@@ -70,8 +86,22 @@ def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Service]:
 
 def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    run = _bench("--server", coordinator.address, "--num-prompts", "6", "--concurrency", "4", "--prompt-len", "16",
-                 "--output-len", "8", "--num-warmup", "1", "--json-out", str(out))
+    run = _bench(
+        "--server",
+        coordinator.address,
+        "--num-prompts",
+        "6",
+        "--concurrency",
+        "4",
+        "--prompt-len",
+        "16",
+        "--output-len",
+        "8",
+        "--num-warmup",
+        "1",
+        "--json-out",
+        str(out),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "TTFT (ms)" in run.stdout and "accepted length" in run.stdout
     report = json.loads(out.read_text())
@@ -101,10 +131,36 @@ def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: Tin
     """A comparison stopped in its second mode (a benchmark's time limit, Ctrl-C) still writes the first's figures."""
     pair, out = tiny_pairs["llama"], tmp_path / "bench.json"
     bench = subprocess.Popen(
-        [sys.executable, "-m", "minedraft.cli", "bench", "--no-progress", "--modes", "psd,sd", "--target",
-         str(pair.target), "--draft", str(pair.draft), "--max-batch-size", "2", "--num-prompts", "4",
-         "--prompt-len", "16", "--output-len", "8", "--json-out", str(out), "--log-dir", str(tmp_path / "logs")],
-        cwd=REPO, env=SERVICE_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "minedraft.cli",
+            "bench",
+            "--no-progress",
+            "--modes",
+            "psd,sd",
+            "--target",
+            str(pair.target),
+            "--draft",
+            str(pair.draft),
+            "--max-batch-size",
+            "2",
+            "--num-prompts",
+            "4",
+            "--prompt-len",
+            "16",
+            "--output-len",
+            "8",
+            "--json-out",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=REPO,
+        env=SERVICE_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert bench.stdout is not None

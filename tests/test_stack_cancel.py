@@ -39,8 +39,7 @@ def _request(prompt: list[int]) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
 
 
-async def _cancel_after_first(stub: generation_pb2_grpc.GenerationServiceStub, prompt: list[int], delay: float
-                              ) -> str:
+async def _cancel_after_first(stub: generation_pb2_grpc.GenerationServiceStub, prompt: list[int], delay: float) -> str:
     await asyncio.sleep(delay)
     call = stub.Generate(_request(prompt))
     async for _ in call:
@@ -49,8 +48,9 @@ async def _cancel_after_first(stub: generation_pb2_grpc.GenerationServiceStub, p
     return "cancelled"
 
 
-async def _short_deadline(stub: generation_pb2_grpc.GenerationServiceStub, prompt: list[int], delay: float,
-                          deadline: float) -> str:
+async def _short_deadline(
+    stub: generation_pb2_grpc.GenerationServiceStub, prompt: list[int], delay: float, deadline: float
+) -> str:
     await asyncio.sleep(delay)
     try:
         async for _ in stub.Generate(_request(prompt), timeout=deadline):
@@ -74,8 +74,9 @@ async def _cancel_many(address: str, prompts: list[list[int]]) -> list[str]:
         return list(await asyncio.gather(*tasks))
 
 
-def test_cancelled_streams_free_every_kv_row(coordinator: Service, llama_workers: Workers,
-                                             tiny_pairs: TinyPairs) -> None:
+def test_cancelled_streams_free_every_kv_row(
+    coordinator: Service, llama_workers: Workers, tiny_pairs: TinyPairs
+) -> None:
     prompts = text_prompts(tiny_pairs.tokenizer, NUM_CANCELLED, 4, 40, seed=5)
     outcomes = asyncio.run(_cancel_many(coordinator.address, prompts))
     assert outcomes.count("cancelled") == NUM_CANCELLED // 2
@@ -83,8 +84,14 @@ def test_cancelled_streams_free_every_kv_row(coordinator: Service, llama_workers
     assert_all_slots_free(llama_workers, timeout=15)
 
     # The server still works, and that request too leaves the workers clean.
-    done = asyncio.run(generate(coordinator.address, generation_pb2.GenerateRequest(
-        prompt_token_ids=prompts[0], params=generation_pb2.SamplingParams(max_tokens=8, ignore_eos=True))))
+    done = asyncio.run(
+        generate(
+            coordinator.address,
+            generation_pb2.GenerateRequest(
+                prompt_token_ids=prompts[0], params=generation_pb2.SamplingParams(max_tokens=8, ignore_eos=True)
+            ),
+        )
+    )
     assert len(done.token_ids) == 8
     assert done.finish_reason == generation_pb2.FINISH_REASON_LENGTH
     assert_all_slots_free(llama_workers, timeout=15)

@@ -73,8 +73,9 @@ def _wave(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[
     return run_async(run_all())
 
 
-def _signal_midway(address: str, requests: list[generation_pb2.GenerateRequest], proc: subprocess.Popen,
-                   sig: signal.Signals) -> list[Completion]:
+def _signal_midway(
+    address: str, requests: list[generation_pb2.GenerateRequest], proc: subprocess.Popen, sig: signal.Signals
+) -> list[Completion]:
     """Stream all requests; send `sig` to `proc` once 5% of the tokens have arrived, whatever the machine's speed."""
     total = sum(r.params.max_tokens for r in requests)
     received, sent = 0, False
@@ -149,8 +150,9 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
     workers = start_workers(pair, stack_logs / "draft-back")
     try:
         requests = _requests(tiny_pairs, 200)
-        with running_coordinator(workers, stack_logs, "psd", extra=[*DRAFT_ALWAYS, "--draft-retry-interval", "0.2"]
-                                 ) as coordinator:
+        with running_coordinator(
+            workers, stack_logs, "psd", extra=[*DRAFT_ALWAYS, "--draft-retry-interval", "0.2"]
+        ) as coordinator:
             expected = _wave(coordinator.address, requests)
             assert workers.draft is not None
             workers.draft.proc.send_signal(signal.SIGKILL)
@@ -162,9 +164,12 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
             # sequence so far in the draft's cache) has every draft accepted, and one handed over wrongly would not.
             # It runs its step shapes at the connect, as on a GPU (where that takes 20-30 s): meanwhile the target
             # must go on decoding.
-            restarted = spawn("llama-draft-restarted",
-                              worker_args("draft", pair.target, workers.max_batch_size) + PRECAPTURE,
-                              stack_logs / "draft-back", port=workers.draft.port)
+            restarted = spawn(
+                "llama-draft-restarted",
+                worker_args("draft", pair.target, workers.max_batch_size) + PRECAPTURE,
+                stack_logs / "draft-back",
+                port=workers.draft.port,
+            )
             workers.draft = restarted
 
             async def feed_until_back() -> list[tuple[int, Completion]]:
@@ -201,7 +206,8 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
         # Every draft accepted (but in a last step cut short by max_tokens): a hand-over that gave the draft only the
         # prompt accepts about 5% here.
         assert all(c.usage.accepted_tokens >= c.usage.draft_tokens - 4 for c in handed_over), [
-            (c.usage.draft_tokens, c.usage.accepted_tokens) for c in handed_over]
+            (c.usage.draft_tokens, c.usage.accepted_tokens) for c in handed_over
+        ]
         assert all(c.usage.draft_tokens > 0 for c in after)
         # Tokens streamed while the draft ran its step shapes: the steps did not wait for its channel set-up.
         spans = precapture_spans(restarted.log_tail(10**7))
@@ -241,7 +247,8 @@ def test_a_hung_draft_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, 
 
 
 def test_a_draft_terminated_alone_is_left_at_once_and_its_successor_taken_back(
-        tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    tiny_pairs: TinyPairs, stack_logs: Path
+) -> None:
     """A SIGTERM to the draft service alone (its pod replaced): the coordinator follows the draft's health and stops
     drafting at once, so the draining draft goes quiet and stops on its own long before its drain timeout, while the
     target decodes alone, losslessly; a new draft on its address is taken back. Before, the coordinator drafted on
@@ -250,20 +257,27 @@ def test_a_draft_terminated_alone_is_left_at_once_and_its_successor_taken_back(
     workers = start_workers(pair, stack_logs / "draft-replaced", extra=["--drain-timeout", "120"])
     try:
         requests = _requests(tiny_pairs, 200)
-        with running_coordinator(workers, stack_logs, "psd", extra=[*DRAFT_ALWAYS, "--draft-retry-interval", "0.2"]
-                                 ) as coordinator:
+        with running_coordinator(
+            workers, stack_logs, "psd", extra=[*DRAFT_ALWAYS, "--draft-retry-interval", "0.2"]
+        ) as coordinator:
             expected = _wave(coordinator.address, requests)
             assert workers.draft is not None
             terminated = _signal_midway(coordinator.address, requests, workers.draft.proc, signal.SIGTERM)
             # Drafts at first, then none from about the SIGTERM on (5% of the tokens in), not drafts to the end.
             assert any(c.usage.draft_tokens > 0 for c in terminated)
             assert all(c.usage.draft_tokens < 2 * c.usage.steps for c in terminated), [
-                (c.usage.draft_tokens, c.usage.steps) for c in terminated]
+                (c.usage.draft_tokens, c.usage.steps) for c in terminated
+            ]
             assert workers.draft.proc.wait(timeout=30) == 0, workers.draft.log_tail()
             assert "the draft service is shutting down: continuing with the target alone" in coordinator.log_tail(
-                100_000)
-            workers.draft = spawn("llama-draft-restarted", worker_args("draft", pair.draft, workers.max_batch_size),
-                                  stack_logs / "draft-replaced", port=workers.draft.port)
+                100_000
+            )
+            workers.draft = spawn(
+                "llama-draft-restarted",
+                worker_args("draft", pair.draft, workers.max_batch_size),
+                stack_logs / "draft-replaced",
+                port=workers.draft.port,
+            )
             wait_all([workers.draft])
             deadline = time.monotonic() + 60
             after = _wave(coordinator.address, requests)
@@ -278,7 +292,8 @@ def test_a_draft_terminated_alone_is_left_at_once_and_its_successor_taken_back(
 
 
 def test_a_draft_terminated_just_before_its_coordinator_drafts_through_the_drain(
-        tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+    tiny_pairs: TinyPairs, stack_logs: Path
+) -> None:
     """A release deleted with the draft's SIGTERM a moment before the others': the coordinator leaves the stopping
     draft at first, then, draining too, takes it back at once for what is left (a draining worker serves while calls
     come), so its admitted requests finish with drafts, losslessly, and all three processes exit 0."""
@@ -327,7 +342,7 @@ def test_a_draft_terminated_just_before_its_coordinator_drafts_through_the_drain
 
 
 def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
-        tiny_pairs: TinyPairs, stack_logs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tiny_pairs: TinyPairs, stack_logs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The interleaving that failed a batch once in CI (the draft's health reporting its shutdown after a step had
     decided to propose, before the call), forced: a coordinator in this process is told to leave the draft from
@@ -350,8 +365,10 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
 
     async def serve_both_waves() -> tuple[list[Completion], list[Completion], int]:
         nonlocal armed
-        async with in_process_coordinator(workers, draft_retry_interval=1.0, speculation="always"
-                                          ) as (address, servicer):
+        async with in_process_coordinator(workers, draft_retry_interval=1.0, speculation="always") as (
+            address,
+            servicer,
+        ):
             expected = await asyncio.gather(*(generate(address, r) for r in requests))
             armed = True
             left = await asyncio.gather(*(generate(address, r) for r in requests))

@@ -25,7 +25,8 @@ MAX_TOKENS = 200
 
 def _request(prompt: list[int]) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
-        prompt_token_ids=prompt, params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        prompt_token_ids=prompt, params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
 
 
 async def _stream(call: grpc.aio.UnaryStreamCall, started: asyncio.Event) -> tuple[int, str]:
@@ -46,17 +47,18 @@ async def _not_serving_but_alive(channel: grpc.aio.Channel) -> None:
     """Wait until a server's health says NOT_SERVING; its liveness service must still say SERVING then."""
     health = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + 30
-    while (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == \
-            health_pb2.HealthCheckResponse.SERVING:
+    while (
+        await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    ).status == health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "health still SERVING 30 s after the SIGTERM"
         await asyncio.sleep(0.02)
     liveness = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=10)
     assert liveness.status == health_pb2.HealthCheckResponse.SERVING  # a liveness probe must not kill a drain
 
 
-async def _terminate_under_load(address: str, procs: list[object], prompts: list[list[int]],
-                                workers: Sequence[str] = ()
-                                ) -> tuple[list[tuple[int, str]], bool, grpc.StatusCode, str]:
+async def _terminate_under_load(
+    address: str, procs: list[object], prompts: list[list[int]], workers: Sequence[str] = ()
+) -> tuple[list[tuple[int, str]], bool, grpc.StatusCode, str]:
     """Start the requests, SIGTERM `procs` (the coordinator's, maybe the workers' too) once each streams, then once
     the coordinator's health (and that of the `workers` addresses) says NOT_SERVING send one more request. Returns
     (each request's (tokens, finish reason), whether some were still unfinished when the drain had begun, the late
@@ -64,8 +66,10 @@ async def _terminate_under_load(address: str, procs: list[object], prompts: list
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = [asyncio.Event() for _ in prompts]
-        tasks = [asyncio.create_task(_stream(stub.Generate(_request(p), timeout=120), event))
-                 for p, event in zip(prompts, started, strict=True)]
+        tasks = [
+            asyncio.create_task(_stream(stub.Generate(_request(p), timeout=120), event))
+            for p, event in zip(prompts, started, strict=True)
+        ]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
         for proc in procs:
             proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
@@ -90,13 +94,16 @@ def _exit_code(proc: object, timeout: float) -> int | None:
 
 
 def test_sigterm_lets_admitted_requests_finish_and_refuses_new_ones(
-        llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path) -> None:
-    coordinator = start_coordinator(llama_workers, stack_logs, "psd", max_batch_size=8,
-                                    extra=["--drain-timeout", "120"])
+    llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path
+) -> None:
+    coordinator = start_coordinator(
+        llama_workers, stack_logs, "psd", max_batch_size=8, extra=["--drain-timeout", "120"]
+    )
     try:
         prompts = text_prompts(tiny_pairs.tokenizer, REQUESTS, 4, 40, seed=3)
         results, unfinished, code, details = asyncio.run(
-            _terminate_under_load(coordinator.address, [coordinator.proc], prompts))
+            _terminate_under_load(coordinator.address, [coordinator.proc], prompts)
+        )
         assert unfinished  # the drain had requests to wait for
         assert results == [(MAX_TOKENS, "FINISH_REASON_LENGTH")] * REQUESTS
         assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details, (code, details)
@@ -109,8 +116,9 @@ def test_sigterm_lets_admitted_requests_finish_and_refuses_new_ones(
 def test_a_drain_ends_at_its_timeout(llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path) -> None:
     """Requests still open when the drain timeout passes end with UNAVAILABLE after the tokens
     they were sent, so their clients can send them elsewhere; the coordinator exits."""
-    coordinator = start_coordinator(llama_workers, stack_logs, "psd", max_batch_size=8,
-                                    extra=["--drain-timeout", "0.2"])
+    coordinator = start_coordinator(
+        llama_workers, stack_logs, "psd", max_batch_size=8, extra=["--drain-timeout", "0.2"]
+    )
     try:
         prompts = text_prompts(tiny_pairs.tokenizer, REQUESTS, 4, 40, seed=4)
         results, _, code, _ = asyncio.run(_terminate_under_load(coordinator.address, [coordinator.proc], prompts))
@@ -135,8 +143,13 @@ def test_a_stack_terminated_all_at_once_finishes_its_requests(tiny_pairs: TinyPa
         prompts = text_prompts(tiny_pairs.tokenizer, REQUESTS, 4, 40, seed=5)
         services = [coordinator, workers.target, workers.draft]
         results, unfinished, code, _ = asyncio.run(
-            _terminate_under_load(coordinator.address, [s.proc for s in services], prompts,
-                                  [workers.target.address, workers.draft.address]))
+            _terminate_under_load(
+                coordinator.address,
+                [s.proc for s in services],
+                prompts,
+                [workers.target.address, workers.draft.address],
+            )
+        )
         assert unfinished  # the drain had requests to wait for
         assert results == [(MAX_TOKENS, "FINISH_REASON_LENGTH")] * REQUESTS, results
         assert code == grpc.StatusCode.UNAVAILABLE, code

@@ -61,9 +61,15 @@ def _reference(model_dir: Path, prompts: list[list[int]], budgets: list[int]) ->
         with torch.inference_mode():
             for prompt, budget in zip(prompts, budgets):
                 ids = torch.tensor([prompt])
-                gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
-                                     do_sample=False, eos_token_id=None, pad_token_id=EOS)
-                out.append(gen[0, len(prompt):].tolist())
+                gen = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=budget,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=EOS,
+                )
+                out.append(gen[0, len(prompt) :].tolist())
     finally:
         torch.set_num_threads(threads)
     return out
@@ -135,15 +141,21 @@ async def _run_all(addresses: dict[str, str], cases: dict[str, list[Case]]) -> d
 
 
 @pytest.mark.parametrize("mode", ["psd", "sd", "ar"])
-def test_greedy_matches_target_alone(mode: str, all_workers: dict[str, Workers], cases: dict[str, list[Case]],
-                                     stack_logs: Path) -> None:
+def test_greedy_matches_target_alone(
+    mode: str, all_workers: dict[str, Workers], cases: dict[str, list[Case]], stack_logs: Path
+) -> None:
     # One coordinator per architecture, started together (a start costs seconds), each on its own worker pair.
     coordinators: dict[str, Service] = {}
     try:
         for arch, workers in all_workers.items():
             # Prompts of 4-80 tokens: bursts are admitted a few at a time, between running steps.
-            args = coordinator_args(workers, mode, k=K[arch], max_batch_size=COORDINATOR_BATCH,
-                                    extra=["--max-prefill-tokens", str(MAX_PREFILL_TOKENS)])
+            args = coordinator_args(
+                workers,
+                mode,
+                k=K[arch],
+                max_batch_size=COORDINATOR_BATCH,
+                extra=["--max-prefill-tokens", str(MAX_PREFILL_TOKENS)],
+            )
             coordinators[arch] = spawn(f"coordinator-{arch}-{mode}", args, stack_logs)
         wait_all(list(coordinators.values()))
         results = asyncio.run(_run_all({a: c.address for a, c in coordinators.items()}, cases))
@@ -154,13 +166,16 @@ def test_greedy_matches_target_alone(mode: str, all_workers: dict[str, Workers],
         mismatches = []
         for i, (case, got) in enumerate(zip(cases[arch], completions)):
             if got.token_ids != case.expected or got.finish_reason != case.expected_finish:
-                mismatches.append(f"request {i} (prompt {len(case.prompt_ids)} tokens, max {case.max_tokens}): "
-                                  f"got {got.token_ids} ({got.finish_reason}), want {case.expected} "
-                                  f"({case.expected_finish})")
+                mismatches.append(
+                    f"request {i} (prompt {len(case.prompt_ids)} tokens, max {case.max_tokens}): "
+                    f"got {got.token_ids} ({got.finish_reason}), want {case.expected} "
+                    f"({case.expected_finish})"
+                )
             assert got.usage.completion_tokens == len(got.token_ids)
             assert got.usage.prompt_tokens == len(case.prompt_ids)
         assert not mismatches, f"{arch}/{mode}: {len(mismatches)} of {len(completions)} differ:\n" + "\n".join(
-            mismatches[:5])
+            mismatches[:5]
+        )
         drafted = sum(c.usage.draft_tokens for c in completions)
         accepted = sum(c.usage.accepted_tokens for c in completions)
         if mode == "ar":
@@ -174,16 +189,20 @@ def test_greedy_matches_target_alone(mode: str, all_workers: dict[str, Workers],
         assert_all_slots_free(workers)
 
 
-def test_compiled_services_match_target_alone(tiny_pairs: TinyPairs, cases: dict[str, list[Case]],
-                                              stack_logs: Path) -> None:
+def test_compiled_services_match_target_alone(
+    tiny_pairs: TinyPairs, cases: dict[str, list[Case]], stack_logs: Path
+) -> None:
     """With `--compile` (compiled layers, and the target's acceptance and commit, warmed up when the coordinator
     connects), PSD through the services still gives `generate()`'s tokens."""
     some = cases["llama"][:12]  # a prefill-only request, text and token prompts, EOS stops, joins mid-flight
     workers = start_workers(tiny_pairs["llama"], stack_logs, extra=["--compile"])
     coordinator = None
     try:
-        coordinator = spawn("coordinator-llama-compiled", coordinator_args(
-            workers, "psd", k=K["llama"], max_batch_size=COORDINATOR_BATCH), stack_logs)
+        coordinator = spawn(
+            "coordinator-llama-compiled",
+            coordinator_args(workers, "psd", k=K["llama"], max_batch_size=COORDINATOR_BATCH),
+            stack_logs,
+        )
         wait_all([coordinator], timeout=600)
         got = asyncio.run(_run_all({"llama": coordinator.address}, {"llama": some}))["llama"]
         target_log = workers.target.log_tail(10**7)

@@ -46,8 +46,9 @@ def _request(prompt: list[int], max_tokens: int) -> generation_pb2.GenerateReque
 
 
 @pytest.fixture(scope="module")
-def trace(llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path, tmp_path_factory: pytest.TempPathFactory
-          ) -> Trace:
+def trace(
+    llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Trace:
     """One psd coordinator with --step-trace: first a single request, then 2 x BATCH at once; stopped by SIGINT,
     which writes the trace. Event times are the coordinator's time.perf_counter(), CLOCK_MONOTONIC on Linux, a
     clock this process shares, so the phases are told apart by this process's clock."""
@@ -56,14 +57,14 @@ def trace(llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path, tmp_p
     # "auto" may pick sequential steps when they measure faster (a busy 2-core machine), or the target alone (this
     # pair's draft accepts next to nothing); this test is about the overlap mechanism, so it asks for it.
     extra = ["--overlap", "always", "--speculation", "always"]
-    with running_coordinator(llama_workers, stack_logs, "psd", max_batch_size=BATCH, step_trace=path,
-                             extra=extra) as coordinator:
+    with running_coordinator(
+        llama_workers, stack_logs, "psd", max_batch_size=BATCH, step_trace=path, extra=extra
+    ) as coordinator:
 
         async def run() -> tuple[float, float]:
             await generate(coordinator.address, _request(prompts[0], 24))
             between = time.perf_counter()
-            done = await asyncio.gather(*(generate(coordinator.address, _request(p, OUTPUT_LEN))
-                                          for p in prompts[1:]))
+            done = await asyncio.gather(*(generate(coordinator.address, _request(p, OUTPUT_LEN)) for p in prompts[1:]))
             assert all(len(c.token_ids) == OUTPUT_LEN for c in done)
             return between, time.perf_counter()
 
@@ -71,8 +72,11 @@ def trace(llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path, tmp_p
         between, end = asyncio.run(run())
     assert path.exists(), f"no step trace written:\n{coordinator.log_tail()}"
     fields = Event.__dataclass_fields__
-    events = [Event(**{k: v for k, v in json.loads(line).items() if k in fields})
-              for line in path.read_text().splitlines() if line.strip()]
+    events = [
+        Event(**{k: v for k, v in json.loads(line).items() if k in fields})
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
     assert events and all(start <= e.start and e.end <= end for e in events), "trace clock differs from ours"
     return Trace([e for e in events if e.end <= between], [e for e in events if e.start >= between])
 

@@ -82,8 +82,9 @@ def test_a_finishing_step_waits_for_no_release(
         return generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
 
     async def both(address: str) -> tuple[list[float], list[float]]:
-        first, second = await asyncio.gather(_arrivals(address, request(short, 3)),
-                                             _arrivals(address, request(long, 48)))
+        first, second = await asyncio.gather(
+            _arrivals(address, request(short, 3)), _arrivals(address, request(long, 48))
+        )
         return first, second
 
     with running_coordinator(slow_releases, stack_logs, "psd", extra=["--overlap", "always"]) as coordinator:

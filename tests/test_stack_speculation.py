@@ -45,8 +45,9 @@ def _greedy(prompts: list[list[int]]) -> list[generation_pb2.GenerateRequest]:
     return [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params) for p in prompts]
 
 
-def _serve(workers: Workers, stack_logs: Path, requests: list[generation_pb2.GenerateRequest],
-           extra: tuple[str, ...] = ()) -> tuple[list[Completion], str]:
+def _serve(
+    workers: Workers, stack_logs: Path, requests: list[generation_pb2.GenerateRequest], extra: tuple[str, ...] = ()
+) -> tuple[list[Completion], str]:
     """The completions of `requests`, sent at once to a psd coordinator (--speculation auto), and its log."""
 
     async def all_of() -> list[Completion]:
@@ -93,7 +94,8 @@ def test_shorter_drafts_are_tried_and_output_is_unchanged(
     target = AutoModelForCausalLM.from_pretrained(tiny_pairs["llama"].target, dtype=torch.float32).eval()
     assert [c.token_ids for c in done] == [hf_reference(target, p, MAX_TOKENS) for p in prompts]
     assert all(0 < c.usage.draft_tokens < K * c.usage.drafted_steps for c in done), [
-        (c.usage.draft_tokens, c.usage.drafted_steps) for c in done]
+        (c.usage.draft_tokens, c.usage.drafted_steps) for c in done
+    ]
     assert "shorter drafts pay" in log or "drafts do not pay" in log
 
 

@@ -40,8 +40,10 @@ LOST = "UNAVAILABLE: the target service became unreachable or restarted before t
 
 def _requests(tiny_pairs: TinyPairs) -> list[generation_pb2.GenerateRequest]:
     params = generation_pb2.SamplingParams(max_tokens=120, ignore_eos=True)
-    return [generation_pb2.GenerateRequest(prompt_token_ids=p, params=params)
-            for p in text_prompts(tiny_pairs.tokenizer, 6, 4, 20, seed=31)]
+    return [
+        generation_pb2.GenerateRequest(prompt_token_ids=p, params=params)
+        for p in text_prompts(tiny_pairs.tokenizer, 6, 4, 20, seed=31)
+    ]
 
 
 def _wave(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[Completion | str]:
@@ -59,8 +61,9 @@ def _wave(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[
     return asyncio.run(run_all())
 
 
-async def _signal_while_streaming(address: str, requests: list[generation_pb2.GenerateRequest], target: Service,
-                                  sig: signal.Signals = signal.SIGKILL) -> list[str]:
+async def _signal_while_streaming(
+    address: str, requests: list[generation_pb2.GenerateRequest], target: Service, sig: signal.Signals = signal.SIGKILL
+) -> list[str]:
     """Send the target `sig` once every request has streamed; how each stream ended."""
     started = [asyncio.Event() for _ in requests]
 
@@ -83,8 +86,9 @@ async def _signal_while_streaming(address: str, requests: list[generation_pb2.Ge
     return list(await asyncio.gather(*tasks))
 
 
-def _until_served(address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 30.0
-                  ) -> list[Completion]:
+def _until_served(
+    address: str, requests: list[generation_pb2.GenerateRequest], timeout: float = 30.0
+) -> list[Completion]:
     """The wave, sent again (as a client would on UNAVAILABLE) until every request of it is served."""
     deadline = time.monotonic() + timeout
     while True:
@@ -96,16 +100,24 @@ def _until_served(address: str, requests: list[generation_pb2.GenerateRequest], 
 
 
 def _restart_target(workers: Workers, log_dir: Path) -> None:
-    restarted = spawn("llama-target-restarted", worker_args("target", workers.pair.target, workers.max_batch_size),
-                      log_dir, port=workers.target.port)
+    restarted = spawn(
+        "llama-target-restarted",
+        worker_args("target", workers.pair.target, workers.max_batch_size),
+        log_dir,
+        port=workers.target.port,
+    )
     workers.target = restarted
     wait_all([restarted])
 
 
 @contextlib.contextmanager
-def _served_stack(tiny_pairs: TinyPairs, stack_logs: Path, name: str, coordinator_extra: Sequence[str],
-                  worker_extra: Sequence[str] = ()
-                  ) -> Iterator[tuple[Workers, Service, list[generation_pb2.GenerateRequest], list[Completion]]]:
+def _served_stack(
+    tiny_pairs: TinyPairs,
+    stack_logs: Path,
+    name: str,
+    coordinator_extra: Sequence[str],
+    worker_extra: Sequence[str] = (),
+) -> Iterator[tuple[Workers, Service, list[generation_pb2.GenerateRequest], list[Completion]]]:
     """A llama pair (`worker_extra`) and a psd coordinator (`coordinator_extra`) that has served `_requests` in
     full once: (workers, coordinator, the requests, their completions). Every KV row must be free afterwards."""
     workers = start_workers(tiny_pairs["llama"], stack_logs / name, extra=worker_extra)
@@ -131,8 +143,9 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
         wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
         assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not to be restarted
         refused = _wave(address, requests[:1])
-        assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
-                                                                     "unreachable"), refused
+        assert isinstance(refused[0], str) and refused[0].startswith(
+            "UNAVAILABLE: the target service is unreachable"
+        ), refused
 
         # Back on its address: the coordinator sets the channel up again and serves the same tokens.
         _restart_target(workers, stack_logs / "target-back")
@@ -155,8 +168,9 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
 def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
     """A target process that stops answering (SIGSTOP) costs its requests after a --target-timeout, not the
     coordinator: once it runs again (still holding the old sequences, released then) the coordinator serves again."""
-    stack = _served_stack(tiny_pairs, stack_logs, "target-hung",
-                          ["--draft-retry-interval", "0.2", "--target-timeout", "1"])
+    stack = _served_stack(
+        tiny_pairs, stack_logs, "target-hung", ["--draft-retry-interval", "0.2", "--target-timeout", "1"]
+    )
     with stack as (workers, coordinator, requests, expected):
         address = coordinator.address
         target = workers.target.proc
@@ -176,8 +190,9 @@ def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPa
     target, which then stops on its own, long before its drain timeout; a new target on its address is taken back
     and serves the same tokens. Before, the coordinator kept admitting onto the draining target, whose drain timeout
     then cut off whatever was running."""
-    stack = _served_stack(tiny_pairs, stack_logs, "target-replaced", ["--draft-retry-interval", "0.2"],
-                          ["--drain-timeout", "120"])
+    stack = _served_stack(
+        tiny_pairs, stack_logs, "target-replaced", ["--draft-retry-interval", "0.2"], ["--drain-timeout", "120"]
+    )
     with stack as (workers, coordinator, requests, expected):
         address = coordinator.address
         ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGTERM))
@@ -186,8 +201,9 @@ def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPa
         wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
         assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
         refused = _wave(address, requests[:1])
-        assert isinstance(refused[0], str) and refused[0].startswith("UNAVAILABLE: the target service is "
-                                                                     "shutting down"), refused
+        assert isinstance(refused[0], str) and refused[0].startswith(
+            "UNAVAILABLE: the target service is shutting down"
+        ), refused
         assert workers.target.proc.wait(timeout=30) == 0, workers.target.log_tail()
 
         _restart_target(workers, stack_logs / "target-replaced")

@@ -25,8 +25,12 @@ SERVICE = "minedraft.v1.TargetService"
 
 async def _prefill(stub: target_pb2_grpc.TargetServiceStub, seq_id: int) -> None:
     params = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0)
-    await stub.Prefill(target_pb2.TargetServicePrefillRequest(sequences=[
-        common_pb2.SequenceSpec(seq_id=seq_id, prompt_token_ids=PROMPT, params=params)]), timeout=60)
+    await stub.Prefill(
+        target_pb2.TargetServicePrefillRequest(
+            sequences=[common_pb2.SequenceSpec(seq_id=seq_id, prompt_token_ids=PROMPT, params=params)]
+        ),
+        timeout=60,
+    )
 
 
 def _decode(seq_id: int, step_id: int) -> target_pb2.VerifyRequest:
@@ -35,7 +39,8 @@ def _decode(seq_id: int, step_id: int) -> target_pb2.VerifyRequest:
 
 
 def test_a_failed_call_leaves_the_stream_open_and_calls_sent_together_are_answered_in_order(
-        llama_workers: Workers) -> None:
+    llama_workers: Workers,
+) -> None:
     on_stream, on_unary = 10**9 + 11, 10**9 + 12
 
     async def main() -> tuple[list[int], list[int], int]:
@@ -53,8 +58,10 @@ def test_a_failed_call_leaves_the_stream_open_and_calls_sent_together_are_answer
                 assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "batch_id must be 0 or 1" in str(error.value.details())
                 streamed = [(await reply).results[0].token_ids[0] for reply in good]
-                unary = [(await stub.Verify(_decode(on_unary, step), timeout=60)).results[0].token_ids[0]
-                         for step in (2, 3, 4)]
+                unary = [
+                    (await stub.Verify(_decode(on_unary, step), timeout=60)).results[0].token_ids[0]
+                    for step in (2, 3, 4)
+                ]
                 return streamed, unary, stream.opened
             finally:
                 await stream.close()
@@ -72,13 +79,19 @@ class _FakeTarget:
     def __init__(self, streams: bool) -> None:
         self.streams_opened = 0
         self.unary_calls = 0
-        handlers = {"Verify": grpc.unary_unary_rpc_method_handler(
-            self._verify, request_deserializer=target_pb2.VerifyRequest.FromString,
-            response_serializer=target_pb2.VerifyResponse.SerializeToString)}
+        handlers = {
+            "Verify": grpc.unary_unary_rpc_method_handler(
+                self._verify,
+                request_deserializer=target_pb2.VerifyRequest.FromString,
+                response_serializer=target_pb2.VerifyResponse.SerializeToString,
+            )
+        }
         if streams:
             handlers["VerifyStream"] = grpc.stream_stream_rpc_method_handler(
-                self._verify_stream, request_deserializer=target_pb2.VerifyStreamRequest.FromString,
-                response_serializer=target_pb2.VerifyStreamResponse.SerializeToString)
+                self._verify_stream,
+                request_deserializer=target_pb2.VerifyStreamRequest.FromString,
+                response_serializer=target_pb2.VerifyStreamResponse.SerializeToString,
+            )
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
@@ -91,8 +104,9 @@ class _FakeTarget:
         self.unary_calls += 1
         return self._reply(request)
 
-    async def _verify_stream(self, requests: AsyncIterator[target_pb2.VerifyStreamRequest], context: object
-                             ) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
+    async def _verify_stream(
+        self, requests: AsyncIterator[target_pb2.VerifyStreamRequest], context: object
+    ) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
         self.streams_opened += 1
         hung = self.streams_opened == 1
         async for envelope in requests:
@@ -151,8 +165,9 @@ def test_a_worker_without_step_streams_gets_unary_calls() -> None:
 
 def test_unary_step_calls_give_the_same_output(llama_workers: Workers, stack_logs: Path) -> None:
     """--step-calls unary (each Verify and Propose its own call) against the default, the streams: same tokens."""
-    request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=generation_pb2.SamplingParams(
-        max_tokens=12, temperature=0.0, ignore_eos=True))
+    request = generation_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, params=generation_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
 
     async def main(step_calls: str) -> list[int]:
         async with in_process_coordinator(llama_workers, step_calls=step_calls) as (address, servicer):

@@ -83,8 +83,9 @@ def test_a_flush_delivers_at_once_and_cancels_the_deadline() -> None:
     assert asyncio.run(main()) == 0
 
 
-def test_a_proposal_made_alone_does_not_wake_the_streams(llama_workers: Workers, tiny_pairs: TinyPairs,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_proposal_made_alone_does_not_wake_the_streams(
+    llama_workers: Workers, tiny_pairs: TinyPairs, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """sd proposes, then verifies one batch: the held messages wait for the Verify, so that the stream handlers run
     while it computes, not during the proposal that it waits for (on one H200 they made the proposal's call 5.5 ms,
     3.0 without them)."""
@@ -96,11 +97,14 @@ def test_a_proposal_made_alone_does_not_wake_the_streams(llama_workers: Workers,
         async with in_process_coordinator(llama_workers, mode="sd", speculation="always") as (address, servicer):
             workers, outbox = servicer.workers, servicer.loop.outbox
             for name in ("propose", "verify", "prefill_target"):
+
                 def noting(call: Callable[..., Awaitable[Any]], name: str = name) -> Callable[..., Awaitable[Any]]:
                     async def noted(*args: Any, **kwargs: Any) -> Any:
                         calls.append(name)
                         return await call(*args, **kwargs)
+
                     return noted
+
                 monkeypatch.setattr(workers, name, noting(getattr(workers, name)))
             flush = outbox.flush
 
@@ -108,10 +112,19 @@ def test_a_proposal_made_alone_does_not_wake_the_streams(llama_workers: Workers,
                 if outbox._held:
                     calls.append("flush")
                 flush()
+
             monkeypatch.setattr(outbox, "flush", noted_flush)
-            await asyncio.gather(*(generate(address, generation_pb2.GenerateRequest(
-                prompt_token_ids=p, params=generation_pb2.SamplingParams(max_tokens=12, ignore_eos=True)))
-                for p in prompts))
+            await asyncio.gather(
+                *(
+                    generate(
+                        address,
+                        generation_pb2.GenerateRequest(
+                            prompt_token_ids=p, params=generation_pb2.SamplingParams(max_tokens=12, ignore_eos=True)
+                        ),
+                    )
+                    for p in prompts
+                )
+            )
 
     run_async(serve())
     woken_after = [calls[i - 1] for i, call in enumerate(calls) if call == "flush"]

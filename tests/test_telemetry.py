@@ -31,8 +31,15 @@ from minedraft.step_stream import serve_step_stream  # noqa: E402
 pytest_plugins = ["stack", "observed_stack"]
 
 REPO = Path(__file__).resolve().parents[1]
-OTEL_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME",
-                  "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER")
+OTEL_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_TRACES_SAMPLER",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -121,8 +128,9 @@ tracing.shutdown()
 print("ok")
 """
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert "opentelemetry is not installed" in result.stderr
@@ -151,11 +159,16 @@ async def _call_through_observer(tracing: telemetry.Tracing, fail: bool, calls: 
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such sequence")
         return target_pb2.TargetServiceReleaseResponse(free_slots=7)
 
-    handler = grpc.method_handlers_generic_handler("minedraft.test.Worker", {
-        "Release": grpc.unary_unary_rpc_method_handler(
-            release, request_deserializer=target_pb2.TargetServiceReleaseRequest.FromString,
-            response_serializer=target_pb2.TargetServiceReleaseResponse.SerializeToString),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        "minedraft.test.Worker",
+        {
+            "Release": grpc.unary_unary_rpc_method_handler(
+                release,
+                request_deserializer=target_pb2.TargetServiceReleaseRequest.FromString,
+                response_serializer=target_pb2.TargetServiceReleaseResponse.SerializeToString,
+            ),
+        },
+    )
     observer = telemetry.server_interceptors(tracing, lambda *args: calls.append(args))
     server = grpc.aio.server(interceptors=observer)
     server.add_generic_rpc_handlers((handler,))
@@ -164,12 +177,14 @@ async def _call_through_observer(tracing: telemetry.Tracing, fail: bool, calls: 
     assert tracing.tracer is not None
     request_span = tracing.tracer.start_span("request")
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             interceptors=[telemetry.TraceContextInjector()]) as channel:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", interceptors=[telemetry.TraceContextInjector()]
+        ) as channel:
             call = channel.unary_unary(
                 "/minedraft.test.Worker/Release",
                 request_serializer=target_pb2.TargetServiceReleaseRequest.SerializeToString,
-                response_deserializer=target_pb2.TargetServiceReleaseResponse.FromString)
+                response_deserializer=target_pb2.TargetServiceReleaseResponse.FromString,
+            )
             links = telemetry.links_to([request_span, None])
             with telemetry.batch_span(tracing.tracer, "release", links, {"minedraft.batch_size": 3}):
                 try:
@@ -199,7 +214,11 @@ def test_context_crosses_grpc(memory_tracing: tuple[telemetry.Tracing, InMemoryS
     assert server.status.is_ok
     method, request_message, response, seconds, code = calls[0]
     assert (method, list(request_message.seq_ids), response.free_slots, code) == (
-        "Release", [1, 2, 3], 7, grpc.StatusCode.OK)
+        "Release",
+        [1, 2, 3],
+        7,
+        grpc.StatusCode.OK,
+    )
     assert seconds >= 0
 
 
@@ -215,7 +234,8 @@ def test_failed_call_is_an_error_span(memory_tracing: tuple[telemetry.Tracing, I
 
 
 def test_each_message_of_a_step_stream_is_observed_as_its_call(
-        memory_tracing: tuple[telemetry.Tracing, InMemorySpanExporter]) -> None:
+    memory_tracing: tuple[telemetry.Tracing, InMemorySpanExporter],
+) -> None:
     """A VerifyStream's messages: a SERVER span each, named and parented as a unary Verify's would be (from the
     message's trace context), and the worker's metrics told of each with its own status."""
     tracing, exporter = memory_tracing
@@ -231,10 +251,16 @@ def test_each_message_of_a_step_stream_is_observed_as_its_call(
             yield reply
 
     async def main() -> list[Any]:
-        handler = grpc.method_handlers_generic_handler("minedraft.v1.TargetService", {
-            "VerifyStream": grpc.stream_stream_rpc_method_handler(
-                verify_stream, request_deserializer=target_pb2.VerifyStreamRequest.FromString,
-                response_serializer=target_pb2.VerifyStreamResponse.SerializeToString)})
+        handler = grpc.method_handlers_generic_handler(
+            "minedraft.v1.TargetService",
+            {
+                "VerifyStream": grpc.stream_stream_rpc_method_handler(
+                    verify_stream,
+                    request_deserializer=target_pb2.VerifyStreamRequest.FromString,
+                    response_serializer=target_pb2.VerifyStreamResponse.SerializeToString,
+                )
+            },
+        )
         server = grpc.aio.server(interceptors=telemetry.server_interceptors(tracing, lambda *a: calls.append(a)))
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -248,8 +274,9 @@ def test_each_message_of_a_step_stream_is_observed_as_its_call(
             for batch_id in (0, 5):
                 with telemetry.batch_span(tracing.tracer, "verify", [], {}):
                     try:
-                        reply = await stream.call(target_pb2.VerifyRequest(batch_id=batch_id, seq_ids=[4, 5]), 10,
-                                                  workers.trace_context())
+                        reply = await stream.call(
+                            target_pb2.VerifyRequest(batch_id=batch_id, seq_ids=[4, 5]), 10, workers.trace_context()
+                        )
                         outcomes.append([r.seq_id for r in reply.results])
                     except grpc.aio.AioRpcError as exc:
                         outcomes.append(exc.code())
@@ -268,8 +295,10 @@ def test_each_message_of_a_step_stream_is_observed_as_its_call(
         assert server.parent is not None and server.parent.span_id == client.context.span_id
         assert dict(server.attributes or {})["minedraft.batch_size"] == 2
     assert servers[0].status.is_ok and not servers[1].status.is_ok
-    assert [(c[0], c[4]) for c in calls] == [("Verify", grpc.StatusCode.OK),
-                                             ("Verify", grpc.StatusCode.INVALID_ARGUMENT)]
+    assert [(c[0], c[4]) for c in calls] == [
+        ("Verify", grpc.StatusCode.OK),
+        ("Verify", grpc.StatusCode.INVALID_ARGUMENT),
+    ]
     assert calls[0][2] is not None and calls[1][2] is None
 
 
@@ -334,8 +363,12 @@ def test_request_trace_reaches_every_service(observed_run: ObservedRun) -> None:
                 served.add(child.name)
         assert reached == {"minedraft-coordinator", "minedraft-target", "minedraft-draft"}
         # (Releases ride on the next calls: the release span is the coordinator's alone.)
-        assert {"minedraft.v1.TargetService/Prefill", "minedraft.v1.DraftService/Prefill",
-                "minedraft.v1.DraftService/Propose", "minedraft.v1.TargetService/Verify"} <= served
+        assert {
+            "minedraft.v1.TargetService/Prefill",
+            "minedraft.v1.DraftService/Prefill",
+            "minedraft.v1.DraftService/Propose",
+            "minedraft.v1.TargetService/Verify",
+        } <= served
 
 
 def test_psd_step_overlaps_verify_and_propose(observed_run: ObservedRun) -> None:

@@ -36,12 +36,14 @@ class CudaIpcChannel(Channel):
         self.events = [torch.cuda.Event(interprocess=True) for _ in range(NUM_SLOTS)]
         for event in self.events:
             event.record(torch.cuda.current_stream(self.device))
-        return pickle.dumps({
-            "ids": reduce_tensor(self.ids),
-            "probs": reduce_tensor(self.probs),
-            "events": [event.ipc_handle() for event in self.events],
-            "device": self.device.index or 0,
-        })
+        return pickle.dumps(
+            {
+                "ids": reduce_tensor(self.ids),
+                "probs": reduce_tensor(self.probs),
+                "events": [event.ipc_handle() for event in self.events],
+                "device": self.device.index or 0,
+            }
+        )
 
     def attach(self, handshake: bytes) -> None:
         if self.device.type != "cuda":
@@ -59,8 +61,7 @@ class CudaIpcChannel(Channel):
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_SLOTS
         batch, k = draft_ids.shape
         self.ids[slot, :batch, :k].copy_(draft_ids)
-        payload = common_pb2.DraftPayload(channel=self.name, step_id=step_id, slot=slot, batch_size=batch,
-                                          num_tokens=k)
+        payload = common_pb2.DraftPayload(channel=self.name, step_id=step_id, slot=slot, batch_size=batch, num_tokens=k)
         if draft_probs is not None:
             self.probs[slot, :batch, :k, : draft_probs.shape[-1]].copy_(draft_probs)
             payload.probs_shape.extend(draft_probs.shape)

@@ -9,8 +9,11 @@ from minedraft.channels.base import Channel
 from minedraft.proto import common_pb2
 
 # bf16 has no numpy dtype: its bits travel as int16 and are reinterpreted on arrival.
-_WIRE = {torch.float32: ("float32", np.float32), torch.float16: ("float16", np.float16),
-         torch.bfloat16: ("bfloat16", np.int16)}
+_WIRE = {
+    torch.float32: ("float32", np.float32),
+    torch.float16: ("float16", np.float16),
+    torch.bfloat16: ("bfloat16", np.int16),
+}
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -47,8 +47,7 @@ class NcclChannel(Channel):
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             store = dist.TCPStore(host, port, 2, is_master=rank == DRAFT_RANK, timeout=timedelta(seconds=120))
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=2,
-                                    timeout=timedelta(seconds=120))
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
             # NCCL builds the pair's send/receive communicator at their first exchange, which both sides must
             # join. Done here, while both are setting up: left to the first proposal, the draft's send would wait
             # for the target's receive, which comes only after the Propose reply that send holds up (a deadlock
@@ -87,8 +86,9 @@ class NcclChannel(Channel):
     def send(self, step_id: int, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> common_pb2.DraftPayload:
         self._wait_ready()
         self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
-        payload = common_pb2.DraftPayload(channel=self.name, step_id=step_id, batch_size=draft_ids.shape[0],
-                                          num_tokens=draft_ids.shape[1])
+        payload = common_pb2.DraftPayload(
+            channel=self.name, step_id=step_id, batch_size=draft_ids.shape[0], num_tokens=draft_ids.shape[1]
+        )
         tensors = [draft_ids.to(torch.long).contiguous()]
         if draft_probs is not None:
             tensors.append(draft_probs.to(torch.float32).contiguous())
