@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-import minedraft.attention as attention
+import minedraft.engine.attention as attention
 
 # name -> (query heads, K/V heads, head dim, new tokens per step): an 8B verify of k=4 drafts, 1B and 68M decode steps.
 SHAPES = {"8b-verify": (32, 8, 128, 5), "1b-decode": (32, 8, 64, 1), "68m-decode": (12, 12, 64, 1)}
@@ -147,7 +147,7 @@ def main() -> None:
 
 def sweep(args: argparse.Namespace) -> None:
     """The kernel path alone, over its parameters: us per layer of every setting, best first (defaults marked *)."""
-    from minedraft import decode_attention as kernels
+    from minedraft.kernels import decode_attention as kernels
 
     names, values = SWEEPS[args.sweep]
     defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, ".")
 from benchmarks.attention_bench import graph_ms  # noqa: E402
 
-# (name, output features, input features) of the Llama-3-8B shape, fused as minedraft.fused_projections fuses them
+# (name, output features, input features) of the Llama-3-8B shape, fused as engine.fused_projections fuses them
 SHAPES = [
     ("qkv", 6144, 4096),
     ("o", 4096, 4096),

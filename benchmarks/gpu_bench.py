@@ -36,10 +36,10 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig, PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.cli import PRECAPTURE_CHOICES
-from minedraft.model_runner import ModelRunner
-from minedraft.models import load_model
-from minedraft.sampling import SamplingConfig
+from minedraft.app.cli import PRECAPTURE_CHOICES
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.models import load_model
+from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
 VOCAB = 128256
@@ -383,7 +383,7 @@ def graphs_match_eager(model: PreTrainedModel, device: str, out: dict) -> None:
 
 def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, args: argparse.Namespace, out: dict) -> None:
     """Tokens/s at batch 1: Hugging Face assisted generation against our SD loop, same models, real acceptance."""
-    from minedraft.offline import OfflineRequest, generate_offline
+    from minedraft.app.offline import OfflineRequest, generate_offline
 
     prompt = torch.randint(0, VOCAB, (1, args.prefix), generator=torch.Generator().manual_seed(2))
     new = 64
@@ -588,7 +588,7 @@ def services_comparison(
         command = [
             sys.executable,
             "-m",
-            "minedraft.cli",
+            "minedraft",
             "bench",
             "--modes",
             run.modes,

@@ -111,7 +111,7 @@ for r in json.load(open(sys.argv[1]))['rows']:
     grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
     ;;
 calls)
-    timeout -k 10 ${BENCH_SECONDS:-150} python3 -m minedraft.cli bench --modes "${MODES:-sd,ar}" --target-device cuda:0 \
+    timeout -k 10 ${BENCH_SECONDS:-150} python3 -m minedraft bench --modes "${MODES:-sd,ar}" --target-device cuda:0 \
         --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts 64 --prompt-len 64 --output-len 96 \
         --no-progress --step-trace-dir "$OUT/run/traces" > "$OUT/run/bench.log" 2>&1
     tail -8 "$OUT/run/bench.log"
@@ -124,7 +124,7 @@ stepcalls)
                 name=${calls}_${load}_${order%%,*}_first
                 if [ $load = c64 ]; then size="--modes ${CALLS_MODES:-sd,ar} --num-prompts ${CALLS_PROMPTS:-256} --concurrency 64"
                 else size="--modes sd --num-prompts 16 --concurrency 1"; fi
-                MINEDRAFT_STEP_CALLS=$calls timeout -k 10 ${BENCH_SECONDS:-100} python3 -m minedraft.cli bench \
+                MINEDRAFT_STEP_CALLS=$calls timeout -k 10 ${BENCH_SECONDS:-100} python3 -m minedraft bench \
                     --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --max-batch-size 32 \
                     --prompt-len 64 --output-len ${CALLS_OUTPUT:-128} $size --no-progress \
                     --step-trace-dir "$OUT/run/traces_$name" > "$OUT/run/bench_$name.log" 2>&1

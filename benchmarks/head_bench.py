@@ -10,8 +10,8 @@ import torch
 
 sys.path.insert(0, ".")
 from benchmarks.attention_bench import graph_ms  # noqa: E402
-from minedraft.argmax import chunked_argmax  # noqa: E402
-from minedraft.sampling import greedy_tokens  # noqa: E402
+from minedraft.engine.sampling import greedy_tokens  # noqa: E402
+from minedraft.kernels.argmax import chunked_argmax  # noqa: E402
 
 HIDDEN, VOCAB = 4096, 128256
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 sys.path.insert(0, ".")
 from benchmarks.attention_bench import SHAPES, graph_ms, layer_inputs  # noqa: E402
-from minedraft import attention  # noqa: E402
+from minedraft.engine import attention  # noqa: E402
 
 LINE = 128  # bytes an L2 prefetch brings in
 LINES_PER_PROGRAM = 1024

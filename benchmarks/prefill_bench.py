@@ -14,9 +14,9 @@ from transformers import PreTrainedModel
 
 sys.path.insert(0, ".")
 from benchmarks.gpu_bench import VOCAB, build  # noqa: E402
-from minedraft import sequence_table  # noqa: E402
-from minedraft.model_runner import ModelRunner  # noqa: E402
-from minedraft.sampling import SamplingConfig  # noqa: E402
+from minedraft.engine import sequence_table  # noqa: E402
+from minedraft.engine.model_runner import ModelRunner  # noqa: E402
+from minedraft.engine.sampling import SamplingConfig  # noqa: E402
 from target_service.verifier import Verifier  # noqa: E402
 
 ONE_FORWARD = 1 << 40  # a forward cost that puts every prompt in one forward

@@ -20,8 +20,8 @@ sys.path.insert(0, ".")
 import benchmarks.gpu_bench as gpu_bench  # noqa: E402
 from benchmarks.gpu_bench import Pair, build  # noqa: E402
 from draft_service.proposer import Proposer  # noqa: E402
-from minedraft import model_runner  # noqa: E402
-from minedraft.sequence_table import SequenceTable  # noqa: E402
+from minedraft.engine import model_runner  # noqa: E402
+from minedraft.engine.sequence_table import SequenceTable  # noqa: E402
 from target_service.verifier import Verifier  # noqa: E402
 
 # The functions a step's host path passes through before its graphs launch, outermost first

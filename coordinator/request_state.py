@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from minedraft.metrics import mean_accepted_length
+from minedraft.engine.sampling import SamplingConfig
+from minedraft.observability.metrics import mean_accepted_length
 from minedraft.proto import generation_pb2
-from minedraft.sampling import SamplingConfig
 
 if TYPE_CHECKING:
     from coordinator.stream_outbox import StreamOutbox
@@ -46,7 +46,7 @@ class RequestState:
     accepted_per_position: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     cancelled: bool = False
-    span: Any = None  # the request's trace span, when tracing is on (minedraft.telemetry)
+    span: Any = None  # the request's trace span, when tracing is on (minedraft.observability.telemetry)
     stream: asyncio.Queue[generation_pb2.GenerateResponse | BaseException] = field(default_factory=asyncio.Queue)
 
     @property

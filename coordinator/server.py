@@ -21,13 +21,13 @@ from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.tracing import TracedStepLoop, TracedWorkers
 from coordinator.workers import Workers
+from minedraft.engine.models import VocabInfo, check_pair, load_tokenizer
+from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
 from minedraft.errors import ModelLoadError
-from minedraft.metrics import CoordinatorMetrics, finish_reason_name
-from minedraft.models import VocabInfo, check_pair, load_tokenizer
+from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
+from minedraft.observability.telemetry import Tracing, end_request_span, start_request_span
 from minedraft.proto import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc, target_pb2
-from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
-from minedraft.server_utils import Health, start_server
-from minedraft.telemetry import Tracing, end_request_span, start_request_span
+from minedraft.rpc.server_utils import Health, start_server
 
 log = logging.getLogger(__name__)
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name

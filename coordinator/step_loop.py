@@ -22,7 +22,7 @@ from coordinator.workers import Workers
 from minedraft.proto import common_pb2, target_pb2
 
 if TYPE_CHECKING:
-    from minedraft.metrics import CoordinatorMetrics
+    from minedraft.observability.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,14 @@ from typing import Any
 from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop
 from coordinator.workers import Workers
+from minedraft.observability.telemetry import (
+    TraceContextInjector,
+    batch_span,
+    inject_metadata,
+    links_to,
+    message_attributes,
+)
 from minedraft.proto import common_pb2, draft_pb2, target_pb2
-from minedraft.telemetry import TraceContextInjector, batch_span, inject_metadata, links_to, message_attributes
 
 TARGET, DRAFT = "minedraft-target", "minedraft-draft"
 

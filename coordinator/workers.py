@@ -14,11 +14,11 @@ import grpc
 
 from coordinator.request_state import RequestState
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
-from minedraft.server_utils import CHANNEL_OPTIONS
-from minedraft.step_stream import StepStream
+from minedraft.rpc.server_utils import CHANNEL_OPTIONS
+from minedraft.rpc.step_stream import StepStream
 
 if TYPE_CHECKING:
-    from minedraft.metrics import CoordinatorMetrics
+    from minedraft.observability.metrics import CoordinatorMetrics
 
 Call = TypeVar("Call")
 Reply = TypeVar("Reply")

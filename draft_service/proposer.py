@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.attention import fused_query_tokens
-from minedraft.model_runner import Arrangement, Chooser, ModelRunner
-from minedraft.sampling import (
+from minedraft.engine.attention import fused_query_tokens
+from minedraft.engine.model_runner import Arrangement, Chooser, ModelRunner
+from minedraft.engine.sampling import (
     STREAM_DRAFT,
     SamplingConfig,
     greedy_tokens,
@@ -17,7 +17,7 @@ from minedraft.sampling import (
     sample_from,
     seeded_uniform,
 )
-from minedraft.sequence_table import SequenceTable
+from minedraft.engine.sequence_table import SequenceTable
 
 
 @dataclass

@@ -12,9 +12,9 @@ import torch
 
 from draft_service.proposer import Proposer
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
-from minedraft.server_utils import grpc_errors, timings
-from minedraft.step_stream import serve_step_stream
-from minedraft.worker import (
+from minedraft.rpc.server_utils import grpc_errors, timings
+from minedraft.rpc.step_stream import serve_step_stream
+from minedraft.rpc.worker import (
     Drain,
     ModelWorker,
     WorkerOptions,
@@ -25,7 +25,7 @@ from minedraft.worker import (
 )
 
 if TYPE_CHECKING:
-    from minedraft.metrics import WorkerMetrics
+    from minedraft.observability.metrics import WorkerMetrics
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.sampling import (
+from minedraft.engine.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     greedy_tokens,

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
-from minedraft.sampling import SamplingConfig
-from minedraft.server_utils import grpc_errors, timings
-from minedraft.step_stream import serve_step_stream
-from minedraft.worker import (
+from minedraft.rpc.server_utils import grpc_errors, timings
+from minedraft.rpc.step_stream import serve_step_stream
+from minedraft.rpc.worker import (
     Drain,
     ModelWorker,
     WorkerOptions,
@@ -26,7 +26,7 @@ from minedraft.worker import (
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
 if TYPE_CHECKING:
-    from minedraft.metrics import WorkerMetrics
+    from minedraft.observability.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.model_runner import Arrangement, Finisher, ModelRunner
-from minedraft.sampling import SamplingConfig
-from minedraft.sequence_table import SequenceTable
+from minedraft.engine.model_runner import Arrangement, Finisher, ModelRunner
+from minedraft.engine.sampling import SamplingConfig
+from minedraft.engine.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
 
 RUNNING, FINISHED_STOP, FINISHED_LENGTH = 0, 1, 2
@@ -57,8 +57,9 @@ class Verifier:
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         # With compiled layers the acceptance and commit compile too: in a greedy verify's graph they were 55 small
         # kernels (99 with synthetic acceptance), ~0.1 ms of an 8B verify at batch 1. `warm_up` compiles them.
-        # Without inductor's coalescing analysis (a tiling heuristic for large kernels, not these small ones): with the
-        # argmax an operator of its own (`minedraft.argmax`) it failed an assertion compiling them (torch 2.11, H200).
+        # Without inductor's coalescing analysis (a tiling heuristic for large kernels, not these small ones): with
+        # the argmax an operator of its own (`minedraft.kernels.argmax`) it failed an assertion compiling them (torch
+        # 2.11, H200).
         self._accept_and_commit = (
             torch.compile(
                 self._accept_and_commit_eagerly, dynamic=True, options={"triton.coalesce_tiling_analysis": False}

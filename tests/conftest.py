@@ -20,7 +20,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from minedraft.models import load_model
+from minedraft.engine.models import load_model
 
 TINY_ARCHS = ("llama", "qwen3", "mistral", "gpt2", "gpt_neox")
 

@@ -14,7 +14,7 @@ def check_against_torch(device: str) -> None:
     """Rows of several vocabulary sizes (one chunk, several, a partial last one), in bf16 and float32: random, with
     the maximum repeated across chunks and within one, all equal, all -inf, and NaNs (the first NaN's index, as
     torch gives; a +inf before a NaN is not: the kernels count a NaN as +inf)."""
-    from minedraft.argmax import CHUNK, chunked_argmax
+    from minedraft.kernels.argmax import CHUNK, chunked_argmax
 
     generator = torch.Generator().manual_seed(0)
     for vocab in (100, CHUNK, 3 * CHUNK + 17):

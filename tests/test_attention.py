@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from minedraft.attention import FUSED_MIN_BLOCKS, SHORT_QUERY, grouped_sdpa_attention, takes_matmuls
+from minedraft.engine.attention import FUSED_MIN_BLOCKS, SHORT_QUERY, grouped_sdpa_attention, takes_matmuls
 
 
 class _Module(torch.nn.Module):

@@ -15,10 +15,10 @@ from coordinator.speculation_policy import (
     draft_lengths,
     size_class,
 )
+from minedraft.engine.models import VocabInfo, check_pair
+from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import ModelLoadError
-from minedraft.models import VocabInfo, check_pair
 from minedraft.proto import common_pb2
-from minedraft.sampling import SamplingConfig
 
 
 def _request(seq_id: int, prompt_len: int = 3) -> RequestState:

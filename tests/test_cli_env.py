@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minedraft.cli import build_parser
+from minedraft.app.cli import build_parser
 
 
 def test_environment_sets_flags_and_switches_read_true_or_false(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,7 +22,7 @@ def test_environment_sets_flags_and_switches_read_true_or_false(monkeypatch: pyt
 
 
 def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
-    from minedraft.cli import stack_commands
+    from minedraft.app.cli import stack_commands
 
     target, *_ = stack_commands(build_parser().parse_args(["serve", "--eager", "--precapture-graphs"]), 1, 2)
     assert "--eager" in target and target[target.index("--precapture-graphs") + 1] == "on"
@@ -32,7 +32,7 @@ def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
 
 def test_precapture_is_auto_by_default_and_on_where_cuda_graphs_are(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto precaptures on CUDA with graphs only: on a CPU (no graphs) it would run every shape for nothing."""
-    from minedraft.worker import precaptures
+    from minedraft.rpc.worker import precaptures
 
     assert build_parser().parse_args(["target"]).precapture_graphs == "auto"
     assert build_parser().parse_args(["target", "--precapture-graphs"]).precapture_graphs == "on"

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from draft_service.proposer import Proposer
-from minedraft.model_runner import ModelRunner
-from minedraft.sampling import SamplingConfig
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
 CONFIGS = {

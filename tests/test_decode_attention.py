@@ -37,8 +37,8 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
     """Random inputs for each of SHAPES: each row's last `n` positions are its queries, causal over its own length, so
     whole key tiles are masked off and lengths differ between rows. Given the positions, the kernels must not read
     past them: the cache holds NaN there, as a rolled-back row's garbage might."""
-    from minedraft import decode_attention
-    from minedraft.decode_attention import short_query_attention
+    from minedraft.kernels import decode_attention
+    from minedraft.kernels.decode_attention import short_query_attention
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     inputs = ("mask only", "positions", "positions, no mask")
@@ -96,9 +96,9 @@ def check_a_model_on_the_kernels() -> None:
     steps' masks are causal by those positions, and with the mask for a model of an 8-token sliding window."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel
 
-    import minedraft.attention as attention
-    from minedraft import decode_attention
-    from minedraft.model_runner import ModelRunner
+    import minedraft.engine.attention as attention
+    from minedraft.engine.model_runner import ModelRunner
+    from minedraft.kernels import decode_attention
 
     # Weights well above transformers' 0.02 init: attention then moves the logits by far more than the tolerance.
     shape: dict[str, Any] = dict(
@@ -171,8 +171,8 @@ def test_the_kernels_equal_float64_attention_on_a_gpu() -> None:
 
 def test_the_kernels_take_only_the_shapes_they_handle() -> None:
     """Power-of-two head sizes, one size for q/k/v, unit last strides, a mask row per query; CPU steps never."""
-    from minedraft.attention import uses_kernel
-    from minedraft.decode_attention import supports
+    from minedraft.engine.attention import uses_kernel
+    from minedraft.kernels.decode_attention import supports
 
     def inputs(dim: int = 64, value_dim: int = 64, n: int = 5) -> list[torch.Tensor]:
         return [

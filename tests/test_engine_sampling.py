@@ -22,9 +22,9 @@ from transformers.generation.logits_process import (
 
 import target_service.verifier as verifier_module
 from draft_service.proposer import Proposer
-from minedraft.model_runner import ModelRunner
-from minedraft.offline import OfflineRequest, OfflineResult, generate_offline
-from minedraft.sampling import (
+from minedraft.app.offline import OfflineRequest, OfflineResult, generate_offline
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingConfig,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel, Qwen2Config
 
-from minedraft.fused_projections import FusedGatedMLP, FusedQKVAttention, fuse_projections
+from minedraft.engine.fused_projections import FusedGatedMLP, FusedQKVAttention, fuse_projections
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -75,7 +75,7 @@ def test_projections_that_are_not_plain_linears_stay_as_they_are() -> None:
 def test_a_compiled_layer_rotates_and_writes_its_kv_in_one_operator() -> None:
     """The slot cache's read breaks a compiled layer's graph; the rotary embedding and the K/V write must be traced
     before the break as the one operator whose CUDA kernel does both (compiled code made three kernels of them)."""
-    from minedraft.model_runner import ModelRunner
+    from minedraft.engine.model_runner import ModelRunner
 
     model = _model("llama")
     runner = ModelRunner(model, 4, 64)

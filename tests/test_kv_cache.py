@@ -7,9 +7,9 @@ import torch
 from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.model_runner import CapacityError, ModelRunner
-from minedraft.offline import OfflineRequest, generate_offline
-from minedraft.sampling import SamplingConfig
+from minedraft.app.offline import OfflineRequest, generate_offline
+from minedraft.engine.model_runner import CapacityError, ModelRunner
+from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import FINISHED_LENGTH, RUNNING, Verifier
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -270,7 +270,7 @@ def test_draft_with_a_narrower_vocabulary_accepts_any_target_token() -> None:
     import transformers
 
     from draft_service.proposer import Proposer
-    from minedraft.sampling import SamplingConfig
+    from minedraft.engine.sampling import SamplingConfig
 
     config = transformers.LlamaConfig(
         vocab_size=100,

@@ -9,7 +9,7 @@ import pytest
 
 from coordinator.request_state import FINISH, RequestState
 from minedraft.demo_models import TARGET_DIR, available
-from minedraft.sampling import SamplingConfig
+from minedraft.engine.sampling import SamplingConfig
 
 pytestmark = pytest.mark.skipif(not available(), reason="the demo pair's tokenizer is not there")
 

@@ -1,5 +1,5 @@
 """Compiled decoder layers that hand their last residual add on to the next layer: the model's own output, and one
-kernel fewer per layer (`minedraft.residual_fold`)."""
+kernel fewer per layer (`minedraft.engine.residual_fold`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch._inductor.utils import run_and_get_code
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel
 
-from minedraft.model_runner import decoder_layers
-from minedraft.residual_fold import fold_residuals
+from minedraft.engine.model_runner import decoder_layers
+from minedraft.engine.residual_fold import fold_residuals
 
 
 def _llama(layers: int = 3) -> PreTrainedModel:

@@ -18,7 +18,8 @@ SHAPES = [(3, 5, 8, 2, 32), (2, 1, 4, 4, 16), (1, 37, 4, 2, 64), (2, 3, 6, 2, 40
 def check_against_reference(device: str, dtype: torch.dtype) -> None:
     """Each case: the kernel's queries and both whole cache stacks equal the operator's reference code's, bit for bit
     (rows out of order, positions past other rows' ends; cos/sin per row, or one row broadcast)."""
-    from minedraft import kv_cache, rotary_write
+    from minedraft.engine import kv_cache
+    from minedraft.kernels import rotary_write
 
     generator = torch.Generator().manual_seed(0)
     for (batch, n, heads, kv_heads, dim), shared_angles in zip(SHAPES, (False, False, True, False), strict=True):
@@ -63,7 +64,7 @@ def test_the_kernel_equals_the_reference_on_a_gpu() -> None:
 
 
 def test_the_operator_refuses_a_cache_of_other_heads() -> None:
-    from minedraft.kv_cache import rotate_and_write
+    from minedraft.engine.kv_cache import rotate_and_write
 
     stacks = torch.zeros(2, 1, 3, 4, 8, 16)
     with pytest.raises(ValueError, match="2 K/V heads"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from minedraft.server_utils import start_server
+from minedraft.rpc.server_utils import start_server
 
 
 def test_start_up_objects_are_frozen() -> None:

@@ -20,9 +20,9 @@ import coordinator.server
 from coordinator.batch_manager import BatchManager
 from coordinator.request_state import RequestState
 from coordinator.server import shared_gpus
-from minedraft.model_runner import ModelRunner
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, generation_pb2_grpc
-from minedraft.sampling import SamplingConfig
 
 pytest_plugins = ["stack"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from stack import REPO, SERVICE_ENV, Service, TinyPairs, Workers, running_coordinator
 
-from minedraft.bench import RequestResult, _parse_modes, percentile, ratios, summarize
+from minedraft.app.bench import RequestResult, _parse_modes, percentile, ratios, summarize
 
 pytest_plugins = ["stack"]
 
@@ -64,7 +64,7 @@ def test_modes_parsing() -> None:
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "minedraft.cli", "bench", "--no-progress", *args],
+        [sys.executable, "-m", "minedraft", "bench", "--no-progress", *args],
         cwd=REPO,
         env=SERVICE_ENV,
         capture_output=True,
@@ -116,8 +116,8 @@ def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
 
 
 def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) -> None:
-    from minedraft.bench import LocalStack
-    from minedraft.cli import build_parser, stack_commands
+    from minedraft.app.bench import LocalStack
+    from minedraft.app.cli import build_parser, stack_commands
 
     for extra, expected in (([], None), (["--synthetic-acceptance", "0.7"], "0.7")):
         args = build_parser().parse_args(["bench", "--modes", "psd", *extra])
@@ -134,7 +134,7 @@ def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: Tin
         [
             sys.executable,
             "-m",
-            "minedraft.cli",
+            "minedraft",
             "bench",
             "--no-progress",
             "--modes",

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import TinyPairs, Workers, assert_all_slots_free, start_coordinator, start_workers, text_prompts
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
-from minedraft.server_utils import LIVENESS
+from minedraft.rpc.server_utils import LIVENESS
 
 pytest_plugins = ["stack"]
 

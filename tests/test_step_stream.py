@@ -13,9 +13,9 @@ from stack import Workers, generate, in_process_coordinator, run_async
 
 from coordinator.request_state import RequestState
 from coordinator.workers import Workers as WorkerClients
+from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
-from minedraft.sampling import SamplingConfig
-from minedraft.step_stream import StepStream
+from minedraft.rpc.step_stream import StepStream
 
 pytest_plugins = ["stack"]
 

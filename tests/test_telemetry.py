@@ -24,9 +24,9 @@ from coordinator.server import CoordinatorOptions, GenerationServicer  # noqa: E
 from coordinator.step_loop import StepLoop  # noqa: E402
 from coordinator.tracing import TracedStepLoop, TracedWorkers  # noqa: E402
 from coordinator.workers import Workers  # noqa: E402
-from minedraft import telemetry  # noqa: E402
+from minedraft.observability import telemetry  # noqa: E402
 from minedraft.proto import target_pb2  # noqa: E402
-from minedraft.step_stream import serve_step_stream  # noqa: E402
+from minedraft.rpc.step_stream import serve_step_stream  # noqa: E402
 
 pytest_plugins = ["stack", "observed_stack"]
 
@@ -118,8 +118,8 @@ def test_services_run_without_opentelemetry() -> None:
     script = """
 import sys
 sys.modules["opentelemetry"] = None  # any `import opentelemetry...` now fails
-import coordinator.server, draft_service.server, minedraft.cli, target_service.server
-from minedraft import telemetry
+import coordinator.server, draft_service.server, minedraft.app.cli, target_service.server
+from minedraft.observability import telemetry
 assert not telemetry.HAVE_OTEL
 tracing = telemetry.setup_tracing("minedraft-target")
 assert not tracing.enabled

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from minedraft.demo_models import TARGET_DIR
-from minedraft.worker import PROFILED_CALLS, ModelWorker, WorkerOptions
+from minedraft.rpc.worker import PROFILED_CALLS, ModelWorker, WorkerOptions
 
 
 def test_profiled_calls_are_written_as_chrome_traces(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from minedraft.engine.model_runner import Arrangement, Finisher, ModelRunner
+from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig, seed_key
 from minedraft.errors import UnknownSequenceError
-from minedraft.model_runner import Arrangement, Finisher, ModelRunner
-from minedraft.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig, seed_key
 
 # A prefill forward's fixed cost, in prompt tokens: on an H200 one prompt of 512 tokens took 46.7 ms where each of 16
 # took 16.2 ms (run 18c), about 1000 tokens' worth more.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from minedraft.attention import load_kernels
+from minedraft.kernels import triton_runs
 
 # Why not transformers' PagedAttentionCache: it is bound to its own continuous-batching manager (flattened varlen
 # batches, block tables it allocates itself) and has no per-row rollback. A row-per-sequence tensor gives rollback
@@ -108,7 +110,7 @@ class SlotKVCache(Cache):
     ) -> torch.Tensor:
         """The rotated queries `[B, heads, n, D]` of a fused Q/K/V projection's output `[B, n, (heads + 2 kv_heads)
         D]`, with its rotated keys and its values written to layer `layer_idx` of a stacked cache (`write`): one
-        kernel on CUDA (`minedraft.rotary_write`) where compiled code gave three."""
+        kernel on CUDA (`minedraft.kernels.rotary_write`) where compiled code gave three."""
         assert self._stacks is not None and self._rows is not None and self._positions is not None
         keys, values = self._stacks
         query = torch.ops.minedraft.rotate_and_write(
@@ -198,8 +200,16 @@ class SlotKVCache(Cache):
         ]
 
 
+def _rotary_write_kernels() -> ModuleType | None:
+    if not triton_runs():
+        return None
+    from minedraft.kernels import rotary_write
+
+    return rotary_write
+
+
 # Loaded here, not in the operator: compiled layers call it, and an import has no business there.
-ROTARY_KERNEL = load_kernels("rotary_write")
+ROTARY_KERNEL = _rotary_write_kernels()
 
 
 @torch.library.custom_op("minedraft::rotate_and_write", mutates_args=("keys", "values"))

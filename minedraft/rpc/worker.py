@@ -19,15 +19,15 @@ import grpc
 import torch
 
 from minedraft.channels import Channel, make_channel
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.models import VocabInfo, load_model, load_tokenizer
+from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import ChannelNotSetUpError
-from minedraft.model_runner import ModelRunner
-from minedraft.models import VocabInfo, load_model, load_tokenizer
 from minedraft.proto import common_pb2, generation_pb2
-from minedraft.sampling import SamplingConfig
-from minedraft.server_utils import Health, start_server
+from minedraft.rpc.server_utils import Health, start_server
 
 if TYPE_CHECKING:
-    from minedraft.metrics import WorkerMetrics
+    from minedraft.observability.metrics import WorkerMetrics
 
 T = TypeVar("T")
 # After a SIGTERM, what a server does before it stops; given an event that cuts it short (`ModelWorker.drain`)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.proposer import Proposer
-from minedraft.sampling import SamplingConfig
+from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import RUNNING, Verifier
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from minedraft.kernels import triton_runs
 
 GROUPED_SDPA = "minedraft_grouped_sdpa"
 # Decode and verify steps have at most this many queries per K/V head (query heads sharing it x new tokens).
@@ -85,21 +86,11 @@ def fused_query_tokens(config: object) -> int:
 
 
 def uses_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, queries: int) -> bool:
-    """Whether a CUDA step of `queries` per K/V head runs `minedraft.decode_attention`'s Triton kernels (on CPU, or
-    without Triton, the matmuls or the fused kernel)."""
+    """Whether a CUDA step of `queries` per K/V head runs `minedraft.kernels.decode_attention`'s Triton kernels (on
+    CPU, or without Triton, the matmuls or the fused kernel)."""
     return (
         query.is_cuda and queries <= SHORT_QUERY and KERNELS is not None and KERNELS.supports(query, key, value, mask)
     )
-
-
-def load_kernels(module: str) -> ModuleType | None:
-    """`minedraft.<module>`, a module of Triton kernels, where they can run: None without CUDA or Triton."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return importlib.import_module(f"minedraft.{module}")
-    except ImportError:  # no Triton
-        return None
 
 
 def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
@@ -129,5 +120,13 @@ def short_query_attention(
 
 
 # Loaded here, not in the attention: compiled layers trace the attention, and an import has no business there.
-KERNELS = load_kernels("decode_attention")
+def _decode_attention_kernels() -> ModuleType | None:
+    if not triton_runs():
+        return None
+    from minedraft.kernels import decode_attention
+
+    return decode_attention
+
+
+KERNELS = _decode_attention_kernels()
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)

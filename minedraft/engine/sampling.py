@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
-from minedraft.attention import load_kernels
+from minedraft.kernels import triton_runs
 
-ARGMAX_KERNELS = load_kernels("argmax")  # None without CUDA or Triton
+
+def _argmax_kernels() -> ModuleType | None:  # None without CUDA or Triton
+    if not triton_runs():
+        return None
+    from minedraft.kernels import argmax
+
+    return argmax
+
+
+ARGMAX_KERNELS = _argmax_kernels()
 # Uniform streams: each decision at a sequence position draws from its own stream, so a request's randomness
 # depends only on (seed, position, purpose) and never on which other requests share its batch.
 STREAM_ACCEPT = 0
@@ -67,8 +77,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
     One argmax over a 128k vocabulary is a single block's reduction per row: 28 us on an H200 at batch 1, every
     draft step and every verify. The max of each chunk of the vocabulary, then the argmax over the chunks, spreads it
-    over the GPU: on CUDA as two Triton kernels (`minedraft.argmax`: 10.5 us for 80 rows of 128k on an H200, where
-    the chunks' max in PyTorch, compiled, took 41; run 24b).
+    over the GPU: on CUDA as two Triton kernels (`minedraft.kernels.argmax`: 10.5 us for 80 rows of 128k on an H200,
+    where the chunks' max in PyTorch, compiled, took 41).
     """
     vocab = logits.shape[-1]
     if logits.is_cuda and ARGMAX_KERNELS is not None:

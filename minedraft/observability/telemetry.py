@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from minedraft.step_stream import call_field, status_code, step_call_of
+from minedraft.rpc.step_stream import call_field, status_code, step_call_of
 
 # opentelemetry is optional (the GPU images do not ship it): without it every function here is a no-op.
 try:

@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--timeout", type=float, default=600.0)
 
-    from minedraft.bench import add_bench_arguments
+    from minedraft.app.bench import add_bench_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="measure throughput and latency of a server or of the modes"))
     return parser
@@ -285,9 +285,9 @@ async def _serve_forever(
 
 
 async def _worker_main(args: argparse.Namespace, kind: str) -> None:
-    from minedraft.metrics import WorkerMetrics, start_metrics_server
-    from minedraft.telemetry import server_interceptors, setup_tracing
-    from minedraft.worker import WorkerOptions
+    from minedraft.observability.metrics import WorkerMetrics, start_metrics_server
+    from minedraft.observability.telemetry import server_interceptors, setup_tracing
+    from minedraft.rpc.worker import WorkerOptions
 
     tracing = setup_tracing(f"minedraft-{kind}")
     metrics = WorkerMetrics() if args.metrics_port else None
@@ -326,8 +326,8 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
 
 async def _coordinator_main(args: argparse.Namespace) -> None:
     from coordinator.server import CoordinatorOptions, serve
-    from minedraft.metrics import CoordinatorMetrics, start_metrics_server
-    from minedraft.telemetry import setup_tracing
+    from minedraft.observability.metrics import CoordinatorMetrics, start_metrics_server
+    from minedraft.observability.telemetry import setup_tracing
 
     options = CoordinatorOptions(
         target=args.target,
@@ -451,7 +451,7 @@ def start_stack(
 
 def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
     """The three service command lines that `serve` starts (the draft is left out in ar mode)."""
-    py = [sys.executable, "-m", "minedraft.cli"]
+    py = [sys.executable, "-m", "minedraft"]
     common = [
         "--dtype",
         str(args.dtype),
@@ -530,7 +530,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     from coordinator.server import CoordinatorOptions
     from coordinator.server import serve as serve_coordinator
     from draft_service.server import serve as serve_draft
-    from minedraft.worker import WorkerOptions
+    from minedraft.rpc.worker import WorkerOptions
     from target_service.server import serve as serve_target
 
     # Two threads with CUDA graphs in one process once hung: every graph was captured on one stream that PyTorch
@@ -730,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "generate":
         return generate_main(args)
     if args.command == "bench":
-        from minedraft.bench import bench_main
+        from minedraft.app.bench import bench_main
 
         return bench_main(args)
     try:

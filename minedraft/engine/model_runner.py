@@ -15,11 +15,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from minedraft.attention import CAUSAL_BY_POSITIONS, FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
+from minedraft.engine.attention import CAUSAL_BY_POSITIONS, FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
+from minedraft.engine.fused_projections import fuse_projections
+from minedraft.engine.kv_cache import SlotKVCache
+from minedraft.engine.residual_fold import fold_residuals
 from minedraft.errors import CapacityError
-from minedraft.fused_projections import fuse_projections
-from minedraft.kv_cache import SlotKVCache
-from minedraft.residual_fold import fold_residuals
 
 log = logging.getLogger(__name__)
 

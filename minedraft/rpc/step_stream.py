@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from minedraft.proto import common_pb2
-from minedraft.server_utils import error_status
+from minedraft.rpc.server_utils import error_status
 
 log = logging.getLogger(__name__)
 

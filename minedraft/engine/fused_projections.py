@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from minedraft.kv_cache import SlotKVCache
+from minedraft.engine.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 

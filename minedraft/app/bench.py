@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from minedraft.metrics import mean_accepted_length
+from minedraft.observability.metrics import mean_accepted_length
 
 MODES = ("psd", "sd", "sd2b", "ar")
 SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
@@ -30,7 +30,7 @@ SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from minedraft.cli import DEMO_DIR, MIN_SPECULATIVE_TOKENS_HELP, add_graph_flags
+    from minedraft.app.cli import DEMO_DIR, MIN_SPECULATIVE_TOKENS_HELP, add_graph_flags
 
     what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
     what.add_argument(
@@ -248,7 +248,7 @@ async def run_load(
     from tqdm import tqdm
 
     from minedraft.proto import generation_pb2_grpc
-    from minedraft.server_utils import CHANNEL_OPTIONS
+    from minedraft.rpc.server_utils import CHANNEL_OPTIONS
 
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -464,7 +464,7 @@ class LocalStack:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from minedraft.cli import start_stack
+        from minedraft.app.cli import start_stack
 
         with open(self.log_path, "w") as log:
 
@@ -476,7 +476,7 @@ class LocalStack:
             self.port = start_stack(self.args, popen, self.processes)
 
     def stop(self) -> None:
-        from minedraft.cli import stop_processes
+        from minedraft.app.cli import stop_processes
 
         stop_processes(self.processes)
         self.processes = []

@@ -1,0 +1,5 @@
+"""`python -m minedraft ...`: the `minedraft` command."""
+
+from minedraft.app.cli import main
+
+main()

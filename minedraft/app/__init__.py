@@ -1,0 +1,1 @@
+"""The application (top layer): the `minedraft` CLI, the load generator, offline generation, stack launching."""

@@ -1,0 +1,1 @@
+"""Observability (layer 4, beside rpc): OpenTelemetry tracing and Prometheus metrics."""

@@ -1,0 +1,82 @@
+"""Each layer imports only the layers below it (docs/design.md, "Layers"); the services never import each other."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Bottom to top; modules of one rank may import each other (rpc and observability sit side by side).
+RANKS: dict[str, int] = {
+    "minedraft": 0,  # the package itself, its generated protos, errors and demo models
+    "minedraft.proto": 0,
+    "minedraft.errors": 0,
+    "minedraft.kernels": 1,
+    "minedraft.engine": 2,
+    "minedraft.channels": 3,
+    "minedraft.observability": 4,
+    "minedraft.rpc": 4,
+    "target_service": 5,
+    "draft_service": 5,
+    "coordinator": 5,
+    "minedraft.app": 6,
+    "minedraft.__main__": 6,
+}
+SERVICES = ("target_service", "draft_service", "coordinator")
+PACKAGES = ("minedraft", *SERVICES)
+
+
+def layer_of(module: str) -> str:
+    """The longest entry of RANKS that `module` is or lies inside."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in RANKS:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module} is in no layer: add it to RANKS")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of our packages in `path`, also inside functions and TYPE_CHECKING blocks."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from minedraft.engine import sampling` imports minedraft.engine.sampling
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
+
+
+def production_modules() -> list[Path]:
+    paths = [p for package in PACKAGES for p in (REPO / package).rglob("*.py")]
+    return sorted(p for p in paths if "proto" not in p.relative_to(REPO).parts[:2])
+
+
+def test_no_module_imports_a_layer_above_it() -> None:
+    upward = []
+    for path in production_modules():
+        own = layer_of(module_name(path))
+        for line, name in imported_modules(path):
+            other = layer_of(name)
+            if RANKS[other] > RANKS[own] or (own in SERVICES and other in SERVICES and other != own):
+                upward.append(f"{path.relative_to(REPO)}:{line} ({own}) imports {name} ({other})")
+    assert not upward, "imports of a layer above, or of another service:\n" + "\n".join(upward)
+
+
+def test_every_module_has_a_layer() -> None:
+    for path in production_modules():
+        layer_of(module_name(path))
+
+
+def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from coordinator.server import serve\nimport minedraft.engine.sampling\n", encoding="utf-8")
+    names = [name for _, name in imported_modules(module)]
+    assert names == ["coordinator.server.serve", "minedraft.engine.sampling"]
+    assert RANKS[layer_of(names[0])] > RANKS[layer_of("minedraft.engine.kv_cache")]
