@@ -155,5 +155,5 @@ kvgather)
 esac
 # A stack whose bench ran past its time leaves its services running, holding GPU memory: the next stage's ran out
 # of it (run 27b).
-pkill -9 -f "[m]inedraft.cli (bench|target|draft|coordinator)" 2>/dev/null
+pkill -9 -f "[m]inedraft(\.cli)? (bench|target|draft|coordinator)" 2>/dev/null
 tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"  # stages can run one after another in one call
