@@ -2,4 +2,4 @@
 
 from minedraft.app.cli import main
 
-main()
+raise SystemExit(main())
