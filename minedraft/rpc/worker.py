@@ -123,7 +123,7 @@ class ModelWorker:
         """The compute thread's current CUDA device is the model's, so that whatever CUDA work names no device (a
         graph's capture stream, a stream or event made without one) lands on the model's GPU, not on GPU 0; and its
         current stream is the worker's, set once rather than by a context around each call (whose device lookups
-        ranked high among a step's host calls in run 17b)."""
+        rank high among a step's host calls)."""
         if self.stream is not None:
             torch.cuda.set_device(self.runner.device)
             torch.cuda.set_stream(self.stream)
