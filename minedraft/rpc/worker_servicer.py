@@ -34,7 +34,7 @@ class WorkerServicer:
     Each service declares its own request and response for every RPC (buf's standard lint wants one per RPC), so
     requests arrive as the service's classes, field for field the same in both; a subclass names its reply classes
     and supplies what is its own: `prefill` on the compute thread, its step call (`step`, with Verify or Propose
-    around it), `add_to` and, for the draft, `exports_channel`."""
+    around it, and `step_stream` as VerifyStream or ProposeStream), `add_to` and, for the draft, `exports_channel`."""
 
     service_name: ClassVar[str]  # the service's full name, for health and reflection
     exports_channel: ClassVar[bool] = False  # the draft exports its end of the data plane; the target attaches to it
