@@ -4,91 +4,57 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 
 from draft_service.proposer import Proposer
+from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from minedraft.rpc.server_utils import grpc_errors, timings
-from minedraft.rpc.step_stream import serve_step_stream
-from minedraft.rpc.worker import (
-    Drain,
-    ModelWorker,
-    WorkerOptions,
-    check_batch_id,
-    elapsed,
-    prompts_and_configs,
-    start_worker_server,
-)
+from minedraft.rpc.worker import Drain, ModelWorker, WorkerOptions, elapsed
+from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id
 
 if TYPE_CHECKING:
     from minedraft.observability.metrics import WorkerMetrics
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
+    """DraftService: the lifecycle RPCs of `WorkerServicer`, and Propose over the proposer."""
+
+    service_name = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+    exports_channel = True
+    GetInfoResponse = draft_pb2.DraftServiceGetInfoResponse
+    SetupChannelResponse = draft_pb2.DraftServiceSetupChannelResponse
+    PrepareResponse = draft_pb2.DraftServicePrepareResponse
+    PrefillResponse = draft_pb2.DraftServicePrefillResponse
+    ReleaseResponse = draft_pb2.DraftServiceReleaseResponse
+    StepStreamResponse = draft_pb2.ProposeStreamResponse
+    ProposeStream = WorkerServicer.step_stream
+
     def __init__(self, options: WorkerOptions, greedy_drafts: bool = False) -> None:
-        self.worker = ModelWorker(options)
-        self.proposer = Proposer(self.worker.runner, greedy_drafts=greedy_drafts)
+        worker = ModelWorker(options)
+        self.proposer = Proposer(worker.runner, greedy_drafts=greedy_drafts)
+        super().__init__(worker, self.proposer)
 
-    @grpc_errors
-    async def GetInfo(
-        self, request: draft_pb2.DraftServiceGetInfoRequest, context: grpc.aio.ServicerContext
-    ) -> draft_pb2.DraftServiceGetInfoResponse:
-        return draft_pb2.DraftServiceGetInfoResponse(info=self.worker.info())
+    def add_to(self, server: grpc.aio.Server) -> None:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(self, server)
 
-    @grpc_errors
-    async def SetupChannel(
-        self, request: draft_pb2.DraftServiceSetupChannelRequest, context: grpc.aio.ServicerContext
-    ) -> draft_pb2.DraftServiceSetupChannelResponse:
-        # Before the export (a no-op after Prepare): an nccl export waits (120 s at most) for the target, which
-        # attaches after this reply.
-        await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
-        handshake = await self.worker.setup_channel(
-            request.channel, request.handshake, request.num_speculative_tokens, request.max_batch_size, True
-        )
-        return draft_pb2.DraftServiceSetupChannelResponse(handshake=handshake)
-
-    @grpc_errors
-    async def Prepare(
-        self, request: draft_pb2.DraftServicePrepareRequest, context: grpc.aio.ServicerContext
-    ) -> draft_pb2.DraftServicePrepareResponse:
-        await self._prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
-        return draft_pb2.DraftServicePrepareResponse()
-
-    async def _prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
-        await self.worker.prepare(self.proposer.precapture, k, max_batch_size, num_batches)
-
-    @grpc_errors
-    async def Prefill(
-        self, request: draft_pb2.DraftServicePrefillRequest, context: grpc.aio.ServicerContext
-    ) -> draft_pb2.DraftServicePrefillResponse:
-        start_unix = time.time()
-        await self._release_first(request.release_seq_ids)
-        seq_ids, prompts, configs = prompts_and_configs(request.sequences)
-        limit = self.worker.vocab.logits_size
-        if any(t < 0 or t >= limit for prompt in prompts for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {limit})")
-        _, queue_s, compute_s = await self.worker.run_timed(self.proposer.prefill, seq_ids, prompts, configs)
-        return draft_pb2.DraftServicePrefillResponse(timings=timings(start_unix, compute_s, queue_s=queue_s))
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
+        self.proposer.prefill(seq_ids, prompts, configs)
+        return {}
 
     @grpc_errors
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
-        return await self._propose_call(request)
+        return await self.step(request)
 
-    async def ProposeStream(
-        self, requests: AsyncIterator[draft_pb2.ProposeStreamRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[draft_pb2.ProposeStreamResponse]:
-        async for reply in serve_step_stream(requests, self._propose_call, draft_pb2.ProposeStreamResponse):
-            yield reply
-
-    async def _propose_call(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+    async def step(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         start_unix = time.time()
-        await self._release_first(request.release_seq_ids)
+        await self.release_first(request.release_seq_ids)
         if not (len(request.seq_ids) == len(request.num_accepted) == len(request.next_token_ids)):
             raise ValueError("seq_ids, num_accepted and next_token_ids must have the same length")
         if request.num_draft_tokens < 1:
@@ -129,18 +95,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         payload = channel.send(request.step_id, proposal.draft_ids, proposal.draft_probs)
         return payload, elapsed(start)
 
-    async def _release_first(self, seq_ids: Sequence[int]) -> None:
-        """Releases riding on a call: applied before anything in the call can fail, so none is lost."""
-        if seq_ids:
-            await self.worker.run(self.proposer.release, list(seq_ids))
-
-    @grpc_errors
-    async def Release(
-        self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> draft_pb2.DraftServiceReleaseResponse:
-        await self.worker.run(self.proposer.release, list(request.seq_ids))
-        return draft_pb2.DraftServiceReleaseResponse(free_slots=self.worker.runner.free_slots)
-
 
 async def serve(
     options: WorkerOptions,
@@ -150,13 +104,4 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics: WorkerMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int, Drain]:
-    servicer = DraftServicer(options, greedy_drafts)
-    return await start_worker_server(
-        servicer.worker,
-        lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
-        draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name,
-        port,
-        host,
-        interceptors,
-        metrics,
-    )
+    return await DraftServicer(options, greedy_drafts).serve(port, host, interceptors, metrics)

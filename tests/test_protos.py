@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -151,6 +152,24 @@ def test_services_shape() -> None:
     }
     for method in (target.methods_by_name["VerifyStream"], draft.methods_by_name["ProposeStream"]):
         assert method.client_streaming and method.server_streaming
+
+
+def test_lifecycle_messages_match_between_the_services() -> None:
+    # One servicer base (minedraft/rpc/worker_servicer.py) serves both: it reads each service's requests alike.
+    from minedraft.proto import draft_pb2, target_pb2
+
+    def fields(descriptor: Any) -> list[tuple[str, int, int, bool, str]]:
+        return [
+            (f.name, f.number, f.type, f.is_repeated, f.message_type.full_name if f.message_type else "")
+            for f in descriptor.fields
+        ]
+
+    target = target_pb2.DESCRIPTOR.services_by_name["TargetService"].methods_by_name
+    draft = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].methods_by_name
+    for name in ("GetInfo", "SetupChannel", "Prepare", "Prefill", "Release"):
+        assert fields(target[name].input_type) == fields(draft[name].input_type), name
+        if name != "Prefill":  # the target's prefill replies with first tokens, the draft's with timings only
+            assert fields(target[name].output_type) == fields(draft[name].output_type), name
 
 
 def test_grpc_modules_import_on_every_patch_release() -> None:

@@ -72,8 +72,8 @@ class CudaIpcChannel(Channel):
     def receive(self, payload: common_pb2.DraftPayload) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.ids is not None and self.probs is not None, "attach() first"
         slot, batch, k = payload.slot, payload.batch_size, payload.num_tokens
-        # Wait on a stream of the draft's device: waiting on an IPC event of another GPU crashed the driver (H200
-        # pair, run 7). A copy between GPUs runs on the source device's current stream and orders the destination's
+        # Wait on a stream of the draft's device: waiting on an IPC event of another GPU crashed the driver (on a pair
+        # of H200s). A copy between GPUs runs on the source device's current stream and orders the destination's
         # current stream after it, so the copies below still follow the draft's write.
         torch.cuda.current_stream(self.ids.device).wait_event(self.events[slot])
         ids = self.ids[slot, :batch, :k].to(self.device, copy=True)

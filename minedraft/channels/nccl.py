@@ -51,7 +51,7 @@ class NcclChannel(Channel):
             # NCCL builds the pair's send/receive communicator at their first exchange, which both sides must
             # join. Done here, while both are setting up: left to the first proposal, the draft's send would wait
             # for the target's receive, which comes only after the Propose reply that send holds up (a deadlock
-            # seen on two H200s, run 7).
+            # seen on two H200s).
             hello = torch.zeros(1, device=self.device)
             if rank == DRAFT_RANK:
                 dist.send(hello, dst=TARGET_RANK)

@@ -1,7 +1,7 @@
 """A worker's step calls as messages on one open gRPC stream: a unary call's semantics without its round trip each.
 
 A unary call costs a round trip of its own, 0.8 ms on an H200 host against 0.26-0.41 ms for a message written and
-read back on an open stream (`benchmarks/grpc_round_trip.py`, run 31a), and a step makes one or two. Each message
+read back on an open stream (`benchmarks/grpc_round_trip.py`), and a step makes one or two. Each message
 stays a call of its own: the worker handles requests as they arrive (as concurrent unary calls would be), replies
 in the order they were sent, and a failed call gets its status in its reply, leaving the stream open. What fails
 the stream itself (the worker gone, a deadline passed) fails every call waiting on it; the next call opens a new

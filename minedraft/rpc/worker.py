@@ -1,4 +1,4 @@
-"""What the target and draft services share: the loaded model, its runner, the channel, one compute thread."""
+"""The state a worker service holds: the loaded model, its runner, the channel, one compute thread."""
 
 from __future__ import annotations
 
@@ -9,25 +9,20 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-import grpc
 import torch
 
 from minedraft.channels import Channel, make_channel
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import VocabInfo, load_model, load_tokenizer
-from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import ChannelNotSetUpError
-from minedraft.proto import common_pb2, generation_pb2
-from minedraft.rpc.server_utils import Health, start_server
-
-if TYPE_CHECKING:
-    from minedraft.observability.metrics import WorkerMetrics
+from minedraft.proto import common_pb2
+from minedraft.rpc.server_utils import Health
 
 T = TypeVar("T")
 # After a SIGTERM, what a server does before it stops; given an event that cuts it short (`ModelWorker.drain`)
@@ -71,20 +66,6 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def sampling_config(spec: common_pb2.SequenceSpec) -> SamplingConfig:
-    """Workers receive parameters the coordinator already validated and defaulted."""
-    p: generation_pb2.SamplingParams = spec.params
-    return SamplingConfig(
-        temperature=float(p.temperature),
-        top_p=float(p.top_p) if p.top_p > 0 else 1.0,
-        top_k=int(p.top_k),
-        seed=int(p.seed),
-        max_tokens=int(p.max_tokens),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=bool(p.ignore_eos),
-    )
-
-
 class ModelWorker:
     """A model on its device with a slot cache for two batches; all model work runs on one thread, in order."""
 
@@ -123,7 +104,7 @@ class ModelWorker:
         """The compute thread's current CUDA device is the model's, so that whatever CUDA work names no device (a
         graph's capture stream, a stream or event made without one) lands on the model's GPU, not on GPU 0; and its
         current stream is the worker's, set once rather than by a context around each call (whose device lookups
-        ranked high among a step's host calls in run 17b)."""
+        rank high among a step's host calls)."""
         if self.stream is not None:
             torch.cuda.set_device(self.runner.device)
             torch.cuda.set_stream(self.stream)
@@ -263,44 +244,6 @@ class ModelWorker:
         if self.channel is None:
             raise ChannelNotSetUpError("no channel set up yet: the coordinator calls SetupChannel first")
         return self.channel
-
-
-async def start_worker_server(
-    worker: ModelWorker,
-    add: Callable[[grpc.aio.Server], None],
-    service_name: str,
-    port: int,
-    host: str,
-    interceptors: Sequence[grpc.aio.ServerInterceptor],
-    metrics: WorkerMetrics | None,
-) -> tuple[grpc.aio.Server, int, Drain]:
-    """A worker service's gRPC server (`add` registers its servicer; health and reflection come too), its free
-    slots on /metrics, and its drain after a SIGTERM (`ModelWorker.drain`)."""
-    if metrics is not None:
-        metrics.free_slots.set_function(lambda: worker.runner.free_slots)
-    health_servicer = Health()
-    server, bound = await start_server(port, [add], [service_name], host, interceptors, health_servicer)
-    return server, bound, functools.partial(worker.drain, health_servicer)
-
-
-def check_batch_id(batch_id: int) -> None:
-    if not 0 <= batch_id < NUM_BATCHES:
-        raise ValueError(f"batch_id must be 0 or 1 (the coordinator's two batches), got {batch_id}")
-
-
-def prompts_and_configs(
-    sequences: Sequence[common_pb2.SequenceSpec],
-) -> tuple[list[int], list[list[int]], list[SamplingConfig]]:
-    if not sequences:
-        raise ValueError("no sequences given")
-    for spec in sequences:
-        if not spec.prompt_token_ids:
-            raise ValueError(f"sequence {spec.seq_id} has an empty prompt")
-    return (
-        [s.seq_id for s in sequences],
-        [list(s.prompt_token_ids) for s in sequences],
-        [sampling_config(s) for s in sequences],
-    )
 
 
 def elapsed(start: float) -> float:

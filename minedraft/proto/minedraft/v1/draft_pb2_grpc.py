@@ -94,8 +94,8 @@ class DraftServiceServicer:
 
     def Prepare(self, request, context):
         """Prepare readies the worker for a coordinator's batches before serving: with --precapture-graphs it runs every
-        step shape they can take. SetupChannel does
-        the same when Prepare was not called; a coordinator calls both workers' Prepare at once.
+        step shape they can take. SetupChannel does the same when Prepare was not called; a coordinator calls both
+        workers' Prepare at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

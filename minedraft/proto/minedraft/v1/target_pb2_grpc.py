@@ -96,8 +96,8 @@ class TargetServiceServicer:
 
     def Prepare(self, request, context):
         """Prepare readies the worker for a coordinator's batches before serving: with --precapture-graphs it runs every
-        step shape they can take, and with --compile it compiles the acceptance first. SetupChannel does
-        the same when Prepare was not called; a coordinator calls both workers' Prepare at once.
+        step shape they can take, and with --compile it compiles the acceptance first. SetupChannel does the same when
+        Prepare was not called; a coordinator calls both workers' Prepare at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

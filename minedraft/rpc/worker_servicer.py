@@ -1,0 +1,165 @@
+"""The gRPC servicer the target and draft build on: their lifecycle RPCs, Prefill's checks, the step stream, serve."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import grpc
+from google.protobuf.message import Message
+
+from minedraft.engine.sampling import SamplingConfig
+from minedraft.proto import common_pb2, generation_pb2
+from minedraft.rpc.server_utils import Health, grpc_errors, start_server, timings
+from minedraft.rpc.step_stream import serve_step_stream
+from minedraft.rpc.worker import NUM_BATCHES, Drain, ModelWorker
+
+if TYPE_CHECKING:
+    from minedraft.observability.metrics import WorkerMetrics
+
+
+class SequenceEngine(Protocol):
+    """What the lifecycle RPCs ask of a worker's engine (the target's verifier, the draft's proposer)."""
+
+    def release(self, seq_ids: Sequence[int]) -> None: ...
+
+    def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int: ...
+
+
+class WorkerServicer:
+    """The RPCs a target and a draft serve alike, over a `ModelWorker` and its engine.
+
+    Each service declares its own request and response for every RPC (buf's standard lint wants one per RPC), so
+    requests arrive as the service's classes, field for field the same in both; a subclass names its reply classes
+    and supplies what is its own: `prefill` on the compute thread, its step call (`step`, with Verify or Propose
+    around it, and `step_stream` as VerifyStream or ProposeStream), `add_to` and, for the draft, `exports_channel`."""
+
+    service_name: ClassVar[str]  # the service's full name, for health and reflection
+    exports_channel: ClassVar[bool] = False  # the draft exports its end of the data plane; the target attaches to it
+    GetInfoResponse: ClassVar[type[Message]]
+    SetupChannelResponse: ClassVar[type[Message]]
+    PrepareResponse: ClassVar[type[Message]]
+    PrefillResponse: ClassVar[type[Message]]
+    ReleaseResponse: ClassVar[type[Message]]
+    StepStreamResponse: ClassVar[type[Message]]
+
+    def __init__(self, worker: ModelWorker, engine: SequenceEngine) -> None:
+        self.worker = worker
+        self.engine = engine
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Register this servicer with `server` (the service's generated `add_..._to_server`)."""
+        raise NotImplementedError
+
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
+        """On the compute thread: admit the sequences; returns the reply's fields other than its timings."""
+        raise NotImplementedError
+
+    async def step(self, request: Any) -> Message:
+        """The service's step call (Verify, Propose), which its unary handler and each message of its stream run."""
+        raise NotImplementedError
+
+    @grpc_errors
+    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        return self.GetInfoResponse(info=self.worker.info())
+
+    @grpc_errors
+    async def SetupChannel(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        k, max_batch_size, num_batches = request.num_speculative_tokens, request.max_batch_size, request.num_batches
+        if self.exports_channel:
+            # Before the export (a no-op after Prepare): an nccl export waits (120 s at most) for the target, which
+            # attaches after this reply.
+            await self.prepare(k, max_batch_size, num_batches)
+        handshake = await self.worker.setup_channel(
+            request.channel, request.handshake, k, max_batch_size, self.exports_channel
+        )
+        if not self.exports_channel:
+            # After the attach (a no-op after Prepare): the draft's side of an nccl rendezvous is waiting for it.
+            await self.prepare(k, max_batch_size, num_batches)
+        return self.SetupChannelResponse(handshake=handshake)
+
+    @grpc_errors
+    async def Prepare(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        await self.prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
+        return self.PrepareResponse()
+
+    async def prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
+        """The step shapes run (with --precapture-graphs): each once."""
+        await self.worker.prepare(self.engine.precapture, k, max_batch_size, num_batches)
+
+    @grpc_errors
+    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        start_unix = time.time()
+        await self.release_first(request.release_seq_ids)
+        seq_ids, prompts, configs = prefill_inputs(request.sequences, self.worker.vocab.logits_size)
+        fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs)
+        return self.PrefillResponse(**fields, timings=timings(start_unix, compute_s, queue_s=queue_s))
+
+    async def step_stream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """The step call's stream (VerifyStream, ProposeStream): each message a `step` of its own."""
+        async for reply in serve_step_stream(requests, self.step, self.StepStreamResponse):
+            yield reply
+
+    async def release_first(self, seq_ids: Sequence[int]) -> None:
+        """Releases riding on a call: applied before anything in the call can fail, so none is lost."""
+        if seq_ids:
+            await self.worker.run(self.engine.release, list(seq_ids))
+
+    @grpc_errors
+    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        await self.worker.run(self.engine.release, list(request.seq_ids))
+        return self.ReleaseResponse(free_slots=self.worker.runner.free_slots)
+
+    async def serve(
+        self,
+        port: int,
+        host: str,
+        interceptors: Sequence[grpc.aio.ServerInterceptor],
+        metrics: WorkerMetrics | None,
+    ) -> tuple[grpc.aio.Server, int, Drain]:
+        """This service's gRPC server (health and reflection come too), its free slots on /metrics, and its drain
+        after a SIGTERM (`ModelWorker.drain`)."""
+        if metrics is not None:
+            metrics.free_slots.set_function(lambda: self.worker.runner.free_slots)
+        health_servicer = Health()
+        server, bound = await start_server(
+            port, [self.add_to], [self.service_name], host, interceptors, health_servicer
+        )
+        return server, bound, functools.partial(self.worker.drain, health_servicer)
+
+
+def sampling_config(spec: common_pb2.SequenceSpec) -> SamplingConfig:
+    """Workers receive parameters the coordinator already validated and defaulted."""
+    p: generation_pb2.SamplingParams = spec.params
+    return SamplingConfig(
+        temperature=float(p.temperature),
+        top_p=float(p.top_p) if p.top_p > 0 else 1.0,
+        top_k=int(p.top_k),
+        seed=int(p.seed),
+        max_tokens=int(p.max_tokens),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=bool(p.ignore_eos),
+    )
+
+
+def prefill_inputs(
+    sequences: Sequence[common_pb2.SequenceSpec], logits_size: int
+) -> tuple[list[int], list[list[int]], list[SamplingConfig]]:
+    """A Prefill's sequence ids, prompts and sampling configs, checked: some sequences, none with an empty prompt,
+    every token id one of the model's."""
+    if not sequences:
+        raise ValueError("no sequences given")
+    for spec in sequences:
+        if not spec.prompt_token_ids:
+            raise ValueError(f"sequence {spec.seq_id} has an empty prompt")
+    prompts = [list(s.prompt_token_ids) for s in sequences]
+    if any(t < 0 or t >= logits_size for prompt in prompts for t in prompt):
+        raise ValueError(f"prompt token ids must be in [0, {logits_size})")
+    return [s.seq_id for s in sequences], prompts, [sampling_config(s) for s in sequences]
+
+
+def check_batch_id(batch_id: int) -> None:
+    if not 0 <= batch_id < NUM_BATCHES:
+        raise ValueError(f"batch_id must be 0 or 1 (the coordinator's two batches), got {batch_id}")
