@@ -10,6 +10,10 @@ import argparse
 import gzip
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 def load_events(path: Path) -> list[dict]:
@@ -38,7 +42,7 @@ def verifies(events: list[dict]) -> list[tuple[float, float, bool]]:
     return out
 
 
-def plot_verifies(ax: object, events: list[dict]) -> None:
+def plot_verifies(ax: Axes, events: list[dict]) -> None:
     steps = verifies(events)
     for drafted, color, name in ((True, "C0", "verify of drafts"), (False, "C1", "target alone")):
         chosen = [s for s in steps if s[2] == drafted]
@@ -46,11 +50,11 @@ def plot_verifies(ax: object, events: list[dict]) -> None:
             [s[0] for s in chosen],
             [s[1] for s in chosen],
             s=4,
-            color=color,  # type: ignore[attr-defined]
+            color=color,
             label=f"{name} ({len(chosen)})",
         )
-    ax.set_ylabel("verify ms")  # type: ignore[attr-defined]
-    ax.legend(loc="upper right", fontsize=8, markerscale=3)  # type: ignore[attr-defined]
+    ax.set_ylabel("verify ms")
+    ax.legend(loc="upper right", fontsize=8, markerscale=3)
 
 
 def main() -> None:

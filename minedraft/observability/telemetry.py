@@ -202,7 +202,7 @@ class ServerObserver(grpc.aio.ServerInterceptor):
         )
 
     def _observe(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        inner = handler.unary_unary
+        inner: Any = handler.unary_unary  # a coroutine function here: grpc's stubs type the sync server's handlers
         method = full_method.rpartition("/")[2]
 
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -231,7 +231,7 @@ class ServerObserver(grpc.aio.ServerInterceptor):
     def _observe_step_stream(self, full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """Each message of a step stream observed as the unary call it stands for (a span named after that method,
         parented by the message's trace context; `on_call` with that method's name)."""
-        inner = handler.stream_stream
+        inner: Any = handler.stream_stream  # an async generator function here (as above)
         service, _, stream_method = full_method[1:].rpartition("/")
         method = step_call_of(stream_method)
         call_method = f"/{service}/{method}"
