@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -20,9 +19,9 @@ from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.tracing import TracedStepLoop, TracedWorkers
+from coordinator.validation import prompt_token_ids, sampling_config
 from coordinator.workers import Workers
 from minedraft.engine.models import VocabInfo, check_pair, load_tokenizer
-from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
 from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import Tracing, end_request_span, start_request_span
@@ -31,8 +30,6 @@ from minedraft.rpc.server_utils import Health, start_server
 
 log = logging.getLogger(__name__)
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-
-DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -533,61 +530,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             end_request_span(state.span, reason, usage, error)
 
     def _new_request(self, request: generation_pb2.GenerateRequest) -> RequestState:
-        """Validate and default a request; every ValueError message here reaches the client as it is."""
-        p = request.params
-        if request.prompt and request.prompt_token_ids:
-            raise ValueError("give either prompt or prompt_token_ids, not both")
-        if request.prompt_token_ids:
-            prompt_ids = list(request.prompt_token_ids)
-        elif request.prompt:
-            if self.tokenizer is None:
-                raise ValueError("this server has no tokenizer: send prompt_token_ids")
-            prompt_ids = self.tokenizer.encode(request.prompt)  # type: ignore[attr-defined]
-        else:
-            prompt_ids = []
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.target_info.logits_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        max_tokens = p.max_tokens or DEFAULT_MAX_TOKENS
+        """The request checked (`coordinator.validation`) and defaulted; a ValueError's message reaches its client."""
+        vocab_size = self.target_info.logits_size
+        prompt_ids = prompt_token_ids(request, self.tokenizer, vocab_size)
         # The last verify writes k tokens past the final committed one, so that room is reserved too.
-        room = self.max_model_len - self.loop.k
-        if len(prompt_ids) >= room:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this server's context is {room} tokens")
-        if len(prompt_ids) + max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {len(prompt_ids) + max_tokens} "
-                f"exceeds the context length of {room} tokens; lower max_tokens to {room - len(prompt_ids)}"
-            )
-        if not math.isfinite(p.temperature) or p.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {p.temperature}")
-        if not (0 <= p.top_p <= 1) or math.isnan(p.top_p):
-            raise ValueError(f"top_p must be in (0, 1] (0 means unset, i.e. 1), got {p.top_p}")
-        if p.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {p.top_k}")
-        if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(p.stop_token_ids)}")
-        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        config = SamplingConfig(
-            temperature=float(p.temperature),
-            top_p=float(p.top_p) or 1.0,
-            top_k=int(p.top_k),
-            seed=p.seed if p.HasField("seed") else secrets.randbits(63),
-            max_tokens=max_tokens,
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-        )
+        context = self.max_model_len - self.loop.k
+        config = sampling_config(request.params, len(prompt_ids), vocab_size, context)
         return RequestState(
             next(self._seq_ids),
             prompt_ids,
             config,
-            tuple(s for s in p.stop if s),
+            tuple(s for s in request.params.stop if s),
             self.tokenizer,
-            seeded=not config.greedy and p.HasField("seed"),
+            seeded=not config.greedy and request.params.HasField("seed"),
         )
 
 
