@@ -80,7 +80,7 @@ def call_detail(exc: BaseException) -> str:
 
 async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequence[object]) -> float:
     """A worker's Prepare calls, one after the other (one per draft length); returns the seconds they took. A worker
-    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel, as it always did: a rolling upgrade
+    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel instead: a rolling upgrade
     can start a new coordinator before its workers."""
     start = time.perf_counter()
     try:

@@ -77,7 +77,7 @@ class StepLoop:
         self._stopping = False
         # Verify calls sent ahead, by batch id: made as soon as the batch's drafts are back, so that the target
         # starts on them the moment it is done with the other batch's (a call's round trip, ~1.5 ms on two H200s,
-        # left the target idle in every step); awaited by the step that verifies the batch.
+        # would leave the target idle in every step); awaited by the step that verifies the batch.
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
 
     def wake(self) -> None:
