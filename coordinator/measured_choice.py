@@ -39,8 +39,8 @@ class MeasuredChoice(Generic[Way]):
         backoff: int = 1,
         fresh_trials: bool = False,
         pooled: bool = False,
-        ways: Sequence[Way] = (True, False),
-    ) -> None:  # type: ignore[assignment]
+        ways: Sequence[Way] = (True, False),  # type: ignore[assignment]
+    ) -> None:
         """`fixed`: always that way, None: the cheapest one, as measured, starting from `preferred` (default: the
         first way). `eager_trials`: until the way to try next has a full window of samples, try it every
         2 x PROBE_STEPS steps, not every PROBE_EVERY. `margin`: the preferred way changes only for one that costs
