@@ -18,7 +18,7 @@ class StreamOutbox:
     proposal on two H200s (the coordinator's call took 3.8 ms longer than the worker's handler at 32 rows, 1.9 ms at
     1). Held, they run while the workers compute.
 
-    Not a proposal made alone, though (`Workers.call_started`): where a step proposes and then verifies one batch
+    Not a proposal made alone, though (`Workers`' `call_started`): where a step proposes and then verifies one batch
     (one GPU, merged), the 64 handlers made the coordinator's proposal call 5.5 ms, 3.0 without them; held
     until the verify is made, they run while it computes.
 
