@@ -48,7 +48,7 @@ class BatchManager:
     def __init__(self, max_batch_size: int, max_queue_size: int, num_batches: int, max_prefill_tokens: int = 0) -> None:
         """`max_prefill_tokens`: the most prompt tokens one step's prefill takes (0: no limit): a burst of arrivals
         is admitted over several steps, so that the first of them start decoding sooner and running sequences are
-        not held for the whole burst's prefill (run 18b: 39 prompts of 512 tokens held an 8B target for 1.07 s)."""
+        not held for the whole burst's prefill (39 prompts of 512 tokens hold an 8B target for 1.07 s)."""
         self.max_batch_size = max_batch_size
         self.max_queue_size = max_queue_size
         self.max_prefill_tokens = max_prefill_tokens

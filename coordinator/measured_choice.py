@@ -11,7 +11,7 @@ Way = TypeVar("Way", bound=Hashable)
 PROBE_EVERY = 32  # steps between trials of the way not in use
 PROBE_STEPS = 4
 # A way that costs this much more than the one in use is tried four times less often: on two H200s a sequential
-# PSD step took twice an overlapped one (run 7), and trying it 4 steps in 36 cost 11% of the throughput.
+# PSD step took twice an overlapped one, and trying it 4 steps in 36 cost 11% of the throughput.
 CLEARLY_WORSE = 1.25
 # Each way's cost is the median of its recent steps: a step that captured a CUDA graph for a new shape, or ran while
 # the GPU was busy with a prefill, can take ten times as long, and an average would let one such step decide for
@@ -39,8 +39,8 @@ class MeasuredChoice(Generic[Way]):
         backoff: int = 1,
         fresh_trials: bool = False,
         pooled: bool = False,
-        ways: Sequence[Way] = (True, False),
-    ) -> None:  # type: ignore[assignment]
+        ways: Sequence[Way] = (True, False),  # type: ignore[assignment]
+    ) -> None:
         """`fixed`: always that way, None: the cheapest one, as measured, starting from `preferred` (default: the
         first way). `eager_trials`: until the way to try next has a full window of samples, try it every
         2 x PROBE_STEPS steps, not every PROBE_EVERY. `margin`: the preferred way changes only for one that costs

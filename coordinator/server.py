@@ -1,38 +1,37 @@
-"""The public GenerationService: validation, tokenization, admission, streaming; wires workers and channel."""
+"""The public GenerationService: its gRPC API and `serve`, wiring the workers, the batch manager and the step loop."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.batch_manager import BatchManager, QueueFullError
+from coordinator.pairing import Layout, call_detail, prepare_worker, shared_gpus
 from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop, Unavailable
+from coordinator.stream_outbox import StreamOutbox
 from coordinator.tracing import TracedStepLoop, TracedWorkers
-from coordinator.workers import Workers
-from minedraft.engine.models import VocabInfo, check_pair, load_tokenizer
-from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
+from coordinator.validation import prompt_token_ids, sampling_config
+from coordinator.workers import GENERATION_SERVICE, Workers
+from minedraft.engine.models import load_tokenizer
 from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import Tracing, end_request_span, start_request_span
-from minedraft.proto import common_pb2, draft_pb2, generation_pb2, generation_pb2_grpc, target_pb2
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 from minedraft.rpc.server_utils import Health, start_server
 
-log = logging.getLogger(__name__)
-GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# What tools and tests reach through this module besides the servicer
+__all__ = ["CoordinatorOptions", "GenerationServicer", "prepare_worker", "serve", "shared_gpus"]
 
-DEFAULT_MAX_TOKENS = 16
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,53 +56,6 @@ class CoordinatorOptions:
     drain_timeout: float = 30.0  # seconds a SIGTERM leaves the admitted requests to finish (`drain`)
 
 
-def choose_channel(requested: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> str:
-    """cuda-ipc when both sides are CUDA on one host, else nccl between GPUs, else grpc; a flag overrides."""
-    if requested != "auto":
-        for side, info in (("target", target), ("draft", draft)):
-            if requested not in info.channels:
-                raise ModelLoadError(f"channel {requested!r} is not available on the {side} ({info.device})")
-        return requested
-    both_cuda = target.device.startswith("cuda") and draft.device.startswith("cuda")
-    if both_cuda and target.host_id == draft.host_id:
-        return "cuda-ipc"
-    return "nccl" if both_cuda else "grpc"
-
-
-def shared_gpus(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> list[str]:
-    """The GPUs that target and draft both run on, by UUID (a GPU's index differs between containers); a worker of
-    before `gpu_uuids` names its first GPU only."""
-
-    def gpus(info: common_pb2.WorkerInfo) -> list[str]:
-        return list(info.gpu_uuids) or ([info.gpu_uuid] if info.gpu_uuid else [])
-
-    return [gpu for gpu in gpus(target) if gpu in gpus(draft)]
-
-
-def _detail(exc: BaseException) -> str:
-    """A failed call's message: a gRPC error's details, or the exception's text."""
-    return str(exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-
-
-def _vocab(info: common_pb2.WorkerInfo) -> VocabInfo:
-    return VocabInfo(info.logits_size, info.tokenizer_size, info.tokenizer_hash, tuple(info.eos_token_ids))
-
-
-async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequence[object]) -> float:
-    """A worker's Prepare calls, one after the other (one per draft length); returns the seconds they took. A worker
-    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel, as it always did: a rolling upgrade
-    can start a new coordinator before its workers."""
-    start = time.perf_counter()
-    try:
-        for request in requests:
-            await rpc(request)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-            raise
-        log.info("a worker without Prepare: it prepares in SetupChannel")
-    return time.perf_counter() - start
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(
         self, options: CoordinatorOptions, tracing: Tracing | None = None, metrics: CoordinatorMetrics | None = None
@@ -112,9 +64,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Tracing is decided here, once: when it is off, the plain classes run and no span object is ever made.
         self.tracer = tracing.tracer if tracing is not None else None
         self.metrics = metrics
+        self.health = Health()  # follows the target's (`Workers`); NOT_SERVING from the start of a drain
+        self.open_streams = 0  # Generate calls admitted and not ended
+        wake = asyncio.Event()  # the step loop's: new work, a stop, or news from the workers
+        outbox = StreamOutbox()  # what a step emits, until the next worker calls are sent
         workers_class = Workers if self.tracer is None else partial(TracedWorkers, tracer=self.tracer)
         self.workers = workers_class(
-            options.target, options.draft if options.mode != "ar" else None, step_streams=options.step_calls == "stream"
+            options.target,
+            options.draft if options.mode != "ar" else None,
+            step_streams=options.step_calls == "stream",
+            channel=options.channel,
+            draft_timeout=options.draft_timeout,
+            target_timeout=options.target_timeout or None,
+            retry_interval=options.draft_retry_interval,
+            metrics=metrics,
+            record_events=options.step_trace is not None,
+            call_started=outbox.call_started,
+            health=self.health,
+            wake=wake,
+            open_requests=lambda: self.open_streams,
         )
         num_batches = 2 if options.mode == "psd" else 1
         self.manager = BatchManager(
@@ -126,130 +94,59 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.manager,
             options.mode,
             options.num_speculative_tokens,
+            outbox=outbox,
+            wake=wake,
             metrics=metrics,
             overlap=options.overlap,
             speculation=options.speculation,
             min_k=options.min_speculative_tokens,
         )
-        self.loop.draft_back = self.draft_back
-        self.loop.hand_over_draft = self.hand_over_draft
-        self.loop.target_back = self.target_back
-        self.loop.on_target_lost = self._target_lost
-        self.loop.draft_retry_interval = options.draft_retry_interval
-        self.workers.record_events = options.step_trace is not None
-        self.workers.draft_timeout = options.draft_timeout
-        self.workers.target_timeout = options.target_timeout or None
-        self.workers.metrics = metrics
         if metrics is not None:
             metrics.track_state(
                 lambda: self.manager.queue_length,
                 lambda: self.manager.num_running,
-                lambda: float(self.workers.draft is not None),
+                lambda: float(self.workers.draft_connected),
                 lambda: len(self.manager.batches),
                 lambda: float(self.loop.drafting),
                 lambda: float(self.loop.draft_length),
             )
         self.tokenizer: object | None = None
-        self.target_info = common_pb2.WorkerInfo()
-        self.draft_info = common_pb2.WorkerInfo()
-        self.channel = "none"
         # A random base: a restarted coordinator never collides with ids a worker may still hold.
         self._seq_ids = itertools.count(secrets.randbits(48))
         self._task: asyncio.Task[None] | None = None
-        self.health = Health()  # NOT_SERVING from the start of a drain
-        self.draining = False
-        # The target reports NOT_SERVING: it is shutting down (`_target_stopping`), so nothing new is admitted.
-        self.target_draining = False
-        # The draft reports NOT_SERVING (`_draft_stopping`): not drafting, and not taken back until a new one serves.
-        self.draft_draining = False
-        self._watches: list[asyncio.Task[None]] = []  # `_follow_health` of each worker
-        self.open_streams = 0  # Generate calls admitted and not ended
-        self._laid_out = False  # the batches' layout is decided at the first connection to the draft
 
     async def start(self) -> None:
-        """Check the pair, set up the channel through both workers' control RPCs, start the step loop."""
-        self.target_info = (await self.workers.target.GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
-        if self.workers.draft is not None:
-            await self._connect_draft()
-        else:
-            log.info("target prepared in %.1f s", await self._prepare_target())
-        tokenizer_dir = self.options.tokenizer or self.target_info.model
+        """Check the pair, lay the batches out, set up the channel through both workers' control RPCs, start the
+        step loop, and follow the workers' health."""
+        pair = self.workers.pair
+        await pair.connect()
+        if self.workers.has_draft:
+            self._lay_out_batches()
+        await pair.set_up(
+            Layout(
+                self.manager.max_batch_size,
+                len(self.manager.batches),
+                self.options.num_speculative_tokens,
+                self.loop.draft_lengths,
+            )
+        )
+        tokenizer_dir = self.options.tokenizer or pair.target_info.model
         try:
             self.tokenizer = load_tokenizer(tokenizer_dir)
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
-        self._watches = [
-            asyncio.create_task(
-                self._follow_health(self.workers.target_channel, "target", self._target_stopping, self.loop.lose_target)
-            )
-        ]
-        if self.workers.draft_channel is not None:
-            self._watches.append(
-                asyncio.create_task(self._follow_health(self.workers.draft_channel, "draft", self._draft_stopping))
-            )
-
-    async def _connect_draft(self, timeout: float | None = None) -> None:
-        """Check the pair and set the channel up through both workers' control RPCs."""
-        draft = self.workers.draft_stub
-        assert draft is not None
-        self.draft_info = (await draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=timeout)).info
-        check_pair(_vocab(self.target_info), _vocab(self.draft_info))
-        self.channel = choose_channel(self.options.channel, self.target_info, self.draft_info)
-        if not self._laid_out:
-            self._lay_out_batches()
-        k, batch, batches = self.options.num_speculative_tokens, self.manager.max_batch_size, len(self.manager.batches)
-        # Both workers' start-up work at once, not one after the other inside the SetupChannels below (which then find
-        # it done): run 17d's compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
-        # restarted draft, the target's is a no-op.
-        draft_s, target_s = await asyncio.gather(
-            prepare_worker(
-                draft.Prepare,
-                [
-                    draft_pb2.DraftServicePrepareRequest(
-                        num_speculative_tokens=length, max_batch_size=batch, num_batches=batches
-                    )
-                    for length in self.loop.draft_lengths
-                ],
-            ),
-            self._prepare_target(),
-        )
-        start = time.perf_counter()
-        exported = draft.SetupChannel(
-            draft_pb2.DraftServiceSetupChannelRequest(
-                channel=self.channel, num_speculative_tokens=k, max_batch_size=batch, num_batches=batches
-            )
-        )
-        # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
-        handshake = (await exported).handshake
-        await self.workers.target.SetupChannel(
-            target_pb2.TargetServiceSetupChannelRequest(
-                channel=self.channel,
-                handshake=handshake,
-                num_speculative_tokens=k,
-                max_batch_size=batch,
-                num_batches=batches,
-            )
-        )
-        log.info(
-            "workers prepared in %.1f s (draft %.1f s, target %.1f s, at once); %s channel set up in %.1f s",
-            max(draft_s, target_s),
-            draft_s,
-            target_s,
-            self.channel,
-            time.perf_counter() - start,
-        )
+        self.workers.watch_health()
 
     def _lay_out_batches(self) -> None:
         """psd with `--overlap auto` on a GPU that target and draft share: one batch of both batches' room, drafted and
         verified one after the other (sd). There a verify of 2B rows costs little more than one of B, and the two
         processes' kernels hardly overlap: on one H200 (8B and 1B shapes, compiled, B=32) one batch of 64 served
-        1.14x the tokens of two alternating batches of 32 time-sliced, 1.04x under MPS, at a lower TPOT (runs
-        25c/d). `--overlap always` keeps the two batches."""
-        self._laid_out = True
+        1.14x the tokens of two alternating batches of 32 time-sliced, 1.04x under MPS, at a lower TPOT.
+        `--overlap always` keeps the two batches."""
         if self.options.mode != "psd" or self.options.overlap != "auto":
             return
-        shared = shared_gpus(self.target_info, self.draft_info)
+        shared = shared_gpus(self.workers.pair.target_info, self.workers.pair.draft_info)
         if shared:
             self.manager.merge_batches()
             self.loop.mode = "sd"
@@ -260,151 +157,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.manager.max_batch_size,
             )
 
-    async def _prepare_target(self) -> float:
-        """The target's Prepare (its cache laid out for the batches, their step shapes run before serving); the
-        seconds it took. With the draft's in `_connect_draft`, alone when no draft is connected (ar; a target back
-        while the draft is lost): without it an ar target captured each CUDA graph at its shape's first use, while
-        requests waited."""
-        return await prepare_worker(
-            self.workers.target.Prepare,
-            [
-                target_pb2.TargetServicePrepareRequest(
-                    num_speculative_tokens=length,
-                    max_batch_size=self.manager.max_batch_size,
-                    num_batches=len(self.manager.batches),
-                )
-                for length in self.loop.draft_lengths or (0,)
-            ],
-        )  # each length's verifies (and the target's steps alone)
-
-    async def draft_back(self) -> bool:
-        """While the draft service is lost (a background task of the step loop's): whether it answers a GetInfo
-        within 2 s and then takes the channel set-up, which can be long (a restarted draft on a GPU captures its
-        CUDA graphs then: 20-30 s for a 1B draft). Steps go on meanwhile with the target alone."""
-        if self._refusing_stopping_draft:
-            return False
-        try:
-            await self._connect_draft(timeout=2.0)
-        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
-            log.info("draft service not back yet: %s", _detail(exc))
-            return False
-        return True
-
-    async def hand_over_draft(self) -> None:
-        """Once `draft_back` (and between steps, so no batch waits on drafts): hand the draft every running request
-        (prompt and output so far) and draft again."""
-        draft = self.workers.draft_stub
-        assert draft is not None
-        if self._refusing_stopping_draft:  # it began stopping after `draft_back`: a later probe takes the next one
-            return
-        running = self.manager.running()
-        try:
-            # A draft that was only unreachable still holds what was admitted before it was lost.
-            stale = sorted(set(self.workers.draft_backlog) | {r.seq_id for r in running})
-            await draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=stale), timeout=self.workers.draft_timeout)
-            if running:
-                await self.workers.prefill_draft(running, resume=True)
-        except grpc.RpcError as exc:
-            log.info("draft service not back yet: %s", _detail(exc))
-            return
-        self.workers.draft_backlog = []
-        self.workers.draft = draft
-        log.warning("draft service back: speculative decoding again (%d running requests handed over)", len(running))
-
-    async def target_back(self) -> bool:
-        """While the target service is lost (the step loop's, every --draft-retry-interval): whether it answers a
-        GetInfo within 2 s, serves a model the draft still pairs with, and takes the channel set-up again."""
-        try:
-            info = (await self.workers.target.GetInfo(target_pb2.TargetServiceGetInfoRequest(), timeout=2.0)).info
-            if _vocab(info) != _vocab(self.target_info):
-                raise ModelLoadError(f"the target came back serving {info.model}, not {self.target_info.model}")
-            self.target_info = info
-            if self.workers.draft is not None:
-                await self._connect_draft(timeout=2.0)
-            else:
-                log.info("target prepared in %.1f s", await self._prepare_target())
-        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
-            log.info("target service not back yet: %s", _detail(exc))
-            return False
-        return True
-
-    async def _target_lost(self, lost: bool) -> None:
-        """Health follows the target: NOT_SERVING while it is lost, so that a load balancer sends requests elsewhere."""
-        if not lost:
-            self.target_draining = False  # a new target, serving
-        status = health_pb2.HealthCheckResponse.NOT_SERVING if lost else health_pb2.HealthCheckResponse.SERVING
-        for name in ("", GENERATION_SERVICE):
-            await self.health.set(name, status)
-
-    async def _target_stopping(self, stopping: bool) -> None:
-        """The target's health said `stopping` (NOT_SERVING: a SIGTERM alone, as when its pod is replaced; it serves
-        its calls on until none has come for a while, or its drain timeout): admit nothing new, so that what was
-        admitted finishes on it and it can stop; once its stream ends, it is gone, and the step loop's reconnect takes
-        the new one back. Without this the coordinator kept it busy with new requests until its drain timeout cut
-        every one of them off."""
-        if stopping and not self.target_draining and not self.loop.target_lost:
-            log.warning(
-                "the target service is shutting down: admitting nothing new until it is back; "
-                "%d requests to finish on it",
-                self.open_streams,
-            )
-            await self._target_lost(True)
-        self.target_draining = stopping
-
-    async def _draft_stopping(self, stopping: bool) -> None:
-        """The draft's health said `stopping`: stop drafting at once (the target decodes alone), so that the draft
-        goes quiet and stops long before its drain timeout, and take no draft back through this address while it
-        says so (the old process still answers there). Without this a draft replaced alone was kept busy until its
-        drain timeout, then lost in the middle of a call. While the coordinator drains too (a whole release
-        deleted), the stopping draft drafts on for what is left: it serves as long as calls come."""
-        was_draining, self.draft_draining = self.draft_draining, stopping
-        if self._refusing_stopping_draft and not was_draining:
-            self.loop.leave_draft("the draft service is shutting down")
-
-    @property
-    def _refusing_stopping_draft(self) -> bool:
-        """Whether the draft says it is stopping and is neither used nor taken back through its address (the old
-        process still answers there); while the coordinator drains too, it drafts on."""
-        return self.draft_draining and not self.draining
-
-    async def _follow_health(
-        self,
-        channel: grpc.aio.Channel,
-        service: str,
-        changed: Callable[[bool], Awaitable[None]],
-        gone: Callable[[str], None] | None = None,
-    ) -> None:
-        """Watch a worker's health for the coordinator's lifetime: `changed(stopping)` with each status it reports,
-        `gone(why)` when its stream ends after it said it was stopping (it has stopped) or breaks while it said it
-        was serving (killed, crashed, or its host gone); watch again (the next process on its address) every
-        --draft-retry-interval. Without the second, an idle coordinator reported SERVING for a killed target until
-        a request's call failed."""
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            said: bool | None = None  # whether this stream last said stopping (None: nothing, a failed connect)
-            why = "it shut down"
-            try:
-                async for reply in health.Watch(health_pb2.HealthCheckRequest()):
-                    said = reply.status != health_pb2.HealthCheckResponse.SERVING
-                    await changed(said)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.warning("the %s service has no health service: its shutdowns are not followed", service)
-                    return
-                if said is False and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    said, why = True, f"its connection broke ({exc.details()})"
-            if said and gone is not None:
-                gone(why)
-            await asyncio.sleep(self.options.draft_retry_interval)
-
     async def drain(self, cut_short: asyncio.Event) -> None:
         """Stop taking requests and let the admitted ones finish, for up to `drain_timeout` seconds or until
         `cut_short` is set (a SIGTERM's graceful shutdown, before `stop`): health reports NOT_SERVING, so a load
         balancer or Kubernetes sends new requests elsewhere, and a new Generate call gets UNAVAILABLE."""
-        self.draining = True
-        await self.health.drain()
-        if self.draft_draining:  # left as it began stopping: it may still answer, and drafts finish the drain sooner
-            self.loop.probe_draft_now()
+        await self.workers.drain()
         timeout = self.options.drain_timeout
         log.info("draining: %d requests to finish, for up to %.0f s", self.open_streams, timeout)
         deadline = time.monotonic() + timeout
@@ -414,8 +171,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             log.warning("drain ended with %d requests unfinished: their clients get UNAVAILABLE", self.open_streams)
 
     async def stop(self) -> None:
-        for watch in self._watches:
-            watch.cancel()
+        self.workers.stop_failover()
         self.loop.stop()
         if self._task is not None:
             await self._task
@@ -425,52 +181,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 f.write(self.loop.step_trace())
         await self.workers.close()
 
-    @property
-    def max_model_len(self) -> int:
-        lengths = [self.target_info.max_model_len]
-        if self.workers.draft_stub is not None:
-            lengths.append(self.draft_info.max_model_len)
-        return min(lengths)
-
     async def GetServerInfo(
         self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetServerInfoResponse:
+        pair = self.workers.pair
         return generation_pb2.GetServerInfoResponse(
-            target_model=self.target_info.model,
-            draft_model=self.draft_info.model,
+            target_model=pair.target_info.model,
+            draft_model=pair.draft_info.model,
             mode=self.loop.mode,
-            channel=self.channel,
+            channel=pair.channel,
             num_speculative_tokens=self.loop.k,
             max_batch_size=self.manager.max_batch_size,
             max_queue_size=self.options.max_queue_size,
-            max_model_len=self.max_model_len,
-            vocab_size=self.target_info.logits_size,
+            max_model_len=pair.max_model_len,
+            vocab_size=pair.target_info.logits_size,
         )
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        if self.draining:
-            self._rejected("draining")
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "this coordinator is shutting down: send the request to another replica or retry",
-            )
-        if self.loop.target_lost:
-            self._rejected("target_lost")
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "the target service is unreachable; the coordinator "
-                f"tries it again every {self.options.draft_retry_interval:g} s: retry shortly",
-            )
-        if self.target_draining:
-            self._rejected("target_draining")
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "the target service is shutting down; the coordinator "
-                "finishes the requests it admitted and serves again once a new one is up: retry "
-                "shortly",
-            )
+        refusal = self.workers.refusal()
+        if refusal is not None:
+            self._rejected(refusal.reason)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal.message)
         try:
             state = self._new_request(request)
             self.manager.submit(state)
@@ -505,7 +238,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         if isinstance(item, Unavailable)
                         else grpc.StatusCode.INTERNAL
                     )
-                    error = _detail(item) or "generation failed"
+                    error = call_detail(item) or "generation failed"
                     await context.abort(code, error)
                     return
                 if item.HasField("usage"):
@@ -533,61 +266,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             end_request_span(state.span, reason, usage, error)
 
     def _new_request(self, request: generation_pb2.GenerateRequest) -> RequestState:
-        """Validate and default a request; every ValueError message here reaches the client as it is."""
-        p = request.params
-        if request.prompt and request.prompt_token_ids:
-            raise ValueError("give either prompt or prompt_token_ids, not both")
-        if request.prompt_token_ids:
-            prompt_ids = list(request.prompt_token_ids)
-        elif request.prompt:
-            if self.tokenizer is None:
-                raise ValueError("this server has no tokenizer: send prompt_token_ids")
-            prompt_ids = self.tokenizer.encode(request.prompt)  # type: ignore[attr-defined]
-        else:
-            prompt_ids = []
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.target_info.logits_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        max_tokens = p.max_tokens or DEFAULT_MAX_TOKENS
+        """The request checked (`coordinator.validation`) and defaulted; a ValueError's message reaches its client."""
+        vocab_size = self.workers.pair.target_info.logits_size
+        prompt_ids = prompt_token_ids(request, self.tokenizer, vocab_size)
         # The last verify writes k tokens past the final committed one, so that room is reserved too.
-        room = self.max_model_len - self.loop.k
-        if len(prompt_ids) >= room:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this server's context is {room} tokens")
-        if len(prompt_ids) + max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {len(prompt_ids) + max_tokens} "
-                f"exceeds the context length of {room} tokens; lower max_tokens to {room - len(prompt_ids)}"
-            )
-        if not math.isfinite(p.temperature) or p.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {p.temperature}")
-        if not (0 <= p.top_p <= 1) or math.isnan(p.top_p):
-            raise ValueError(f"top_p must be in (0, 1] (0 means unset, i.e. 1), got {p.top_p}")
-        if p.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {p.top_k}")
-        if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(p.stop_token_ids)}")
-        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        config = SamplingConfig(
-            temperature=float(p.temperature),
-            top_p=float(p.top_p) or 1.0,
-            top_k=int(p.top_k),
-            seed=p.seed if p.HasField("seed") else secrets.randbits(63),
-            max_tokens=max_tokens,
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-        )
+        context = self.workers.pair.max_model_len - self.loop.k
+        config = sampling_config(request.params, len(prompt_ids), vocab_size, context)
         return RequestState(
             next(self._seq_ids),
             prompt_ids,
             config,
-            tuple(s for s in p.stop if s),
+            tuple(s for s in request.params.stop if s),
             self.tokenizer,
-            seeded=not config.greedy and p.HasField("seed"),
+            seeded=not config.greedy and request.params.HasField("seed"),
         )
 
 

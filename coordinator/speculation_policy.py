@@ -8,18 +8,18 @@ from coordinator.measured_choice import MeasuredChoice
 
 SPECULATION_CHOICES = ("auto", "always")
 # Changing ways costs the draft a catch-up forward (a few ms to tens of ms at 64 sequences), and trials of the way not
-# in use cost a few percent of the steps: near parity, switching loses (run 27a: a 1B-shaped draft measured 4% dearer
+# in use cost a few percent of the steps: near parity, switching loses (a 1B-shaped draft measured 4% dearer
 # per token than the target alone at 64 sequences, and trials and catch-ups cost the load 7%).
 SWITCH_MARGIN = 0.1
 # A way that measured no SWITCH_MARGIN cheaper is tried 4x less often (every 128 steps), since a trial could not have
-# it chosen unless costs move: run 27d lost 4.8% to trials every 32 steps, each ending in a 20-45 ms catch-up. Each
+# it chosen unless costs move: trials every 32 steps cost 4.8%, each ending in a 20-45 ms catch-up. Each
 # trial that changes nothing doubles the steps to the next, up to BACKOFF times that (512 steps: seconds at 64
 # sequences on an H200, the longest a change of acceptance goes unnoticed).
 BACKOFF = 4
 # A new size class starts from the way the next class above or below prefers, if measured. From EARLY_TRIAL_SIZE
 # sequences, where drafts are most often in question on a shared GPU, it tries the other way after FIRST_TRIAL_AFTER
 # steps, not PROBE_EVERY: at acceptance 0.3 a load of 64 drafted its first 32 steps where the target alone was 1.6x
-# cheaper per token (run 27c). Smaller batches wait the usual PROBE_EVERY, so that short requests there pay for no
+# cheaper per token. Smaller batches wait the usual PROBE_EVERY, so that short requests there pay for no
 # trial.
 FIRST_TRIAL_AFTER = 8
 EARLY_TRIAL_SIZE = 32
@@ -31,7 +31,7 @@ class SpeculationPolicy:
 
     Drafting pays when the drafts a verify accepts outweigh the draft's time and the verify's extra positions. At
     a large batch on a GPU that target and draft share it may not: on one H200 at 64 sequences a compiled 1B-shaped
-    draft served 0.915x the tokens of the target alone, a 68M-shaped one 1.11x (run 26d/e).
+    draft served 0.915x the tokens of the target alone, a 68M-shaped one 1.11x.
 
     Both ways cost their recent steps' seconds over the tokens they emitted for each sequence decoding, summed
     (`MeasuredChoice(pooled=True)`: so the batch's acceptance decides with the step times), kept per batch size
@@ -39,7 +39,7 @@ class SpeculationPolicy:
     its batch, differently for a verify of k+1 positions a row and a step of one. Per sequence rather than per
     token, since a size class spans sizes up to 1.5x apart, and a step's time grows much less than its batch: per
     token, a load draining from 64 sequences to 33 had each way's cost rise by up to 2x within one class, and
-    compared one way's recent steps with the other's older ones (run 28a).
+    compared one way's recent steps with the other's older ones.
 
     A size class starts from the way a measured class next to it prefers (else drafting), and tries the other
     way after `FIRST_TRIAL_AFTER` steps from `EARLY_TRIAL_SIZE` sequences, then as `MeasuredChoice` says (no eager
@@ -90,7 +90,7 @@ class SpeculationPolicy:
     def _nearest_measured_preference(self, size: int) -> int:
         """The preference of the size class next above or below that measured two ways or more (the larger if both
         did), as drafting (the longest draft) or not; the longest draft if neither did. Sizes further apart tell
-        little: a warm-up's two requests measure the target alone cheaper where 64 sequences draft (run 27d). A
+        little: a warm-up's two requests measure the target alone cheaper where 64 sequences draft. A
         neighbour's shorter length is not taken over: those differ by less and are measured in fewer steps (a load
         drained at the length its warm-up had settled on, on a noisy CPU)."""
         below = size - 1

@@ -8,8 +8,8 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -32,21 +32,17 @@ class Unavailable(Exception):
     the client may send it again."""
 
 
-# Target call failures that mean the target is gone or has restarted (its sequences, and its channel, lost)
-TARGET_LOST_CODES = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-)
-
-
+TARGET_LOST = "the target service became unreachable or restarted before this request finished: send it again"
 MODES = ("psd", "sd", "ar")
 
 
 class StepLoop:
     """Each step: admit and prefill waiting requests; then, in psd, Verify(batch X) and Propose(batch Y) run at
     once on the two workers. With one batch empty, or in sd mode (a single batch), Propose and Verify run one
-    after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts)."""
+    after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts).
+
+    `workers` says what the workers can do, between steps and as calls fail (`Workers`); the loop waits on `wake`
+    for new work, a stop, or news from the workers."""
 
     def __init__(
         self,
@@ -54,12 +50,16 @@ class StepLoop:
         manager: BatchManager,
         mode: str,
         k: int,
+        *,
+        outbox: StreamOutbox,
+        wake: asyncio.Event,
         metrics: CoordinatorMetrics | None = None,
         overlap: str = "auto",
         speculation: str = "auto",
         min_k: int = 0,
     ) -> None:
-        """`min_k`: the fewest tokens a step drafts under `speculation` auto (0: k, or none)."""
+        """`outbox`: where what a step emits waits until the next worker calls are sent (the one `workers` tells
+        of its calls). `min_k`: the fewest tokens a step drafts under `speculation` auto (0: k, or none)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         self.workers, self.manager, self.mode = workers, manager, mode
@@ -71,29 +71,13 @@ class StepLoop:
             () if self.k == 0 else draft_lengths(self.k, min_k or self.k) if speculation == "auto" else (self.k,)
         )
         self.speculation_policy = SpeculationPolicy(speculation, self.draft_lengths)
-        # What a step emits reaches the clients' streams once the next worker calls are sent.
-        self.outbox = StreamOutbox()
-        workers.call_started = self.outbox.call_started
+        self.outbox = outbox
         self._step_ids = itertools.count()
-        self._wake = asyncio.Event()
+        self._wake = wake
         self._stopping = False
-        # While the draft service is lost: whether it is back, channel set up (tried in the background, so that a
-        # hung draft or one capturing its CUDA graphs at the connect never stalls the steps), how to hand it the
-        # running requests (both set by the server), and how often to try.
-        self.draft_back: Callable[[], Coroutine[Any, Any, bool]] | None = None
-        self.hand_over_draft: Callable[[], Awaitable[None]] | None = None
-        self.draft_retry_interval = 5.0
-        self._next_draft_retry = 0.0
-        self._draft_leaving: str | None = None  # why the draft is to be left at the next step (`leave_draft`)
-        # While the target is lost (unreachable, or restarted and without its channel): whether it is back, channel
-        # set up (set by the server; tried every `draft_retry_interval`), and what to do when it is lost.
-        self.target_lost = False
-        self.target_back: Callable[[], Coroutine[Any, Any, bool]] | None = None
-        self.on_target_lost: Callable[[bool], Awaitable[None]] | None = None  # told False when it is back
-        self._draft_probe: asyncio.Task[bool] | None = None
         # Verify calls sent ahead, by batch id: made as soon as the batch's drafts are back, so that the target
         # starts on them the moment it is done with the other batch's (a call's round trip, ~1.5 ms on two H200s,
-        # left the target idle in every step); awaited by the step that verifies the batch.
+        # would leave the target idle in every step); awaited by the step that verifies the batch.
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
 
     def wake(self) -> None:
@@ -102,22 +86,20 @@ class StepLoop:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        if self._draft_probe is not None:
-            self._draft_probe.cancel()
 
     def has_work(self) -> bool:
         return bool(self.manager.waiting) or any(b.members or b.joining for b in self.manager.batches)
 
     async def run(self) -> None:
         while not self._stopping:
-            if self.target_lost:
+            if self.workers.target_lost:
                 await self._reconnect_target()
                 continue
             if not self.has_work():
                 self._wake.clear()  # before any await: a wake (new work, stop) meanwhile must not be lost
                 await self._flush_releases(always=True)  # nothing else goes to the workers now
                 self.outbox.flush()
-                if not self.target_lost:  # (found lost by those releases: reconnect at once)
+                if not self.workers.target_lost:  # (found lost by those releases: reconnect at once)
                     await self._wake.wait()
                 continue
             try:
@@ -126,19 +108,17 @@ class StepLoop:
                 log.exception("step failed")
 
     async def step(self) -> None:
-        if self._draft_leaving is not None:
-            self._drop_draft(self._draft_leaving)
-            self._draft_leaving = None
+        self.workers.leave_draft_if_asked(self._admitted_ids())
         await self._remove_finished()
-        await self._maybe_reconnect_draft()
+        await self._take_draft_back()
         if not await self._admit():
             await self._remove_finished()  # a failed prefill's requests leave before the step's calls
-        if self.target_lost:
+        if self.workers.target_lost:
             return
         batches = self.manager.batches
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
-        drafting = self.mode != "ar" and self.workers.draft is not None
+        drafting = self.mode != "ar" and self.workers.draft_connected
         sequences = max(sum(len(b.members) for b in batches), 1)  # (none, after a failed admission)
         policy = self.speculation_policy.at(sequences)
         start = time.perf_counter()
@@ -202,7 +182,7 @@ class StepLoop:
     @property
     def drafting(self) -> bool:
         """Whether steps draft (the speculation policy's preference, a trial aside)."""
-        return self.mode != "ar" and self.workers.draft is not None and self.speculation_policy.current.preferred > 0
+        return self.mode != "ar" and self.workers.draft_connected and self.speculation_policy.current.preferred > 0
 
     @property
     def draft_length(self) -> int:
@@ -219,7 +199,7 @@ class StepLoop:
         admitted = [r for _, requests in self.manager.take_admissions() for r in requests]
         if not admitted:
             return True
-        drafting = self.workers.prefill_draft(admitted) if self.workers.draft is not None else asyncio.sleep(0)
+        drafting = self.workers.prefill_draft(admitted) if self.workers.draft_connected else asyncio.sleep(0)
         target_reply, draft_reply = await asyncio.gather(
             self.workers.prefill_target(admitted), drafting, return_exceptions=True
         )
@@ -282,68 +262,27 @@ class StepLoop:
         await self._release(gone)
         return emitted
 
-    async def _maybe_reconnect_draft(self) -> None:
-        lost = self.workers.draft is None and self.workers.draft_stub is not None  # (ar mode has no draft stub)
-        if not lost or self.draft_back is None or self.hand_over_draft is None:
-            return
-        probe = self._draft_probe
-        if probe is not None and probe.done():
-            if probe.exception() is not None or not probe.result():  # an unforeseen error: try again later
-                self._draft_probe = None
-            elif not any(b.awaiting_verify for b in self.manager.batches):  # else at a later step
-                self._draft_probe = None
-                await self.hand_over_draft()
-        elif probe is None and time.monotonic() >= self._next_draft_retry:
-            self._next_draft_retry = time.monotonic() + self.draft_retry_interval
-            self._draft_probe = asyncio.create_task(self.draft_back())
+    async def _take_draft_back(self) -> None:
+        """While the draft is lost: try it when due (`Workers.probe_draft`), and once it is back hand it the running
+        requests, at a step with no drafts waiting for their verify (else at a later one)."""
+        if self.workers.probe_draft() and not any(b.awaiting_verify for b in self.manager.batches):
+            await self.workers.hand_over_draft(self.manager.running())
 
-    def probe_draft_now(self) -> None:
-        """While the draft service is lost: try it at the next step, not at the next `draft_retry_interval`."""
-        self._next_draft_retry = 0.0
-        self._wake.set()
+    def _admitted_ids(self) -> Iterator[int]:
+        """The sequences in the batches, what a worker may hold (lazily: read only where a draft is dropped)."""
+        return (r.seq_id for b in self.manager.batches for r in b.members + b.joining)
 
     def _lose_draft(self, exc: BaseException) -> bool:
-        """An unreachable (or hung) draft service costs speed, not requests: go on decoding with the target alone."""
-        lost_codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in lost_codes):
-            return False
-        self._drop_draft(f"draft service unreachable ({exc.details()})")
-        return True
-
-    def leave_draft(self, reason: str) -> None:
-        """From outside the step loop: `_drop_draft` at the next step, not in the middle of one that has decided to
-        call the draft (it would find no draft to call)."""
-        self._draft_leaving = reason
-
-    def _drop_draft(self, reason: str) -> None:
-        """Decode with the target alone from now on (`reason` says why, in the log) until the draft service is back
-        (`_maybe_reconnect_draft`); drafts already made are still verified."""
-        if self.workers.draft is not None:
-            log.error("%s: continuing with the target alone", reason)
-            self.workers.draft = None
-            # Only what was admitted by now can be on the draft (at most its slots), whatever ends meanwhile.
-            self.workers.draft_backlog = [r.seq_id for b in self.manager.batches for r in b.members + b.joining]
-            self.workers.draft_backlog += self.workers.unreleased["draft"]
-            self.workers.unreleased["draft"] = []
+        """Whether `exc`, from a draft call, lost the draft (`Workers.lose_draft_on`): the target decodes alone."""
+        return self.workers.lose_draft_on(exc, self._admitted_ids())
 
     def _lose_target(self, exc: BaseException) -> bool:
-        """Whether `exc`, from a target call, means the target is unreachable, hung or restarted; if so,
-        `lose_target`."""
-        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TARGET_LOST_CODES):
+        """Whether `exc`, from a target call, lost the target (`Workers.lose_target_on`); if so every open request
+        fails now (UNAVAILABLE: their clients may send them again)."""
+        if not self.workers.lose_target_on(exc):
             return False
-        self.lose_target(f"{exc.code().name}: {exc.details()}")
+        self._fail_open(TARGET_LOST)
         return True
-
-    def lose_target(self, reason: str) -> None:
-        """The target has lost every sequence it held: fail all requests (UNAVAILABLE: their clients may send them
-        again) and refuse new ones until `_reconnect_target` finds it back, channel set up."""
-        if not self.target_lost:
-            log.error("target service lost (%s): failing every request until it is back", reason)
-            self.target_lost = True
-            self._fail_open(
-                "the target service became unreachable or restarted before this request finished: send it again"
-            )
-            self._wake.set()  # an idle loop reconnects at once
 
     def _fail_open(self, message: str) -> None:
         """End every request still open, in the batches or queued, with UNAVAILABLE (`message`) after what it was
@@ -366,26 +305,24 @@ class StepLoop:
         await self._release(held)
 
     async def _reconnect_target(self) -> None:
-        """While the target is lost: release what the failed requests held, and try `target_back` every
-        `draft_retry_interval` seconds (a stop cuts the wait short)."""
-        if self.on_target_lost is not None:
-            await self.on_target_lost(True)
+        """While the target is lost: fail what is still open (a loss its health stream found fails nothing by
+        itself), release what the failed requests held, and take the target back (`Workers.take_target_back`,
+        every retry interval; a stop cuts the wait short)."""
+        self._fail_open(TARGET_LOST)
+        await self.workers.report_target_lost()
         await self._drop_batches()
         while not self._stopping:
-            if self.target_back is not None and await self.target_back():
+            if await self.workers.take_target_back():
                 break
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.draft_retry_interval)
+                await asyncio.wait_for(self._wake.wait(), self.workers.retry_interval)
         else:
             return
-        self.target_lost = False
         await self._flush_releases(always=True)  # a target that was only unreachable still holds them
-        if self.target_lost:  # gone again at once
+        if self.workers.target_lost:  # gone again at once
             return
-        log.warning("target service back: serving again")
-        if self.on_target_lost is not None:
-            await self.on_target_lost(False)
+        await self.workers.report_target_back()
 
     def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
         log.warning("failing %d requests: %s", len(requests), exc)

@@ -16,10 +16,10 @@ class StreamOutbox:
     Putting a message on a stream wakes its Generate handler, which renders it and writes it to the client: at
     batch 32, 32 handlers ran on the event loop before the next worker call's request left, adding 1.5-2 ms to a
     proposal on two H200s (the coordinator's call took 3.8 ms longer than the worker's handler at 32 rows, 1.9 ms at
-    1; docs/benchmarks.md, run 9b). Held, they run while the workers compute.
+    1). Held, they run while the workers compute.
 
-    Not a proposal made alone, though (`Workers.call_started`): where a step proposes and then verifies one batch
-    (one GPU, merged), the 64 handlers made the coordinator's proposal call 5.5 ms, 3.0 without them (run 30b); held
+    Not a proposal made alone, though (`Workers`' `call_started`): where a step proposes and then verifies one batch
+    (one GPU, merged), the 64 handlers made the coordinator's proposal call 5.5 ms, 3.0 without them; held
     until the verify is made, they run while it computes.
 
     `call_started` is called right after such a worker call is made. grpc.aio sends a call's request from a task

@@ -24,8 +24,9 @@ class TracedWorkers(Workers):
     """Workers whose calls are CLIENT spans (children of the current step span) that link to every request they
     serve; the trace context travels in the calls' metadata. Used only when tracing is on."""
 
-    def __init__(self, target_address: str, draft_address: str | None, tracer: Any, step_streams: bool = True) -> None:
-        super().__init__(target_address, draft_address, [TraceContextInjector()], step_streams)
+    def __init__(self, target_address: str, draft_address: str | None, tracer: Any, **options: Any) -> None:
+        """`options`: `Workers`' own."""
+        super().__init__(target_address, draft_address, interceptors=[TraceContextInjector()], **options)
         self.tracer = tracer
         # Release gets bare sequence ids: it links through the request spans remembered at prefill.
         self._request_spans: dict[int, Any] = {}

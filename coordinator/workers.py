@@ -1,20 +1,25 @@
-"""Clients of the two workers as the step loop sees them, recording a timed event per call."""
+"""The two workers as the coordinator holds them: connections, health and failover, and the calls of the steps."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 import grpc
+from grpc_health.v1 import health_pb2
 
+from coordinator.health_watch import follow_health
+from coordinator.pairing import Pair, call_detail
 from coordinator.request_state import RequestState
+from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
-from minedraft.rpc.server_utils import CHANNEL_OPTIONS
+from minedraft.rpc.server_utils import CHANNEL_OPTIONS, Health
 from minedraft.rpc.step_stream import StepStream
 
 if TYPE_CHECKING:
@@ -23,6 +28,41 @@ if TYPE_CHECKING:
 Call = TypeVar("Call")
 Reply = TypeVar("Reply")
 log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# Target call failures that mean the target is gone or has restarted (its sequences, and its channel, lost)
+TARGET_LOST_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+# Draft call failures that mean the draft is unreachable or hung
+DRAFT_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class TargetState(enum.Enum):
+    """The target service as the coordinator sees it."""
+
+    SERVING = "serving"
+    DRAINING = "draining"  # it says it is stopping: nothing new is admitted, what was admitted finishes on it
+    LOST = "lost"  # unreachable, hung or restarted: its sequences are gone; tried again every retry interval
+
+
+class DraftState(enum.Enum):
+    """The draft service as the coordinator sees it."""
+
+    ABSENT = "absent"  # ar: no draft service
+    CONNECTED = "connected"  # steps draft on it
+    LOST = "lost"  # unreachable, hung or left: the target decodes alone; tried again every retry interval
+    PROBING = "probing"  # being tried again in the background (GetInfo, then the channel set-up)
+    HANDING_OVER = "handing over"  # answered a probe: takes the running requests between steps, then drafts
+
+
+class Refusal(NamedTuple):
+    """Why a new request is refused: `reason` for the metrics, `message` for its client (UNAVAILABLE)."""
+
+    reason: str
+    message: str
 
 
 @dataclass
@@ -59,58 +99,332 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
 
 
 class Workers:
-    """The target and draft control stubs; the draft is absent in `ar` mode."""
+    """The target and draft services as the coordinator holds them, and the one owner of what it knows of them:
+    each one's connection and health (`TargetState`, `DraftState`, and whether the draft says it is stopping), the
+    pair they make (`pair`: what they reported, the channel between them), and the sequences still to be released
+    on each (`release_later`; a lost draft's `draft_backlog`). The draft is absent in ar mode.
+
+    Its state changes only through its own methods: the step loop reports what its calls raised (`lose_target_on`,
+    `lose_draft_on`) and asks between steps what to do (`leave_draft_if_asked`, `probe_draft`, `hand_over_draft`,
+    `take_target_back`); the workers' health streams (`watch_health`) and the coordinator's drain (`drain`) reach it
+    directly. It tells the step loop through `wake`, the event the step loop waits on: a target lost, a draft to
+    try at once.
+    """
 
     def __init__(
         self,
         target_address: str,
         draft_address: str | None,
+        *,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         step_streams: bool = True,
+        channel: str = "auto",
+        draft_timeout: float | None = 30.0,
+        target_timeout: float | None = 120.0,
+        retry_interval: float = 5.0,
+        metrics: CoordinatorMetrics | None = None,
+        record_events: bool = False,
+        call_started: Callable[[], None] | None = None,
+        health: Health | None = None,
+        wake: asyncio.Event | None = None,
+        open_requests: Callable[[], int] = lambda: 0,
     ) -> None:
+        """`channel`: the data plane asked for ("auto": `choose_channel`'s). A draft call that outlives
+        `draft_timeout` is a lost draft (a hung process must not stall the target's decoding), a target call that
+        outlives `target_timeout` a lost target (None: no deadline); a lost worker is tried again every
+        `retry_interval` seconds. `record_events`: keep a `StepEvent` per call. `call_started`: told as a call is made
+        that the step's GPU work waits on, a target call or one made while one runs (the step loop's outbox: the
+        clients' stream handlers run meanwhile); not a proposal made alone: it is a step's shortest call, and its
+        reply is what the verify that follows waits for. `health`: the coordinator's, which follows the target's.
+        `open_requests`: how many requests the coordinator has open, for the log."""
+        self.draft_timeout, self.target_timeout = draft_timeout, target_timeout
+        self.retry_interval = retry_interval
+        self.metrics = metrics
+        self.record_events = record_events
+        self.events: list[StepEvent] = []
+        self._call_started = call_started
+        self._health = health if health is not None else Health()
+        self._wake = wake if wake is not None else asyncio.Event()
+        self._open_requests = open_requests
+
         self._channels = [
             grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
         ]
-        self.target_channel = self._channels[0]
-        self.target = target_pb2_grpc.TargetServiceStub(self.target_channel)
-        # `draft` is the stub in use; `draft_stub` stays when the draft service is lost, to reconnect through.
-        self.draft: draft_pb2_grpc.DraftServiceStub | None = None
-        self.draft_stub: draft_pb2_grpc.DraftServiceStub | None = None
-        self.draft_channel: grpc.aio.Channel | None = None
+        self._target_channel = self._channels[0]
+        self._target = target_pb2_grpc.TargetServiceStub(self._target_channel)
+        self._draft: draft_pb2_grpc.DraftServiceStub | None = None
+        self._draft_channel: grpc.aio.Channel | None = None
         if draft_address:
-            self.draft_channel = grpc.aio.insecure_channel(
+            self._draft_channel = grpc.aio.insecure_channel(
                 draft_address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
             )
-            self._channels.append(self.draft_channel)
-            self.draft = self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel)
+            self._channels.append(self._draft_channel)
+            self._draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
         # Verify and Propose as messages on a stream per worker (`StepStream`), unless unary calls are asked for.
         self.verify_stream = (
-            StepStream(self.target.VerifyStream, target_pb2.VerifyStreamRequest) if step_streams else None
+            StepStream(self._target.VerifyStream, target_pb2.VerifyStreamRequest) if step_streams else None
         )
         self.propose_stream = (
-            StepStream(self.draft_stub.ProposeStream, draft_pb2.ProposeStreamRequest)
-            if step_streams and self.draft_stub is not None
+            StepStream(self._draft.ProposeStream, draft_pb2.ProposeStreamRequest)
+            if step_streams and self._draft is not None
             else None
         )
-        self.draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
-        # A draft call that outlives this is a lost draft (a hung process must not stall the target's decoding);
-        # a target call that outlives its own is a lost target (`StepLoop._lose_target`). None: no deadline.
-        self.draft_timeout: float | None = 30.0
-        self.target_timeout: float | None = 120.0
-        self.events: list[StepEvent] = []
-        self.record_events = False
-        self.metrics: CoordinatorMetrics | None = None
-        # Told as a call is made that the step's GPU work waits on, a target call or one made while one runs (the
-        # step loop's outbox: the clients' stream handlers run meanwhile). Not a proposal made alone: it is a step's
-        # shortest call, and its reply is what the verify that follows waits for.
-        self.call_started: Callable[[], None] | None = None
+
+        self.pair = Pair(self._target, self._draft, channel)  # set up at start-up (`GenerationServicer.start`)
+
+        self._target_state = TargetState.SERVING
+        self._draft_state = DraftState.ABSENT if self._draft is None else DraftState.CONNECTED
+        self._draft_stopping = False  # the draft's health says NOT_SERVING: not used, nor taken back, while it does
+        self._draining = False  # the coordinator drains (`drain`)
+        self._leave_reason: str | None = None  # why the draft is to be left at the next step (`leave_draft`)
+        self._draft_probe: asyncio.Task[bool] | None = None
+        self._next_probe = 0.0  # (time.monotonic)
+        self._watches: list[asyncio.Task[None]] = []  # `follow_health` of each worker
+
         self._target_calls = 0  # in flight
         # Sequences to release on each worker, sent with the next call to it (`release_later`).
-        self.unreleased: dict[str, list[int]] = {"target": [], "draft": []}
+        self._unreleased: dict[str, list[int]] = {"target": [], "draft": []}
+        self._draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
+
+    # ----------------------------------------------------------------------------------------------- state
+
+    @property
+    def target_lost(self) -> bool:
+        return self._target_state is TargetState.LOST
+
+    @property
+    def draft_connected(self) -> bool:
+        """Whether steps draft: a draft service is configured and in use."""
+        return self._draft_state is DraftState.CONNECTED
+
+    @property
+    def _draft_in_use(self) -> draft_pb2_grpc.DraftServiceStub | None:
+        """The draft's stub while steps draft on it."""
+        return self._draft if self._draft_state is DraftState.CONNECTED else None
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether a draft service is configured (not ar), in use or not."""
+        return self._draft is not None
+
+    @property
+    def draft_backlog(self) -> tuple[int, ...]:
+        return tuple(self._draft_backlog)
+
+    def refusal(self) -> Refusal | None:
+        """Why a new request is refused now, or None: it is admitted."""
+        if self._draining:
+            return Refusal(
+                "draining", "this coordinator is shutting down: send the request to another replica or retry"
+            )
+        if self._target_state is TargetState.LOST:
+            return Refusal(
+                "target_lost",
+                "the target service is unreachable; the coordinator "
+                f"tries it again every {self.retry_interval:g} s: retry shortly",
+            )
+        if self._target_state is TargetState.DRAINING:
+            return Refusal(
+                "target_draining",
+                "the target service is shutting down; the coordinator "
+                "finishes the requests it admitted and serves again once a new one is up: retry shortly",
+            )
+        return None
+
+    # ----------------------------------------------------------------------------------------------- health
+
+    def watch_health(self) -> None:
+        """Follow both workers' health (`follow_health`) until `stop_failover`."""
+        self._watches = [
+            asyncio.create_task(
+                follow_health(self._target_channel, "target", self.retry_interval, self._target_said, self._lose_target)
+            )
+        ]
+        if self._draft_channel is not None:
+            self._watches.append(
+                asyncio.create_task(follow_health(self._draft_channel, "draft", self.retry_interval, self._draft_said))
+            )
+
+    async def _target_said(self, stopping: bool) -> None:
+        """The target's health said `stopping` (NOT_SERVING: a SIGTERM alone, as when its pod is replaced; it serves
+        its calls on until none has come for a while, or its drain timeout): admit nothing new, so that what was
+        admitted finishes on it and it can stop; once its stream ends it is lost, and the step loop takes the new
+        one back. Admitting on would keep it busy until its drain timeout cut every request off."""
+        if stopping and self._target_state is TargetState.SERVING:
+            log.warning(
+                "the target service is shutting down: admitting nothing new until it is back; "
+                "%d requests to finish on it",
+                self._open_requests(),
+            )
+            self._target_state = TargetState.DRAINING
+            await self._report_health(serving=False)
+        elif not stopping and self._target_state is TargetState.DRAINING:
+            self._target_state = TargetState.SERVING
+
+    async def _draft_said(self, stopping: bool) -> None:
+        """The draft's health said `stopping`: stop drafting at once (the target decodes alone), so that the draft
+        goes quiet and stops long before its drain timeout, and take no draft back through this address while it
+        says so (the old process still answers there); drafting on would keep a draft replaced alone busy until its
+        drain timeout, then lose it in the middle of a call. While the coordinator drains too (a whole release
+        deleted), the stopping draft drafts on for what is left: it serves as long as calls come."""
+        was_stopping, self._draft_stopping = self._draft_stopping, stopping
+        if self._refusing_stopping_draft and not was_stopping:
+            self.leave_draft("the draft service is shutting down")
+
+    @property
+    def _refusing_stopping_draft(self) -> bool:
+        """Whether the draft says it is stopping and is neither used nor taken back through its address (the old
+        process still answers there); while the coordinator drains too, it drafts on."""
+        return self._draft_stopping and not self._draining
+
+    async def _report_health(self, serving: bool) -> None:
+        """The coordinator's health: NOT_SERVING while the target cannot take requests, so that a load balancer
+        sends them elsewhere."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", GENERATION_SERVICE):
+            await self._health.set(name, status)
+
+    async def drain(self) -> None:
+        """The coordinator drains: health NOT_SERVING for good and nothing new admitted (`refusal`); a draft that
+        began stopping drafts on for what is left, tried at once (it may still answer, and drafts finish the drain
+        sooner)."""
+        self._draining = True
+        await self._health.drain()
+        if self._draft_stopping:
+            self._next_probe = 0.0
+            self._wake.set()
+
+    def stop_failover(self) -> None:
+        """The coordinator stops: follow no worker's health, and try no lost draft, any more."""
+        for task in self._watches:
+            task.cancel()
+        if self._draft_probe is not None:
+            self._draft_probe.cancel()
+
+    # ----------------------------------------------------------------------------------------------- the draft
+
+    def lose_draft_on(self, exc: BaseException, held: Iterable[int]) -> bool:
+        """Whether `exc`, from a draft call, means the draft is unreachable or hung; if so it is left (`held`: what
+        it may hold, the batches' sequences): a lost draft costs speed, not requests."""
+        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in DRAFT_LOST_CODES):
+            return False
+        self._drop_draft(f"draft service unreachable ({exc.details()})", held)
+        return True
+
+    def leave_draft(self, reason: str) -> None:
+        """Leave the draft at the next step (`leave_draft_if_asked`), not in the middle of one that has decided to
+        call it (it would find no draft to call)."""
+        self._leave_reason = reason
+
+    def leave_draft_if_asked(self, held: Iterable[int]) -> None:
+        """At the start of a step: leave the draft if `leave_draft` asked to since the last one."""
+        if self._leave_reason is not None:
+            self._drop_draft(self._leave_reason, held)
+            self._leave_reason = None
+
+    def _drop_draft(self, reason: str, held: Iterable[int]) -> None:
+        """Decode with the target alone from now on (`reason` says why, in the log) until the draft is back
+        (`probe_draft`); drafts already made are still verified."""
+        if self._draft_state is DraftState.CONNECTED:
+            log.error("%s: continuing with the target alone", reason)
+            self._draft_state = DraftState.LOST
+            # Only what was admitted by now can be on the draft (at most its slots), whatever ends meanwhile.
+            self._draft_backlog = [*held, *self._unreleased["draft"]]
+            self._unreleased["draft"] = []
+
+    def probe_draft(self) -> bool:
+        """Between steps, while the draft is lost: try it in the background when a try is due (every retry interval),
+        so that a hung draft, or one capturing its CUDA graphs at the connect, never stalls the steps; whether a
+        try found it back, ready for `hand_over_draft`."""
+        probe = self._draft_probe
+        if self._draft_state is DraftState.PROBING and probe is not None and probe.done():
+            self._draft_probe = None
+            back = not probe.cancelled() and probe.exception() is None and probe.result()
+            self._draft_state = DraftState.HANDING_OVER if back else DraftState.LOST  # (tried again when due)
+            return back
+        if self._draft_state is DraftState.LOST and time.monotonic() >= self._next_probe:
+            self._next_probe = time.monotonic() + self.retry_interval
+            self._draft_probe = asyncio.create_task(self._draft_answers())
+            self._draft_state = DraftState.PROBING
+        return self._draft_state is DraftState.HANDING_OVER
+
+    async def _draft_answers(self) -> bool:
+        """A probe: whether the draft answers a GetInfo within 2 s and then takes the channel set-up, which can be
+        long (a restarted draft on a GPU captures its CUDA graphs then: 20-30 s for a 1B draft)."""
+        if self._refusing_stopping_draft:
+            return False
+        try:
+            await self.pair.set_up_draft_again()
+        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
+            log.info("draft service not back yet: %s", call_detail(exc))
+            return False
+        return True
+
+    async def hand_over_draft(self, running: Sequence[RequestState]) -> None:
+        """Once `probe_draft` found the draft back, between steps with no drafts in flight: release what it may
+        still hold, hand it every running request (prompt and output so far) and draft again."""
+        draft = self._draft
+        assert draft is not None and self._draft_state is DraftState.HANDING_OVER
+        if self._refusing_stopping_draft:  # it began stopping after the probe: a later probe takes the next one
+            self._draft_state = DraftState.LOST
+            return
+        try:
+            # A draft that was only unreachable still holds what was admitted before it was lost.
+            stale = sorted(set(self._draft_backlog) | {r.seq_id for r in running})
+            await draft.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=stale), timeout=self.draft_timeout)
+            if running:
+                await self.prefill_draft(running, resume=True)
+        except grpc.RpcError as exc:
+            log.info("draft service not back yet: %s", call_detail(exc))
+            self._draft_state = DraftState.LOST
+            return
+        self._draft_backlog = []
+        self._draft_state = DraftState.CONNECTED
+        log.warning("draft service back: speculative decoding again (%d running requests handed over)", len(running))
+
+    # ----------------------------------------------------------------------------------------------- the target
+
+    def lose_target_on(self, exc: BaseException) -> bool:
+        """Whether `exc`, from a target call, means the target is unreachable, hung or restarted; if so it is lost."""
+        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TARGET_LOST_CODES):
+            return False
+        self._lose_target(f"{exc.code().name}: {exc.details()}")
+        return True
+
+    def _lose_target(self, reason: str) -> None:
+        """The target has lost every sequence it held: the step loop fails every open request (UNAVAILABLE: their
+        clients may send them again), and nothing is admitted until `take_target_back` finds it back."""
+        if self._target_state is not TargetState.LOST:
+            log.error("target service lost (%s): failing every request until it is back", reason)
+            self._target_state = TargetState.LOST
+            self._wake.set()  # an idle loop reconnects at once
+
+    async def report_target_lost(self) -> None:
+        """Health NOT_SERVING while the target is lost."""
+        await self._report_health(serving=False)
+
+    async def take_target_back(self) -> bool:
+        """While the target is lost (the step loop's, every retry interval): whether it answers a GetInfo within 2 s,
+        serves a model the draft still pairs with, and takes the channel set-up again; if so it serves (health
+        follows with `report_target_back`)."""
+        try:
+            await self.pair.set_up_target_again(with_draft=self.draft_connected)
+        except (grpc.RpcError, ModelLoadError, ValueError) as exc:
+            log.info("target service not back yet: %s", call_detail(exc))
+            return False
+        self._target_state = TargetState.SERVING
+        return True
+
+    async def report_target_back(self) -> None:
+        """Once the target is back and what the lost one held is released: health SERVING."""
+        log.warning("target service back: serving again")
+        await self._report_health(serving=True)
+
+    # ----------------------------------------------------------------------------------------------- calls
 
     def _started(self, call: Call) -> Call:
-        if self.call_started is not None and self._target_calls:
-            self.call_started()
+        if self._call_started is not None and self._target_calls:
+            self._call_started()
         return call
 
     @contextlib.contextmanager
@@ -147,6 +461,7 @@ class Workers:
         return {}
 
     async def close(self) -> None:
+        self.stop_failover()
         for stream in (self.verify_stream, self.propose_stream):
             if stream is not None:
                 await stream.close()
@@ -179,7 +494,7 @@ class Workers:
         start = time.perf_counter()
         with self._releasing("target") as released, self._on_target():
             reply = await self._started(
-                self.target.Prefill(
+                self._target.Prefill(
                     target_pb2.TargetServicePrefillRequest(
                         sequences=[sequence_spec(r) for r in requests], release_seq_ids=released
                     ),
@@ -190,10 +505,10 @@ class Workers:
         return reply
 
     async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
-        assert self.draft_stub is not None
+        assert self._draft is not None
         with self._releasing("draft") as released:
             await self._started(
-                self.draft_stub.Prefill(
+                self._draft.Prefill(
                     draft_pb2.DraftServicePrefillRequest(
                         sequences=[sequence_spec(r, resume) for r in requests], release_seq_ids=released
                     ),
@@ -207,7 +522,8 @@ class Workers:
     async def propose(
         self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
     ) -> draft_pb2.ProposeResponse:
-        assert self.draft is not None
+        draft = self._draft_in_use
+        assert draft is not None
         start = time.perf_counter()
         request = draft_pb2.ProposeRequest(
             step_id=step_id,
@@ -224,7 +540,7 @@ class Workers:
         with self._releasing("draft") as released:
             request.release_seq_ids.extend(released)
             reply = await self._started(
-                self._step_call(self.propose_stream, self.draft.Propose, request, self.draft_timeout)
+                self._step_call(self.propose_stream, draft.Propose, request, self.draft_timeout)
             )
         self._record("propose", batch_id, len(members), start, reply.timings, k)
         return reply
@@ -246,7 +562,7 @@ class Workers:
         with self._releasing("target") as released, self._on_target():
             request.release_seq_ids.extend(released)
             reply = await self._started(
-                self._step_call(self.verify_stream, self.target.Verify, request, self.target_timeout)
+                self._step_call(self.verify_stream, self._target.Verify, request, self.target_timeout)
             )
         self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
@@ -254,18 +570,18 @@ class Workers:
     def release_later(self, seq_ids: Sequence[int]) -> None:
         """Free the rows of `seq_ids` on both workers with the next call to each (a round trip saved per step that
         finishes a request); `flush_releases` sends what no call took."""
-        self.unreleased["target"] += seq_ids
-        if self.draft is not None:  # a lost draft's rows are freed when it is back (draft_backlog)
-            self.unreleased["draft"] += seq_ids
+        self._unreleased["target"] += seq_ids
+        if self.draft_connected:  # a lost draft's rows are freed when it is back (`draft_backlog`)
+            self._unreleased["draft"] += seq_ids
 
     @contextlib.contextmanager
     def _releasing(self, worker: str) -> Iterator[list[int]]:
         """The releases a call to `worker` carries; put back if the call fails (releasing is idempotent)."""
-        released, self.unreleased[worker] = self.unreleased[worker], []
+        released, self._unreleased[worker] = self._unreleased[worker], []
         try:
             yield released
         except BaseException:
-            self.unreleased[worker] = released + self.unreleased[worker]
+            self._unreleased[worker] = released + self._unreleased[worker]
             raise
 
     async def flush_releases(self, always: bool = False) -> grpc.RpcError | None:
@@ -274,21 +590,22 @@ class Workers:
         returned, for the step loop to decide whether the draft is lost."""
 
         async def on_target() -> None:
-            if always or self.unreleased["target"]:
+            if always or self._unreleased["target"]:
                 with self._releasing("target") as released, self._on_target():
                     await self._started(
-                        self.target.Release(
+                        self._target.Release(
                             target_pb2.TargetServiceReleaseRequest(seq_ids=released), timeout=self.target_timeout
                         )
                     )
 
         async def on_draft() -> grpc.RpcError | None:
-            if self.draft is None or not (always or self.unreleased["draft"]):
+            draft = self._draft_in_use
+            if draft is None or not (always or self._unreleased["draft"]):
                 return None
             try:
                 with self._releasing("draft") as released:
                     await self._started(
-                        self.draft.Release(
+                        draft.Release(
                             draft_pb2.DraftServiceReleaseRequest(seq_ids=released), timeout=self.draft_timeout
                         )
                     )
