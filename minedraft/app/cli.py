@@ -20,7 +20,8 @@ from pathlib import Path
 
 import grpc
 
-DEMO_DIR = Path(__file__).parent / "demo_models"
+from minedraft.demo_models import DEMO_DIR
+
 ENV_PREFIX = "MINEDRAFT_"
 
 
