@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from minedraft.app.stack import start_stack, stop_processes
 from minedraft.observability.metrics import mean_accepted_length
 
 MODES = ("psd", "sd", "sd2b", "ar")
@@ -464,8 +465,6 @@ class LocalStack:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from minedraft.app.cli import start_stack
-
         with open(self.log_path, "w") as log:
 
             def popen(command: list[str]) -> subprocess.Popen:
@@ -476,8 +475,6 @@ class LocalStack:
             self.port = start_stack(self.args, popen, self.processes)
 
     def stop(self) -> None:
-        from minedraft.app.cli import stop_processes
-
         stop_processes(self.processes)
         self.processes = []
 

@@ -9,17 +9,15 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
 
+from minedraft.app.stack import drain_process, start_stack, stop_processes
 from minedraft.demo_models import DEMO_DIR
 
 ENV_PREFIX = "MINEDRAFT_"
@@ -361,171 +359,6 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         tracing.shutdown()  # export the spans still queued
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _raise_if_one_exited(processes: Sequence[subprocess.Popen]) -> None:
-    for proc in processes:
-        if proc.poll() is not None:
-            raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
-
-
-def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> None:
-    """Block until `address` answers SERVING on grpc.health.v1, or fail if a process died."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    # Short reconnect backoff: a service that takes 20 s to start must be seen within a poll, not a backoff later.
-    options = [
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 500),
-        ("grpc.min_reconnect_backoff_ms", 100),
-    ]
-    with grpc.insecure_channel(address, options=options) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            _raise_if_one_exited(processes)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{address} did not become healthy in {timeout:.0f} s")
-
-
-def wait_port_file(path: Path, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> int:
-    """The port a service started with `--port-file path` listens on, once it has written it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return int(path.read_text())
-        _raise_if_one_exited(processes)
-        time.sleep(0.1)
-    raise TimeoutError(f"no service wrote {path} in {timeout:.0f} s")
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT until the block is done, then deliver it (to the previous handler) if one came."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            signal.raise_signal(signal.SIGINT)
-
-
-def start_stack(
-    args: argparse.Namespace, popen: Callable[[list[str]], subprocess.Popen], processes: list[subprocess.Popen]
-) -> int:
-    """Start the services of `stack_commands(args, ...)`, workers first, each on a port it binds itself (a port
-    picked here and handed over could be taken in between); appends them to `processes` as they start and returns
-    the coordinator's port once it serves (`args.port`, or the one it picked for 0)."""
-    with tempfile.TemporaryDirectory(prefix="minedraft-ports-") as directory:
-
-        def launch(command: list[str], name: str) -> Path:
-            path = Path(directory) / name
-            with _interrupts_deferred():  # a Ctrl-C inside Popen would leave its child running, untracked
-                processes.append(popen([*command, "--port-file", str(path)]))
-            return path
-
-        # Both workers load their models at once.
-        files = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], ("target", "draft"))]
-        worker_ports = [wait_port_file(path, processes) for path in files]
-        for port in worker_ports:
-            wait_healthy(f"127.0.0.1:{port}", processes)
-        target_port, draft_port = worker_ports[0], worker_ports[-1] if len(worker_ports) > 1 else 0
-        port = wait_port_file(launch(stack_commands(args, target_port, draft_port)[-1], "coordinator"), processes)
-    wait_healthy(f"127.0.0.1:{port}", processes)
-    return port
-
-
-def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
-    """The three service command lines that `serve` starts (the draft is left out in ar mode)."""
-    py = [sys.executable, "-m", "minedraft"]
-    common = [
-        "--dtype",
-        str(args.dtype),
-        "--max-batch-size",
-        str(args.max_batch_size),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--host",
-        "127.0.0.1",
-    ]
-    common += ["--compile"] if args.compile else []
-    common += ["--eager"] if args.eager else []
-    common += ["--precapture-graphs", args.precapture_graphs]
-    commands = [
-        py + ["target", "--model", args.target, "--port", str(target_port), "--device", args.target_device, *common]
-    ]
-    coordinator = py + [
-        "coordinator",
-        "--target",
-        f"127.0.0.1:{target_port}",
-        "--port",
-        str(args.port),
-        "--host",
-        args.host,
-        "--mode",
-        args.mode,
-        "--num-speculative-tokens",
-        str(args.num_speculative_tokens),
-        "--max-batch-size",
-        str(args.max_batch_size),
-        "--max-queue-size",
-        str(args.max_queue_size),
-        "--channel",
-        args.channel,
-        "--tokenizer",
-        args.target,
-        "--overlap",
-        args.overlap,
-        "--speculation",
-        args.speculation,
-        "--min-speculative-tokens",
-        str(args.min_speculative_tokens),
-    ]
-    # absent (bench's own arguments): the defaults
-    for flag in (
-        "--max-prefill-tokens",
-        "--step-calls",
-        "--draft-retry-interval",
-        "--draft-timeout",
-        "--target-timeout",
-        "--drain-timeout",
-    ):
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            coordinator += [flag, str(value)]
-    if args.step_trace:
-        coordinator += ["--step-trace", args.step_trace]
-    if getattr(args, "synthetic_acceptance", None) is not None:
-        commands[0] += ["--synthetic-acceptance", str(args.synthetic_acceptance)]
-    metrics_port = getattr(args, "metrics_port", 0)
-    if metrics_port:
-        coordinator += ["--metrics-port", str(metrics_port)]
-        commands[0] += ["--metrics-port", str(metrics_port + 1)]
-    if args.mode != "ar":
-        commands.append(
-            py + ["draft", "--model", args.draft, "--port", str(draft_port), "--device", args.draft_device, *common]
-        )
-        if metrics_port:
-            commands[-1] += ["--metrics-port", str(metrics_port + 2)]
-        coordinator += ["--draft", f"127.0.0.1:{draft_port}"]
-    return commands + [coordinator]
-
-
 async def _single_process_main(args: argparse.Namespace) -> None:
     """The whole stack in one process: each worker on its own thread and CUDA stream, drafts over `local`."""
     from coordinator.server import CoordinatorOptions
@@ -628,34 +461,6 @@ def serve_main(args: argparse.Namespace) -> int:
         if terminated:  # the coordinator (started last) lets its admitted requests finish first
             drain_process(processes[-1], args.drain_timeout)
         stop_processes(processes)
-
-
-def drain_process(proc: subprocess.Popen, drain_timeout: float) -> None:
-    """SIGTERM a coordinator and wait while it drains (up to its `--drain-timeout`); a signal meanwhile ends the
-    wait."""
-    proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired, KeyboardInterrupt):
-        proc.wait(drain_timeout + 10)
-
-
-def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 20.0) -> None:
-    """SIGINT each (last started first: the coordinator stops sending work), then kill what outlives `timeout`.
-    A second Ctrl-C meanwhile kills the rest at once: it must not leave a service running on its own."""
-    try:
-        for proc in reversed(processes):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-    except KeyboardInterrupt:
-        for proc in processes:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in processes:
-            proc.wait(timeout=10)
 
 
 def generate_main(args: argparse.Namespace) -> int:
