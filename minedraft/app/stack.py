@@ -16,10 +16,15 @@ from pathlib import Path
 
 import grpc
 
+from minedraft.app.flags import FLAGS, STACK_SERVICES, dest
+
+LOOPBACK = "127.0.0.1"
+METRICS_PORT_OFFSET = {"coordinator": 0, "target": 1, "draft": 2}
+
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
 
 
@@ -99,87 +104,57 @@ def start_stack(
         files = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], ("target", "draft"))]
         worker_ports = [wait_port_file(path, processes) for path in files]
         for port in worker_ports:
-            wait_healthy(f"127.0.0.1:{port}", processes)
+            wait_healthy(f"{LOOPBACK}:{port}", processes)
         target_port, draft_port = worker_ports[0], worker_ports[-1] if len(worker_ports) > 1 else 0
         port = wait_port_file(launch(stack_commands(args, target_port, draft_port)[-1], "coordinator"), processes)
-    wait_healthy(f"127.0.0.1:{port}", processes)
+    wait_healthy(f"{LOOPBACK}:{port}", processes)
     return port
 
 
 def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
-    """The three service command lines that `serve` starts (the draft is left out in ar mode)."""
-    py = [sys.executable, "-m", "minedraft"]
-    common = [
-        "--dtype",
-        str(args.dtype),
-        "--max-batch-size",
-        str(args.max_batch_size),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--host",
-        "127.0.0.1",
-    ]
-    common += ["--compile"] if args.compile else []
-    common += ["--eager"] if args.eager else []
-    common += ["--precapture-graphs", args.precapture_graphs]
-    commands = [
-        py + ["target", "--model", args.target, "--port", str(target_port), "--device", args.target_device, *common]
-    ]
-    coordinator = py + [
-        "coordinator",
-        "--target",
-        f"127.0.0.1:{target_port}",
-        "--port",
-        str(args.port),
-        "--host",
-        args.host,
-        "--mode",
-        args.mode,
-        "--num-speculative-tokens",
-        str(args.num_speculative_tokens),
-        "--max-batch-size",
-        str(args.max_batch_size),
-        "--max-queue-size",
-        str(args.max_queue_size),
-        "--channel",
-        args.channel,
-        "--tokenizer",
-        args.target,
-        "--overlap",
-        args.overlap,
-        "--speculation",
-        args.speculation,
-        "--min-speculative-tokens",
-        str(args.min_speculative_tokens),
-    ]
-    # absent (bench's own arguments): the defaults
-    for flag in (
-        "--max-prefill-tokens",
-        "--step-calls",
-        "--draft-retry-interval",
-        "--draft-timeout",
-        "--target-timeout",
-        "--drain-timeout",
-    ):
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            coordinator += [flag, str(value)]
-    if args.step_trace:
-        coordinator += ["--step-trace", args.step_trace]
-    if getattr(args, "synthetic_acceptance", None) is not None:
-        commands[0] += ["--synthetic-acceptance", str(args.synthetic_acceptance)]
+    """The service command lines that `serve` starts: target, draft (left out in ar mode), coordinator."""
+    services = [s for s in STACK_SERVICES if s != "draft" or args.mode != "ar"]
+    wiring: dict[str, dict[str, object]] = {
+        "target": {"--port": target_port, "--host": LOOPBACK},
+        "draft": {"--port": draft_port, "--host": LOOPBACK},
+        "coordinator": {"--target": f"{LOOPBACK}:{target_port}"},
+    }
+    if "draft" in services:
+        wiring["coordinator"]["--draft"] = f"{LOOPBACK}:{draft_port}"
     metrics_port = getattr(args, "metrics_port", 0)
     if metrics_port:
-        coordinator += ["--metrics-port", str(metrics_port)]
-        commands[0] += ["--metrics-port", str(metrics_port + 1)]
-    if args.mode != "ar":
-        commands.append(
-            py + ["draft", "--model", args.draft, "--port", str(draft_port), "--device", args.draft_device, *common]
-        )
-        if metrics_port:
-            commands[-1] += ["--metrics-port", str(metrics_port + 2)]
-        coordinator += ["--draft", f"127.0.0.1:{draft_port}"]
-    return commands + [coordinator]
+        for service in services:
+            wiring[service]["--metrics-port"] = metrics_port + METRICS_PORT_OFFSET[service]
+    py = [sys.executable, "-m", "minedraft"]
+    return [py + [service, *command_line(passed_on(args, service) | wiring[service])] for service in services]
+
+
+def passed_on(args: argparse.Namespace, service: str) -> dict[str, object]:
+    """The flags (by `service`'s names) that a stack of `serve`/`bench` arguments `args` gives `service`; a value
+    that is None is left out, for the service to default."""
+    values: dict[str, object] = {}
+    for flag in FLAGS:
+        name = flag.passed_on.get(service)
+        value = getattr(args, flag.dest, None)
+        if name is not None and value is not None:
+            values[name] = value
+    return values
+
+
+def service_args(args: argparse.Namespace, service: str, **wiring: object) -> argparse.Namespace:
+    """`service`'s arguments as its own parser would hold them, for a stack in one process."""
+    return argparse.Namespace(**{dest(name): value for name, value in passed_on(args, service).items()}, **wiring)
+
+
+def command_line(values: dict[str, object]) -> list[str]:
+    """Flags and values as arguments: a switch that is on by its name alone, one that is off not at all."""
+    line: list[str] = []
+    for name, value in values.items():
+        if value is True:
+            line.append(name)
+        elif value is not False:
+            line += [name, str(value)]
+    return line
 
 
 def drain_process(proc: subprocess.Popen, drain_timeout: float) -> None:
