@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig, PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.app.cli import PRECAPTURE_CHOICES
+from minedraft.app.flags import PRECAPTURE_CHOICES
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig

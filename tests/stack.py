@@ -35,7 +35,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.server import CoordinatorOptions, GenerationServicer, serve
-from minedraft.app.cli import wait_healthy, wait_port_file
+from minedraft.app.stack import wait_healthy, wait_port_file
 from minedraft.proto import (
     common_pb2,
     draft_pb2,

@@ -22,7 +22,7 @@ def test_environment_sets_flags_and_switches_read_true_or_false(monkeypatch: pyt
 
 
 def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
-    from minedraft.app.cli import stack_commands
+    from minedraft.app.stack import stack_commands
 
     target, *_ = stack_commands(build_parser().parse_args(["serve", "--eager", "--precapture-graphs"]), 1, 2)
     assert "--eager" in target and target[target.index("--precapture-graphs") + 1] == "on"

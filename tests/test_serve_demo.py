@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from minedraft.app.cli import free_port, wait_healthy
+from minedraft.app.stack import free_port, wait_healthy
 from minedraft.demo_models import available
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 

@@ -117,7 +117,8 @@ def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
 
 def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) -> None:
     from minedraft.app.bench import LocalStack
-    from minedraft.app.cli import build_parser, stack_commands
+    from minedraft.app.cli import build_parser
+    from minedraft.app.stack import stack_commands
 
     for extra, expected in (([], None), (["--synthetic-acceptance", "0.7"], "0.7")):
         args = build_parser().parse_args(["bench", "--modes", "psd", *extra])

@@ -20,116 +20,11 @@ from typing import Any
 
 import grpc
 
+from minedraft.app.stack import start_stack, stop_processes
 from minedraft.observability.metrics import mean_accepted_length
 
 MODES = ("psd", "sd", "sd2b", "ar")
 SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
-
-
-# --------------------------------------------------------------------------------------------- arguments
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from minedraft.app.cli import DEMO_DIR, MIN_SPECULATIVE_TOKENS_HELP, add_graph_flags
-
-    what = parser.add_argument_group("what to measure (a running server, or local stacks one mode after another)")
-    what.add_argument(
-        "--server",
-        default=None,
-        help="address of a running server (the default when --modes is not given: localhost:50051)",
-    )
-    what.add_argument(
-        "--modes",
-        default=None,
-        help="comma-separated modes among psd,sd,ar (and sd2b: sd with one batch of 2 x "
-        "--max-batch-size): start a local stack per mode, one after the other, on the same load",
-    )
-    what.add_argument(
-        "--sd-batch-equal-concurrency",
-        action="store_true",
-        help="with --modes: also run sd at the same total concurrency as psd (adds sd2b)",
-    )
-
-    stack = parser.add_argument_group("local stacks (--modes)")
-    stack.add_argument("--target", default=str(DEMO_DIR / "target"), help="target model directory")
-    stack.add_argument("--draft", default=str(DEMO_DIR / "draft"), help="draft model directory")
-    stack.add_argument("--target-device", default="cpu")
-    stack.add_argument("--draft-device", default="cpu")
-    stack.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    stack.add_argument("--num-speculative-tokens", type=int, default=4)
-    stack.add_argument("--max-batch-size", type=int, default=8, help="sequences per batch (psd runs two batches)")
-    stack.add_argument(
-        "--max-prefill-tokens", type=int, default=None, help="the coordinator's --max-prefill-tokens (default: its own)"
-    )
-    stack.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="cache length per sequence (default: room for the prompt and output lengths)",
-    )
-    add_graph_flags(stack)
-    stack.add_argument("--channel", default="auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
-    stack.add_argument(
-        "--overlap",
-        default="auto",
-        choices=["auto", "always", "never"],
-        help="psd: run Verify and Propose concurrently always, never, or when it measures faster",
-    )
-    stack.add_argument(
-        "--speculation",
-        default="auto",
-        choices=["auto", "always"],
-        help="psd and sd: draft at every step (always), or let the target decode alone while that "
-        "measures faster (auto)",
-    )
-    stack.add_argument("--min-speculative-tokens", type=int, default=0, help=MIN_SPECULATIVE_TOKENS_HELP)
-    stack.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="OMP_NUM_THREADS for the started services (CPU: 1 keeps three services from "
-        "oversubscribing a small machine)",
-    )
-    stack.add_argument(
-        "--synthetic-acceptance",
-        type=float,
-        default=None,
-        help="BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability "
-        "(throughput at a realistic acceptance with random-weight models)",
-    )
-    stack.add_argument(
-        "--step-trace-dir",
-        default=None,
-        help="write each mode's coordinator step trace (every worker call, JSON lines) to DIR/MODE.jsonl",
-    )
-    stack.add_argument("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
-
-    load = parser.add_argument_group("load")
-    load.add_argument("--num-prompts", type=int, default=64)
-    load.add_argument(
-        "--concurrency",
-        type=int,
-        default=None,
-        help="requests in flight at once (default: 2 x --max-batch-size, both psd batches full)",
-    )
-    load.add_argument("--prompt-len", type=int, default=64, help="prompt length in tokens (about, without a tokenizer)")
-    load.add_argument("--output-len", type=int, default=64, help="tokens generated per request (EOS is ignored)")
-    load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--top-p", type=float, default=1.0)
-    load.add_argument("--top-k", type=int, default=0)
-    load.add_argument("--seed", type=int, default=0, help="seeds the prompt choice and each request's sampling")
-    load.add_argument("--num-warmup", type=int, default=2, help="requests sent (and not measured) before the load")
-    load.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer directory used to cut prompts of --prompt-len tokens (default: the target "
-        "model directory when it is on this machine)",
-    )
-    load.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
-
-    out = parser.add_argument_group("output")
-    out.add_argument("--json-out", default=None, help="also write the results as JSON to this file")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # --------------------------------------------------------------------------------------------- prompts
@@ -429,30 +324,16 @@ class LocalStack:
         batch = args.max_batch_size * (2 if mode == SD_2B else 1)
         max_len = args.max_model_len or _default_max_len(args)
         self.port = 0  # the coordinator's, known once started
-        self.args = argparse.Namespace(
-            target=args.target,
-            draft=args.draft,
-            target_device=args.target_device,
-            draft_device=args.draft_device,
-            dtype=args.dtype,
-            max_batch_size=batch,
-            max_model_len=max_len,
-            port=0,
-            host="127.0.0.1",
-            mode=self.mode,
-            num_speculative_tokens=args.num_speculative_tokens,
-            max_queue_size=max(256, args.num_prompts + args.num_warmup),
-            max_prefill_tokens=args.max_prefill_tokens,
-            channel=args.channel,
-            step_trace=str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
-            overlap=args.overlap,
-            speculation=args.speculation,
-            min_speculative_tokens=args.min_speculative_tokens,
-            synthetic_acceptance=args.synthetic_acceptance,
-            compile=args.compile,
-            eager=args.eager,
-            precapture_graphs=args.precapture_graphs,
-        )
+        for_mode = {  # what `serve` takes beyond bench's flags, or otherwise for this mode
+            "mode": self.mode,
+            "max_batch_size": batch,
+            "max_model_len": max_len,
+            "max_queue_size": max(256, args.num_prompts + args.num_warmup),
+            "step_trace": str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
+            "port": 0,
+            "host": "127.0.0.1",
+        }
+        self.args = argparse.Namespace(**(vars(args) | for_mode))  # as `serve` would hold them
         self.env = dict(os.environ)
         if args.threads:
             self.env["OMP_NUM_THREADS"] = self.env["MKL_NUM_THREADS"] = str(args.threads)
@@ -464,8 +345,6 @@ class LocalStack:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from minedraft.app.cli import start_stack
-
         with open(self.log_path, "w") as log:
 
             def popen(command: list[str]) -> subprocess.Popen:
@@ -476,8 +355,6 @@ class LocalStack:
             self.port = start_stack(self.args, popen, self.processes)
 
     def stop(self) -> None:
-        from minedraft.app.cli import stop_processes
-
         stop_processes(self.processes)
         self.processes = []
 

@@ -5,252 +5,80 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-DEMO_DIR = Path(__file__).parent / "demo_models"
-ENV_PREFIX = "MINEDRAFT_"
+from minedraft.app.flags import COMMANDS, SERVICE_COMMANDS, add_flags
+from minedraft.app.stack import drain_process, service_args, start_stack, stop_processes
 
+if TYPE_CHECKING:
+    from coordinator.server import CoordinatorOptions
+    from minedraft.rpc.worker import WorkerOptions
 
-def _env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _env_default(flag: str, default: object) -> object:
-    """Every flag can be set by MINEDRAFT_<FLAG> (the names the Helm chart uses); switches read true/false, 1/0."""
-    name = _env_name(flag)
-    value = os.environ.get(name)
-    if value is None or not isinstance(default, bool):
-        return default if value is None else value
-    switch = value.strip().lower()
-    if switch not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-        raise SystemExit(f"{name}={value!r}: expected true or false")
-    return switch in ("1", "true", "yes", "on")
-
-
-COMPILE_HELP = "torch.compile the decoder layers (fused kernels inside CUDA graphs); compiles at start-up (minutes)"
-PRECAPTURE_HELP = (
-    "run every batch and key-length shape when a coordinator connects, so CUDA graphs are captured "
-    "then and not while requests wait (0.1-0.5 s at each shape's first use); a psd connect takes "
-    "about a minute longer on an H200 (8B target, 1B draft). auto: on where CUDA graphs are (a bare "
-    "flag means on)"
+Options = TypeVar("Options")
+ENV_EPILOG = (
+    "MINEDRAFT_<FLAG> in the environment sets any of these flags (MINEDRAFT_MAX_BATCH_SIZE=8, "
+    "MINEDRAFT_COMPILE=true); docs/cli.md lists every flag with its variable and Helm value."
 )
-PRECAPTURE_CHOICES = ["auto", "on", "off"]
-MAX_PREFILL_TOKENS_HELP = (
-    "prompt tokens one step prefills at most (0: no limit; a longer prompt goes alone): a burst "
-    "of requests is admitted over several steps, so the first start sooner and running "
-    "requests wait less"
-)
-MIN_SPECULATIVE_TOKENS_HELP = (
-    "with --speculation auto, steps may also draft fewer tokens, halving from "
-    "--num-speculative-tokens down to this many (each length's CUDA graphs are captured at "
-    "start-up), where a shorter draft measures cheaper per token; 0: that many, or none"
-)
-PORT_FILE_HELP = "once listening, write the port to this file (for a launcher that passes --port 0)"
-Arguments = argparse.ArgumentParser | argparse._ArgumentGroup  # a parser, or one of its add_argument_group()s
 
 
-def _add(parser: Arguments, flag: str, default: object = None, **kwargs: object) -> None:
-    value = _env_default(flag, default)
-    choices = kwargs.get("choices")
-    if choices is not None and value != default and value not in choices:  # type: ignore[operator]
-        # argparse checks the choices of values given on the command line only, not of defaults
-        raise SystemExit(f"{_env_name(flag)}={value!r}: expected one of {', '.join(map(str, choices))}")  # type: ignore[call-overload]
-    parser.add_argument(flag, default=value, **kwargs)  # type: ignore[arg-type]
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, where it has one worth showing."""
 
-
-def add_graph_flags(parser: Arguments) -> None:
-    """How a worker runs its model's steps (`serve` and `bench` pass them on to the workers they start)."""
-    _add(parser, "--eager", False, action="store_true", help="no CUDA graphs (debugging)")
-    _add(parser, "--compile", False, action="store_true", help=COMPILE_HELP)
-    _add(parser, "--precapture-graphs", "auto", nargs="?", const="on", choices=PRECAPTURE_CHOICES, help=PRECAPTURE_HELP)
-
-
-def _worker_flags(parser: argparse.ArgumentParser, default_model: Path) -> None:
-    _add(parser, "--model", str(default_model), help="Hugging Face model directory")
-    _add(parser, "--port", 0, type=int, help="port to listen on (0: any free port)")
-    _add(parser, "--host", "[::]")
-    _add(parser, "--device", "cpu", help="cpu, cuda, cuda:1 ...")
-    _add(parser, "--dtype", "auto", choices=["auto", "float32", "bfloat16", "float16"])
-    _add(parser, "--max-batch-size", 32, type=int, help="sequences per batch (the worker holds two batches)")
-    _add(parser, "--max-model-len", 2048, type=int, help="cache length per sequence")
-    _add(parser, "--metrics-port", 0, type=int, help="Prometheus /metrics port (0: off)")
-    _add(parser, "--port-file", None, help=PORT_FILE_HELP)
-    add_graph_flags(parser)
-    _add(
-        parser,
-        "--profile-dir",
-        None,
-        help="write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)",
-    )
-    _add(parser, "--profile-after", 100, type=int)
-    _add(
-        parser,
-        "--drain-timeout",
-        30.0,
-        type=float,
-        help="on SIGTERM, the most seconds it keeps serving (it stops once no call has come for 5 s: its "
-        "coordinator drained); health reports NOT_SERVING meanwhile; SIGINT (Ctrl-C) stops at once",
-    )
-
-
-def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
-    _add(parser, "--mode", "psd", choices=["psd", "sd", "ar"])
-    _add(parser, "--num-speculative-tokens", 4, type=int)
-    _add(parser, "--max-batch-size", 32, type=int)
-    _add(parser, "--max-queue-size", 256, type=int)
-    _add(parser, "--max-prefill-tokens", 8192, type=int, help=MAX_PREFILL_TOKENS_HELP)
-    _add(parser, "--channel", "auto", choices=["auto", "local", "grpc", "cuda-ipc", "nccl"])
-    _add(parser, "--step-trace", None, help="write every worker call as JSON lines here on shutdown")
-    _add(
-        parser,
-        "--overlap",
-        "auto",
-        choices=["auto", "always", "never"],
-        help="psd: run Verify and Propose concurrently always, never, or when that measures faster (auto; on a GPU "
-        "that target and draft share, auto runs sd on one batch of twice --max-batch-size instead)",
-    )
-    _add(
-        parser,
-        "--speculation",
-        "auto",
-        choices=["auto", "always"],
-        help="psd and sd: draft at every step (always), or let the target decode alone while that measures "
-        "faster per token than drafting (auto: a large batch, or a draft too slow for its acceptance)",
-    )
-    _add(parser, "--min-speculative-tokens", 0, type=int, help=MIN_SPECULATIVE_TOKENS_HELP)
-    _add(
-        parser,
-        "--step-calls",
-        "stream",
-        choices=["stream", "unary"],
-        help="how the step's Verify and Propose calls travel: as messages on one open stream per worker "
-        "(stream: ~0.5 ms less a call on an H200 host), or as unary calls (unary; a worker without the "
-        "streams gets unary calls either way)",
-    )
-    _add(
-        parser,
-        "--draft-retry-interval",
-        5.0,
-        type=float,
-        help="seconds between tries to reach a lost draft service again (requests go on with the target alone), "
-        "or a lost target service (requests are refused meanwhile)",
-    )
-    _add(
-        parser,
-        "--draft-timeout",
-        30.0,
-        type=float,
-        help="seconds a draft call may take before the draft service counts as lost (a hung draft)",
-    )
-    _add(
-        parser,
-        "--target-timeout",
-        120.0,
-        type=float,
-        help="seconds a target prefill, verify or release may take before the target service counts as lost (a "
-        "hung target: its requests end with UNAVAILABLE until it answers again); 0: no limit",
-    )
-    _add(
-        parser,
-        "--drain-timeout",
-        30.0,
-        type=float,
-        help="on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new "
-        "requests get UNAVAILABLE; SIGINT (Ctrl-C) stops at once",
-    )
+    def _get_help_string(self, action: argparse.Action) -> str:
+        default = action.default
+        shown = default not in (None, argparse.SUPPRESS) and default is not False and default != []
+        return (action.help or "") + (" (default: %(default)s)" if action.option_strings and shown else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minedraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="start target, draft and coordinator on this machine")
-    _add(serve, "--target", str(DEMO_DIR / "target"), help="target model directory (default: the demo target)")
-    _add(serve, "--draft", str(DEMO_DIR / "draft"), help="draft model directory (default: the demo draft)")
-    _add(serve, "--port", 50051, type=int, help="public port")
-    _add(serve, "--host", "[::]")
-    _add(serve, "--target-device", "cpu")
-    _add(serve, "--draft-device", "cpu")
-    _add(serve, "--dtype", "auto")
-    _add(serve, "--max-model-len", 2048, type=int)
-    add_graph_flags(serve)
-    _add(serve, "--generate", None, help="once serving, stream the answer to this prompt (then keep serving)")
-    _add(
-        serve,
-        "--single-process",
-        False,
-        action="store_true",
-        help="run target, draft and coordinator in one process (local channel; one GPU, two CUDA streams)",
-    )
-    _add(
-        serve,
-        "--metrics-port",
-        0,
-        type=int,
-        help="Prometheus /metrics: coordinator on this port, target on +1, draft on +2 (0: off)",
-    )
-    _coordinator_flags(serve)
-
-    target = sub.add_parser("target", help="start the target service")
-    _worker_flags(target, DEMO_DIR / "target")
-    _add(
-        target,
-        "--synthetic-acceptance",
-        None,
-        type=float,
-        help="BENCHMARK ONLY, not lossless: accept each draft token with this probability",
-    )
-    draft = sub.add_parser("draft", help="start the draft service")
-    _worker_flags(draft, DEMO_DIR / "draft")
-    _add(draft, "--greedy-drafts", False, action="store_true", help="draft greedily even for sampled requests")
-
-    coord = sub.add_parser("coordinator", help="start the coordinator (public API)")
-    _add(coord, "--target", None, required=_env_default("--target", None) is None, help="target service address")
-    _add(coord, "--draft", None, help="draft service address (not needed in ar mode)")
-    _add(coord, "--port", 50051, type=int)
-    _add(coord, "--host", "[::]")
-    _add(coord, "--tokenizer", None, help="tokenizer directory (default: the target's model directory)")
-    _add(coord, "--metrics-port", 0, type=int)
-    _add(coord, "--port-file", None, help=PORT_FILE_HELP)
-    _coordinator_flags(coord)
-
-    gen = sub.add_parser("generate", help="send one request and stream the answer")
-    _add(gen, "--server", "localhost:50051")
-    prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt")
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--timeout", type=float, default=600.0)
-
-    from minedraft.app.bench import add_bench_arguments
-
-    add_bench_arguments(sub.add_parser("bench", help="measure throughput and latency of a server or of the modes"))
+    for command, summary in COMMANDS.items():
+        epilog = ENV_EPILOG if command in SERVICE_COMMANDS else None
+        add_flags(
+            sub.add_parser(command, help=summary, description=summary, epilog=epilog, formatter_class=HelpFormatter),
+            command,
+        )
     return parser
 
 
-def _run_until_signal(main: object) -> None:
+def _from_args(cls: Callable[..., Options], args: argparse.Namespace, **derived: object) -> Options:
+    """`cls(...)` of the arguments named as its fields; fields `args` lacks keep their defaults."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    given = {f.name: getattr(args, f.name) for f in fields if f.name not in derived and hasattr(args, f.name)}
+    return cls(**given, **derived)
+
+
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    """A target's or draft's options, from its arguments (serve --single-process gives it what serve passes on;
+    what it lacks keeps its default)."""
+    from minedraft.rpc.worker import WorkerOptions
+
+    return _from_args(WorkerOptions, args, cuda_graphs=not args.eager, compile_layers=args.compile)
+
+
+def coordinator_options(args: argparse.Namespace) -> CoordinatorOptions:
+    """The coordinator's options, from its arguments (as for `worker_options`)."""
+    from coordinator.server import CoordinatorOptions
+
+    return _from_args(CoordinatorOptions, args)
+
+
+def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(main)  # type: ignore[arg-type]
+    asyncio.run(main)
 
 
 async def _serve_forever(
@@ -287,27 +115,13 @@ async def _serve_forever(
 async def _worker_main(args: argparse.Namespace, kind: str) -> None:
     from minedraft.observability.metrics import WorkerMetrics, start_metrics_server
     from minedraft.observability.telemetry import server_interceptors, setup_tracing
-    from minedraft.rpc.worker import WorkerOptions
 
     tracing = setup_tracing(f"minedraft-{kind}")
     metrics = WorkerMetrics() if args.metrics_port else None
     if metrics is not None:
         start_metrics_server(args.metrics_port, args.host, metrics.registry)
     interceptors = server_interceptors(tracing, metrics.observe_call if metrics is not None else None)
-    options = WorkerOptions(
-        args.model,
-        args.device,
-        args.dtype,
-        args.max_batch_size,
-        args.max_model_len,
-        cuda_graphs=not args.eager,
-        compile_layers=args.compile,
-        profile_dir=args.profile_dir,
-        profile_after=args.profile_after,
-        synthetic_acceptance=getattr(args, "synthetic_acceptance", None),
-        precapture_graphs=args.precapture_graphs,
-        drain_timeout=args.drain_timeout,
-    )
+    options = worker_options(args)
     try:
         if kind == "target":
             from target_service.server import serve as serve_target
@@ -325,30 +139,11 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
 
 
 async def _coordinator_main(args: argparse.Namespace) -> None:
-    from coordinator.server import CoordinatorOptions, serve
+    from coordinator.server import serve
     from minedraft.observability.metrics import CoordinatorMetrics, start_metrics_server
     from minedraft.observability.telemetry import setup_tracing
 
-    options = CoordinatorOptions(
-        target=args.target,
-        draft=args.draft,
-        mode=args.mode,
-        num_speculative_tokens=args.num_speculative_tokens,
-        max_batch_size=args.max_batch_size,
-        max_queue_size=args.max_queue_size,
-        max_prefill_tokens=args.max_prefill_tokens,
-        channel=args.channel,
-        tokenizer=args.tokenizer,
-        step_trace=args.step_trace,
-        overlap=args.overlap,
-        speculation=args.speculation,
-        min_speculative_tokens=args.min_speculative_tokens,
-        step_calls=args.step_calls,
-        draft_retry_interval=args.draft_retry_interval,
-        draft_timeout=args.draft_timeout,
-        target_timeout=args.target_timeout,
-        drain_timeout=args.drain_timeout,
-    )
+    options = coordinator_options(args)
     tracing = setup_tracing("minedraft-coordinator")
     metrics = CoordinatorMetrics() if args.metrics_port else None
     if metrics is not None:
@@ -360,225 +155,26 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
         tracing.shutdown()  # export the spans still queued
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _raise_if_one_exited(processes: Sequence[subprocess.Popen]) -> None:
-    for proc in processes:
-        if proc.poll() is not None:
-            raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
-
-
-def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> None:
-    """Block until `address` answers SERVING on grpc.health.v1, or fail if a process died."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    # Short reconnect backoff: a service that takes 20 s to start must be seen within a poll, not a backoff later.
-    options = [
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 500),
-        ("grpc.min_reconnect_backoff_ms", 100),
-    ]
-    with grpc.insecure_channel(address, options=options) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            _raise_if_one_exited(processes)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{address} did not become healthy in {timeout:.0f} s")
-
-
-def wait_port_file(path: Path, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> int:
-    """The port a service started with `--port-file path` listens on, once it has written it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return int(path.read_text())
-        _raise_if_one_exited(processes)
-        time.sleep(0.1)
-    raise TimeoutError(f"no service wrote {path} in {timeout:.0f} s")
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT until the block is done, then deliver it (to the previous handler) if one came."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            signal.raise_signal(signal.SIGINT)
-
-
-def start_stack(
-    args: argparse.Namespace, popen: Callable[[list[str]], subprocess.Popen], processes: list[subprocess.Popen]
-) -> int:
-    """Start the services of `stack_commands(args, ...)`, workers first, each on a port it binds itself (a port
-    picked here and handed over could be taken in between); appends them to `processes` as they start and returns
-    the coordinator's port once it serves (`args.port`, or the one it picked for 0)."""
-    with tempfile.TemporaryDirectory(prefix="minedraft-ports-") as directory:
-
-        def launch(command: list[str], name: str) -> Path:
-            path = Path(directory) / name
-            with _interrupts_deferred():  # a Ctrl-C inside Popen would leave its child running, untracked
-                processes.append(popen([*command, "--port-file", str(path)]))
-            return path
-
-        # Both workers load their models at once.
-        files = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], ("target", "draft"))]
-        worker_ports = [wait_port_file(path, processes) for path in files]
-        for port in worker_ports:
-            wait_healthy(f"127.0.0.1:{port}", processes)
-        target_port, draft_port = worker_ports[0], worker_ports[-1] if len(worker_ports) > 1 else 0
-        port = wait_port_file(launch(stack_commands(args, target_port, draft_port)[-1], "coordinator"), processes)
-    wait_healthy(f"127.0.0.1:{port}", processes)
-    return port
-
-
-def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
-    """The three service command lines that `serve` starts (the draft is left out in ar mode)."""
-    py = [sys.executable, "-m", "minedraft"]
-    common = [
-        "--dtype",
-        str(args.dtype),
-        "--max-batch-size",
-        str(args.max_batch_size),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--host",
-        "127.0.0.1",
-    ]
-    common += ["--compile"] if args.compile else []
-    common += ["--eager"] if args.eager else []
-    common += ["--precapture-graphs", args.precapture_graphs]
-    commands = [
-        py + ["target", "--model", args.target, "--port", str(target_port), "--device", args.target_device, *common]
-    ]
-    coordinator = py + [
-        "coordinator",
-        "--target",
-        f"127.0.0.1:{target_port}",
-        "--port",
-        str(args.port),
-        "--host",
-        args.host,
-        "--mode",
-        args.mode,
-        "--num-speculative-tokens",
-        str(args.num_speculative_tokens),
-        "--max-batch-size",
-        str(args.max_batch_size),
-        "--max-queue-size",
-        str(args.max_queue_size),
-        "--channel",
-        args.channel,
-        "--tokenizer",
-        args.target,
-        "--overlap",
-        args.overlap,
-        "--speculation",
-        args.speculation,
-        "--min-speculative-tokens",
-        str(args.min_speculative_tokens),
-    ]
-    # absent (bench's own arguments): the defaults
-    for flag in (
-        "--max-prefill-tokens",
-        "--step-calls",
-        "--draft-retry-interval",
-        "--draft-timeout",
-        "--target-timeout",
-        "--drain-timeout",
-    ):
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if value is not None:
-            coordinator += [flag, str(value)]
-    if args.step_trace:
-        coordinator += ["--step-trace", args.step_trace]
-    if getattr(args, "synthetic_acceptance", None) is not None:
-        commands[0] += ["--synthetic-acceptance", str(args.synthetic_acceptance)]
-    metrics_port = getattr(args, "metrics_port", 0)
-    if metrics_port:
-        coordinator += ["--metrics-port", str(metrics_port)]
-        commands[0] += ["--metrics-port", str(metrics_port + 1)]
-    if args.mode != "ar":
-        commands.append(
-            py + ["draft", "--model", args.draft, "--port", str(draft_port), "--device", args.draft_device, *common]
-        )
-        if metrics_port:
-            commands[-1] += ["--metrics-port", str(metrics_port + 2)]
-        coordinator += ["--draft", f"127.0.0.1:{draft_port}"]
-    return commands + [coordinator]
-
-
 async def _single_process_main(args: argparse.Namespace) -> None:
     """The whole stack in one process: each worker on its own thread and CUDA stream, drafts over `local`."""
-    from coordinator.server import CoordinatorOptions
     from coordinator.server import serve as serve_coordinator
     from draft_service.server import serve as serve_draft
-    from minedraft.rpc.worker import WorkerOptions
     from target_service.server import serve as serve_target
 
-    # Two threads with CUDA graphs in one process once hung: every graph was captured on one stream that PyTorch
-    # shares across threads. Each runner now captures on its own stream; one-process PSD with graphs ran on one
-    # H200 since (docs/benchmarks.md, run 8).
-    graphs = not args.eager
-
-    def options(model: str, device: str) -> WorkerOptions:
-        return WorkerOptions(
-            model,
-            device,
-            args.dtype,
-            args.max_batch_size,
-            args.max_model_len,
-            graphs,
-            args.compile,
-            precapture_graphs=args.precapture_graphs,
-        )
-
+    # Each model runner captures its CUDA graphs on a stream of its own: two threads capturing on the one stream
+    # that PyTorch shares across threads hang.
     servers = []
-    server, target_port, _ = await serve_target(options(args.target, args.target_device), 0, "127.0.0.1")
+    server, target_port, _ = await serve_target(worker_options(service_args(args, "target")), 0, "127.0.0.1")
     servers.append(server)
     draft_address = None
     if args.mode != "ar":
-        server, draft_port, _ = await serve_draft(options(args.draft, args.draft_device), 0, "127.0.0.1")
+        server, draft_port, _ = await serve_draft(worker_options(service_args(args, "draft")), 0, "127.0.0.1")
         servers.append(server)
         draft_address = f"127.0.0.1:{draft_port}"
-    coordinator_options = CoordinatorOptions(
-        target=f"127.0.0.1:{target_port}",
-        draft=draft_address,
-        mode=args.mode,
-        num_speculative_tokens=args.num_speculative_tokens,
-        max_batch_size=args.max_batch_size,
-        max_queue_size=args.max_queue_size,
-        max_prefill_tokens=args.max_prefill_tokens,
-        channel="local" if args.channel == "auto" else args.channel,
-        tokenizer=args.target,
-        step_trace=args.step_trace,
-        overlap=args.overlap,
-        speculation=args.speculation,
-        min_speculative_tokens=args.min_speculative_tokens,
-        step_calls=args.step_calls,
-        draft_retry_interval=args.draft_retry_interval,
-        draft_timeout=args.draft_timeout,
-        target_timeout=args.target_timeout,
-        drain_timeout=args.drain_timeout,
-    )
-    server, port, servicer = await serve_coordinator(coordinator_options, args.port, args.host)
+    coordinator_args = service_args(args, "coordinator", target=f"127.0.0.1:{target_port}", draft=draft_address)
+    if coordinator_args.channel == "auto":
+        coordinator_args.channel = "local"
+    server, port, servicer = await serve_coordinator(coordinator_options(coordinator_args), args.port, args.host)
     print(
         f"minedraft serving {args.mode} on localhost:{port} in one process (target {args.target}, draft {args.draft})",
         flush=True,
@@ -627,34 +223,6 @@ def serve_main(args: argparse.Namespace) -> int:
         if terminated:  # the coordinator (started last) lets its admitted requests finish first
             drain_process(processes[-1], args.drain_timeout)
         stop_processes(processes)
-
-
-def drain_process(proc: subprocess.Popen, drain_timeout: float) -> None:
-    """SIGTERM a coordinator and wait while it drains (up to its `--drain-timeout`); a signal meanwhile ends the
-    wait."""
-    proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired, KeyboardInterrupt):
-        proc.wait(drain_timeout + 10)
-
-
-def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 20.0) -> None:
-    """SIGINT each (last started first: the coordinator stops sending work), then kill what outlives `timeout`.
-    A second Ctrl-C meanwhile kills the rest at once: it must not leave a service running on its own."""
-    try:
-        for proc in reversed(processes):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-    except KeyboardInterrupt:
-        for proc in processes:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in processes:
-            proc.wait(timeout=10)
 
 
 def generate_main(args: argparse.Namespace) -> int:

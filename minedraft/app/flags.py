@@ -1,0 +1,563 @@
+"""Every `minedraft` flag, declared once: the parsers, the stack's command lines and docs/cli.md are made from it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from minedraft.demo_models import DRAFT_DIR, TARGET_DIR
+
+COMMANDS: dict[str, str] = {
+    "serve": "start target, draft and coordinator on this machine",
+    "target": "start the target service",
+    "draft": "start the draft service",
+    "coordinator": "start the coordinator (public API)",
+    "generate": "send one request and stream the answer",
+    "bench": "measure throughput and latency of a server or of the modes",
+}
+SERVICE_COMMANDS = ("serve", "target", "draft", "coordinator")  # MINEDRAFT_<FLAG> sets their flags
+STACK_SERVICES = ("target", "draft", "coordinator")  # what `serve` and `bench --modes` start
+HELM_COMPONENTS = ("target", "draft", "coordinator")
+ENV_PREFIX = "MINEDRAFT_"
+# What MINEDRAFT_<SWITCH> may read, in any case; empty is off.
+SWITCH_VALUES = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off", ""), False)
+PRECAPTURE_CHOICES = ("auto", "on", "off")
+
+
+def dest(name: str) -> str:
+    """The attribute a flag's value lands in: --max-batch-size -> max_batch_size."""
+    return name.removeprefix("--").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag of one or more commands; a name means one thing in the commands that share an entry."""
+
+    name: str
+    help: str
+    commands: tuple[str, ...]
+    section: str
+    default: object = None
+    defaults: Mapping[str, object] = field(default_factory=dict)  # a command's own default, where it differs
+    helps: Mapping[str, str] = field(default_factory=dict)  # a command's own help, where it differs
+    type: Callable[[str], object] | None = None
+    choices: tuple[str, ...] | None = None
+    switch: bool = False  # given bare, it sets True
+    const: str | None = None  # the value when given bare (its value is optional)
+    repeat: bool = False  # each use adds a value to a list, empty by default
+    required: bool = False  # unless its environment variable is set
+    one_of: str | None = None  # exactly one flag of each one_of group must be given
+    environment: tuple[str, ...] | None = None  # commands where MINEDRAFT_<FLAG> sets it; None: the services'
+    passes_to: tuple[str, ...] = ()  # what a serve/bench stack sets from it: "SERVICE" or "SERVICE --ITS-FLAG"
+    helm: tuple[str, ...] = ()  # chart components whose value <component>.<helm_key> sets MINEDRAFT_<FLAG>
+
+    @property
+    def dest(self) -> str:
+        return dest(self.name)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+    @property
+    def helm_key(self) -> str:
+        first, *rest = self.dest.split("_")
+        return first + "".join(word.capitalize() for word in rest)
+
+    @property
+    def passed_on(self) -> dict[str, str]:
+        """Service -> the flag of that service which a serve/bench stack gives this flag's value."""
+        services = {}
+        for entry in self.passes_to:
+            service, _, name = entry.partition(" ")
+            services[service] = name or self.name
+        return services
+
+    def default_in(self, command: str) -> object:
+        return self.defaults.get(command, self.default)
+
+    def help_in(self, command: str) -> str:
+        return self.helps.get(command, self.help)
+
+    def reads_env(self, command: str) -> bool:
+        commands = self.environment if self.environment is not None else SERVICE_COMMANDS
+        return command in commands
+
+
+# The sections of a command's --help, in this order.
+MEASUREMENT = "measurement"
+REQUEST = "request"
+MODELS = "models"
+BATCHES = "batches"
+SPECULATION = "speculation"
+SERVICE = "service"
+SECTIONS = (MEASUREMENT, REQUEST, MODELS, BATCHES, SPECULATION, SERVICE)
+
+WORKERS = ("target", "draft")
+STACKS = ("serve", "bench")
+MODEL_COMMANDS = ("serve", "target", "draft", "bench")  # those that load models, or start services that do
+POLICY_COMMANDS = ("serve", "coordinator", "bench")  # the coordinator's step policy, also set by a bench stack
+COORDINATOR_COMMANDS = ("serve", "coordinator")
+
+FLAGS: tuple[Flag, ...] = (
+    # ---------------------------------------------------------------- models
+    Flag(
+        "--target",
+        "target model directory",
+        STACKS,
+        MODELS,
+        str(TARGET_DIR),
+        passes_to=("target --model", "coordinator --tokenizer"),
+    ),
+    Flag(
+        "--draft",
+        "draft model directory",
+        STACKS,
+        MODELS,
+        str(DRAFT_DIR),
+        passes_to=("draft --model",),
+    ),
+    Flag(
+        "--model",
+        "Hugging Face model directory",
+        WORKERS,
+        MODELS,
+        defaults={"target": str(TARGET_DIR), "draft": str(DRAFT_DIR)},
+        helm=WORKERS,
+    ),
+    Flag("--target-device", "the target's device", STACKS, MODELS, "cpu", passes_to=("target --device",)),
+    Flag("--draft-device", "the draft's device", STACKS, MODELS, "cpu", passes_to=("draft --device",)),
+    Flag("--device", "cpu, cuda, cuda:1 ...", WORKERS, MODELS, "cpu", helm=WORKERS),
+    Flag(
+        "--dtype",
+        "the models' dtype (auto: bfloat16 on a GPU, float32 on a CPU)",
+        MODEL_COMMANDS,
+        MODELS,
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        passes_to=WORKERS,
+        helm=WORKERS,
+    ),
+    Flag(
+        "--eager",
+        "no CUDA graphs (debugging)",
+        MODEL_COMMANDS,
+        MODELS,
+        False,
+        switch=True,
+        environment=MODEL_COMMANDS,
+        passes_to=WORKERS,
+    ),
+    Flag(
+        "--compile",
+        "torch.compile the decoder layers (fused kernels inside the CUDA graphs); compiling at start-up takes minutes",
+        MODEL_COMMANDS,
+        MODELS,
+        False,
+        switch=True,
+        environment=MODEL_COMMANDS,
+        passes_to=WORKERS,
+        helm=WORKERS,
+    ),
+    Flag(
+        "--precapture-graphs",
+        "run every batch and key-length shape when a coordinator connects, so that CUDA graphs are captured then, "
+        "not while requests wait; auto: where CUDA graphs are (the bare flag means on)",
+        MODEL_COMMANDS,
+        MODELS,
+        "auto",
+        choices=PRECAPTURE_CHOICES,
+        const="on",
+        environment=MODEL_COMMANDS,
+        passes_to=WORKERS,
+        helm=WORKERS,
+    ),
+    Flag(
+        "--synthetic-acceptance",
+        "BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability",
+        ("target", "bench"),
+        MODELS,
+        type=float,
+        passes_to=("target",),
+    ),
+    Flag("--greedy-drafts", "draft greedily even for sampled requests", ("draft",), MODELS, False, switch=True),
+    Flag(
+        "--profile-dir",
+        "write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)",
+        WORKERS,
+        MODELS,
+    ),
+    Flag("--profile-after", "model calls before the profiled ones", WORKERS, MODELS, 100, type=int),
+    # ---------------------------------------------------------------- batches
+    Flag(
+        "--max-batch-size",
+        "sequences per batch (psd runs two batches, so a worker holds twice as many)",
+        ("serve", "target", "draft", "coordinator", "bench"),
+        BATCHES,
+        32,
+        defaults={"bench": 8},
+        type=int,
+        passes_to=STACK_SERVICES,
+        helm=HELM_COMPONENTS,
+    ),
+    Flag(
+        "--max-model-len",
+        "cache length per sequence, in tokens",
+        MODEL_COMMANDS,
+        BATCHES,
+        2048,
+        defaults={"bench": None},
+        helps={"bench": "cache length per sequence, in tokens (default: room for --prompt-len and --output-len)"},
+        type=int,
+        passes_to=WORKERS,
+        helm=WORKERS,
+    ),
+    Flag(
+        "--max-queue-size",
+        "requests that may wait for a batch; more are refused until some start",
+        COORDINATOR_COMMANDS,
+        BATCHES,
+        256,
+        type=int,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--max-prefill-tokens",
+        "prompt tokens one step prefills at most (0: no limit; a longer prompt goes alone), so that a burst of "
+        "requests is admitted over several steps",
+        POLICY_COMMANDS,
+        BATCHES,
+        8192,
+        defaults={"bench": None},
+        helps={"bench": "the coordinators' --max-prefill-tokens (default: theirs)"},
+        type=int,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    # ---------------------------------------------------------------- speculation
+    Flag(
+        "--mode",
+        "psd: draft one batch while the other is verified; sd: draft, then verify; ar: the target alone",
+        COORDINATOR_COMMANDS,
+        SPECULATION,
+        "psd",
+        choices=("psd", "sd", "ar"),
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--num-speculative-tokens",
+        "tokens the draft proposes per step (k)",
+        POLICY_COMMANDS,
+        SPECULATION,
+        4,
+        type=int,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--speculation",
+        "psd and sd: draft at every step (always), or let the target decode alone while that measures faster per "
+        "token than drafting (auto)",
+        POLICY_COMMANDS,
+        SPECULATION,
+        "auto",
+        choices=("auto", "always"),
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--min-speculative-tokens",
+        "with --speculation auto, steps may also draft fewer tokens, halving from --num-speculative-tokens down to "
+        "this many, where that measures cheaper per token (0: all of them, or none)",
+        POLICY_COMMANDS,
+        SPECULATION,
+        0,
+        type=int,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--overlap",
+        "psd: run Verify and Propose concurrently always, never, or where that measures faster (auto; on a GPU "
+        "that target and draft share, auto runs sd on one batch of twice --max-batch-size)",
+        POLICY_COMMANDS,
+        SPECULATION,
+        "auto",
+        choices=("auto", "always", "never"),
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--channel",
+        "how drafts reach the target: auto picks cuda-ipc between GPUs of one host, nccl between other GPUs and "
+        "grpc otherwise (serve --single-process: local)",
+        POLICY_COMMANDS,
+        SPECULATION,
+        "auto",
+        choices=("auto", "local", "grpc", "cuda-ipc", "nccl"),
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--step-calls",
+        "how Verify and Propose travel: as messages on one open stream per worker (stream: ~0.5 ms less a call on "
+        "an H200 host), or as unary calls, which a worker without the streams gets either way",
+        COORDINATOR_COMMANDS,
+        SPECULATION,
+        "stream",
+        choices=("stream", "unary"),
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    # ---------------------------------------------------------------- service
+    Flag("--target", "target service address", ("coordinator",), SERVICE, required=True),
+    Flag("--draft", "draft service address (not needed in ar mode)", ("coordinator",), SERVICE),
+    Flag(
+        "--tokenizer",
+        "tokenizer directory for text prompts (default: the target's model directory)",
+        ("coordinator",),
+        SERVICE,
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--port",
+        "port to listen on (0: any free port)",
+        SERVICE_COMMANDS,
+        SERVICE,
+        50051,
+        defaults={"target": 0, "draft": 0},
+        helps={"serve": "the coordinator's port, the public one (0: any free port)"},
+        type=int,
+        passes_to=("coordinator",),
+        helm=HELM_COMPONENTS,
+    ),
+    Flag(
+        "--host",
+        "address to listen on",
+        SERVICE_COMMANDS,
+        SERVICE,
+        "[::]",
+        helps={"serve": "the coordinator's address to listen on (the workers listen on 127.0.0.1)"},
+        passes_to=("coordinator",),
+    ),
+    Flag(
+        "--metrics-port",
+        "Prometheus /metrics port (0: off)",
+        SERVICE_COMMANDS,
+        SERVICE,
+        0,
+        helps={
+            "serve": "the coordinator's Prometheus /metrics port (0: off); the target's is the next, the draft's after"
+        },
+        type=int,
+    ),
+    Flag(
+        "--port-file",
+        "once listening, write the port to this file (for a launcher that passes --port 0)",
+        STACK_SERVICES,
+        SERVICE,
+    ),
+    Flag(
+        "--drain-timeout",
+        "on SIGTERM, the most seconds it keeps serving, reporting NOT_SERVING; it stops sooner once no call has come "
+        "for 5 s (its coordinator drained); SIGINT (Ctrl-C) stops at once",
+        WORKERS,
+        SERVICE,
+        30.0,
+        type=float,
+    ),
+    Flag(
+        "--drain-timeout",
+        "on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new requests "
+        "get UNAVAILABLE; SIGINT (Ctrl-C) stops at once",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        30.0,
+        type=float,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--draft-retry-interval",
+        "seconds between tries to reach a lost draft service (requests go on with the target alone) or a lost "
+        "target service (requests are refused meanwhile)",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        5.0,
+        type=float,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--draft-timeout",
+        "seconds a draft call may take before the draft service counts as lost (a hung draft)",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        30.0,
+        type=float,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--target-timeout",
+        "seconds a target prefill, verify or release may take before the target service counts as lost and its "
+        "requests end with UNAVAILABLE until it answers again (0: no limit)",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        120.0,
+        type=float,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
+        "--step-trace",
+        "on shutdown, write every worker call to this file as JSON lines",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=("coordinator",),
+    ),
+    Flag(
+        "--single-process",
+        "run target, draft and coordinator in one process (local channel; on one GPU, a CUDA stream each)",
+        ("serve",),
+        SERVICE,
+        False,
+        switch=True,
+    ),
+    Flag("--generate", "once serving, stream the answer to this prompt (then keep serving)", ("serve",), SERVICE),
+    # ---------------------------------------------------------------- a request
+    Flag(
+        "--server",
+        "address of the server",
+        ("generate", "bench"),
+        REQUEST,
+        "localhost:50051",
+        defaults={"bench": None},
+        helps={"bench": "address of a running server to measure (default without --modes: localhost:50051)"},
+        environment=("generate",),
+    ),
+    Flag("--prompt", "the prompt, as text", ("generate",), REQUEST, one_of="prompt"),
+    Flag("--prompt-ids", "the prompt, as comma-separated token ids", ("generate",), REQUEST, one_of="prompt"),
+    Flag("--max-tokens", "tokens to generate at most", ("generate",), REQUEST, 64, type=int),
+    Flag("--temperature", "sampling temperature (0: greedy)", ("generate", "bench"), REQUEST, 0.0, type=float),
+    Flag(
+        "--top-p",
+        "sample among the likeliest tokens whose probabilities add up to this (1: all)",
+        ("generate", "bench"),
+        REQUEST,
+        1.0,
+        type=float,
+    ),
+    Flag("--top-k", "sample among the k likeliest tokens (0: all)", ("generate", "bench"), REQUEST, 0, type=int),
+    Flag(
+        "--seed",
+        "sampling seed",
+        ("generate", "bench"),
+        REQUEST,
+        defaults={"bench": 0},
+        helps={"bench": "picks the prompts, and seeds the sampling of request i with seed + i"},
+        type=int,
+    ),
+    Flag("--stop", "stop string (repeatable)", ("generate",), REQUEST, repeat=True),
+    Flag("--ignore-eos", "generate past the end-of-sequence token", ("generate",), REQUEST, False, switch=True),
+    Flag("--json", "print one JSON object instead of streaming text", ("generate",), REQUEST, False, switch=True),
+    Flag("--timeout", "deadline of each request, in seconds", ("generate", "bench"), REQUEST, 600.0, type=float),
+    # ---------------------------------------------------------------- what bench measures, and how
+    Flag(
+        "--modes",
+        "comma-separated modes among psd, sd, ar and sd2b (sd with one batch of 2 x --max-batch-size): start a "
+        "local stack per mode, one after the other, on the same load",
+        ("bench",),
+        MEASUREMENT,
+    ),
+    Flag(
+        "--sd-batch-equal-concurrency",
+        "with --modes: also run sd at the same total concurrency as psd (adds sd2b)",
+        ("bench",),
+        MEASUREMENT,
+        False,
+        switch=True,
+    ),
+    Flag("--num-prompts", "requests measured", ("bench",), MEASUREMENT, 64, type=int),
+    Flag(
+        "--concurrency",
+        "requests in flight at once (default: 2 x --max-batch-size, both psd batches full)",
+        ("bench",),
+        MEASUREMENT,
+        type=int,
+    ),
+    Flag("--prompt-len", "prompt length in tokens (about, without a tokenizer)", ("bench",), MEASUREMENT, 64, type=int),
+    Flag("--output-len", "tokens generated per request (EOS is ignored)", ("bench",), MEASUREMENT, 64, type=int),
+    Flag("--num-warmup", "requests sent (and not measured) before the load", ("bench",), MEASUREMENT, 2, type=int),
+    Flag(
+        "--tokenizer",
+        "tokenizer directory that cuts prompts of --prompt-len tokens (default: the target model directory, when "
+        "it is on this machine)",
+        ("bench",),
+        MEASUREMENT,
+    ),
+    Flag(
+        "--threads",
+        "OMP_NUM_THREADS of the services it starts (on a CPU, 1 keeps three services from oversubscribing a small "
+        "machine)",
+        ("bench",),
+        MEASUREMENT,
+        type=int,
+    ),
+    Flag("--step-trace-dir", "write each mode's coordinator step trace to DIR/MODE.jsonl", ("bench",), MEASUREMENT),
+    Flag("--log-dir", "where the services' logs go (default: a temporary folder)", ("bench",), MEASUREMENT),
+    Flag("--json-out", "also write the results as JSON to this file", ("bench",), MEASUREMENT),
+    Flag("--no-progress", "no progress bar", ("bench",), MEASUREMENT, False, switch=True),
+)
+
+
+def flags_of(command: str) -> list[Flag]:
+    """The flags of `command`, section by section."""
+    return sorted((flag for flag in FLAGS if command in flag.commands), key=lambda flag: SECTIONS.index(flag.section))
+
+
+def env_default(flag: Flag, command: str) -> object:
+    """The flag's default in `command`, or MINEDRAFT_<FLAG> where that sets it (a switch reads true/false, 1/0)."""
+    default = flag.default_in(command)
+    value = os.environ.get(flag.env) if flag.reads_env(command) else None
+    if value is None:
+        return default
+    if flag.switch:
+        switch = value.strip().lower()
+        if switch not in SWITCH_VALUES:
+            raise SystemExit(f"{flag.env}={value!r}: expected true or false")
+        return SWITCH_VALUES[switch]
+    if flag.choices is not None and value not in flag.choices:  # argparse checks given values only, not defaults
+        raise SystemExit(f"{flag.env}={value!r}: expected one of {', '.join(flag.choices)}")
+    return value  # argparse converts a default that is a string with the flag's type
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Declare the flags of `command` on its parser, one argument group per section."""
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    one_of: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for flag in flags_of(command):
+        if flag.section not in sections:
+            sections[flag.section] = parser.add_argument_group(flag.section)
+        group: argparse._ArgumentGroup = sections[flag.section]
+        if flag.one_of is not None:
+            if flag.one_of not in one_of:
+                one_of[flag.one_of] = group.add_mutually_exclusive_group(required=True)
+            group = one_of[flag.one_of]
+        default = env_default(flag, command)
+        kwargs: dict[str, object] = {"default": default, "help": flag.help_in(command).replace("%", "%%")}
+        if flag.switch:
+            kwargs["action"] = "store_true"
+        elif flag.repeat:
+            kwargs.update(action="append", default=[])
+        else:
+            kwargs.update(type=flag.type, choices=flag.choices)
+            if flag.const is not None:
+                kwargs.update(nargs="?", const=flag.const)
+        if flag.required:
+            kwargs["required"] = default is None
+        group.add_argument(flag.name, **kwargs)  # type: ignore[arg-type]

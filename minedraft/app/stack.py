@@ -1,0 +1,185 @@
+"""Starting and stopping the target, draft and coordinator processes of `serve` and `bench --modes`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from minedraft.app.flags import FLAGS, STACK_SERVICES, dest
+
+LOOPBACK = "127.0.0.1"
+METRICS_PORT_OFFSET = {"coordinator": 0, "target": 1, "draft": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def _raise_if_one_exited(processes: Sequence[subprocess.Popen]) -> None:
+    for proc in processes:
+        if proc.poll() is not None:
+            raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
+
+
+def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> None:
+    """Block until `address` answers SERVING on grpc.health.v1, or fail if a process died."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    # Short reconnect backoff: a service that takes 20 s to start must be seen within a poll, not a backoff later.
+    options = [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 100),
+    ]
+    with grpc.insecure_channel(address, options=options) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            _raise_if_one_exited(processes)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become healthy in {timeout:.0f} s")
+
+
+def wait_port_file(path: Path, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> int:
+    """The port a service started with `--port-file path` listens on, once it has written it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return int(path.read_text())
+        _raise_if_one_exited(processes)
+        time.sleep(0.1)
+    raise TimeoutError(f"no service wrote {path} in {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT until the block is done, then deliver it (to the previous handler) if one came."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)
+
+
+def start_stack(
+    args: argparse.Namespace, popen: Callable[[list[str]], subprocess.Popen], processes: list[subprocess.Popen]
+) -> int:
+    """Start the services of `stack_commands(args, ...)`, workers first, each on a port it binds itself (a port
+    picked here and handed over could be taken in between); appends them to `processes` as they start and returns
+    the coordinator's port once it serves (`args.port`, or the one it picked for 0)."""
+    with tempfile.TemporaryDirectory(prefix="minedraft-ports-") as directory:
+
+        def launch(command: list[str], name: str) -> Path:
+            path = Path(directory) / name
+            with _interrupts_deferred():  # a Ctrl-C inside Popen would leave its child running, untracked
+                processes.append(popen([*command, "--port-file", str(path)]))
+            return path
+
+        # Both workers load their models at once.
+        files = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], ("target", "draft"))]
+        worker_ports = [wait_port_file(path, processes) for path in files]
+        for port in worker_ports:
+            wait_healthy(f"{LOOPBACK}:{port}", processes)
+        target_port, draft_port = worker_ports[0], worker_ports[-1] if len(worker_ports) > 1 else 0
+        port = wait_port_file(launch(stack_commands(args, target_port, draft_port)[-1], "coordinator"), processes)
+    wait_healthy(f"{LOOPBACK}:{port}", processes)
+    return port
+
+
+def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
+    """The service command lines that `serve` starts: target, draft (left out in ar mode), coordinator."""
+    services = [s for s in STACK_SERVICES if s != "draft" or args.mode != "ar"]
+    wiring: dict[str, dict[str, object]] = {
+        "target": {"--port": target_port, "--host": LOOPBACK},
+        "draft": {"--port": draft_port, "--host": LOOPBACK},
+        "coordinator": {"--target": f"{LOOPBACK}:{target_port}"},
+    }
+    if "draft" in services:
+        wiring["coordinator"]["--draft"] = f"{LOOPBACK}:{draft_port}"
+    metrics_port = getattr(args, "metrics_port", 0)
+    if metrics_port:
+        for service in services:
+            wiring[service]["--metrics-port"] = metrics_port + METRICS_PORT_OFFSET[service]
+    py = [sys.executable, "-m", "minedraft"]
+    return [py + [service, *command_line(passed_on(args, service) | wiring[service])] for service in services]
+
+
+def passed_on(args: argparse.Namespace, service: str) -> dict[str, object]:
+    """The flags (by `service`'s names) that a stack of `serve`/`bench` arguments `args` gives `service`; a value
+    that is None is left out, for the service to default."""
+    values: dict[str, object] = {}
+    for flag in FLAGS:
+        name = flag.passed_on.get(service)
+        value = getattr(args, flag.dest, None)
+        if name is not None and value is not None:
+            values[name] = value
+    return values
+
+
+def service_args(args: argparse.Namespace, service: str, **wiring: object) -> argparse.Namespace:
+    """`service`'s arguments as its own parser would hold them, for a stack in one process."""
+    return argparse.Namespace(**{dest(name): value for name, value in passed_on(args, service).items()}, **wiring)
+
+
+def command_line(values: dict[str, object]) -> list[str]:
+    """Flags and values as arguments: a switch that is on by its name alone, one that is off not at all."""
+    line: list[str] = []
+    for name, value in values.items():
+        if value is True:
+            line.append(name)
+        elif value is not False:
+            line += [name, str(value)]
+    return line
+
+
+def drain_process(proc: subprocess.Popen, drain_timeout: float) -> None:
+    """SIGTERM a coordinator and wait while it drains (up to its `--drain-timeout`); a signal meanwhile ends the
+    wait."""
+    proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.wait(drain_timeout + 10)
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 20.0) -> None:
+    """SIGINT each (last started first: the coordinator stops sending work), then kill what outlives `timeout`.
+    A second Ctrl-C meanwhile kills the rest at once: it must not leave a service running on its own."""
+    try:
+        for proc in reversed(processes):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+    except KeyboardInterrupt:
+        for proc in processes:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in processes:
+            proc.wait(timeout=10)

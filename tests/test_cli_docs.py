@@ -1,0 +1,110 @@
+"""The flag table: docs/cli.md made from it is current, the options and the Helm chart agree with it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from coordinator.server import CoordinatorOptions
+from minedraft.app.flags import COMMANDS, FLAGS, HELM_COMPONENTS, STACK_SERVICES, STACKS, flags_of
+from minedraft.rpc.worker import WorkerOptions
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GENERATOR = REPO_ROOT / "scripts" / "generate_cli_docs.py"
+CHART = REPO_ROOT / "helm" / "minedraft"
+TEMPLATE_COMPONENTS = {"model-services.yaml": ("target", "draft"), "coordinator.yaml": ("coordinator",)}
+WORKER_FIELDS_FROM_SWITCHES = {"cuda_graphs": "--eager", "compile_layers": "--compile"}  # cli.worker_options
+
+
+def load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("generate_cli_docs", GENERATOR)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_reference_is_current() -> None:
+    committed = (REPO_ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert committed == load_generator().reference(), (
+        "docs/cli.md differs from the flag table in minedraft/app/flags.py; run `python scripts/generate_cli_docs.py`"
+    )
+
+
+def test_a_flag_is_declared_once_per_command_and_only_in_the_table() -> None:
+    for command in COMMANDS:
+        names = [flag.name for flag in flags_of(command)]
+        assert len(names) == len(set(names)), command
+    for path in (REPO_ROOT / "minedraft" / "app").glob("*.py"):
+        if path.name == "flags.py":
+            continue
+        calls = [
+            node.lineno
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Attribute) and node.attr == "add_argument"
+        ]
+        assert not calls, f"{path.name} declares flags (lines {calls}): declare them in minedraft/app/flags.py"
+
+
+def test_what_a_stack_passes_on_reaches_a_flag_of_that_service() -> None:
+    passed = [flag for flag in FLAGS if flag.passes_to]
+    for flag in passed:
+        assert set(flag.commands) & set(STACKS), f"{flag.name}: only serve and bench start services"
+        for service, name in flag.passed_on.items():
+            assert service in STACK_SERVICES, (flag.name, service)
+            assert name in [f.name for f in flags_of(service)], f"{flag.name}: {service} has no {name}"
+    destinations = [flag.dest for flag in passed]
+    assert len(destinations) == len(set(destinations)), "a stack reads each value it passes on from one attribute"
+
+
+@pytest.mark.parametrize(
+    ("options", "commands", "from_switches"),
+    [
+        (WorkerOptions, ("target", "draft"), WORKER_FIELDS_FROM_SWITCHES),
+        (CoordinatorOptions, ("coordinator",), {}),
+    ],
+)
+def test_every_option_is_set_by_a_flag(options: type, commands: tuple[str, ...], from_switches: dict[str, str]) -> None:
+    """`cli.worker_options` and `cli.coordinator_options` take each field from the flag of that name: a field that
+    no flag names would keep its default, whatever the command line says."""
+    destinations = {flag.dest for command in commands for flag in flags_of(command)}
+    for field in dataclasses.fields(options):
+        assert field.name in destinations or field.name in from_switches, (
+            f"no flag sets {options.__name__}.{field.name}"
+        )
+    for name in from_switches.values():
+        assert all(name in [f.name for f in flags_of(command)] for command in commands), name
+
+
+def chart_env() -> dict[str, list[tuple[str, str]]]:
+    """Component -> (MINEDRAFT_ variable, the template's value expression) for each variable its pod gets."""
+    found: dict[str, list[tuple[str, str]]] = {component: [] for component in HELM_COMPONENTS}
+    for template, components in TEMPLATE_COMPONENTS.items():
+        text = (CHART / "templates" / template).read_text(encoding="utf-8")
+        for name, expression in re.findall(r'"(MINEDRAFT_[A-Z0-9_]+)"\s+(.*)', text):
+            for component in components:
+                found[component].append((name, expression))
+    return found
+
+
+def test_the_chart_sets_the_variables_of_the_flags_it_names() -> None:
+    yaml = pytest.importorskip("yaml")
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    for component, env in chart_env().items():
+        flags = {flag.env: flag for flag in flags_of(component) if flag.reads_env(component)}
+        for name, expression in env:
+            assert name in flags, f"the chart sets {name} in the {component} pod: no {component} flag reads it"
+            keys = re.findall(r"\$(?:svc|c)\.(\w+)", expression)  # the values it reads under the component
+            if keys:
+                flag = flags[name]
+                assert component in flag.helm and keys == [flag.helm_key], f"{component}: {name} from {keys}"
+        for flag in flags.values():
+            if component in flag.helm:
+                assert flag.helm_key in values[component], f"values.yaml has no {component}.{flag.helm_key}"
+                assert flag.env in dict(env), f"the chart does not set {flag.env} in the {component} pod"
