@@ -24,11 +24,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -46,6 +46,7 @@ from minedraft.proto import (
     target_pb2_grpc,
 )
 
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 256
 WORKER_MAX_BATCH = 8  # per batch: each worker holds 2 x 8 sequences
@@ -536,8 +537,8 @@ async def generate_all(address: str, requests: Sequence[generation_pb2.GenerateR
     return [c.token_ids for c in done]
 
 
-def run_async(coro: object) -> object:
-    return asyncio.run(coro)  # type: ignore[arg-type]
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
 
 
 # --------------------------------------------------------------------------------------------- fixtures

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_config
 from transformers import AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel, Qwen2Config
 
 from minedraft.engine.fused_projections import FusedGatedMLP, FusedQKVAttention, fuse_projections
-from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -7,6 +7,7 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,12 +30,14 @@ def _request(prompt: list[int]) -> generation_pb2.GenerateRequest:
     )
 
 
-async def _stream(call: grpc.aio.UnaryStreamCall, started: asyncio.Event) -> tuple[int, str]:
+async def _stream(
+    call: grpc.aio.UnaryStreamCall[Any, generation_pb2.GenerateResponse], started: asyncio.Event
+) -> tuple[int, str]:
     """(tokens received, how it ended: the finish reason's name, or the status code's and its details) of one
     Generate call; `started` is set at its first message."""
     tokens, finish = 0, 0
     try:
-        while (message := await call.read()) is not grpc.aio.EOF:
+        async for message in call:
             started.set()
             tokens += len(message.token_ids)
             finish = message.finish_reason or finish

@@ -35,9 +35,9 @@ class DelayingProxy(grpc.GenericRpcHandler):
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = details.method
         if method.endswith("Stream"):
-            forward_stream = self.channel.stream_stream(method)
+            forward_stream: grpc.StreamStreamMultiCallable[bytes, bytes] = self.channel.stream_stream(method)
             return grpc.stream_stream_rpc_method_handler(lambda requests, context: forward_stream(requests))
-        forward = self.channel.unary_unary(method)  # no (de)serializers: bytes through
+        forward: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self.channel.unary_unary(method)  # bytes through
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             if method.endswith("/Release"):

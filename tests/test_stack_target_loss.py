@@ -125,8 +125,9 @@ def _served_stack(
         requests = _requests(tiny_pairs)
         with running_coordinator(workers, stack_logs, "psd", extra=list(coordinator_extra)) as coordinator:
             expected = _wave(coordinator.address, requests)
-            assert all(isinstance(c, Completion) and len(c.token_ids) == 120 for c in expected), expected
-            yield workers, coordinator, requests, expected
+            completions = [c for c in expected if isinstance(c, Completion) and len(c.token_ids) == 120]
+            assert len(completions) == len(expected), expected
+            yield workers, coordinator, requests, completions
         assert_all_slots_free(workers, timeout=15)
     finally:
         workers.stop()

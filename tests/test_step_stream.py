@@ -89,7 +89,7 @@ class _FakeTarget:
         if streams:
             handlers["VerifyStream"] = grpc.stream_stream_rpc_method_handler(
                 self._verify_stream,
-                request_deserializer=target_pb2.VerifyStreamRequest.FromString,
+                request_deserializer=target_pb2.VerifyStreamRequest.FromString,  # type: ignore[arg-type]
                 response_serializer=target_pb2.VerifyStreamResponse.SerializeToString,
             )
         self.server = grpc.aio.server()

@@ -270,7 +270,7 @@ def test_each_message_of_a_step_stream_is_observed_as_its_call(
         try:
             stream = workers.verify_stream
             assert stream is not None
-            outcomes = []
+            outcomes: list[list[int] | grpc.StatusCode] = []
             for batch_id in (0, 5):
                 with telemetry.batch_span(tracing.tracer, "verify", [], {}):
                     try:
