@@ -20,7 +20,7 @@ sys.path.insert(0, ".")
 import benchmarks.gpu_bench as gpu_bench  # noqa: E402
 from benchmarks.gpu_bench import Pair, build  # noqa: E402
 from draft_service.proposer import Proposer  # noqa: E402
-from minedraft.engine import model_runner  # noqa: E402
+from minedraft.engine import cuda_graphs, model_runner  # noqa: E402
 from minedraft.engine.sequence_table import SequenceTable  # noqa: E402
 from target_service.verifier import Verifier  # noqa: E402
 
@@ -35,8 +35,8 @@ HOST_PATH: list[tuple[type, str]] = [
     (model_runner.ModelRunner, "decode"),
     (model_runner.ModelRunner, "_run"),
     (model_runner.ModelRunner, "_replay_or_run"),
-    (model_runner.CudaGraphs, "run"),
-    (model_runner.CudaGraphs, "_copy_inputs"),
+    (cuda_graphs.CudaGraphs, "run"),
+    (cuda_graphs.CudaGraphs, "_copy_inputs"),
     (torch.cuda.CUDAGraph, "replay"),
 ]
 
@@ -52,13 +52,13 @@ def main() -> None:
     parser.add_argument(
         "--chain-growth",
         type=int,
-        default=model_runner.CHAIN_GROWTH,
+        default=cuda_graphs.CHAIN_GROWTH,
         help="each graph of a step's chain this many times the calls of the one before",
     )
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
-    model_runner.SPLIT_LAUNCH = not args.one_graph
-    model_runner.CHAIN_GROWTH = args.chain_growth
+    cuda_graphs.SPLIT_LAUNCH = not args.one_graph
+    cuda_graphs.CHAIN_GROWTH = args.chain_growth
     for folder in (args.trace_dir, args.kernel_tables):
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
