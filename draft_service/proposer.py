@@ -81,8 +81,8 @@ class Proposer:
         if any(missed):
             self._catch_up(seq_ids, num_accepted.tolist(), missed)
         host_rows, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
-        # The lengths the proposal's steps reach, from the host copies: the first step writes both tail positions
-        # of every row, valid or not, each later step appends one.
+        # The lengths the proposal's forwards reach, from the host copies: the first writes both tail positions of
+        # every row, valid or not, each later one appends one token.
         kept_and_tail = [self._kept_and_tail(row, accepted) for row, accepted in zip(host_rows, num_accepted.tolist())]
         widest = max(kept for kept, _ in kept_and_tail) + TAIL_TOKENS
         longest = max(kept + tail for kept, tail in kept_and_tail)
