@@ -425,10 +425,10 @@ def trace_stats(events: list[dict]) -> dict:
         "verify_ms": med([e["end"] - e["start"] for e in verify]) * 1e3,
         "verify_compute_ms": med([e["worker_compute_s"] for e in verify]) * 1e3,
         "propose_compute_ms": med([e["worker_compute_s"] for e in propose]) * 1e3,
-        # Waiting in the worker for its compute thread (traces since run 7)
+        # Waiting in the worker for its compute thread (absent from older traces)
         "verify_queue_ms": med([e.get("worker_queue_s", float("nan")) for e in verify]) * 1e3,
         "propose_queue_ms": med([e.get("worker_queue_s", float("nan")) for e in propose]) * 1e3,
-        # The worker's handler, arrival to reply (traces since run 8): the rest of a call is gRPC and event loops
+        # The worker's handler, arrival to reply (absent from older traces): the rest of a call is gRPC and event loops
         "verify_worker_ms": med([e.get("worker_s", float("nan")) for e in verify]) * 1e3,
         "propose_worker_ms": med([e.get("worker_s", float("nan")) for e in propose]) * 1e3,
         "channel_share_of_verify": med(
@@ -485,7 +485,7 @@ def steady_state(psd: dict, sd: dict) -> dict:
     """PSD against SD from their step traces (`trace_stats`), full batches only: the whole-load throughput also
     counts admission, graph captures and the tail of small batches. At one batch size a step emits the same tokens
     in both modes, so the step times give the ratio; the ideal comes from SD's calls (T_d, T_v). Since a proposal
-    replies once its graph is launched (run 11), on the cuda-ipc and nccl channels SD's propose call holds the
+    replies once its graph is launched, on the cuda-ipc and nccl channels SD's propose call holds the
     draft's host time only and its verify call the rest of the draft's GPU time: there the ideal is not T_d/T_v's
     (use the in-process step times)."""
     t_d, t_v = sd["propose_ms"], sd["verify_ms"]

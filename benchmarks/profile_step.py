@@ -20,7 +20,8 @@ sys.path.insert(0, ".")
 import benchmarks.gpu_bench as gpu_bench  # noqa: E402
 from benchmarks.gpu_bench import Pair, build  # noqa: E402
 from draft_service.proposer import Proposer  # noqa: E402
-from minedraft.engine import model_runner  # noqa: E402
+from minedraft.engine import cuda_graphs  # noqa: E402
+from minedraft.engine.model_runner import ModelRunner  # noqa: E402
 from minedraft.engine.sequence_table import SequenceTable  # noqa: E402
 from target_service.verifier import Verifier  # noqa: E402
 
@@ -29,14 +30,13 @@ HOST_PATH: list[tuple[type, str]] = [
     (Verifier, "verify"),
     (Proposer, "propose"),
     (SequenceTable, "arranged_rows"),
-    (model_runner.ModelRunner, "arrange"),
+    (ModelRunner, "arrange"),
     (SequenceTable, "sampling_kind"),
-    (model_runner.ModelRunner, "score"),
-    (model_runner.ModelRunner, "decode"),
-    (model_runner.ModelRunner, "_run"),
-    (model_runner.ModelRunner, "_replay_or_run"),
-    (model_runner.CudaGraphs, "run"),
-    (model_runner.CudaGraphs, "_copy_inputs"),
+    (ModelRunner, "prepare"),
+    (ModelRunner, "run"),
+    (ModelRunner, "_launch"),
+    (cuda_graphs.CudaGraphs, "run"),
+    (cuda_graphs.CudaGraphs, "_copy_inputs"),
     (torch.cuda.CUDAGraph, "replay"),
 ]
 
@@ -52,13 +52,13 @@ def main() -> None:
     parser.add_argument(
         "--chain-growth",
         type=int,
-        default=model_runner.CHAIN_GROWTH,
+        default=cuda_graphs.CHAIN_GROWTH,
         help="each graph of a step's chain this many times the calls of the one before",
     )
     args = parser.parse_args()
     gpu_bench.COMPILE = args.compile
-    model_runner.SPLIT_LAUNCH = not args.one_graph
-    model_runner.CHAIN_GROWTH = args.chain_growth
+    cuda_graphs.SPLIT_LAUNCH = not args.one_graph
+    cuda_graphs.CHAIN_GROWTH = args.chain_growth
     for folder in (args.trace_dir, args.kernel_tables):
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
@@ -244,7 +244,7 @@ def host_marks(pair: Pair, batch: int, repeats: int = 20) -> None:
             setattr(cls, name, fn)
 
 
-def graphs_captured(runner: model_runner.ModelRunner) -> int:
+def graphs_captured(runner: ModelRunner) -> int:
     """How many step shapes `runner` has captured a CUDA graph of (0 when it runs eagerly)."""
     return len(runner.graphs.graphs) if runner.graphs is not None else 0
 

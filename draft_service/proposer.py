@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from minedraft.engine.attention import fused_query_tokens
-from minedraft.engine.model_runner import Arrangement, Chooser, ModelRunner
+from minedraft.engine.model_runner import Arrangement, ModelRunner, StepShape
 from minedraft.engine.sampling import (
     STREAM_DRAFT,
     SamplingConfig,
+    SamplingKind,
     greedy_tokens,
     processed_probs,
     sample_from,
     seeded_uniform,
 )
 from minedraft.engine.sequence_table import SequenceTable
+
+# A proposal's first forward runs the tail of what the target committed: [t], or [d_k, t] after a full accept.
+TAIL_TOKENS = 2
 
 
 @dataclass
@@ -50,7 +55,7 @@ class Proposer:
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
     ) -> None:
-        rows, lengths, _ = self.table.prefill(seq_ids, prompts, configs, _no_outputs, "prefill")
+        rows, lengths, _ = self.table.prefill(seq_ids, prompts, configs, kind="prefill", body=self._cache_only)
         self.committed[rows] = lengths
         self.last_k[rows] = 0
         for row, prompt in zip(self.table.row_list(seq_ids), prompts, strict=True):
@@ -66,7 +71,8 @@ class Proposer:
         missed: Sequence[Sequence[int]] = (),
     ) -> Proposal:
         """Reconcile every row with the target's last verdict, then draft k tokens for each (`batch_id`: as in
-        `Verifier.verify`), all in the proposal's CUDA graph. `num_accepted` and `next_tokens` are host tensors.
+        `Verifier.verify`), all in the proposal's CUDA graph (`_proposal_step`). `num_accepted` and `next_tokens`
+        are host tensors.
 
         `missed` (per row, or empty): tokens the target emitted before `next_tokens` that this draft was not given,
         since the coordinator decoded without drafts meanwhile (`_catch_up`)."""
@@ -75,20 +81,67 @@ class Proposer:
         if any(missed):
             self._catch_up(seq_ids, num_accepted.tolist(), missed)
         host_rows, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
-        # The lengths the proposal's steps reach, from the host copies: the first step writes both tail positions
-        # of every row, valid or not, each later step appends one.
+        # The lengths the proposal's forwards reach, from the host copies: the first writes both tail positions of
+        # every row, valid or not, each later one appends one token.
         kept_and_tail = [self._kept_and_tail(row, accepted) for row, accepted in zip(host_rows, num_accepted.tolist())]
-        widest = max(kept for kept, _ in kept_and_tail) + 2
+        widest = max(kept for kept, _ in kept_and_tail) + TAIL_TOKENS
         longest = max(kept + tail for kept, tail in kept_and_tail)
-        all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
-        choose, kind = self._chooser(all_greedy or self.greedy_drafts, filtered, k)
+        kind = self._drafting_kind(self.table.sampling_kind(seq_ids, self.runner.vocab_size))
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
-        outputs = self.runner.decode(
-            rows, [verdicts], k, max(widest, longest + k - 1), self._start, choose, kind, arrangement
+        outputs = self._run_proposal(
+            rows, verdicts, k=k, kind=kind, needed=max(widest, longest + k - 1), arrangement=arrangement
         )
         for row, (kept, tail) in zip(host_rows, kept_and_tail):
             self.committed_host[row], self.last_k_host[row] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
+
+    def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
+        """How a batch of this kind drafts: greedily for every row with `greedy_drafts`."""
+        return SamplingKind(all_greedy=True, filtered=kind.filtered) if self.greedy_drafts else kind
+
+    def _run_proposal(
+        self,
+        rows: torch.Tensor,
+        verdicts: torch.Tensor,
+        *,
+        k: int,
+        kind: SamplingKind,
+        needed: int,
+        arrangement: Arrangement | None,
+    ) -> list[torch.Tensor]:
+        """The proposal step: prepared on the target's verdicts `[B, 2]` (accepted count, emitted token), then run;
+        `needed` is the longest row after its last forward."""
+        step = self.runner.prepare(
+            kind=kind.name,
+            rows=rows,
+            inputs=(verdicts,),
+            needed=needed,
+            tokens=TAIL_TOKENS,
+            forwards=k,
+            arrangement=arrangement,
+        )
+        return self.runner.run(step, functools.partial(self._proposal_step, k=k, kind=kind))
+
+    def _proposal_step(
+        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape, *, k: int, kind: SamplingKind
+    ) -> list[torch.Tensor]:
+        """A proposal's body, inside its graph (a draft's forwards are too small to pay for a launch from Python
+        each): each row rolled back to what the target kept (`_reconcile`), then k forwards, each drafting a token
+        from the last logits (`_choose`) and running it in the next; the last draft is remembered as the row's d_k.
+        Returns the drafts `[B, k]`, then their distributions `[B, k, V]` unless every row drafts greedily."""
+        (verdicts,) = inputs
+        tokens, num_valid = self._reconcile(rows, verdicts)
+        drafts, probs = [], []
+        for position in range(k):
+            logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=True)
+            draft, q = self._choose(rows, logits, position=position, kind=kind)
+            drafts.append(draft)
+            if q is not None:
+                probs.append(q)
+            tokens, num_valid = draft[:, None], torch.ones_like(num_valid)
+        self.final_draft[rows] = draft
+        self.last_k.index_fill_(0, rows, k)  # (an assignment would copy k from the host: not in a graph)
+        return [torch.stack(drafts, dim=1)] + ([torch.stack(probs, dim=1)] if probs else [])
 
     def _catch_up(self, seq_ids: Sequence[int], num_accepted: list[int], missed: Sequence[Sequence[int]]) -> None:
         """Rows that missed tokens: the verdict on their last proposal applied, then what it leaves uncached (d_k
@@ -112,18 +165,18 @@ class Proposer:
         ids = torch.zeros(len(lagging), width, dtype=torch.long)
         for b, tokens in enumerate(appended):
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_start`: a wider target vocabulary)
+        ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_reconcile`: a wider target vocabulary)
         lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
         self.runner.truncate(rows, torch.tensor(kept, dtype=torch.long, device=device))
-        self.runner.score(
-            rows,
-            [ids.to(device), torch.tensor([len(t) for t in appended], device=device)],
-            _no_outputs,
-            "catch-up",
+        step = self.runner.prepare(
+            kind="catch-up",
+            rows=rows,
+            inputs=(ids.to(device), torch.tensor([len(t) for t in appended], device=device)),
             needed=max(kept) + width,
             tokens=width,
             last_only=True,
         )
+        self.runner.run(step, self._cache_only)
         self.committed[rows] = torch.tensor(lengths, dtype=torch.long, device=device)
         self.last_k[rows] = 0
         for row, length in zip(host_rows, lengths):
@@ -131,34 +184,30 @@ class Proposer:
 
     def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
         """Run every kind of proposal of k tokens in every shape serving can give it (`ModelRunner.precapture`)."""
-        kinds = [(True, False)] if self.greedy_drafts else [(True, False), (False, False), (False, True)]
+        kinds = [SamplingKind(all_greedy=True, filtered=False)]
+        if not self.greedy_drafts:
+            kinds += [SamplingKind(all_greedy=False, filtered=False), SamplingKind(all_greedy=False, filtered=True)]
         shapes = 0
-        for all_greedy, filtered in kinds:
-            choose, kind = self._chooser(all_greedy, filtered, k)
-
-            def proposal(
-                r: torch.Tensor,
-                i: torch.Tensor,
-                v: torch.Tensor,
-                needed: int,
-                view: Arrangement | None,
-                choose: Chooser = choose,
-                kind: str = kind,
-            ) -> object:
-                verdicts = torch.zeros(len(r), 2, dtype=torch.long, device=r.device)
-                return self.runner.decode(r, [verdicts], k, needed, self._start, choose, kind, view)
-
-            shapes += self.runner.precapture(max_batch, 2, proposal, batch_ids)  # a proposal's tail: two tokens
+        for kind in kinds:
+            proposal = functools.partial(self._scratch_proposal, k=k, kind=kind)
+            shapes += self.runner.precapture(max_batch=max_batch, n=TAIL_TOKENS, run_step=proposal, groups=batch_ids)
         return shapes
+
+    def _scratch_proposal(
+        self, rows: torch.Tensor, needed: int, arrangement: Arrangement | None, *, k: int, kind: SamplingKind
+    ) -> None:
+        """A proposal after a verdict of zeros on scratch rows, as `precapture` runs it."""
+        verdicts = torch.zeros(len(rows), 2, dtype=torch.long, device=rows.device)
+        self._run_proposal(rows, verdicts, k=k, kind=kind, needed=needed, arrangement=arrangement)
 
     def _kept_and_tail(self, row: int, accepted: int) -> tuple[int, int]:
         """(tokens the row's cache keeps, tokens committed but not cached yet) after the target's verdict."""
         last_k = self.last_k_host[row]
         return self.committed_host[row] + min(accepted, max(last_k - 1, 0)), 2 if accepted == last_k > 0 else 1
 
-    def _start(self, rows: torch.Tensor, verdicts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inside the proposal's graph: roll each row back to what the target kept; the first step's tokens are
-        those committed but not cached: [t], or [d_k, t] after a full accept."""
+    def _reconcile(self, rows: torch.Tensor, verdicts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inside the proposal's graph: roll each row back to what the target kept; the first forward's tokens are
+        those committed but not cached, [t] or [d_k, t] after a full accept, and how many of them are valid."""
         num_accepted, next_tokens = verdicts[:, 0], verdicts[:, 1]
         last_k = self.last_k[rows]
         kept = self.committed[rows] + torch.minimum(num_accepted, (last_k - 1).clamp(min=0))
@@ -174,33 +223,29 @@ class Proposer:
         self.committed.narrow(0, self.runner.scratch_row, 1).zero_()
         return tail, tail_len
 
-    def _chooser(self, all_greedy: bool, filtered: bool, k: int) -> tuple[Chooser, str]:
-        """The decode loop's token choice for a batch of this kind, and the kind's name (its graphs' key); the last
-        of k choices is remembered as the row's d_k."""
+    def _choose(
+        self, rows: torch.Tensor, logits: torch.Tensor, *, position: int, kind: SamplingKind
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Inside the proposal's graph: the draft token of each row from its last logits `[B, V]`, the proposal's
+        `position`-th, and its distribution q (None when every row drafts greedily: none is made, and none moves)."""
+        if kind.all_greedy:
+            return greedy_tokens(logits), None
         t = self.table
+        temp = t.temperature[rows]  # (with greedy_drafts every batch is all-greedy: see `_drafting_kind`)
+        probs = processed_probs(
+            logits[:, None], temperature=temp, top_k=t.top_k[rows], top_p=t.top_p[rows], filtered=kind.filtered
+        )[:, 0]
+        u = seeded_uniform(t.seed_key[rows], (self.committed[rows] + position)[:, None], STREAM_DRAFT)[:, 0]
+        greedy = temp == 0
+        token = torch.where(greedy, greedy_tokens(logits), sample_from(probs, u))
+        one_hot = torch.zeros_like(probs).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot
+        return token, torch.where(greedy[:, None], one_hot, probs)
 
-        def choose(r: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            if all_greedy:  # no probabilities are made, and none move
-                token, q = greedy_tokens(logits), None
-            else:
-                temp = t.temperature[r]  # (with greedy_drafts every batch is all-greedy: see propose)
-                probs = processed_probs(logits[:, None], temp, t.top_k[r], t.top_p[r], filtered)[:, 0]
-                u = seeded_uniform(t.seed_key[r], (self.committed[r] + step)[:, None], STREAM_DRAFT)[:, 0]
-                greedy = temp == 0
-                token = torch.where(greedy, greedy_tokens(logits), sample_from(probs, u))
-                one_hot = torch.zeros_like(probs).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot
-                q = torch.where(greedy[:, None], one_hot, probs)
-            if step == k - 1:
-                self.final_draft[r] = token
-                self.last_k.index_fill_(0, r, k)  # (an assignment would copy k from the host: not in a graph)
-            return token, q
-
-        return choose, "greedy" if all_greedy else "filtered" if filtered else "sampled"
+    def _cache_only(self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape) -> list[torch.Tensor]:
+        """The body of a draft's prefill or catch-up: the forward only caches the tokens."""
+        input_ids, num_valid = inputs
+        self.runner.step_forward(rows, input_ids, num_valid, shape=shape, last_only=True)
+        return []
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)
-
-
-def _no_outputs(*_: torch.Tensor) -> list[torch.Tensor]:
-    """A draft's prefill only caches the prompts."""
-    return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -11,15 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.engine.model_runner import Arrangement, Finisher, ModelRunner
-from minedraft.engine.sampling import SamplingConfig
+from minedraft.engine.model_runner import Arrangement, ModelRunner, StepShape
+from minedraft.engine.sampling import SamplingConfig, SamplingKind
 from minedraft.engine.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
 
 RUNNING, FINISHED_STOP, FINISHED_LENGTH = 0, 1, 2
-# (all greedy, filtered) of the kinds of batch a proposer sends by default: ids only; sampled and filtered with the
-# draft's probabilities.
-KINDS = ((True, False), (False, False), (False, True))
+# The kinds of batch a proposer sends by default: all greedy (ids only); sampled, and filtered, with the draft's
+# probabilities.
+KINDS = (
+    SamplingKind(all_greedy=True, filtered=False),
+    SamplingKind(all_greedy=False, filtered=False),
+    SamplingKind(all_greedy=False, filtered=True),
+)
 log = logging.getLogger(__name__)
 
 
@@ -72,11 +77,12 @@ class Verifier:
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
     ) -> StepResult:
-        """Cache the prompts and sample each sequence's first token (time to first token ends here)."""
-        all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size, configs)
-        # As if the last prompt token had been pending: the same decision and commit as a verify without drafts.
-        finish = self._finisher(0, all_greedy, filtered)
-        _, _, (packed,) = self.table.prefill(seq_ids, prompts, configs, finish, self._kind(all_greedy, filtered))
+        """Cache the prompts and sample each sequence's first token (time to first token ends here): each group of
+        prompts a step (`SequenceTable.prefill`) that decides and commits as a verify without drafts would, as if
+        the last prompt token had been pending."""
+        kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size, configs)
+        body = functools.partial(self._prefill_step, kind=kind)
+        _, _, (packed,) = self.table.prefill(seq_ids, prompts, configs, kind=_step_kind(kind), body=body)
         rows = self.table.row_list(seq_ids)
         return StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]))  # the last one is pending
 
@@ -88,7 +94,7 @@ class Verifier:
         batch_id: int | None = None,
     ) -> StepResult:
         """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest:
-        all in the step's CUDA graph (`ModelRunner.score`).
+        all in the step's CUDA graph (`_verify_step`).
 
         k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's K/V in
         a block of cache rows of its own, read without a copy.
@@ -99,9 +105,11 @@ class Verifier:
             before = [self.cached[r] for r in host_rows]
         else:  # a row whose last result was not read (a failed call): ask the device
             before = self.runner.cache.lengths[rows.to(self.runner.device)].tolist()
-        all_greedy, filtered = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
+        kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         probs = () if draft_probs is None else (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
-        (packed,) = self._score(rows, draft_ids, probs, all_greedy, filtered, max(before) + k + 1, arrangement)
+        (packed,) = self._run_verify(
+            rows, draft_ids, probs, kind=kind, needed=max(before) + k + 1, arrangement=arrangement
+        )
         for r in host_rows:  # unknown until the result is read
             self.cached.pop(r, None)
         return StepResult(packed, self._recorder(host_rows, before))
@@ -110,33 +118,71 @@ class Verifier:
         for row in self.table.remove(seq_ids):
             self.cached.pop(row, None)
 
-    def _score(
+    def _run_verify(
         self,
         rows: torch.Tensor,
         draft_ids: torch.Tensor,
         probs: tuple[torch.Tensor, ...],
-        all_greedy: bool,
-        filtered: bool,
+        *,
+        kind: SamplingKind,
         needed: int,
         arrangement: Arrangement | None,
     ) -> list[torch.Tensor]:
-        """The verify step proper: its inputs are the drafts (and their probabilities); the pending tokens are
+        """The verify step: prepared on the drafts (and their probabilities), then run. The pending tokens are
         gathered inside its graph, which leaves the host only the copies into the graph's inputs."""
         k = draft_ids.shape[1]
-
-        def start(r: torch.Tensor, drafts: torch.Tensor, *probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return torch.cat([self.pending[r][:, None], drafts], dim=1), torch.full_like(r, k + 1), *probs
-
-        return self.runner.score(
-            rows,
-            [draft_ids, *probs],
-            self._finisher(k, all_greedy, filtered),
-            self._kind(all_greedy, filtered),
+        step = self.runner.prepare(
+            kind=_step_kind(kind),
+            rows=rows,
+            inputs=(draft_ids, *probs),
             needed=needed,
             tokens=k + 1,
-            start=start,
             arrangement=arrangement,
         )
+        return self.runner.run(step, functools.partial(self._verify_step, kind=kind))
+
+    def _verify_step(
+        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape, *, kind: SamplingKind
+    ) -> list[torch.Tensor]:
+        """A verify's body, inside its graph: each row's pending token and its drafts -> the forward -> accept a
+        prefix, commit it, roll back the rest (`_decide`)."""
+        drafts, *probs = inputs
+        k = drafts.shape[1]
+        tokens = torch.cat([self.pending[rows][:, None], drafts], dim=1)
+        num_valid = torch.full_like(rows, k + 1)
+        before = self.runner.cache.lengths[rows]
+        logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=False)
+        packed = self._decide(
+            rows,
+            tokens=tokens,
+            num_valid=num_valid,
+            before=before,
+            logits=logits,
+            draft_probs=probs[0] if probs else None,
+            drafts=k,
+            kind=kind,
+        )
+        return [packed]
+
+    def _prefill_step(
+        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape, *, kind: SamplingKind
+    ) -> list[torch.Tensor]:
+        """A prefill's body: the prompts -> the forward -> each sequence's first token decided and committed
+        (`_decide`, without drafts)."""
+        prompts, lengths = inputs
+        before = self.runner.cache.lengths[rows]
+        logits = self.runner.step_forward(rows, prompts, lengths, shape=shape, last_only=True)
+        packed = self._decide(
+            rows,
+            tokens=prompts,
+            num_valid=lengths,
+            before=before,
+            logits=logits[:, None],  # at each prompt's last token
+            draft_probs=None,
+            drafts=0,
+            kind=kind,
+        )
+        return [packed]
 
     def _recorder(self, rows: list[int], starts: list[int]) -> Callable[[list[int]], None]:
         """What a step's result tells the host once read: each row now caches its start plus what it emitted
@@ -152,24 +198,20 @@ class Verifier:
         batch a proposer sends by default: all greedy (ids only), sampled and filtered (with the draft's
         probabilities); with k > 0 the target's step alone too (k = 0), which a speculating coordinator runs while
         drafts do not pay, or its draft is lost."""
-        shapes, vocab = 0, self.runner.vocab_size
-        for drafts, (all_greedy, filtered) in itertools.product(sorted({k, 0}, reverse=True), KINDS):
-
-            def verify(
-                r: torch.Tensor,
-                i: torch.Tensor,
-                v: torch.Tensor,
-                needed: int,
-                view: Arrangement | None,
-                all_greedy: bool = all_greedy,
-                filtered: bool = filtered,
-                drafts: int = drafts,
-            ) -> object:
-                probs = (torch.zeros(len(r), drafts, vocab, device=r.device),) if not all_greedy and drafts else ()
-                return self._score(r, i[:, 1:], probs, all_greedy, filtered, needed, view)
-
-            shapes += self.runner.precapture(max_batch, drafts + 1, verify, batch_ids)
+        shapes = 0
+        for drafts, kind in itertools.product(sorted({k, 0}, reverse=True), KINDS):
+            verify = functools.partial(self._scratch_verify, drafts=drafts, kind=kind)
+            shapes += self.runner.precapture(max_batch=max_batch, n=drafts + 1, run_step=verify, groups=batch_ids)
         return shapes
+
+    def _scratch_verify(
+        self, rows: torch.Tensor, needed: int, arrangement: Arrangement | None, *, drafts: int, kind: SamplingKind
+    ) -> None:
+        """A verify of zero drafts (and probabilities, when sampled) on scratch rows, as `precapture` runs it."""
+        draft_ids = torch.zeros(len(rows), drafts, dtype=torch.long, device=rows.device)
+        vocab = self.runner.vocab_size
+        probs = (torch.zeros(len(rows), drafts, vocab, device=rows.device),) if not kind.all_greedy and drafts else ()
+        self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, arrangement=arrangement)
 
     @torch.inference_mode()
     def warm_up(self, k: int) -> None:
@@ -181,59 +223,59 @@ class Verifier:
         start = time.perf_counter()
         row, vocab, device = self.runner.scratch_row, self.runner.vocab_size, self.runner.device
         for drafts in sorted({0, k}):
-            for all_greedy, filtered in KINDS:
+            for kind in KINDS:
                 for batch in (1, 2):
                     rows = torch.full((batch,), row, device=device)
                     tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
-                    probs = (torch.zeros(batch, drafts, vocab, device=device),) if not all_greedy and drafts else ()
+                    probs = torch.zeros(batch, drafts, vocab, device=device) if not kind.all_greedy and drafts else None
                     logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
-                    self._finisher(drafts, all_greedy, filtered)(
-                        rows, tokens, torch.full_like(rows, drafts + 1), torch.zeros_like(rows), logits, *probs
+                    self._decide(
+                        rows,
+                        tokens=tokens,
+                        num_valid=torch.full_like(rows, drafts + 1),
+                        before=torch.zeros_like(rows),
+                        logits=logits,
+                        draft_probs=probs,
+                        drafts=drafts,
+                        kind=kind,
                     )
         self.table.generated[row] = 0
         self.runner.cache.lengths[row] = 0
         self._warmed_up.update({0, k})
         log.info("acceptance and commit compiled for k=%d in %.1f s", k, time.perf_counter() - start)
 
-    def _kind(self, all_greedy: bool, filtered: bool) -> str:
-        """The name of a finisher's kind (its graphs' key)."""
-        return "verify-" + ("greedy" if all_greedy else "filtered" if filtered else "sampled")
-
-    def _finisher(self, k: int, all_greedy: bool, filtered: bool) -> Finisher:
-        """Acceptance and commit of a step whose last k input tokens are drafts (a prefill: none), for a batch of
-        this kind; runs inside the step's graph, so it reads only its arguments and the table's tensors."""
-
-        def finish(
-            rows: torch.Tensor,
-            inputs: torch.Tensor,
-            num_valid: torch.Tensor,
-            before: torch.Tensor,
-            logits: torch.Tensor,
-            *draft_probs: torch.Tensor,
-        ) -> list[torch.Tensor]:
-            if logits.dim() == 2:  # a prefill's logits, at each prompt's last token
-                logits = logits[:, None]
-            # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
-            draft_ids = inputs[:, inputs.shape[1] - k :] if k else inputs.new_zeros(len(inputs), 0)
-            stance = (
-                torch.compiler.set_stance(self.runner.stance() if k in self._warmed_up else "default")
-                if self.runner.compiles
-                else contextlib.nullcontext()
+    def _decide(
+        self,
+        rows: torch.Tensor,
+        *,
+        tokens: torch.Tensor,
+        num_valid: torch.Tensor,
+        before: torch.Tensor,
+        logits: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        drafts: int,
+        kind: SamplingKind,
+    ) -> torch.Tensor:
+        """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
+        `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
+        its arguments and the table's tensors. Returns `StepResult.packed`."""
+        # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
+        draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
+        stance = (
+            torch.compiler.set_stance(self.runner.stance() if drafts in self._warmed_up else "default")
+            if self.runner.compiles
+            else contextlib.nullcontext()
+        )
+        with stance:
+            return self._accept_and_commit(
+                rows,
+                draft_ids=draft_ids,
+                first_position=before + num_valid - drafts,
+                logits=logits,
+                draft_probs=draft_probs,
+                all_greedy=kind.all_greedy,
+                filtered=kind.filtered,
             )
-            with stance:
-                return [
-                    self._accept_and_commit(
-                        rows,
-                        draft_ids,
-                        before + num_valid - k,
-                        logits,
-                        draft_probs[0] if draft_probs else None,
-                        all_greedy,
-                        filtered,
-                    )
-                ]
-
-        return finish
 
     def _accept_and_commit_eagerly(
         self,
@@ -246,16 +288,18 @@ class Verifier:
         filtered: bool,
     ) -> torch.Tensor:
         """`rejection_sample`, then `_commit`; `first_position` is each row's sequence index of its first draft (or
-        of its next token)."""
+        of its next token). Compiled with the layers (`_accept_and_commit`)."""
         t = self.table
-        params = RowParams(t.temperature[rows], t.top_k[rows], t.top_p[rows], t.seed_key[rows])
+        params = RowParams(
+            temperature=t.temperature[rows], top_k=t.top_k[rows], top_p=t.top_p[rows], seed_key=t.seed_key[rows]
+        )
         sampled = rejection_sample(
-            logits,
-            draft_ids,
-            draft_probs,
-            params,
-            first_position,
-            self.synthetic_acceptance,
+            target_logits=logits,
+            draft_ids=draft_ids,
+            draft_probs=draft_probs,
+            params=params,
+            first_position=first_position,
+            synthetic_acceptance=self.synthetic_acceptance,
             all_greedy=all_greedy,
             filtered=filtered,
         )
@@ -284,3 +328,8 @@ class Verifier:
         self.runner.truncate(rows, starts + keep)
         self.pending[rows] = tokens[torch.arange(len(rows), device=tokens.device), keep - 1]
         return torch.cat([torch.stack([keep, sampled.num_accepted, finish], dim=1), tokens], dim=1)
+
+
+def _step_kind(kind: SamplingKind) -> str:
+    """The kind of a verify (or prefill) step of a batch of this kind: its graphs' key."""
+    return "verify-" + kind.name

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from draft_service.proposer import Proposer
-from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.model_runner import ModelRunner, Step, StepBody
 from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
@@ -128,18 +128,16 @@ def test_what_runs_in_a_graph_copies_nothing_from_the_host(kind: str, monkeypatc
     """On the CPU: the functions a GPU captures (verify and proposal steps, their acceptance, commit, reconcile and
     sampling) make no tensor from a Python value."""
     copies = _HostCopies()
-    replay_or_run = ModelRunner._replay_or_run
+    launch = ModelRunner._launch
 
-    def watched(self: ModelRunner, key, fn, inputs, fills, kv_len, view_start, padded, graphable):  # type: ignore[no-untyped-def]
+    def watched(self: ModelRunner, step: Step, body: StepBody, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         def in_graph(*args):  # type: ignore[no-untyped-def]
             with copies:
-                return fn(*args)
+                return body(*args)
 
-        return replay_or_run(
-            self, key, in_graph if graphable else fn, inputs, fills, kv_len, view_start, padded, graphable
-        )
+        return launch(self, step, in_graph if step.graphable else body, inputs)
 
-    monkeypatch.setattr(ModelRunner, "_replay_or_run", watched)
+    monkeypatch.setattr(ModelRunner, "_launch", watched)
     _proposals(False, kind, "cpu")
     _verifies(False, kind, "cpu")
     assert not copies.seen, "made from a Python value inside a graph:\n" + copies.seen[0]

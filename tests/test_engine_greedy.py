@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from draft_service.proposer import Proposer
 from minedraft.app.offline import OfflineRequest, OfflineResult, generate_offline
 from minedraft.engine import sequence_table
-from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.model_runner import ModelRunner, Step
 from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
@@ -149,18 +149,18 @@ def test_prompts_prefilled_in_groups_by_length_match_hf(
     target = tiny_models.target(arch, vocab=VOCAB)
     forwards: list[int] = []  # rows of each prefill forward
     prefills: list[int] = []  # prompts of each prefill
-    score, prefill = ModelRunner.score, sequence_table.SequenceTable.prefill
+    prepare, prefill = ModelRunner.prepare, sequence_table.SequenceTable.prefill
 
-    def counting_score(runner: ModelRunner, rows: torch.Tensor, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    def counting_prepare(runner: ModelRunner, **kwargs: Any) -> Step:
         if kwargs.get("last_only"):
-            forwards.append(len(rows))
-        return score(runner, rows, *args, **kwargs)
+            forwards.append(len(kwargs["rows"]))
+        return prepare(runner, **kwargs)
 
-    def counting_prefill(table: sequence_table.SequenceTable, seq_ids: Sequence[int], *args: Any) -> Any:
+    def counting_prefill(table: sequence_table.SequenceTable, seq_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
         prefills.append(len(seq_ids))
-        return prefill(table, seq_ids, *args)
+        return prefill(table, seq_ids, *args, **kwargs)
 
-    monkeypatch.setattr(ModelRunner, "score", counting_score)
+    monkeypatch.setattr(ModelRunner, "prepare", counting_prepare)
     monkeypatch.setattr(sequence_table.SequenceTable, "prefill", counting_prefill)
     for k, draft in ((0, None), (3, tiny_models.noisy_draft(arch, vocab=VOCAB))):
         forwards.clear()

@@ -75,7 +75,7 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
         f"not run ahead: {served[0] - ahead[0]}, {served[1] - ahead[1]}"
     )
     # The load went through several batch sizes, key-length buckets and kinds of verify and proposal. Keys are
-    # (kind, steps or last_only, padded batch, key length, block start, the inputs' shapes...).
+    # (kind, forwards, padded batch, key length, block start, the inputs' shapes...).
     assert len({key[2] for key in served[0]}) >= 3 and len({key[3] for key in served[0]}) >= 3
     assert {key[4] for key in served[0] | served[1]} == {0}  # every step read its batch's K/V as views
     assert {key[0] for key in served[0]} == {"verify-greedy", "verify-sampled", "verify-filtered"}

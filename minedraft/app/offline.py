@@ -51,7 +51,7 @@ def generate_offline(
             first = verifier.prefill(joining, prompts, configs).per_row()
             if proposer is not None:
                 proposer.prefill(joining, prompts, configs)
-            active += _record(results, joining, first, verdict, verifier, proposer)
+            active += _record(results, joining, first, verdict=verdict, verifier=verifier, proposer=proposer)
         if active:
             if proposer is not None:
                 accepted = torch.tensor([verdict[i][0] for i in active])
@@ -64,7 +64,7 @@ def generate_offline(
             for i, (_, accepted_count, _) in zip(active, rows):
                 results[i].steps += 1
                 results[i].accepted += accepted_count
-            active = _record(results, active, rows, verdict, verifier, proposer)
+            active = _record(results, active, rows, verdict=verdict, verifier=verifier, proposer=proposer)
         step += 1
     return results
 
@@ -73,6 +73,7 @@ def _record(
     results: list[OfflineResult],
     seq_ids: list[int],
     rows: list[tuple[list[int], int, int]],
+    *,
     verdict: dict[int, tuple[int, int]],
     verifier: Verifier,
     proposer: Proposer | None,

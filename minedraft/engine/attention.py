@@ -14,9 +14,9 @@ from minedraft.kernels import triton_runs
 GROUPED_SDPA = "minedraft_grouped_sdpa"
 # Decode and verify steps have at most this many queries per K/V head (query heads sharing it x new tokens).
 SHORT_QUERY = 64
-# Below this many (batch x K/V head) blocks a fused kernel leaves most of a GPU idle (an H200 has 132 SMs). Raised
-# from 128 in run 12b (compiled, one H200, side by side): at batch 16 the 1B draft's 4 steps took 8.80 -> 7.13 ms, the
-# 8B verify 8.07 -> 8.05 (docs/benchmarks.md, run 12).
+# Below this many (batch x K/V head) blocks a fused kernel leaves most of a GPU idle (an H200 has 132 SMs). Against
+# 128 (compiled, one H200, side by side): at batch 16 the 1B draft's 4 steps took 7.13 ms against 8.80, the 8B verify
+# 8.05 against 8.07.
 FUSED_MIN_BLOCKS = 256
 # The keyword a caller passes on through the model (True) when its mask shows each query exactly the keys up to its
 # position (`position_ids`): no window, no padding.
@@ -55,7 +55,7 @@ def grouped_sdpa_attention(
     scale = scaling if scaling is not None else dim**-0.5
     if uses_kernel(query, key, value, attention_mask, groups * n):
         # The decoder layers pass the step's positions on to here: the kernels read each row's keys up to them. Where
-        # the model runner says its mask is causal by these positions alone, they replace the mask (run 21a).
+        # the model runner says its mask is causal by these positions alone, they replace the mask.
         positions = kwargs.get("position_ids")
         causal = (
             kwargs.get(CAUSAL_BY_POSITIONS) is True and positions is not None and tuple(positions.shape) == (batch, n)
@@ -79,7 +79,7 @@ def grouped_sdpa_attention(
 def fused_query_tokens(config: object) -> int:
     """The fewest tokens per row whose step takes SDPA's fused kernel, as prompts' prefills do: shorter ones run the
     Triton kernels on CUDA, where each new kind (rows of queries, mask, chunks) compiles at its first use, 0.6-0.9 s
-    mid-load on an H200 (run 27a: a draft's first catch-ups of a few tokens)."""
+    mid-load on an H200 (a draft's first catch-ups of a few tokens)."""
     heads = int(getattr(config, "num_attention_heads", 1))
     groups = max(heads // int(getattr(config, "num_key_value_heads", None) or heads), 1)
     return SHORT_QUERY // groups + 1
@@ -97,9 +97,9 @@ def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
     """Whether a step of `queries` per K/V head runs `short_query_attention` rather than the fused kernel (where the
     Triton kernels do not run).
 
-    Measured in whole compiled steps (run 12b), not by `benchmarks/attention_bench.py`'s layer alone: there the fused
-    kernel won for one query per K/V head (a 68M draft's layer at batch 1: 7.6 us against 10.2), but in a real step
-    it took 52 us a call at batch 16 (run 11d) where the bench gives 14, and the bench saw the 1B draft's paths
+    Measured in whole compiled steps, not by `benchmarks/attention_bench.py`'s layer alone: there the fused kernel
+    won for one query per K/V head (a 68M draft's layer at batch 1: 7.6 us against 10.2), but in a real step it took
+    52 us a call at batch 16 where the bench gives 14, and the bench saw the 1B draft's paths
     equal at batch 16 where the step gained 19% with the matmuls.
     """
     return queries <= SHORT_QUERY and batch * kv_heads < FUSED_MIN_BLOCKS

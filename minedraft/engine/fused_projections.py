@@ -3,7 +3,7 @@
 DESIGN section 4 asks for transformers' model classes rather than model code of our own. This keeps the classes and
 swaps two submodules of the Llama family only, mirroring their forward line for line and reusing transformers'
 rotary embedding, attention interface and our `Cache`: a step on an H200 is bound by kernel count, and this removes
-three GEMMs and their splitK reductions per layer (run 10 in docs/benchmarks.md). Every other architecture keeps its
+three GEMMs and their splitK reductions per layer. Every other architecture keeps its
 own modules; `tests/test_fused_projections.py` pins each listed class to transformers' own output.
 """
 

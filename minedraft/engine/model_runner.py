@@ -1,13 +1,10 @@
-"""Forward passes of a causal LM over slot rows (one step or a decode loop), with CUDA graphs and compiled layers."""
+"""Forward passes of a causal LM over slot rows: steps prepared, then run as CUDA graphs or eagerly; compiled layers."""
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +13,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from minedraft.engine.attention import CAUSAL_BY_POSITIONS, FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
+from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
 from minedraft.engine.fused_projections import fuse_projections
 from minedraft.engine.kv_cache import SlotKVCache
 from minedraft.engine.residual_fold import fold_residuals
@@ -26,35 +24,6 @@ log = logging.getLogger(__name__)
 
 # Attention reads keys up to a multiple of this, so few distinct shapes occur (masks hide the extra entries).
 KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
-# On CUDA batches of short steps are padded to these sizes (rows of padding write only to a scratch row): static
-# shapes for CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
-# Prefills, never graphed, run at their own batch size.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
-# A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 3, 7, 15, ... (0-based; each
-# graph CHAIN_GROWTH times as many calls from the step's start as the one before): the GPU starts on the first while
-# the host launches the rest (`CudaGraphs`). False: one graph per step.
-SPLIT_LAUNCH = True
-# Each hand-over between graphs of a chain left the GPU idle ~4.7 us (run 24a: 5 in an 8B verify). A faster growth
-# means fewer of them, but each next graph must still launch while the ones before it run.
-CHAIN_GROWTH = 2
-# The BLAS library whose kernels steps' CUDA graphs capture. cuBLASLt chooses faster ones than cuBLAS for a verify's
-# few-row GEMMs (the 8B verify 2.6-3.5% faster at B=8 and 16, the same at B=1; run 19c-d, H200) but slower ones for
-# prefills of thousands of rows (16 x 512 tokens 5% slower; run 20d): eager forwards keep the process's choice.
-GRAPH_BLAS = "cublaslt"
-_CAPTURING = threading.Lock()  # held by the thread capturing a CUDA graph (`CudaGraphs._capture`)
-# (rows, per-row inputs, kv_len, view_start) -> outputs: one forward, or a loop of them
-StepFn = Callable[[torch.Tensor, "Sequence[torch.Tensor]", int, "int | None"], list[torch.Tensor]]
-# (rows, input_ids, num_valid, cache lengths before the step, logits, *extra inputs) -> outputs: what a step makes
-# of its logits (a verify: the accepted tokens, committed), inside the step's graph
-Finisher = Callable[..., list[torch.Tensor]]
-# (rows, *per-row inputs) -> (input_ids [B, n], num_valid [B], *extras): a step's tokens (a decode loop's first
-# step's), from its inputs, inside its graph
-Starter = Callable[..., tuple[torch.Tensor, ...]]
-# (rows, last logits [B, V], step) -> (tokens [B], their distributions [B, V] or None): a decode loop's sampler
-Chooser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
-# (rows, input_ids, num_valid, needed, arrangement) -> anything: one step of a kind that serving runs (precapture)
-PrecaptureFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "Arrangement | None"], object]
 
 
 @dataclass(frozen=True)
@@ -66,6 +35,39 @@ class Arrangement:
     order: torch.Tensor | None = None  # indices putting the batch in cache-row order; None when it is already
     inverse: torch.Tensor | None = None  # indices putting a step's outputs back in the batch's order
     rows: torch.Tensor | None = None  # with `order`: the batch's rows in that order, on the host (a step's rows)
+
+
+# Step and StepShape are made every step: not frozen, which takes four times as long to make.
+@dataclass(slots=True)
+class StepShape:
+    """The static shape of a step, which its CUDA graph is captured for: the batch padded to its bucket (on CUDA,
+    where it runs as a graph), the key length attention reads, and the block of cache rows whose K/V the batch reads
+    as views (None: gathered)."""
+
+    padded: int
+    kv_len: int
+    view_start: int | None = None
+
+
+@dataclass(slots=True)
+class Step:
+    """One step on a batch, prepared (`ModelRunner.prepare`) and then run (`ModelRunner.run`)."""
+
+    rows: torch.Tensor  # [B] the batch's cache rows (on the host or the device)
+    inputs: tuple[torch.Tensor, ...]  # per-row inputs [B, ...] (on the host or the device); padding rows get zeros
+    shape: StepShape
+    graphable: bool  # a short step (not a prefill): padded, and on CUDA replayed from a graph
+    # (kind, forwards, padded batch, key length, block start, each input's (shape[1:], dtype)): its graph's key
+    key: tuple[object, ...]
+    arrangement: Arrangement | None = None  # the batch in cache-row order (`ModelRunner.arrange`)
+
+
+# (rows, per-row inputs, shape) -> outputs: what a step runs on its batch, padded and in cache-row order; on CUDA
+# inside the step's graph, so it may read only its arguments and tensors that outlive the call, make no tensor from a
+# Python value and never sync with the host. Its kind (`ModelRunner.prepare`) names what it does.
+StepBody = Callable[[torch.Tensor, Sequence[torch.Tensor], StepShape], list[torch.Tensor]]
+# (rows, needed, arrangement) -> anything: a step of a kind that serving runs, on scratch rows (`precapture`)
+ScratchStep = Callable[[torch.Tensor, int, Arrangement | None], object]
 
 
 def attention_layout(config: object) -> tuple[int | None, bool]:
@@ -124,7 +126,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
 
 
 class ModelRunner:
-    """Owns a model and its slot cache: allocates rows, runs forwards that append tokens, rolls rows back."""
+    """Owns a model and its slot cache: allocates rows, prepares and runs steps that append tokens, rolls rows back."""
 
     def __init__(
         self,
@@ -147,7 +149,9 @@ class ModelRunner:
         self.scratch_row = num_slots
         spread = len({str(p.device) for p in model.parameters()}) > 1  # over several GPUs (load_model)
         layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-        self.cache = SlotKVCache(num_slots + 1, self.max_len, self.device, None if spread else layers)
+        self.cache = SlotKVCache(
+            num_rows=num_slots + 1, max_len=self.max_len, device=self.device, num_layers=None if spread else layers
+        )
         self.groups = groups
         self.block_size = num_slots // groups
         # Host copies of the cache's row map (logical row -> cache row) and of its inverse.
@@ -164,7 +168,7 @@ class ModelRunner:
         self._softcap = float(softcap) if softcap else None
         # A step's logits stay in the LM head's type: an argmax reads them as they are (the same token as from a
         # float32 copy), and sampling converts them (`sampling.processed_probs`). The copy took 28 us of an 8B
-        # verify at B=16 on an H200 (run 20d), and the argmax's read of it 33.
+        # verify at B=16 on an H200, and the argmax's read of it 33.
         self.logits_dtype = torch.float32 if self._softcap else model.get_output_embeddings().weight.dtype
         # A ready 4-D mask is used as it is, so sliding windows must be built into it here.
         self.sliding_window, self.mixed_layers = attention_layout(model.config)
@@ -181,24 +185,6 @@ class ModelRunner:
         self.step_keys: set[tuple[object, ...]] = set()
         self.compiles = compile_layers
         self._masks = self._step_masks
-        # Called at the start of each decoder layer's forward while set (`CudaGraphs` splits a capture there). The
-        # hook holds the runner weakly: runners made and dropped over one model must not stay alive through it.
-        self.before_layer: Callable[[], None] | None = None
-        runner = weakref.ref(self)
-
-        def before_layer(module: torch.nn.Module, args: object) -> None:
-            hook = getattr(runner(), "before_layer", None)
-            if hook is not None:
-                hook()
-
-        hooks = [layer.register_forward_pre_hook(before_layer) for layer in decoder_layers(model)]
-
-        def remove_hooks() -> None:
-            for hook in hooks:
-                hook.remove()
-
-        # Gone with the runner: a model that outlives many runners (benchmarks, tests) would run every dead one's.
-        weakref.finalize(self, remove_hooks)
         if compile_layers:
             compile_decoder_layers(model)
             self._masks = torch.compile(self._step_masks, dynamic=True)
@@ -209,7 +195,7 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
             # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
             if cuda_graphs and not spread:
-                self.graphs = CudaGraphs(self)
+                self.graphs = CudaGraphs(model, decoder_layers(model), fill_row=self.scratch_row)
         if compile_layers:
             self.warm_up()
 
@@ -250,13 +236,18 @@ class ModelRunner:
         step on a compile (`eager_on_recompile`)."""
         start = time.perf_counter()
 
-        def forward(r: torch.Tensor, i: torch.Tensor, v: torch.Tensor, needed: int, view: Arrangement | None) -> object:
-            return self._step(r, i, v, self.step_shape(len(r), needed)[1], True, None if view is None else view.start)
+        def forward(batch: int, n: int, view: Arrangement | None) -> None:
+            rows = self._scratch_rows(batch)
+            input_ids = torch.zeros(batch, n, dtype=torch.long, device=self.device)
+            num_valid = torch.full((batch,), n, dtype=torch.long, device=self.device)
+            view_start = None if view is None else view.start
+            shape = StepShape(padded=batch, kv_len=self.step_shape(batch, n)[1], view_start=view_start)
+            self.step_forward(rows, input_ids, num_valid, shape=shape, last_only=True)
 
         # A first step allocates the cache (eagerly), whose K/V head count says how many rows make attention take
         # the fused kernel.
         if not self.cache.keys:
-            self._scratch_step(1, 1, 1, forward, None)
+            forward(1, 1, None)
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
         # Batches read K/V as views (arrange); prefills gather theirs, short ones too. The strides differ, and so
         # does the code.
@@ -266,7 +257,7 @@ class ModelRunner:
             for n, view in ((1, True), (2, True), (2, False), (min(SHORT_QUERY + 1, self.max_len), False))
         ]
         for batch, n, view in kinds:
-            self._scratch_step(batch, n, n, forward, self._block(0, batch) if view else None)
+            forward(batch, n, self._block(0, batch) if view else None)
         self.cache.lengths[self.scratch_row] = 0
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
@@ -279,13 +270,12 @@ class ModelRunner:
     def step_shape(self, batch: int, needed: int) -> tuple[int, int]:
         """(padded batch, key length) of a step on `batch` rows whose longest reaches `needed` tokens: the static
         shape a CUDA graph is captured for (batches are padded on CUDA only)."""
-        padded = next((b for b in BATCH_BUCKETS if b >= batch), batch)
-        return padded, min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
+        return padded_batch(batch), min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
 
     def _block(self, group: int, batch: int) -> Arrangement | None:
         """The block of cache rows that batch `group` of `batch` rows takes, if it fits with its padding."""
         start = group * self.block_size
-        padded = self.step_shape(batch, 1)[0] if self.device.type == "cuda" else batch
+        padded = padded_batch(batch) if self.device.type == "cuda" else batch
         if not 0 <= group < self.groups or batch > self.block_size or start + padded > self.num_slots + 1:
             return None
         return Arrangement(start)
@@ -299,7 +289,7 @@ class ModelRunner:
         one row each, with the row that held its cache row in the block swapping out. The batch keeps its order;
         the step takes it in cache-row order (`Arrangement.order`). The same rows as the group's last step, with no
         row moved since, get that step's arrangement without a look (on an H200's host the look took 33 us of a
-        B=1 verify's 250 before its graph's launch, run 19a).
+        B=1 verify's 250 before its graph's launch).
         """
         key = tuple(rows)
         last = self._arranged.get(group)
@@ -341,30 +331,32 @@ class ModelRunner:
             return block
         order = sorted(range(len(rows)), key=offsets.__getitem__)
         order_and_inverse = torch.tensor([order, offsets], device=self.device)  # one copy to the device
-        return Arrangement(start, order_and_inverse[0], order_and_inverse[1], torch.tensor([rows[i] for i in order]))
+        return Arrangement(
+            start, order=order_and_inverse[0], inverse=order_and_inverse[1], rows=torch.tensor([rows[i] for i in order])
+        )
 
     @torch.inference_mode()
-    def precapture(self, max_batch: int, n: int, step: PrecaptureFn, groups: Sequence[int] | None = None) -> int:
-        """Run `step(rows, input_ids, num_valid, needed, arrangement)`, a step of `n` tokens, on the scratch row in
-        every shape such a step on up to `max_batch` rows of batch `groups` (default: all) can take, so that CUDA
-        captures its graphs before serving rather than while requests wait (0.2-0.5 s each, seen in the middle of a
-        load on an H200). Returns the shapes run."""
+    def precapture(self, max_batch: int, n: int, run_step: ScratchStep, groups: Sequence[int] | None = None) -> int:
+        """Run `run_step(rows, needed, arrangement)`, a step of `n` tokens, on the scratch row in every shape such a
+        step on up to `max_batch` rows of batch `groups` (default: all) can take, so that CUDA captures its graphs
+        before serving rather than while requests wait (0.2-0.5 s each, seen in the middle of a load on an H200).
+        Returns the shapes run."""
         if self.device.type == "cuda" and self.graphs is None:  # --eager: nothing to capture
             return 0
         start = time.perf_counter()
         lengths = sorted({self.step_shape(1, needed)[1] for needed in range(n, self.max_len + 1)})
         if not self.cache.keys:  # the first forward allocates the cache, and runs eagerly
-            self._scratch_step(1, n, lengths[0], step, None)
+            run_step(self._scratch_rows(1), lengths[0], None)
         # Each batch's block has graphs of its own; a batch too big for its block with its padding gathers its rows.
         # (rows run, arrangement) per graph key; on CPUs, where nothing is padded, the fewest rows of that key.
         runs: dict[tuple[int, Arrangement | None], int] = {}
         for group in range(self.groups) if groups is None else groups:
             for batch in range(1, max_batch + 1):
-                padded = self.step_shape(batch, n)[0]
+                padded = padded_batch(batch)
                 runs.setdefault((padded, self._block(group, batch)), padded if self.device.type == "cuda" else batch)
         for (_, view), rows in runs.items():
             for kv_len in lengths:
-                self._scratch_step(rows, n, kv_len, step, view)
+                run_step(self._scratch_rows(rows), kv_len, view)
         shapes = len(runs) * len(lengths)
         self.cache.lengths[self.scratch_row] = 0
         reserved = torch.cuda.memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else 0.0
@@ -377,19 +369,101 @@ class ModelRunner:
         )
         return shapes
 
-    def _scratch_step(self, batch: int, n: int, needed: int, step: PrecaptureFn, view: Arrangement | None) -> None:
-        """`step` on `batch` copies of the scratch row, each appending `n` tokens to an empty row."""
-        rows = torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
+    def _scratch_rows(self, batch: int) -> torch.Tensor:
+        """`batch` copies of the scratch row, emptied: the rows of a step run ahead of serving."""
         self.cache.lengths[self.scratch_row] = 0
-        step(
-            rows,
-            torch.zeros(batch, n, dtype=torch.long, device=self.device),
-            torch.full((batch,), n, dtype=torch.long, device=self.device),
-            needed,
-            view,
-        )
+        return torch.full((batch,), self.scratch_row, dtype=torch.long, device=self.device)
 
-    # -- forward ------------------------------------------------------------------------------------------------
+    # -- steps --------------------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        *,
+        kind: str,
+        rows: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
+        needed: int,
+        tokens: int,
+        forwards: int = 1,
+        last_only: bool = False,
+        arrangement: Arrangement | None = None,
+    ) -> Step:
+        """A step of `kind` (what its body does: graphs are kept per kind) on `rows`, each appending `tokens` in its
+        first forward, the longest reaching `needed`: checks capacity, picks the key-length bucket and the batch
+        bucket, and keys its graph. `inputs` are per-row tensors `[B, ...]`; `forwards`: the forwards its body runs
+        (a draft's decode loop: one per token); `last_only`: a prefill's (logits at each row's last token), which
+        runs eagerly at its own batch size (a graph per prompt length would be captured mid-load, and padding
+        would only add work: 39 prompts ran as 64); `arrangement` (from `arrange`) lets it read K/V as views."""
+        if needed > self.max_len:
+            raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
+        padded, kv_len = self.step_shape(len(rows), needed)
+        short = graphable(tokens, last_only)
+        if not short:
+            padded = len(rows)
+        view_start = None if arrangement is None else arrangement.start
+        key = (kind, forwards, padded, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
+        shape = StepShape(padded=padded, kv_len=kv_len, view_start=view_start)
+        return Step(rows=rows, inputs=inputs, shape=shape, graphable=short, key=key, arrangement=arrangement)
+
+    @torch.inference_mode()
+    def run(self, step: Step, body: StepBody, *, copy_outputs: bool = True) -> list[torch.Tensor]:
+        """Run `body` on the step's rows and inputs, taken in cache-row order and, for a short step on CUDA, padded
+        to its batch bucket (padding rows: the scratch row, zero inputs): its graph replayed (captured first), or
+        eagerly with the very shapes a graph would have. Outputs come back in the batch's order, copied out of a
+        graph's buffers (which the next replay of its shape rewrites) unless not `copy_outputs`.
+
+        A verify's acceptance and commit are a few dozen small operations (148 launches from Python at batch 1): in
+        the graph they cost no host time, and run without launch gaps (the verify 1% faster on an H200; they had
+        mostly run while the forward's graph ran). So does whatever a body does before its forward (a verify
+        gathers its pending tokens there): every operation before a graph's launch leaves the GPU idle, 30-40 us
+        each on the H200 machine's host.
+        """
+        if step.graphable:
+            self.step_keys.add(step.key)
+        arrangement = step.arrangement
+        if arrangement is not None and arrangement.order is not None:
+            # The rows in that order as the arrangement made them, on the host: the same for every step of the batch.
+            assert arrangement.rows is not None  # (`_arrange` makes both)
+            inputs = [arrangement.rows, *(t.to(self.device, non_blocking=True)[arrangement.order] for t in step.inputs)]
+        else:
+            inputs = [step.rows, *step.inputs]
+        outputs = self._launch(step, body, inputs)
+        if arrangement is not None and arrangement.inverse is not None:
+            return [t[arrangement.inverse] for t in outputs]  # (indexing copies)
+        return [t.clone() for t in outputs] if copy_outputs else outputs
+
+    def _launch(self, step: Step, body: StepBody, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`body` on `inputs` (the rows, then the per-row inputs, on the host or the device): the step's graph
+        replayed where it has one, else eagerly."""
+        shape = step.shape
+        if self.device.type != "cuda":
+            # As a graph's buffers and a padded batch are: inference tensors, which compiled code guards on.
+            inputs = [t if t.is_inference() else t.clone() for t in inputs]
+            return body(inputs[0], inputs[1:], shape)
+        if self.graphs is not None and step.graphable and self.cache.keys:
+
+            def graphed(rows: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+                self.cache.lengths.narrow(0, self.scratch_row, 1).zero_()  # padding rows begin empty, in the graph
+                return body(rows, inputs, shape)
+
+            try:
+                return self.graphs.run(step.key, graphed, inputs, padded=shape.padded, block=shape.view_start)
+            except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
+                log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
+                self.graphs = None
+        # Eagerly, with the very shapes a graph would have, so both give identical outputs (prefills unpadded).
+        batch = len(inputs[0])
+        on_device = [t.to(self.device, non_blocking=True) for t in inputs]
+        padded_inputs = (
+            on_device
+            if shape.padded == batch
+            else [  # (prefills are not padded)
+                torch.cat([t, t.new_full((shape.padded - batch, *t.shape[1:]), self.scratch_row if i == 0 else 0)])
+                for i, t in enumerate(on_device)
+            ]
+        )
+        self.cache.lengths[self.scratch_row] = 0
+        return [t[:batch] for t in body(padded_inputs[0], padded_inputs[1:], shape)]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -400,7 +474,7 @@ class ModelRunner:
         needed: int | None = None,
         arrangement: Arrangement | None = None,
     ) -> torch.Tensor:
-        """Append `input_ids[b, :num_valid[b]]` to row `rows[b]` and return float32 logits.
+        """Append `input_ids[b, :num_valid[b]]` to row `rows[b]` and return float32 logits: one step of its own.
 
         Returns `[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only` (prefill: the hidden
         states of long prompts are reduced before the vocabulary projection). `needed`, the longest row after this
@@ -409,214 +483,43 @@ class ModelRunner:
         buffers, valid until the runner's next graphed step (`CudaGraphs`).
         """
         n = input_ids.shape[1]
-        needed = self.longest_after(rows, n) if needed is None else needed
-        return self._score(
-            rows,
-            [input_ids, num_valid],
-            _as_given,
-            _logits,
-            "forward",
-            last_only,
-            needed,
-            _graphable(n, last_only),
-            arrangement,
-            copy_outputs=False,
-        )[0]
-
-    @torch.inference_mode()
-    def score(
-        self,
-        rows: torch.Tensor,
-        inputs: Sequence[torch.Tensor],
-        finish: Finisher,
-        kind: str,
-        *,
-        needed: int,
-        tokens: int,
-        start: Starter | None = None,
-        last_only: bool = False,
-        arrangement: Arrangement | None = None,
-    ) -> list[torch.Tensor]:
-        """A forward and `finish(rows, input_ids, num_valid, lengths before, logits, *extras)` in one CUDA graph, on
-        `(input_ids, num_valid, *extras) = start(rows, *inputs)` (default: `inputs` as they are).
-
-        A verify's acceptance and commit are a few dozen small operations (148 launches from Python at batch 1): in
-        the graph they cost no host time, and run without launch gaps (run 11a on an H200: the verify 1% faster; they
-        had mostly run while the forward's graph ran). So does `start` (a verify gathers its pending tokens there):
-        every operation before a graph's launch leaves the GPU idle, 30-40 us each on the H200 machine's host. Like
-        a decode loop's `choose`, `start` and `finish` may read only their arguments and tensors that outlive the
-        call; `kind` names what they do (graphs are kept per kind). `inputs` are per-row tensors `[B, ...]` (on
-        the host or the device), padded with zeros; `needed` is the longest row after the step, `tokens` the
-        tokens each row appends. Prefills (`last_only`) run eagerly: a graph per prompt length would be captured
-        mid-load. The outputs are the caller's own.
-        """
-        return self._score(
-            rows,
-            list(inputs),
-            start or _as_given,
-            finish,
-            kind,
-            last_only,
-            needed,
-            _graphable(tokens, last_only),
-            arrangement,
-            copy_outputs=True,
+        step = self.prepare(
+            kind="forward",
+            rows=rows,
+            inputs=(input_ids, num_valid),
+            needed=self.longest_after(rows, n) if needed is None else needed,
+            tokens=n,
+            last_only=last_only,
+            arrangement=arrangement,
         )
+        return self.run(step, self._last_logits if last_only else self._logits, copy_outputs=False)[0]
+
+    def _logits(self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape) -> list[torch.Tensor]:
+        """The body of a plain forward: its logits, in float32."""
+        input_ids, num_valid = inputs
+        return [self.step_forward(rows, input_ids, num_valid, shape=shape, last_only=False).float()]
+
+    def _last_logits(self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape) -> list[torch.Tensor]:
+        """The body of a plain prefill: its logits at each row's last valid token, in float32."""
+        input_ids, num_valid = inputs
+        return [self.step_forward(rows, input_ids, num_valid, shape=shape, last_only=True).float()]
 
     def longest_after(self, rows: torch.Tensor, n: int) -> int:
         """The longest of `rows` after appending `n` tokens each: a host sync, for callers that do not know it."""
         return int((self.cache.lengths[rows.to(self.device)] + n).max())
 
-    def _score(
-        self,
-        rows: torch.Tensor,
-        inputs: list[torch.Tensor],
-        start: Starter,
-        finish: Finisher,
-        kind: str,
-        last_only: bool,
-        needed: int,
-        graphable: bool,
-        arrangement: Arrangement | None,
-        copy_outputs: bool,
-    ) -> list[torch.Tensor]:
-        def step(
-            r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
-        ) -> list[torch.Tensor]:
-            i, v, *extras = start(r, *inputs)
-            before = self.cache.lengths[r]
-            return finish(r, i, v, before, self._step(r, i, v, kv_len, last_only, view_start), *extras)
-
-        return self._run(
-            (kind, last_only), step, rows, inputs, [0] * len(inputs), needed, graphable, arrangement, copy_outputs
-        )
-
-    @torch.inference_mode()
-    def decode(
-        self,
-        rows: torch.Tensor,
-        inputs: Sequence[torch.Tensor],
-        steps: int,
-        needed: int,
-        start: Starter,
-        choose: Chooser,
-        kind: str,
-        arrangement: Arrangement | None = None,
-    ) -> list[torch.Tensor]:
-        """`steps` decode steps, the first on the tokens `start(rows, *inputs)` gives, each next on the tokens
-        `choose` picks from the last logits: the tokens `[B, steps]`, then `choose`'s distributions `[B, steps, V]`
-        if it returns any.
-
-        On CUDA the whole loop is one graph: a draft's steps are too small to pay for a launch from Python each.
-        `start` and `choose` run inside it, so they may read only their arguments and tensors that outlive the call;
-        `inputs` are per-row tensors `[B, ...]` (padding rows get zeros); `kind` names what the functions do (graphs
-        are kept per kind). `needed` is the longest row after the last step.
-        """
-
-        def loop(
-            r: torch.Tensor, inputs: Sequence[torch.Tensor], kv_len: int, view_start: int | None
-        ) -> list[torch.Tensor]:
-            tokens, probs = [], []
-            i, v = start(r, *inputs)[:2]
-            for step in range(steps):
-                token, q = choose(r, self._step(r, i, v, kv_len, True, view_start), step)
-                tokens.append(token)
-                if q is not None:
-                    probs.append(q)
-                i, v = token[:, None], torch.ones_like(v)
-            return [torch.stack(tokens, dim=1)] + ([torch.stack(probs, dim=1)] if probs else [])
-
-        return self._run((kind, steps), loop, rows, list(inputs), [0] * len(inputs), needed, True, arrangement, True)
-
-    def _run(
-        self,
-        tag: tuple[str, object],
-        fn: StepFn,
-        rows: torch.Tensor,
-        inputs: list[torch.Tensor],
-        fills: list[int],
-        needed: int,
-        graphable: bool,
-        arrangement: Arrangement | None,
-        copy_outputs: bool,
-    ) -> list[torch.Tensor]:
-        """Check capacity, pick the key-length bucket, take the rows in cache-row order, pad to a batch bucket on
-        CUDA (padding rows: the scratch row, with `fills` in `inputs`), then replay or run `fn`; outputs come back
-        in the batch's order (copied out of a graph's buffers, which the next replay of its shape rewrites, if
-        `copy_outputs`)."""
-        if needed > self.max_len:
-            raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
-        padded, kv_len = self.step_shape(len(rows), needed)
-        if not graphable:  # never a graph (prefills): padding would only add work (39 prompts ran as 64, run 18b)
-            padded = len(rows)
-        view_start = None if arrangement is None else arrangement.start
-        key = (*tag, padded, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
-        if graphable:
-            self.step_keys.add(key)
-        if arrangement is not None and arrangement.order is not None:
-            # The rows in that order as the arrangement made them, on the host: the same for every step of the batch.
-            assert arrangement.rows is not None  # (`_arrange` makes both)
-            inputs = [arrangement.rows, *(t.to(self.device, non_blocking=True)[arrangement.order] for t in inputs)]
-        else:
-            inputs = [rows, *inputs]
-        outputs = self._replay_or_run(
-            key, fn, inputs, [self.scratch_row, *fills], kv_len, view_start, padded, graphable
-        )
-        if arrangement is not None and arrangement.inverse is not None:
-            return [t[arrangement.inverse] for t in outputs]  # (indexing copies)
-        return [t.clone() for t in outputs] if copy_outputs else outputs
-
-    def _replay_or_run(
-        self,
-        key: tuple[object, ...],
-        fn: StepFn,
-        inputs: list[torch.Tensor],
-        fills: list[int],
-        kv_len: int,
-        view_start: int | None,
-        padded: int,
-        graphable: bool,
-    ) -> list[torch.Tensor]:
-        """`inputs`: the rows, then the per-row inputs (on the host or the device)."""
-        if self.device.type != "cuda":
-            # As a graph's buffers and a padded batch are: inference tensors, which compiled code guards on.
-            inputs = [t if t.is_inference() else t.clone() for t in inputs]
-            return fn(inputs[0], inputs[1:], kv_len, view_start)
-        if self.graphs is not None and graphable and self.cache.keys:
-
-            def graphed(r: torch.Tensor, i: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-                self.cache.lengths.narrow(0, self.scratch_row, 1).zero_()  # padding rows begin empty, in the graph
-                return fn(r, i, kv_len, view_start)
-
-            try:
-                return self.graphs.run(key, graphed, inputs, fills, padded, view_start)
-            except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
-                log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
-                self.graphs = None
-        # Eagerly, with the very shapes a graph would have, so both give identical outputs (prefills unpadded).
-        batch = len(inputs[0])
-        on_device = [t.to(self.device, non_blocking=True) for t in inputs]
-        padded_inputs = (
-            on_device
-            if padded == batch
-            else [  # (prefills are not padded)
-                torch.cat([t, t.new_full((padded - batch, *t.shape[1:]), fill)])
-                for t, fill in zip(on_device, fills, strict=True)
-            ]
-        )
-        self.cache.lengths[self.scratch_row] = 0
-        return [t[:batch] for t in fn(padded_inputs[0], padded_inputs[1:], kv_len, view_start)]
-
-    def _step(
+    def step_forward(
         self,
         rows: torch.Tensor,
         input_ids: torch.Tensor,
         num_valid: torch.Tensor,
-        kv_len: int,
+        *,
+        shape: StepShape,
         last_only: bool,
-        view_start: int | None,
     ) -> torch.Tensor:
-        """The forward proper, free of host syncs so that a CUDA graph can capture it."""
+        """The forward proper, inside a step's body: appends `input_ids[b, :num_valid[b]]` to row `rows[b]` and
+        returns the logits (`[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only`) in
+        `logits_dtype`. Free of host syncs, so that a CUDA graph can capture it."""
         batch = input_ids.shape[0]
         # The first forward allocates the cache: eagerly, or compiled code would be specialised on an empty one.
         stance = self.stance() if self.cache.keys else "force_eager"
@@ -625,11 +528,11 @@ class ModelRunner:
         try:
             with torch.compiler.set_stance(stance):
                 starts = self.cache.lengths[rows]
-                positions, full, windowed = self._masks(starts, input_ids.shape[1], kv_len)
+                positions, full, windowed = self._masks(starts, input_ids.shape[1], shape.kv_len)
                 mask: torch.Tensor | dict[str, torch.Tensor] = full
                 if windowed is not None:
                     mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
-                self.cache.select(rows, positions, kv_len, view_start)
+                self.cache.select(rows, positions, kv_len=shape.kv_len, view_start=shape.view_start)
                 kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
                 if windowed is None:
                     kwargs[CAUSAL_BY_POSITIONS] = True
@@ -665,166 +568,3 @@ class ModelRunner:
         """[B, n, kv] booleans -> the [B, 1, n, kv] additive mask that eager and SDPA attention both accept."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
-
-
-GraphFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
-# A captured step: its chain of graphs, its input buffers, its outputs
-Captured = tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]
-
-
-def _graphable(tokens: int, last_only: bool) -> bool:
-    """Whether a step of `tokens` per row runs as a CUDA graph: short steps, not prefills."""
-    return not last_only and tokens <= MAX_GRAPH_TOKENS
-
-
-def _as_given(rows: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The starter of a step whose inputs are its tokens already: (input_ids, num_valid, *extras)."""
-    return inputs
-
-
-def _logits(
-    rows: torch.Tensor, input_ids: torch.Tensor, num_valid: torch.Tensor, before: torch.Tensor, logits: torch.Tensor
-) -> list[torch.Tensor]:
-    """The finisher of a plain forward: its logits, in float32."""
-    return [logits.float()]
-
-
-class CudaGraphs:
-    """Captured steps of one runner, keyed by (what, padded batch, key length, block, the inputs' shapes).
-
-    Inputs are copied into static buffers before a replay; graphs of one input shape share them (replays never
-    overlap: one runner, one stream), but each batch block has its own buffer for the rows. A step's rows are copied
-    only when they differ from those its buffer holds: a batch's rows repeat from step to step, and each copy costs
-    the host ~17 us (run 23d) while the GPU waits for the launch. The returned outputs live in the graphs' shared
-    memory pool and are valid until the runner's next replay of any graph: one captured later may have its outputs
-    where an earlier one keeps its intermediates (seen on an H200: a one-token step's logits overwritten by the next
-    verify-sized replay).
-    """
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.pool = torch.cuda.graph_pool_handle()
-        # torch.cuda.graph's default capture stream is one per process, made on whichever device was current.
-        self.capture_stream = torch.cuda.Stream(runner.device)
-        self.graphs: dict[tuple[object, ...], Captured] = {}
-        self.buffers: dict[tuple[object, ...], torch.Tensor] = {}
-        # A rows buffer's address -> the host rows last copied into it (and its padding filled)
-        self.rows_held: dict[int, torch.Tensor] = {}
-
-    def run(
-        self,
-        key: tuple[object, ...],
-        fn: GraphFn,
-        inputs: list[torch.Tensor],
-        fills: list[int],
-        padded: int,
-        block: int | None = None,
-    ) -> list[torch.Tensor]:
-        """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), whose rows past
-        theirs up to `padded` hold `fills`; `block`: the batch's block of cache rows (its rows' buffer is its
-        own)."""
-        # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
-        # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
-        with torch.cuda.device(self.runner.device):
-            batch = len(inputs[0])
-            if key not in self.graphs:
-                start = time.perf_counter()
-                self.graphs[key] = self._capture(fn, inputs, fills, padded, block)
-                log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
-            graphs, static, outputs = self.graphs[key]
-            self._copy_inputs(static, inputs, fills, padded)
-            for graph in graphs:
-                graph.replay()
-            return [t[:batch] for t in outputs]
-
-    def _copy_inputs(
-        self, static: list[torch.Tensor], inputs: list[torch.Tensor], fills: list[int], padded: int
-    ) -> None:
-        """Into a graph's input buffers: `inputs`, then `fills` in the padding rows up to `padded`."""
-        batch = len(inputs[0])
-        rows, held = inputs[0], self.rows_held.get(static[0].data_ptr())
-        # (torch.equal of two host tensors of a few dozen rows: ~2 us)
-        unchanged = not rows.is_cuda and held is not None and held.shape == rows.shape and torch.equal(held, rows)
-        for position, (buffer, value, fill) in enumerate(zip(static, inputs, fills, strict=True)):
-            if position == 0 and unchanged:
-                continue
-            buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
-            if batch < padded:
-                buffer[batch:].fill_(fill)
-        if rows.is_cuda:
-            self.rows_held.pop(static[0].data_ptr(), None)
-        elif not unchanged:
-            self.rows_held[static[0].data_ptr()] = rows.clone()
-
-    def _capture(
-        self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int, block: int | None
-    ) -> Captured:
-        # GRAPH_BLAS's kernels go into the graph (and its workspace is allocated in the warm-up, before the capture).
-        # The switch is process-wide: in `serve --single-process` the other worker's prefill meanwhile may get them
-        # too (a few % slower or faster).
-        library = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library(GRAPH_BLAS)
-        try:
-            return self._warm_and_capture(fn, inputs, fills, padded, block)
-        finally:
-            torch.backends.cuda.preferred_blas_library(library)
-
-    def _warm_and_capture(
-        self, fn: GraphFn, inputs: list[torch.Tensor], fills: list[int], padded: int, block: int | None
-    ) -> Captured:
-        device = self.runner.device
-        static = []
-        for position, (value, fill) in enumerate(zip(inputs, fills, strict=True)):
-            shape = (padded, *value.shape[1:])
-            # The rows' buffer is the batch block's own (the rows repeat per batch); the others, among them a sampled
-            # verify's draft probabilities (131 MB at B=64 over 128k), are shared.
-            buffer_key = (position, shape, value.dtype, block if position == 0 else None)
-            if buffer_key not in self.buffers:
-                self.buffers[buffer_key] = torch.empty(shape, dtype=value.dtype, device=device)
-            static.append(self.buffers[buffer_key].fill_(fill))  # every row the scratch row's while capturing
-        self.rows_held.pop(static[0].data_ptr(), None)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; scratch row only
-            for _ in range(2):
-                fn(static[0], static[1:])
-        torch.cuda.current_stream(device).wait_stream(side)
-        # A chain of graphs rather than one: launching a graph takes the host ~0.3 us a kernel (0.2 ms for an 8B
-        # verify's ~600), and the GPU starts only at the launch's end. Each next graph of the chain is about as long
-        # as all before it, so its launch runs while they do: the GPU waits only for the first (one layer's kernels).
-        # They share the pool and always replay in capture order, so each finds the tensors the one before left.
-        graphs = [torch.cuda.CUDAGraph()]
-        layer_calls, next_start = 0, 2  # counted from 1: the second call begins the second graph
-
-        def next_graph_as_it_grows() -> None:
-            nonlocal layer_calls, next_start
-            layer_calls += 1
-            if layer_calls == next_start:
-                next_start *= CHAIN_GROWTH
-                graphs[-1].capture_end()
-                graphs.append(torch.cuda.CUDAGraph())
-                graphs[-1].capture_begin(self.pool, capture_error_mode="thread_local")
-
-        with _CAPTURING:
-            # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
-            # that capture: seen on an H200. So collect first, and not during. (Cheap in a service: its start-up
-            # objects are frozen, see server_utils.start_server.) One capture at a time per process: the collector's
-            # switch is process-wide, and two workers of one process (`serve --single-process`) prepare at once.
-            gc.collect()
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                torch.cuda.synchronize(device)
-                # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
-                with torch.cuda.stream(self.capture_stream):
-                    graphs[0].capture_begin(self.pool, capture_error_mode="thread_local")
-                    try:
-                        self.runner.before_layer = next_graph_as_it_grows if SPLIT_LAUNCH else None
-                        outputs = fn(static[0], static[1:])
-                    finally:
-                        self.runner.before_layer = None
-                        graphs[-1].capture_end()
-            finally:
-                if collecting:
-                    gc.enable()
-        return graphs, static, outputs

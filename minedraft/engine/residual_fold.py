@@ -3,7 +3,7 @@
 Each decoder layer is compiled on its own (`model_runner.compile_decoder_layers`), and inductor cannot fuse across
 compiled functions: a layer's last residual add (its input plus the MLP's output) ran as a kernel of its own, whose
 result the next layer's input norm read back, ~2.3 us a layer of an 8B verify at batch 16 on an H200 with the launch
-gap between them (run 24a). Here a layer returns the MLP's output and hands its residual on; the next layer adds the
+gap between them. Here a layer returns the MLP's output and hands its residual on; the next layer adds the
 two inside its compiled code, where the sum fuses with its input norm, and the base model's final norm adds the last
 pair. The arithmetic is transformers' own, in its order: uncompiled, the same bits. Hidden states asked of the model
 (`output_hidden_states`) become each layer's MLP output rather than the residual stream; the runner asks for none.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,18 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class SamplingKind(NamedTuple):
+    """What a batch's sampling needs, known on the host (`SequenceTable.sampling_kind`): each kind its own code, and
+    its own CUDA graphs."""
+
+    all_greedy: bool  # every row greedy: no probabilities are made
+    filtered: bool  # some row restricted by top-k or top-p
+
+    @property
+    def name(self) -> str:
+        return "greedy" if self.all_greedy else "filtered" if self.filtered else "sampled"
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from minedraft.engine.model_runner import Arrangement, Finisher, ModelRunner
-from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig, seed_key
+from minedraft.engine.model_runner import Arrangement, ModelRunner, StepBody
+from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig, SamplingKind, seed_key
 from minedraft.errors import UnknownSequenceError
 
 # A prefill forward's fixed cost, in prompt tokens: on an H200 one prompt of 512 tokens took 46.7 ms where each of 16
-# took 16.2 ms (run 18c), about 1000 tokens' worth more.
+# took 16.2 ms, about 1000 tokens' worth more.
 PREFILL_FORWARD_COST = 1024
 
 
@@ -56,7 +56,7 @@ class SequenceTable:
         # sequence ids, their rows, the rows as a host tensor; sequence ids -> their sampling kind): forgotten
         # whenever a sequence comes or goes. Host time before a step's launch leaves the GPU idle.
         self._rows_of_batch: dict[int | None, tuple[tuple[int, ...], list[int], torch.Tensor]] = {}
-        self._kinds: dict[tuple[int, ...], tuple[bool, bool]] = {}
+        self._kinds: dict[tuple[int, ...], SamplingKind] = {}
 
     def __len__(self) -> int:
         return len(self.rows_by_id)
@@ -96,13 +96,16 @@ class SequenceTable:
         seq_ids: Sequence[int],
         prompts: Sequence[Sequence[int]],
         configs: Sequence[SamplingConfig],
-        finish: Finisher,
+        *,
         kind: str,
+        body: StepBody,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Take rows for new sequences and cache their prompts, in a padded forward per group of similar lengths
-        (`prefill_groups`), whose logits after each prompt's last token go to `finish` (`ModelRunner.score`).
+        """Take rows for new sequences and cache their prompts: a step of `kind` per group of prompts of similar
+        lengths (`prefill_groups`), padded to its longest, whose `body` runs the forward and makes what it will of
+        the logits after each prompt's last token (`ModelRunner.prepare`, `last_only`).
 
-        Returns (rows, prompt lengths, what `finish` made, in the order of `prompts`); on failure the rows are freed.
+        Returns (rows, prompt lengths, what the bodies made, in the order of `prompts`); on failure the rows are
+        freed.
         """
         if not prompts:
             raise ValueError("a prefill needs at least one prompt")
@@ -118,17 +121,15 @@ class SequenceTable:
                 for row, i in enumerate(group):
                     ids[row, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
                 index = torch.tensor(group, device=device)
-                parts.append(
-                    self.runner.score(
-                        rows[index],
-                        [ids.to(device), lengths[index]],
-                        finish,
-                        kind,
-                        needed=longest,
-                        tokens=longest,
-                        last_only=True,
-                    )
+                step = self.runner.prepare(
+                    kind=kind,
+                    rows=rows[index],
+                    inputs=(ids.to(device), lengths[index]),
+                    needed=longest,
+                    tokens=longest,
+                    last_only=True,
                 )
+                parts.append(self.runner.run(step, body))
             outputs = parts[0]
             if len(groups) > 1:  # back in the prompts' order
                 back = torch.tensor([i for group in groups for i in group], device=device).argsort()
@@ -171,9 +172,9 @@ class SequenceTable:
 
     def sampling_kind(
         self, seq_ids: Sequence[int], vocab: int, configs: Sequence[SamplingConfig] | None = None
-    ) -> tuple[bool, bool]:
-        """(every sequence greedy, some sequence restricted by top-k or top-p), known on the host; `configs`: of
-        sequences not held yet."""
+    ) -> SamplingKind:
+        """Whether every sequence is greedy and whether some sequence is restricted by top-k or top-p, known on the
+        host; `configs`: of sequences not held yet."""
         if configs is None:
             ids = tuple(seq_ids)
             if ids not in self._kinds:
@@ -181,7 +182,10 @@ class SequenceTable:
                     self._kinds.clear()
                 self._kinds[ids] = self.sampling_kind(ids, vocab, [self.configs_by_id[s] for s in ids])
             return self._kinds[ids]
-        return (all(c.greedy for c in configs), any(0 < c.top_k < vocab or c.top_p < 1 for c in configs))
+        return SamplingKind(
+            all_greedy=all(c.greedy for c in configs),
+            filtered=any(0 < c.top_k < vocab or c.top_p < 1 for c in configs),
+        )
 
     def _forget_batches(self) -> None:
         self._rows_of_batch.clear()

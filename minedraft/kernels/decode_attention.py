@@ -111,7 +111,7 @@ def _chunk_kernel(
         inside = n < end
         if MASK:
             bias = tl.load(mask_rows + n[None, :] * sm_n, mask=live[:, None] & inside[None, :], other=float("-inf"))
-        else:  # causal by the positions alone: no load for the loop's loads to wait on (run 21a)
+        else:  # causal by the positions alone: no load for the loop's loads to wait on
             bias = tl.where(live[:, None] & (n[None, :] <= own[:, None]), 0.0, float("-inf"))
         k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=inside[:, None], other=0.0)
         v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=inside[:, None], other=0.0)
@@ -190,7 +190,7 @@ def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, in
     """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` (row, K/V head) blocks and `queries`
     tokens per row.
 
-    From the sweep on an H200 (run 15a, us per layer at prefix 512, rows at 512-768 keys): steps of several tokens
+    From a sweep on an H200 (us per layer at prefix 512, rows at 512-768 keys): steps of several tokens
     take 64-key tiles, one program per SM (each reads its keys for all of them) and three stages (8B verify at
     batch 1, 16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token decodes take 64-key tiles while the blocks
     are fewer than the SMs, 128 beyond, two programs per SM and two stages (68M decode at 1, 16, 32: 5.5, 15.0, 22.3;
@@ -204,7 +204,7 @@ def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, in
 def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
     """How many chunks each (row, K/V head) block's keys are cut into: as many as fit in one wave of
     `programs_per_sm` programs on every SM. Rounding up instead (a second, partial wave; and a merge where one chunk
-    fits) was 20-25% slower for an 8B verify at batch 8 and 16 (run 21a)."""
+    fits) was 20-25% slower for an 8B verify at batch 8 and 16."""
     wanted = programs_per_sm * _sm_count(device) // blocks
     return max(1, min(wanted, math.ceil(keys / block_keys)))
 

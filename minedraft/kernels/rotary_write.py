@@ -1,7 +1,7 @@
 """A step's rotary embedding and K/V cache write as one Triton kernel, from the fused Q/K/V projection's output.
 
 Compiled, these were three kernels per layer (the queries' rotation; the keys' rotation with their scatter into the
-cache; the values' scatter): 10.9 us of an 8B verify's layer at batch 16 on an H200 (run 20a), for a few hundred kB.
+cache; the values' scatter): 10.9 us of an 8B verify's layer at batch 16 on an H200, for a few hundred kB.
 One program per (token, head) rotates or copies its head's vector and stores it where it goes: the queries to a
 `[B, n, heads, D]` tensor, keys and values to their rows and positions in the cache. The arithmetic rounds as
 transformers' eager code does (each product and the sum to the input's type), so eager steps give the same bits on
