@@ -2,7 +2,7 @@
 
 The paths: the Triton kernels, fused SDPA and two matmuls.
 
-A layer's attention alone does not predict a whole step's (run 12, docs/benchmarks.md): choose paths by whole-step
+A layer's attention alone does not predict a whole step's: choose paths by whole-step
 A/Bs (`benchmarks/gpu_run.sh ab compile`) and use this to see where the paths stand against the K/V floor.
 """
 
@@ -119,7 +119,7 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len)
             kv_bytes = 2 * batch * kv_heads * args.prefix * SHAPES[name][2] * 2  # bf16 K and V up to the prefix
-            floor_us = kv_bytes / 4.2e12 * 1e6  # run 11's measured copy bandwidth of an H200
+            floor_us = kv_bytes / 4.2e12 * 1e6  # an H200's measured copy bandwidth
             times, outputs = {}, {}
             for path in PATHS:
                 # The kernels run whenever KERNELS is set; without them takes_matmuls() picks the other two.

@@ -1,6 +1,6 @@
 """The 8B target's projections at a verify's row counts under cuBLAS and cuBLASLt: us per call and TB/s of the weight.
 
-A verify's GEMMs are most of its time (run 17b: 3.94 of 4.6 ms at B=1), and at few rows cuBLAS splits K and adds a
+A verify's GEMMs are most of its time (3.94 of 4.6 ms at B=1), and at few rows cuBLAS splits K and adds a
 reduction kernel per call. `torch.backends.cuda.preferred_blas_library` (or TORCH_BLAS_PREFER_CUBLASLT=1) routes
 the same `torch.nn.functional.linear` through cuBLASLt, which may choose other kernels. Each figure: 32 calls, each
 on its own weight (no cache reuse, as 32 layers), replayed in a CUDA graph.
@@ -30,7 +30,7 @@ SHAPES = [
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     """x @ weight.T as `splits` GEMMs over slices of the inputs' features, one batched call with float32 outputs,
-    summed: `splits` times the thread blocks of one GEMM whose output tiles alone leave SMs idle (run 20d: the 8B
+    summed: `splits` times the thread blocks of one GEMM whose output tiles alone leave SMs idle (the 8B
     output projection at 80 rows ran 64 blocks on 132 SMs, at 2.2 TB/s)."""
     rows, features = x.shape
     parts = torch.bmm(

@@ -4,8 +4,8 @@
 #                       (BATCHES= empty: the tests only)
 #   services DRAFTS     PSD and SD (MODES=psd,sd,ar adds AR) through the services (two GPUs when there are:
 #                       cuda-ipc and nccl, SD baselines); an 8B pair's PSD stack takes 132 s to start with its
-#                       precapture (run 12d), so AR rarely fits in the same call. On one GPU psd under the default
-#                       OVERLAP=auto runs one merged batch (run 25e): OVERLAP=always measures its two batches
+#                       precapture, so AR rarely fits in the same call. On one GPU psd under the default
+#                       OVERLAP=auto runs one merged batch: OVERLAP=always measures its two batches
 #   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s,
 #                       and prompts of mixed lengths grouped by length against one forward (COMPILE=1: compiled)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
@@ -43,7 +43,7 @@ ab)
     shift
     [ -d .old ] || { echo "ab: put the files of the version to compare against in .old/" >&2; exit 2; }
     rm -rf /tmp/old && mkdir /tmp/old && cp -r . /tmp/old && cp -r .old/. /tmp/old/ || exit 1
-    # The half that runs second has met a warmer (or busier) GPU: AB_ORDER=new-first swaps them (run 16c/d).
+    # The half that runs second has met a warmer (or busier) GPU: AB_ORDER=new-first swaps them.
     if [ "${AB_ORDER:-old-first}" = new-first ]; then
         bash benchmarks/gpu_run.sh "$@"
         (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
@@ -154,6 +154,6 @@ kvgather)
     ;;
 esac
 # A stack whose bench ran past its time leaves its services running, holding GPU memory: the next stage's ran out
-# of it (run 27b).
+# of it.
 pkill -9 -f "[m]inedraft(\.cli)? (bench|target|draft|coordinator)" 2>/dev/null
 tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"  # stages can run one after another in one call

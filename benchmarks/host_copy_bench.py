@@ -1,6 +1,6 @@
 """Host time of the copies that put a step's inputs into its CUDA graph's buffers, by kind of source.
 
-Before a verify's first graph launch the host spends 0.10-0.20 ms (runs 22d, 23b), of it 35-62 us in the copies into
+Before a verify's first graph launch the host spends 0.10-0.20 ms, of it 35-62 us in the copies into
 the graph's input buffers (the rows, from host memory, and the drafts, on the device). Each figure: median host
 microseconds per call of `buffer[:batch].copy_(source, non_blocking=True)` while the GPU is busy with other work
 (as when a verify is sent ahead), for a source in pageable memory, pinned memory and device memory, one input at a

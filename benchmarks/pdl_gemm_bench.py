@@ -1,6 +1,6 @@
 """A verify's projections as Triton GEMMs chained by programmatic dependent launch (PDL), against cuBLASLt.
 
-In a CUDA graph each of a layer's four GEMMs costs ~6.6 us beyond its weight's bytes at 4.6 TB/s (run 22a's table
+In a CUDA graph each of a layer's four GEMMs costs ~6.6 us beyond its weight's bytes at 4.6 TB/s (a measured table
 fits t = 6.6 us + bytes / 4.64 TB/s from 5 to 80 rows): 0.84 ms of an 8B verify, more than its gap to 1.3x the
 floor. Part of it is each kernel's start (launch, the first weight bytes' latency) after the previous one's last
 block. With PDL (Hopper), a kernel is launched while the one before runs; its blocks read their first weight tile,

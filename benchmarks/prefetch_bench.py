@@ -1,7 +1,7 @@
 """The 8B verify's attention and output projection, with and without the projection's weight prefetched into L2.
 
 At a verify's 40-80 rows cuBLASLt runs the output projection (4096 x 4096) on 64 thread blocks, each bound by
-what one SM can pull from memory (run 22d: 15.9 us a layer, 2.1 TB/s), while the attention before it leaves memory
+what one SM can pull from memory (15.9 us a layer, 2.1 TB/s), while the attention before it leaves memory
 bandwidth unused. `prefetch` asks L2 for the weight from a side stream as the attention starts. Each figure: us per
 layer, 32 layers (each its own K/V and weight) replayed in a CUDA graph. Run 22e: the projection read from L2 was
 still 12 us, and the prefetch slowed the attention beside it by more (docs/benchmarks.md).
@@ -29,7 +29,7 @@ LINES_PER_PROGRAM = 1024
 @triton.jit
 def _prefetch_kernel(ptr, last_byte, LINES: tl.constexpr, LINE_BYTES: tl.constexpr):
     """Program: one L2 prefetch per line, kept in L2 ahead of streamed data (evict_last); nothing is read into the
-    SM (yet the kernel lasts as long as a read of the whole tensor would: 8 us for 33.5 MB in run 22e)."""
+    SM (yet the kernel lasts as long as a read of the whole tensor would: 8 us for 33.5 MB)."""
     offsets = (tl.program_id(0) * LINES + tl.arange(0, LINES)).to(tl.int64) * LINE_BYTES
     tl.inline_asm_elementwise(
         "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",

@@ -122,7 +122,7 @@ def test_overlap_policy_is_not_swayed_by_a_few_slow_steps() -> None:
 
 
 def test_overlap_policy_rarely_tries_a_much_slower_strategy_but_still_notices_a_change() -> None:
-    """Two GPUs: sequential steps cost twice overlapped ones (run 7). Trials of the slow way stay rare; when the
+    """Two GPUs: sequential steps cost twice overlapped ones. Trials of the slow way stay rare; when the
     costs turn (the draft moves to a shared GPU, say), the policy follows within a few trial intervals."""
     policy = OverlapPolicy("auto")
 
