@@ -148,10 +148,10 @@ class Pair:
         max_len = max(2048, prefix + (steps + 4) * (k + 1) * 3 + 16)
         graphs = not EAGER
         self.verifier = Verifier(
-            ModelRunner(target, 2 * batch, max_len, graphs, COMPILE, groups=2), [], synthetic_acceptance=synthetic
+            ModelRunner(target, 2 * batch, max_len, graphs, COMPILE), [], synthetic_acceptance=synthetic
         )
         self.verifier.warm_up(k)
-        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE, groups=2))
+        self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE))
         self.k, self.batch = k, batch
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
         self.d_stream = torch.cuda.Stream(self.proposer.runner.device)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from minedraft.engine.attention import fused_query_tokens
-from minedraft.engine.model_runner import Arrangement, ModelRunner, StepShape
+from minedraft.engine.model_runner import ModelRunner, StepShape
 from minedraft.engine.sampling import (
     STREAM_DRAFT,
     SamplingConfig,
@@ -54,12 +54,14 @@ class Proposer:
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
-    ) -> None:
-        rows, lengths, _ = self.table.prefill(seq_ids, prompts, configs, kind="prefill", body=self._cache_only)
+    ) -> list[int]:
+        """Cache the prompts; the prompt tokens each found in the prefix cache."""
+        rows, lengths, _, cached = self.table.prefill(seq_ids, prompts, configs, kind="prefill", body=self._cache_only)
         self.committed[rows] = lengths
         self.last_k[rows] = 0
         for row, prompt in zip(self.table.row_list(seq_ids), prompts, strict=True):
             self.committed_host[row], self.last_k_host[row] = len(prompt), 0
+        return cached
 
     def propose(
         self,
@@ -80,17 +82,20 @@ class Proposer:
             raise ValueError("a proposal drafts at least one token")
         if any(missed):
             self._catch_up(seq_ids, num_accepted.tolist(), missed)
-        host_rows, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
+        host_rows, rows = self.table.batch_rows(seq_ids, batch_id)
         # The lengths the proposal's forwards reach, from the host copies: the first writes both tail positions of
-        # every row, valid or not, each later one appends one token.
+        # every row, valid or not, each later one appends one token. Blocks past what a row keeps go back, and those
+        # its writes reach are taken (all, or a CapacityError).
         kept_and_tail = [self._kept_and_tail(row, accepted) for row, accepted in zip(host_rows, num_accepted.tolist())]
         widest = max(kept for kept, _ in kept_and_tail) + TAIL_TOKENS
         longest = max(kept + tail for kept, tail in kept_and_tail)
+        cache = self.runner.cache
+        for row, (kept, _) in zip(host_rows, kept_and_tail):
+            cache.trim(row, kept)
+        cache.reserve(host_rows, [max(kept + TAIL_TOKENS, kept + tail + k - 1) for kept, tail in kept_and_tail])
         kind = self._drafting_kind(self.table.sampling_kind(seq_ids, self.runner.vocab_size))
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
-        outputs = self._run_proposal(
-            rows, verdicts, k=k, kind=kind, needed=max(widest, longest + k - 1), arrangement=arrangement
-        )
+        outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=max(widest, longest + k - 1), lane=batch_id)
         for row, (kept, tail) in zip(host_rows, kept_and_tail):
             self.committed_host[row], self.last_k_host[row] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
@@ -107,7 +112,7 @@ class Proposer:
         k: int,
         kind: SamplingKind,
         needed: int,
-        arrangement: Arrangement | None,
+        lane: int | None,
     ) -> list[torch.Tensor]:
         """The proposal step: prepared on the target's verdicts `[B, 2]` (accepted count, emitted token), then run;
         `needed` is the longest row after its last forward."""
@@ -118,7 +123,7 @@ class Proposer:
             needed=needed,
             tokens=TAIL_TOKENS,
             forwards=k,
-            arrangement=arrangement,
+            lane=lane,
         )
         return self.runner.run(step, functools.partial(self._proposal_step, k=k, kind=kind))
 
@@ -167,6 +172,9 @@ class Proposer:
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_reconcile`: a wider target vocabulary)
         lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
+        for row, keep in zip(host_rows, kept):
+            self.runner.cache.trim(row, keep)
+        self.runner.cache.reserve(host_rows, lengths)
         self.runner.truncate(rows, torch.tensor(kept, dtype=torch.long, device=device))
         step = self.runner.prepare(
             kind="catch-up",
@@ -182,7 +190,7 @@ class Proposer:
         for row, length in zip(host_rows, lengths):
             self.committed_host[row], self.last_k_host[row] = length, 0
 
-    def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
+    def precapture(self, k: int, max_batch: int) -> int:
         """Run every kind of proposal of k tokens in every shape serving can give it (`ModelRunner.precapture`)."""
         kinds = [SamplingKind(all_greedy=True, filtered=False)]
         if not self.greedy_drafts:
@@ -190,15 +198,13 @@ class Proposer:
         shapes = 0
         for kind in kinds:
             proposal = functools.partial(self._scratch_proposal, k=k, kind=kind)
-            shapes += self.runner.precapture(max_batch=max_batch, n=TAIL_TOKENS, run_step=proposal, groups=batch_ids)
+            shapes += self.runner.precapture(max_batch=max_batch, n=TAIL_TOKENS, run_step=proposal)
         return shapes
 
-    def _scratch_proposal(
-        self, rows: torch.Tensor, needed: int, arrangement: Arrangement | None, *, k: int, kind: SamplingKind
-    ) -> None:
+    def _scratch_proposal(self, rows: torch.Tensor, needed: int, *, k: int, kind: SamplingKind) -> None:
         """A proposal after a verdict of zeros on scratch rows, as `precapture` runs it."""
         verdicts = torch.zeros(len(rows), 2, dtype=torch.long, device=rows.device)
-        self._run_proposal(rows, verdicts, k=k, kind=kind, needed=needed, arrangement=arrangement)
+        self._run_proposal(rows, verdicts, k=k, kind=kind, needed=needed, lane=None)
 
     def _kept_and_tail(self, row: int, accepted: int) -> tuple[int, int]:
         """(tokens the row's cache keeps, tokens committed but not cached yet) after the target's verdict."""

@@ -43,8 +43,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self, server)
 
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
-        self.proposer.prefill(seq_ids, prompts, configs)
-        return {}
+        return {"cached_prompt_tokens": self.proposer.prefill(seq_ids, prompts, configs)}
 
     @grpc_errors
     async def Propose(
@@ -62,7 +61,8 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         check_batch_id(request.batch_id)
         missed = self._missed_tokens(request)
         (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request, missed)
-        return draft_pb2.ProposeResponse(drafts=payload, timings=timings(start_unix, compute_s, channel_s, queue_s))
+        timed = timings(start_unix, compute_s, channel_s, queue_s)
+        return draft_pb2.ProposeResponse(drafts=payload, timings=timed, free_blocks=self.worker.runner.free_blocks)
 
     def _missed_tokens(self, request: draft_pb2.ProposeRequest) -> list[list[int]]:
         """Each sequence's tokens in `missed_token_ids`, checked (none when `num_missed_tokens` is empty)."""

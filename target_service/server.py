@@ -29,14 +29,16 @@ _FINISH = {
 
 
 def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.SequenceResult]:
+    cached = result.cached_tokens or [0] * len(seq_ids)
     return [
         target_pb2.SequenceResult(
             seq_id=seq_id,
             token_ids=tokens,
             num_accepted=accepted,
             finish_reason=_FINISH.get(finish, generation_pb2.FINISH_REASON_UNSPECIFIED),
+            cached_prompt_tokens=hits,
         )
-        for seq_id, (tokens, accepted, finish) in zip(seq_ids, result.per_row())
+        for seq_id, (tokens, accepted, finish), hits in zip(seq_ids, result.per_row(), cached, strict=True)
     ]
 
 
@@ -66,10 +68,10 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
     def add_to(self, server: grpc.aio.Server) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, server)
 
-    async def prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
+    async def prepare(self, k: int, max_batch_size: int) -> None:
         """The acceptance compiled (with --compile), then the step shapes run (with --precapture-graphs): each once."""
         await self.worker.run(self.verifier.warm_up, k)
-        await super().prepare(k, max_batch_size, num_batches)
+        await super().prepare(k, max_batch_size)
 
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
         # The results are read on the compute thread: its CUDA stream is the one that made them.
@@ -89,7 +91,8 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         (results, channel_s), queue_s, compute_s = await self.worker.run_timed(
             self._verify, seq_ids, request.drafts, request.num_draft_tokens, request.batch_id
         )
-        return target_pb2.VerifyResponse(results=results, timings=timings(start_unix, compute_s, channel_s, queue_s))
+        timed = timings(start_unix, compute_s, channel_s, queue_s)
+        return target_pb2.VerifyResponse(results=results, timings=timed, free_blocks=self.worker.runner.free_blocks)
 
     def _verify(
         self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int, batch_id: int

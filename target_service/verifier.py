@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minedraft.engine.model_runner import Arrangement, ModelRunner, StepShape
+from minedraft.engine.model_runner import ModelRunner, StepShape
 from minedraft.engine.sampling import SamplingConfig, SamplingKind
 from minedraft.engine.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
@@ -36,6 +36,7 @@ class StepResult:
     packed: torch.Tensor  # [B, 3 + m]; row b emits its tokens[:emitted]; accepted drafts (0 for prefill and AR);
     # finish is RUNNING, FINISHED_STOP or FINISHED_LENGTH
     on_read: Callable[[list[int]], None] | None = None  # told each row's emitted count once the host has it
+    cached_tokens: list[int] | None = None  # a prefill's: the prompt tokens each row found in the prefix cache
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
         """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step."""
@@ -82,9 +83,10 @@ class Verifier:
         the last prompt token had been pending."""
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size, configs)
         body = functools.partial(self._prefill_step, kind=kind)
-        _, _, (packed,) = self.table.prefill(seq_ids, prompts, configs, kind=_step_kind(kind), body=body)
+        _, _, (packed,), cached = self.table.prefill(seq_ids, prompts, configs, kind=_step_kind(kind), body=body)
         rows = self.table.row_list(seq_ids)
-        return StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]))  # the last one is pending
+        # (the last token of each prompt is pending)
+        return StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]), cached_tokens=cached)
 
     def verify(
         self,
@@ -96,20 +98,19 @@ class Verifier:
         """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest:
         all in the step's CUDA graph (`_verify_step`).
 
-        k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's K/V in
-        a block of cache rows of its own, read without a copy.
+        k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's rows in
+        graph buffers of its own. The blocks the k + 1 positions need are taken first: all, or a CapacityError.
         """
-        host_rows, rows, arrangement = self.table.arranged_rows(seq_ids, batch_id)
+        host_rows, rows = self.table.batch_rows(seq_ids, batch_id)
         k = draft_ids.shape[1]
         if all(r in self.cached for r in host_rows):
             before = [self.cached[r] for r in host_rows]
         else:  # a row whose last result was not read (a failed call): ask the device
             before = self.runner.cache.lengths[rows.to(self.runner.device)].tolist()
+        self.runner.cache.reserve(host_rows, [length + k + 1 for length in before])
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         probs = () if draft_probs is None else (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
-        (packed,) = self._run_verify(
-            rows, draft_ids, probs, kind=kind, needed=max(before) + k + 1, arrangement=arrangement
-        )
+        (packed,) = self._run_verify(rows, draft_ids, probs, kind=kind, needed=max(before) + k + 1, lane=batch_id)
         for r in host_rows:  # unknown until the result is read
             self.cached.pop(r, None)
         return StepResult(packed, self._recorder(host_rows, before))
@@ -126,7 +127,7 @@ class Verifier:
         *,
         kind: SamplingKind,
         needed: int,
-        arrangement: Arrangement | None,
+        lane: int | None,
     ) -> list[torch.Tensor]:
         """The verify step: prepared on the drafts (and their probabilities), then run. The pending tokens are
         gathered inside its graph, which leaves the host only the copies into the graph's inputs."""
@@ -137,7 +138,7 @@ class Verifier:
             inputs=(draft_ids, *probs),
             needed=needed,
             tokens=k + 1,
-            arrangement=arrangement,
+            lane=lane,
         )
         return self.runner.run(step, functools.partial(self._verify_step, kind=kind))
 
@@ -186,14 +187,16 @@ class Verifier:
 
     def _recorder(self, rows: list[int], starts: list[int]) -> Callable[[list[int]], None]:
         """What a step's result tells the host once read: each row now caches its start plus what it emitted
-        (`_commit`)."""
+        (`_commit`), and the blocks past that go back."""
 
         def record(emitted: list[int]) -> None:
-            self.cached.update((row, start + n) for row, start, n in zip(rows, starts, emitted, strict=True))
+            for row, start, n in zip(rows, starts, emitted, strict=True):
+                self.cached[row] = start + n
+                self.runner.cache.trim(row, start + n)
 
         return record
 
-    def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int:
+    def precapture(self, k: int, max_batch: int) -> int:
         """Run the verify of k drafts in every shape serving can give it (`ModelRunner.precapture`), for each kind of
         batch a proposer sends by default: all greedy (ids only), sampled and filtered (with the draft's
         probabilities); with k > 0 the target's step alone too (k = 0), which a speculating coordinator runs while
@@ -201,17 +204,15 @@ class Verifier:
         shapes = 0
         for drafts, kind in itertools.product(sorted({k, 0}, reverse=True), KINDS):
             verify = functools.partial(self._scratch_verify, drafts=drafts, kind=kind)
-            shapes += self.runner.precapture(max_batch=max_batch, n=drafts + 1, run_step=verify, groups=batch_ids)
+            shapes += self.runner.precapture(max_batch=max_batch, n=drafts + 1, run_step=verify)
         return shapes
 
-    def _scratch_verify(
-        self, rows: torch.Tensor, needed: int, arrangement: Arrangement | None, *, drafts: int, kind: SamplingKind
-    ) -> None:
+    def _scratch_verify(self, rows: torch.Tensor, needed: int, *, drafts: int, kind: SamplingKind) -> None:
         """A verify of zero drafts (and probabilities, when sampled) on scratch rows, as `precapture` runs it."""
         draft_ids = torch.zeros(len(rows), drafts, dtype=torch.long, device=rows.device)
         vocab = self.runner.vocab_size
         probs = (torch.zeros(len(rows), drafts, vocab, device=rows.device),) if not kind.all_greedy and drafts else ()
-        self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, arrangement=arrangement)
+        self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, lane=None)
 
     @torch.inference_mode()
     def warm_up(self, k: int) -> None:

@@ -73,6 +73,5 @@ def test_compiled_layers_give_generate_output() -> None:
             torch.tensor(rows),
             torch.ones(batch, 1, dtype=torch.long),
             torch.ones(batch, dtype=torch.long),
-            arrangement=runner.arrange(rows, 0),
         )
         runner.release(rows)

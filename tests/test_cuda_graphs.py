@@ -55,7 +55,7 @@ def _model(device: str, seed: int) -> LlamaForCausalLM:
 
 
 def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    proposer = Proposer(ModelRunner(_model(device, 0), 8, 256, cuda_graphs=graphs, groups=2))
+    proposer = Proposer(ModelRunner(_model(device, 0), 8, 256, cuda_graphs=graphs))
     proposer.prefill(SEQS, PROMPTS, [CONFIGS[kind]] * len(SEQS))
     accepted, last = torch.zeros(3, dtype=torch.long), torch.tensor([5, 6, 7])
     out = []
@@ -76,7 +76,7 @@ def _verifies(
     """Verifies (acceptance and commit in the step's graph) of fixed drafts: ids only when greedy, with a draft's
     probabilities otherwise. `compiled` (True or False): a float32 model, its layers and acceptance compiled or not."""
     model = _model(device, 1) if compiled is None else _model(device, 1).float()
-    verifier = Verifier(ModelRunner(model, 8, 256, cuda_graphs=graphs, groups=2, compile_layers=bool(compiled)), [0])
+    verifier = Verifier(ModelRunner(model, 8, 256, cuda_graphs=graphs, compile_layers=bool(compiled)), [0])
     configs = [CONFIGS[kind]] * len(SEQS)
     out = [verifier.prefill(SEQS, PROMPTS, configs).per_row()]
     generator = torch.Generator().manual_seed(2)
@@ -156,7 +156,7 @@ def test_graph_verifies_equal_eager_ones(kind: str, device: str) -> None:
 def _compiled_steps(compiled: bool) -> list[torch.Tensor]:
     """Logits of a prefill, verify-sized steps and one-token steps, in float32 (so that compiled and eager code agree
     to rounding)."""
-    runner = ModelRunner(_model("cuda:0", 0).float(), 8, 256, cuda_graphs=compiled, compile_layers=compiled, groups=2)
+    runner = ModelRunner(_model("cuda:0", 0).float(), 8, 256, cuda_graphs=compiled, compile_layers=compiled)
     rows = torch.tensor(runner.allocate(3))
     generator = torch.Generator().manual_seed(4)
     # Each copied at once: a replayed step's logits live in its graph's buffers, which later replays reuse.
@@ -217,7 +217,7 @@ def test_only_graphed_steps_are_padded() -> None:
     """A prefill of 3 prompts runs on 3 rows (never a graph, so padding would only add work); a verify of the same 3
     rows runs padded to the batch bucket of 4, as its graph."""
     model = _model("cuda:0", 1)
-    verifier = Verifier(ModelRunner(model, 8, 256, groups=2), [0])
+    verifier = Verifier(ModelRunner(model, 8, 256), [0])
     batches: list[int] = []
     model.model.embed_tokens.register_forward_hook(lambda module, args, output: batches.append(args[0].shape[0]))
     verifier.prefill(SEQS, PROMPTS, [CONFIGS["greedy"]] * len(SEQS)).per_row()

@@ -289,61 +289,77 @@ def test_draft_with_a_narrower_vocabulary_accepts_any_target_token() -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_batches_kept_in_blocks_of_cache_rows_read_as_views(arch: str, tiny_models) -> None:
-    """Two batches whose members come, go and change batch (as the coordinator's do): `arrange` moves their K/V
-    into each batch's block of cache rows, and every step, read as views, gives the logits and leaves the K/V that
-    the same steps give gathering rows where they were first put."""
+def test_paged_rows_keep_the_kv_of_a_fresh_prefill_through_growth_and_rollback(arch: str, tiny_models) -> None:
+    """Rows that come and go, grow over many small blocks and roll back across block boundaries (as verifies do)
+    hold exactly the K/V that a fresh prefill of their committed tokens gives, and only the blocks those need;
+    once all are released every block is back."""
     model = tiny_models.target(arch, vocab=VOCAB)
-    slots, max_batch = 8, 4
-    blocks = ModelRunner(model, slots, 96, groups=2)
-    gathers = ModelRunner(model, slots, 96)
+    runner = ModelRunner(model, 6, 96, block_size=4, kv_cache_memory=0.01, prefix_caching=False)
+    fresh = ModelRunner(model, 1, 96, block_size=4, kv_cache_memory=0.01, prefix_caching=False)
     rng = torch.Generator().manual_seed(5)
-    batches: list[list[int]] = [[], []]
-    moved = 0
-
-    def admit(group: int) -> None:
-        (row,) = blocks.allocate(1)
-        assert gathers.allocate(1) == [row]  # both hand out the same logical rows
-        prompt = torch.randint(0, VOCAB, (1, int(torch.randint(2, 9, (1,), generator=rng))), generator=rng)
-        for runner in (blocks, gathers):
-            runner.forward(torch.tensor([row]), prompt, torch.tensor([prompt.shape[1]]), last_only=True)
-        batches[group].append(row)
-
-    for step in range(40):
-        group = step % 2
-        batch = batches[group]
-        if batch and torch.rand(1, generator=rng) < 0.25:  # a sequence finishes
-            gone = batch.pop(int(torch.randint(len(batch), (1,), generator=rng)))
-            blocks.release([gone])
-            gathers.release([gone])
-        if batch and len(batches[1 - group]) < max_batch and torch.rand(1, generator=rng) < 0.2:  # a rebalance
-            batches[1 - group].append(batch.pop(0))
-        while len(batch) < max_batch and blocks.free_slots and torch.rand(1, generator=rng) < 0.5:
-            admit(group)
-        if not batch:
+    tokens: dict[int, list[int]] = {}
+    crossed = 0
+    for _ in range(60):
+        if tokens and torch.rand(1, generator=rng) < 0.15:  # a sequence finishes
+            gone = list(tokens)[int(torch.randint(len(tokens), (1,), generator=rng))]
+            runner.release([gone])
+            del tokens[gone]
+        if runner.free_slots and torch.rand(1, generator=rng) < 0.5:  # a new one, prefilled
+            (row,) = runner.allocate(1)
+            prompt = torch.randint(0, VOCAB, (int(torch.randint(2, 11, (1,), generator=rng)),), generator=rng)
+            runner.forward(torch.tensor([row]), prompt[None], torch.tensor([len(prompt)]), last_only=True)
+            tokens[row] = prompt.tolist()
+        rows = [r for r in tokens if len(tokens[r]) + 4 < 96]
+        if not rows:
             continue
-        before = list(blocks._cache_row)
-        arrangement = blocks.arrange(batch, group)
-        moved += sum(a != b for a, b in zip(before, blocks._cache_row))
-        assert blocks.arrange(list(batch), group) is arrangement  # the same rows again: nothing to look at
-        assert arrangement is not None and arrangement.start == group * (slots // 2)
-        cache_rows = sorted(blocks._cache_row[r] for r in batch)
-        assert cache_rows == list(range(arrangement.start, arrangement.start + len(batch)))
-        rows = torch.tensor(batch)
-        ids = torch.randint(0, VOCAB, (len(batch), 3), generator=rng)
-        valid = torch.randint(1, 4, (len(batch),), generator=rng)
-        got = blocks.forward(rows, ids, valid, arrangement=arrangement)
-        want = gathers.forward(rows, ids, valid)
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-        for row in batch:
-            assert_state_equal(blocks.cache.rows_state(row), gathers.cache.rows_state(row), f"step {step}, row {row}")
-    assert moved >= 10  # the churn above did move rows
-    heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
-    assert blocks.cache.kv_heads == heads and blocks.cache.keys[0].shape[1:3] == (heads, 96)  # [rows, heads, len, dim]
+        ids = torch.randint(0, VOCAB, (len(rows), 4), generator=rng)
+        runner.forward(torch.tensor(rows), ids, torch.full((len(rows),), 4))
+        for b, row in enumerate(rows):  # keep a random prefix of the 4, as an acceptance would
+            keep = int(torch.randint(0, 5, (1,), generator=rng))
+            before = len(tokens[row])
+            crossed += (before + 4) // 4 != (before + keep) // 4
+            tokens[row] += ids[b, :keep].tolist()
+            runner.truncate(torch.tensor([row]), torch.tensor([len(tokens[row])]))
+            runner.cache.trim(row, len(tokens[row]))
+            assert len(runner.cache.row_blocks[row]) == -(-len(tokens[row]) // 4), "blocks past the length held"
+    assert crossed >= 10  # rollbacks did cross block boundaries
+    for row, committed in tokens.items():
+        (scratch,) = fresh.allocate(1)
+        fresh.forward(torch.tensor([scratch]), torch.tensor([committed]), torch.tensor([len(committed)]))
+        assert_state_equal(runner.cache.rows_state(row), fresh.cache.rows_state(scratch), f"row {row}")
+        fresh.release([scratch])
+    assert len(tokens) >= 2 and max(len(t) for t in tokens.values()) > 8 * 4  # rows over many blocks
+    runner.release(list(tokens))
+    assert runner.cache.pool is not None and runner.cache.pool.used == 0
+    assert runner.free_blocks == runner.num_blocks
+
+
+def test_shared_prompt_blocks_are_reused_and_give_the_same_tokens(tiny_models) -> None:
+    """A second prompt starting with the first one's full blocks shares them (reference counts), prefills only the
+    rest and decodes exactly what it decodes without the cache; released, the blocks stay cached, evictable."""
+    model = tiny_models.target("llama", vocab=VOCAB)
+    prefix = list(range(1, 40))
+    outputs = []
+    for caching in (True, False):
+        verifier = Verifier(ModelRunner(model, 4, 128, block_size=8, kv_cache_memory=0.01, prefix_caching=caching), [])
+        configs = [SamplingConfig(max_tokens=8)] * 2
+        verifier.prefill([1], [prefix + [50, 51]], configs[:1]).per_row()
+        second = verifier.prefill([2], [prefix + [60, 61, 62]], configs[:1])
+        assert second.cached_tokens == ([32] if caching else [0])  # 4 full blocks of 8 of the 39 shared tokens
+        tokens = [second.per_row()[0][0]]
+        for _ in range(3):
+            tokens.append(verifier.verify([2], torch.zeros(1, 0, dtype=torch.long), None).per_row()[0][0])
+        outputs.append(tokens)
+        pool = verifier.runner.cache.pool
+        assert pool is not None
+        verifier.release([1, 2])
+        assert pool.used == 0 and pool.cached == (6 if caching else 0)  # 4 shared full blocks, one more each
+        assert pool.stats.hit_tokens == (32 if caching else 0)
+    assert outputs[0] == outputs[1]
 
 
 def test_a_step_listing_a_sequence_twice_is_refused(tiny_models) -> None:
-    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 4, 64, groups=2), [])
+    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 4, 64), [])
     verifier.prefill([1, 2], [[3, 4, 5], [6, 7]], [SamplingConfig(max_tokens=8)] * 2)
     with pytest.raises(ValueError, match="more than once"):
         verifier.verify([1, 1], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0)
@@ -354,15 +370,15 @@ def test_a_step_listing_a_sequence_twice_is_refused(tiny_models) -> None:
 def test_a_batch_whose_sequences_come_and_go_steps_on_their_current_rows(tiny_models) -> None:
     """The table remembers a batch's rows between its steps; a sequence that leaves and comes back under its id
     (on another row) is looked up afresh."""
-    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 4, 64, groups=2), [])
+    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 4, 64), [])
     table = verifier.table
     verifier.prefill([1, 2], [[3, 4, 5], [6, 7]], [SamplingConfig(max_tokens=8)] * 2)
     verifier.verify([1, 2], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()
-    first = table.arranged_rows([1, 2], 0)[0]
+    first = table.batch_rows([1, 2], 0)[0]
     verifier.release([1])
     verifier.prefill([5], [[8, 9]], [SamplingConfig(max_tokens=8)])  # takes sequence 1's row
     verifier.prefill([1], [[3, 4, 5]], [SamplingConfig(max_tokens=8, temperature=1.0)])  # another row, sampled
-    rows, host, _ = table.arranged_rows([1, 2], 0)
+    rows, host = table.batch_rows([1, 2], 0)
     assert rows == [table.rows_by_id[1], table.rows_by_id[2]] != first and host.tolist() == rows
     assert table.sampling_kind([1, 2], VOCAB) == (False, False)
     verifier.verify([1, 2], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()

@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from stack import TinyPairs, Workers, assert_all_slots_free, generate, in_process_coordinator, run_async, text_prompts
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import coordinator.server
 from coordinator.batch_manager import BatchManager
 from coordinator.request_state import RequestState
 from coordinator.server import shared_gpus
-from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -57,32 +53,10 @@ def test_merged_batches_admit_both_batches_room() -> None:
     assert manager.queue_length == 2
 
 
-def test_a_runner_lays_out_its_blocks_again_only_while_it_holds_no_row() -> None:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    runner = ModelRunner(AutoModelForCausalLM.from_config(config).eval(), 8, 32, cuda_graphs=False, groups=2)
-    rows = runner.allocate(6)
-    assert runner.arrange(rows, 0) is None  # 6 rows do not fit a block of 4: gathered at every step
-    runner.release(rows)
-    runner.regroup(1)
-    assert (runner.groups, runner.block_size) == (1, 8)
-    rows = runner.allocate(6)
-    assert runner.arrange(rows, 0) is not None  # one block of every row: read as views
-    with pytest.raises(RuntimeError, match="while 6 rows are held"):
-        runner.regroup(2)
-    assert torch.equal(runner.cache.lengths[torch.tensor(rows)], torch.zeros(6, dtype=torch.long))
-
-
 def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
     llama_workers: Workers, tiny_pairs: TinyPairs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The same greedy tokens as psd's two batches; the workers' cache laid out for one batch and back."""
+    """The same greedy tokens as psd's two batches, and back."""
     workers = llama_workers
     assert workers.draft is not None
     params = generation_pb2.SamplingParams(max_tokens=24, ignore_eos=True)
@@ -111,6 +85,4 @@ def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
     assert again_info.mode == "psd"
     assert one == two == again
     assert "one batch of up to 8 sequences" in caplog.text
-    log = Path(workers.target.log_path).read_text()
-    assert "cache rows laid out for 1 batch(es)" in log and "cache rows laid out for 2 batch(es)" in log, log[-3000:]
     assert_all_slots_free(workers)

@@ -66,7 +66,10 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
     what it lacks keeps its default)."""
     from minedraft.rpc.worker import WorkerOptions
 
-    return _from_args(WorkerOptions, args, cuda_graphs=not args.eager, compile_layers=args.compile)
+    caching = getattr(args, "enable_prefix_caching", "on") == "on"
+    return _from_args(
+        WorkerOptions, args, cuda_graphs=not args.eager, compile_layers=args.compile, prefix_caching=caching
+    )
 
 
 def coordinator_options(args: argparse.Namespace) -> CoordinatorOptions:

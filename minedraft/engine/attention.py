@@ -1,7 +1,8 @@
-"""Attention for slot-cache steps: GQA without copying K/V per query head, and short queries without a fused kernel."""
+"""Attention for cache steps: paged reads by Triton kernels, GQA without copying K/V, short queries as matmuls."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -21,6 +22,9 @@ FUSED_MIN_BLOCKS = 256
 # The keyword a caller passes on through the model (True) when its mask shows each query exactly the keys up to its
 # position (`position_ids`): no window, no padding.
 CAUSAL_BY_POSITIONS = "minedraft_causal_by_positions"
+# The keyword a step passes on through the model for paged reads: (block tables, the batch's rows, the new tokens'
+# positions, whether the layers' sliding windows apply). The layer's K/V are then its blocks (`PagedKVCache.read`).
+PAGED = "minedraft_paged"
 
 
 def grouped_sdpa_attention(
@@ -41,6 +45,12 @@ def grouped_sdpa_attention(
     a K/V head along the sequence axis gives the same dot products over the K/V as they are. The mask repeats
     instead (a few hundred kB).
     """
+    paged = kwargs.get(PAGED)
+    if paged is not None:
+        tables, rows, positions, windowed = paged
+        window = int(kwargs.get("sliding_window") or 0) if windowed else 0
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.minedraft.paged_attention(query, key, value, tables, rows, positions, scale, window), None
     groups = int(getattr(module, "num_key_value_groups", 1))
     if (
         attention_mask is None
@@ -53,15 +63,6 @@ def grouped_sdpa_attention(
     batch, heads, n, dim = query.shape
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim**-0.5
-    if uses_kernel(query, key, value, attention_mask, groups * n):
-        # The decoder layers pass the step's positions on to here: the kernels read each row's keys up to them. Where
-        # the model runner says its mask is causal by these positions alone, they replace the mask.
-        positions = kwargs.get("position_ids")
-        causal = (
-            kwargs.get(CAUSAL_BY_POSITIONS) is True and positions is not None and tuple(positions.shape) == (batch, n)
-        )
-        mask = None if causal else attention_mask
-        return torch.ops.minedraft.short_query_attention(query, key, value, mask, scale, positions), None
     # Query head h reads K/V head h // groups (transformers' repeat_kv order).
     folded = query.reshape(batch, kv_heads, groups * n, dim)
     mask = (
@@ -85,17 +86,19 @@ def fused_query_tokens(config: object) -> int:
     return SHORT_QUERY // groups + 1
 
 
-def uses_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, queries: int) -> bool:
-    """Whether a CUDA step of `queries` per K/V head runs `minedraft.kernels.decode_attention`'s Triton kernels (on
-    CPU, or without Triton, the matmuls or the fused kernel)."""
-    return (
-        query.is_cuda and queries <= SHORT_QUERY and KERNELS is not None and KERNELS.supports(query, key, value, mask)
+def paged_kernel(specs: Sequence[object], config: object) -> bool:
+    """Whether `minedraft.kernels.decode_attention` takes the attention of a model whose layers cache K/V as
+    `specs` (`kv_cache.LayerSpec`): on CUDA with Triton, head sizes it supports, no attention softcap."""
+    if KERNELS is None or not specs or getattr(config, "attn_logit_softcapping", None):
+        return False
+    return all(
+        s.key_dim == s.value_dim and s.key_dim >= 16 and s.key_dim & (s.key_dim - 1) == 0  # type: ignore[attr-defined]
+        for s in specs
     )
 
 
 def takes_matmuls(batch: int, kv_heads: int, queries: int) -> bool:
-    """Whether a step of `queries` per K/V head runs `short_query_attention` rather than the fused kernel (where the
-    Triton kernels do not run).
+    """Whether a gathered step of `queries` per K/V head runs `short_query_attention` rather than the fused kernel.
 
     Measured in whole compiled steps, not by `benchmarks/attention_bench.py`'s layer alone: there the fused kernel
     won for one query per K/V head (a 68M draft's layer at batch 1: 7.6 us against 10.2), but in a real step it took

@@ -48,12 +48,13 @@ def graphable(tokens: int, last_only: bool) -> bool:
 
 
 class CudaGraphs:
-    """Captured steps of one runner's model, keyed by (kind, forwards, padded batch, key length, block, the inputs'
-    shapes): the runner's `Step.key`.
+    """Captured steps of one runner's model, keyed by (kind, forwards, padded batch, key length, the inputs' shapes):
+    the runner's `Step.key`.
 
     Inputs are copied into static buffers before a replay; graphs of one input shape share them (replays never
-    overlap: one runner, one stream), but each batch block has its own buffer for the rows. A step's rows are copied
-    only when they differ from those its buffer holds: a batch's rows repeat from step to step, and each copy costs
+    overlap: one runner, one stream), but each lane (the coordinator's batch) has its own buffer for the rows. A
+    step's rows are copied only when they differ from those its buffer holds: a batch's rows repeat from step to
+    step, and each copy costs
     the host ~17 us while the GPU waits for the launch. Padding rows hold `fill_row` (the runner's scratch row) and
     zero inputs. The returned outputs live in the graphs' shared memory pool and are valid until the next replay of
     any graph: one captured later may have its outputs where an earlier one keeps its intermediates (seen on an H200:
@@ -91,17 +92,17 @@ class CudaGraphs:
         weakref.finalize(self, remove_hooks)
 
     def run(
-        self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, block: int | None
+        self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, lane: int | None
     ) -> list[torch.Tensor]:
         """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), padded to `padded`
-        rows; `block`: the batch's block of cache rows (its rows' buffer is its own)."""
+        rows; `lane`: the coordinator's batch (its rows' buffer is its own)."""
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.device):
             batch = len(inputs[0])
             if key not in self.graphs:
                 start = time.perf_counter()
-                self.graphs[key] = self._capture(fn, inputs, padded=padded, block=block)
+                self.graphs[key] = self._capture(fn, inputs, padded=padded, lane=lane)
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
             graphs, static, outputs = self.graphs[key]
             self._copy_inputs(static, inputs, padded)
@@ -130,24 +131,24 @@ class CudaGraphs:
         elif not unchanged:
             self.rows_held[static[0].data_ptr()] = rows.clone()
 
-    def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, block: int | None) -> Captured:
+    def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, lane: int | None) -> Captured:
         # GRAPH_BLAS's kernels go into the graph (and its workspace is allocated in the warm-up, before the capture).
         # The switch is process-wide: in `serve --single-process` the other worker's prefill meanwhile may get them
         # too (a few % slower or faster).
         library = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library(GRAPH_BLAS)
         try:
-            return self._warm_and_capture(fn, inputs, padded=padded, block=block)
+            return self._warm_and_capture(fn, inputs, padded=padded, lane=lane)
         finally:
             torch.backends.cuda.preferred_blas_library(library)
 
-    def _warm_and_capture(self, fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, block: int | None) -> Captured:
+    def _warm_and_capture(self, fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, lane: int | None) -> Captured:
         static = []
         for position, value in enumerate(inputs):
             shape = (padded, *value.shape[1:])
-            # The rows' buffer is the batch block's own (the rows repeat per batch); the others, among them a sampled
+            # The rows' buffer is the lane's own (the rows repeat per batch); the others, among them a sampled
             # verify's draft probabilities (131 MB at B=64 over 128k), are shared.
-            buffer_key = (position, shape, value.dtype, block if position == 0 else None)
+            buffer_key = (position, shape, value.dtype, lane if position == 0 else None)
             if buffer_key not in self.buffers:
                 self.buffers[buffer_key] = torch.empty(shape, dtype=value.dtype, device=self.device)
             static.append(self.buffers[buffer_key].fill_(self._fill(position)))  # every row the fill row's

@@ -1,107 +1,222 @@
-"""Slot KV cache: one preallocated row per sequence, per-row lengths, rollback by lowering a length."""
+"""Paged KV cache: every layer's K/V in fixed-size blocks, a block table and a length per sequence row."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from minedraft.engine.block_pool import TRASH_BLOCK, BlockPool, block_hashes
+from minedraft.errors import CapacityError
 from minedraft.kernels import triton_runs
 
 # Why not transformers' PagedAttentionCache: it is bound to its own continuous-batching manager (flattened varlen
-# batches, block tables it allocates itself) and has no per-row rollback. A row-per-sequence tensor gives rollback
-# as one integer write and static shapes for CUDA graphs, which is what speculative verify needs.
+# batches, a scheduler that allocates its blocks itself) and has no per-row rollback. Speculative verify needs
+# rollback as one length write and static shapes for CUDA graphs: here a step's shape is its batch, and the block
+# tables and lengths are tensors the graph reads.
 
 
-class SlotKVCache(Cache):
-    """K/V of every layer as `[cache_rows, kv_heads, max_len, head_dim]`; a forward touches a subset of rows.
+@dataclass(frozen=True)
+class LayerSpec:
+    """The K/V one layer caches per token, as its first forward produced them."""
 
-    Sequences own logical rows (what lengths, sampling parameters and every caller index); `physical` maps each to
-    the cache row holding its K/V, so that the runner can move a batch's K/V into one block of rows
-    (`ModelRunner.arrange`) without anyone else noticing. Before each forward the runner calls `select(rows,
-    positions, kv_len, view_start)`; every layer's `update` then writes the new keys/values of row `rows[b]` at
-    `positions[b]` and returns the batch's keys/values `[:kv_len]`. Entries at or beyond a row's committed length
-    are garbage that the attention mask hides, so rollback never clears memory.
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
-    A batch whose rows fill cache rows `[view_start, view_start + B)` in order reads its K/V as a view, with no
-    copy; any other batch gathers its rows, a copy that took 8 of the 19 ms of kernels of an 8B verify at batch 32
-    on an H200 with this layout (kv_heads strided pieces per row; with positions first the gather was 3x faster,
-    but attention on a few queries then had to copy K into a head-major layout for its matmuls).
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
 
-    With `num_layers` (a model on one device) all layers' K/V live in two stacks `[layers, rows, ...]` and
-    `keys`/`values` are views of them; without it (a model spread over GPUs) each layer's lives on its GPU.
+
+class PagedKVCache(Cache):
+    """K/V of every layer as blocks `[num_blocks, kv_heads, block_size, head_dim]`; rows own blocks through tables.
+
+    Rows are what sequences own (lengths, tables and every caller index by row; the last row is the runner's
+    scratch row, whose table points at the trash block only). Position p of row r lives at offset p % block_size of
+    block `tables[r, p // block_size]`. The host keeps each row's blocks (`reserve` before a step takes what its
+    writes need, `trim` gives back what a rollback left empty); the device keeps `tables` and `lengths`, which steps
+    and their graphs read and write. Entries at or beyond a row's length are garbage no read reaches.
+
+    Before each forward the runner calls `select(rows, positions, kv_len)`; every layer's `update` then writes its
+    new keys/values and returns what attention reads: with a `kv_len`, the rows' K/V gathered into `[B, kv_heads,
+    kv_len, D]` (prefills, CPUs: masks hide what lies past a row's length); without, the layer's blocks themselves,
+    which the Triton kernels read through the tables (`minedraft.kernels.decode_attention`).
+
+    With all layers alike on one device their blocks live in two stacks `[layers, num_blocks, ...]` (`stacked`);
+    otherwise (a model spread over GPUs) each layer's on its own device.
     """
 
-    def __init__(self, num_rows: int, max_len: int, device: torch.device | str, num_layers: int | None = None) -> None:
+    def __init__(
+        self, num_rows: int, max_len: int, block_size: int, device: torch.device | str, prefix_caching: bool = True
+    ) -> None:
         super().__init__(layers=[])
-        # Allocated at the first update, from the shapes the model itself produces: no need to know each
-        # architecture's head layout.
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.prefix_caching = prefix_caching
+        self.max_blocks = -(-max_len // block_size)  # per row
+        self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.tables = torch.full((num_rows, self.max_blocks), TRASH_BLOCK, dtype=torch.int32, device=device)
+        self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
+        self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.num_layers = num_layers
         self._stacks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._layer_index: torch.Tensor | None = None
-        self.num_slots = num_rows
-        self.max_len = max_len
-        self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.physical = torch.arange(num_rows, device=device)  # logical row -> cache row
+        self.specs: list[LayerSpec] | None = None  # once probed
+        self._probing = False
         self._rows: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
-        self._kv_len = 0
-        self._view_start: int | None = None
+        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (blocks, offsets) [B, n] of new tokens
+        self._kv_len: int | None = None
 
-    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int, view_start: int | None) -> None:
-        """Point the next forward at logical `rows` ([B]) writing at `positions` ([B, n]), attending over `kv_len`
-        keys; `view_start`: the batch's K/V fill cache rows `[view_start, view_start + B)` in order."""
-        self._rows = self.physical[rows]
-        self._positions = positions
-        self._kv_len = kv_len
-        self._view_start = view_start
+    # -- allocation -----------------------------------------------------------------------------------------------
+    def probe(self) -> None:
+        """The next forward records each layer's K/V shapes (`specs`) and attends only to its own tokens."""
+        self._probing, self.specs = True, []
 
-    def move(self, sources: list[int], destinations: list[int]) -> None:
-        """Copy the K/V of cache rows `sources` to `destinations` (all rows read before any is written)."""
-        if not self.keys or not sources:
+    @property
+    def bytes_per_block(self) -> int:
+        assert self.specs, "probe the model first"
+        return sum(s.bytes_per_token for s in self.specs) * self.block_size
+
+    def allocate(self, num_blocks: int) -> None:
+        """Every layer's blocks, zeroed (garbage must be finite: a gathered read masks it, and NaN survives a
+        mask)."""
+        assert self.specs, "probe the model first"
+        first = self.specs[0]
+        if all(s == first for s in self.specs) and first.device == self.device:
+            stack = (len(self.specs), num_blocks, first.kv_heads, self.block_size)
+            self._stacks = (
+                torch.zeros(*stack, first.key_dim, dtype=first.dtype, device=first.device),
+                torch.zeros(*stack, first.value_dim, dtype=first.dtype, device=first.device),
+            )
+            self.keys, self.values = list(self._stacks[0].unbind(0)), list(self._stacks[1].unbind(0))
+            self._layer_index = torch.arange(len(self.specs), device=self.device)
+        else:
+            for s in self.specs:
+                shape = (num_blocks, s.kv_heads, self.block_size)
+                self.keys.append(torch.zeros(*shape, s.key_dim, dtype=s.dtype, device=s.device))
+                self.values.append(torch.zeros(*shape, s.value_dim, dtype=s.dtype, device=s.device))
+        self.pool = BlockPool(num_blocks, self.prefix_caching)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether all layers' K/V live in two stacks (on one device): `write`, `read` and `rotate_and_write` apply."""
+        return self._stacks is not None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.specs[0].kv_heads if self.specs else 0
+
+    # -- rows' blocks (host) --------------------------------------------------------------------------------------
+    def blocks_needed(self, rows: Sequence[int], ends: Sequence[int]) -> int:
+        """Blocks that `reserve(rows, ends)` would take."""
+        return sum(max(0, -(-end // self.block_size) - len(self.row_blocks[r])) for r, end in zip(rows, ends))
+
+    def reserve(self, rows: Sequence[int], ends: Sequence[int]) -> None:
+        """Blocks for positions `[0, ends[i])` of each row: all of them or, raising CapacityError, none."""
+        assert self.pool is not None
+        if ends and max(ends) > self.max_len:
+            raise CapacityError(f"a sequence would reach {max(ends)} tokens, beyond max_model_len {self.max_len}")
+        needed = self.blocks_needed(rows, ends)
+        if not needed:
             return
-        src = torch.tensor(sources, device=self.keys[0].device)
-        dst = torch.tensor(destinations, device=self.keys[0].device)
-        # (tensor, its row dimension): two copies for a stacked cache, two per layer otherwise
-        pieces = [(t, 1) for t in self._stacks] if self._stacks else [(t, 0) for t in self.keys + self.values]
-        for t, dim in pieces:
-            if t.device != src.device:
-                src, dst = src.to(t.device), dst.to(t.device)
-            t.index_copy_(dim, dst, t.index_select(dim, src))
+        if needed > self.pool.available:
+            raise CapacityError(
+                f"the KV cache is out of blocks: this step needs {needed} more, {self.pool.available} are free of "
+                f"{self.pool.usable}"
+            )
+        taken = iter(self.pool.take(needed))
+        entries = []
+        for row, end in zip(rows, ends):
+            held = self.row_blocks[row]
+            for column in range(len(held), -(-end // self.block_size)):
+                block = next(taken)
+                held.append(block)
+                entries.append((row, column, block))
+        self._set_tables(entries)
+
+    def trim(self, row: int, length: int) -> None:
+        """Give back the row's blocks past its first `length` positions (what a rollback left empty)."""
+        assert self.pool is not None
+        held = self.row_blocks[row]
+        keep = -(-length // self.block_size)
+        if len(held) > keep:
+            self.pool.free(held[keep:])
+            self._set_tables([(row, column, TRASH_BLOCK) for column in range(keep, len(held))])
+            del held[keep:]
+
+    def release(self, rows: Sequence[int]) -> None:
+        """Every block of `rows` back to the pool (cached ones stay cached)."""
+        for row in rows:
+            self.trim(row, 0)
+
+    def share_prefix(self, row: int, prompt: Sequence[int]) -> int:
+        """Give an empty row the cached blocks its prompt starts with; the tokens they hold. The last prompt token is
+        never among them: its forward gives the logits of the first new token."""
+        assert self.pool is not None and not self.row_blocks[row]
+        if not self.pool.prefix_caching:
+            return 0
+        keys = block_hashes(prompt[: len(prompt) - 1], self.block_size)
+        blocks = self.pool.share_prefix(keys)
+        self.pool.record_lookup(len(prompt), len(blocks) * self.block_size)
+        self.row_blocks[row] = list(blocks)
+        self._set_tables([(row, column, block) for column, block in enumerate(blocks)])
+        return len(blocks) * self.block_size
+
+    def register_prompt(self, row: int, prompt: Sequence[int]) -> None:
+        """Cache the full blocks of a row's prompt, once its prefill has written them."""
+        assert self.pool is not None
+        keys = block_hashes(prompt, self.block_size)
+        self.pool.register(self.row_blocks[row][: len(keys)], keys)
+
+    def _set_tables(self, entries: list[tuple[int, int, int]]) -> None:
+        """Write (row, column, block) entries to the device tables: one copy to the device, in stream order."""
+        if entries:
+            packed = torch.tensor(entries, dtype=torch.long).to(self.device, non_blocking=True)
+            self.tables[packed[:, 0], packed[:, 1]] = packed[:, 2].to(torch.int32)
+
+    # -- a forward --------------------------------------------------------------------------------------------------
+    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int | None) -> None:
+        """Point the next forward at `rows` ([B]) writing at `positions` ([B, n]); attention reads `kv_len` keys
+        gathered per row, or (None) the blocks through the tables."""
+        self._rows, self._positions, self._kv_len = rows, positions, kv_len
+        blocks = self.tables[rows[:, None], torch.div(positions, self.block_size, rounding_mode="floor")]
+        self._write_at = (blocks.long(), positions % self.block_size)
+
+    @property
+    def paged_reads(self) -> bool:
+        """Whether this forward's attention reads blocks through the tables (no key length)."""
+        return self._kv_len is None
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._rows is not None and self._positions is not None, "SlotKVCache.select() was not called"
-        if not self.stacked:
-            return self._update_layer(key_states, value_states, layer_idx)
-        self.write(key_states, value_states, layer_idx)
-        return self.read(layer_idx)
-
-    @property
-    def stacked(self) -> bool:
-        """Whether all layers' K/V live in two stacks (allocated, on one device): `write` and `read` apply."""
-        return self._stacks is not None
+        if self._probing:
+            return self._record(key_states, value_states, layer_idx)
+        if self.stacked:
+            self.write(key_states, value_states, layer_idx)
+            return self.read(layer_idx)
+        return self._update_layer(key_states, value_states, layer_idx)
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
-        """Write a stacked cache's new K/V of layer `layer_idx` (`update` without the read; the fused Llama-family
-        layers `rotate_and_write` instead). The layer index stays a symbolic int in compiled layers, so that one
-        compiled layer serves every layer: it indexes the stacks, where indexing a Python list would compile each
-        layer anew.
-        """
-        assert self._stacks is not None and self._layer_index is not None and self._rows is not None
+        """Write a stacked cache's new K/V of layer `layer_idx` (`update` without the read). The layer index stays a
+        symbolic int in compiled layers, so that one compiled layer serves every layer: it indexes the stacks, where
+        indexing a Python list would compile each layer anew."""
+        assert self._stacks is not None and self._layer_index is not None and self._write_at is not None
         keys, values = self._stacks
-        if key_states.shape[1] != keys.shape[2] or key_states.shape[3] != keys.shape[4]:
-            raise ValueError(
-                f"layer {layer_idx} has K/V heads of shape {tuple(key_states.shape[1::2])}, layer 0 "
-                f"{tuple(keys.shape[2::2])}: a stacked cache needs the same in every layer"
-            )
-        # keys[layer, rows[b], :, positions[b, i]] = key_states[b, :, i]
-        index = [self._layer_index[layer_idx], self._rows[:, None], None, self._positions]
+        blocks, offsets = self._write_at
+        # keys[layer, blocks[b, i], :, offsets[b, i]] = key_states[b, :, i]
+        index = [self._layer_index[layer_idx], blocks, None, offsets]
         torch.ops.aten.index_put_(keys, index, key_states.transpose(1, 2).to(keys.dtype))  # (None: all heads)
         torch.ops.aten.index_put_(values, index, value_states.transpose(1, 2).to(values.dtype))
 
@@ -114,71 +229,65 @@ class SlotKVCache(Cache):
         assert self._stacks is not None and self._rows is not None and self._positions is not None
         keys, values = self._stacks
         query = torch.ops.minedraft.rotate_and_write(
-            projections, cos, sin, keys, values, layer_idx, self._rows, self._positions, heads, kv_heads
+            projections, cos, sin, keys, values, layer_idx, self.tables, self._rows, self._positions, heads, kv_heads
         )
         return query.transpose(1, 2)
 
-    # Outside compiled layers: the key length and the block's start are Python ints that compiled code would
-    # specialise on (a compile, or an uncompiled layer, for every block and bucket not seen in the warm-up).
-    @torch.compiler.disable
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s K/V of the selected rows up to the step's key length (see `_read`)."""
-        assert self._rows is not None
-        return self._read(layer_idx, self._rows)
+        """What attention reads of layer `layer_idx`: its blocks (paged reads) or the rows' K/V gathered."""
+        if self._kv_len is None:
+            return self.keys[layer_idx], self.values[layer_idx]
+        return self._gather(layer_idx)
 
-    # Outside compiled layers: the first forward allocates, and the layers of a model spread over GPUs index a list
-    # by their layer index, a Python int that would make every layer compile anew.
+    # Outside compiled layers: the key length is a Python int that compiled code would specialise on.
+    @torch.compiler.disable
+    def _gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s K/V of the selected rows' first `kv_len` positions, `[B, kv_heads, kv_len, D]`."""
+        assert self._rows is not None and self._kv_len is not None
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        columns = -(-self._kv_len // self.block_size)
+        blocks = self.tables[self._rows.to(self.tables.device), :columns].to(keys.device).long()
+
+        def gathered(pool: torch.Tensor) -> torch.Tensor:
+            batch, heads, dim = blocks.shape[0], pool.shape[1], pool.shape[-1]
+            rows = pool[blocks].transpose(1, 2).reshape(batch, heads, columns * self.block_size, dim)
+            return rows[:, :, : self._kv_len]
+
+        return gathered(keys), gathered(values)
+
+    # Outside compiled layers: the layers of a model spread over GPUs index a list by their layer index, a Python
+    # int that would make every layer compile anew.
     @torch.compiler.disable
     def _update_layer(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx == len(self.keys):
-            self._allocate(key_states, value_states)
-            if self._stacks is not None:
-                return self.update(key_states, value_states, layer_idx)
-        assert self._rows is not None and self._positions is not None
-        rows, positions = self._rows, self._positions
+        assert self._write_at is not None
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if keys.device != rows.device:  # a model spread over several GPUs: this layer lives elsewhere
-            rows, positions = rows.to(keys.device), positions.to(keys.device)
-        # keys[rows[b], :, positions[b, i]] = key_states[b, :, i]
-        keys[rows[:, None], :, positions] = key_states.transpose(1, 2).to(keys.dtype)
-        values[rows[:, None], :, positions] = value_states.transpose(1, 2).to(values.dtype)
-        return self._read(layer_idx, rows)
+        blocks, offsets = (t.to(keys.device) for t in self._write_at)
+        keys[blocks, :, offsets] = key_states.transpose(1, 2).to(keys.dtype)
+        values[blocks, :, offsets] = value_states.transpose(1, 2).to(values.dtype)
+        return self.read(layer_idx)
 
-    def _read(self, layer_idx: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s K/V of the batch's (cache) `rows` up to the step's key length: a view of a block, or
-        gathered."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if self._view_start is not None:
-            start, end = self._view_start, self._view_start + rows.numel()
-            return keys[start:end, :, : self._kv_len], values[start:end, :, : self._kv_len]
-        return keys[rows, :, : self._kv_len], values[rows, :, : self._kv_len]
+    def _record(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.specs is not None and layer_idx == len(self.specs)
+        _, heads, _, key_dim = key_states.shape
+        self.specs.append(LayerSpec(heads, key_dim, value_states.shape[-1], key_states.dtype, key_states.device))
+        return key_states, value_states
 
-    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        _, heads, _, head_dim = key_states.shape
-        if self.num_layers is None:
-            self.keys.append(key_states.new_zeros(self.num_slots, heads, self.max_len, head_dim))
-            self.values.append(value_states.new_zeros(self.num_slots, heads, self.max_len, value_states.shape[-1]))
-            return
-        shape = (self.num_layers, self.num_slots, heads, self.max_len)
-        self._stacks = (key_states.new_zeros(*shape, head_dim), value_states.new_zeros(*shape, value_states.shape[-1]))
-        self.keys, self.values = list(self._stacks[0].unbind(0)), list(self._stacks[1].unbind(0))
-        self._layer_index = torch.arange(self.num_layers, device=key_states.device)
+    def end_probe(self) -> None:
+        self._probing = False
 
-    @property
-    def kv_heads(self) -> int:
-        """K/V heads of the first layer (0 before the first forward allocates the cache)."""
-        return int(self.keys[0].shape[1]) if self.keys else 0
-
+    # -- transformers' Cache interface ---------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.lengths.max().item()) if self.num_slots else 0
+        return int(self.lengths.max().item()) if self.num_rows else 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:  # type: ignore[override]
-        return self._kv_len, 0
+        return self._kv_len or query_length, 0
 
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
@@ -192,12 +301,16 @@ class SlotKVCache(Cache):
         return len(self.keys)
 
     def rows_state(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The committed K/V of logical row `row`, per layer, as `[kv_heads, length, head_dim]` (for tests and
-        debugging)."""
-        length, cache_row = int(self.lengths[row]), int(self.physical[row])
-        return [
-            (k[cache_row, :, :length].clone(), v[cache_row, :, :length].clone()) for k, v in zip(self.keys, self.values)
-        ]
+        """The committed K/V of row `row`, per layer, as `[kv_heads, length, head_dim]` (for tests and debugging)."""
+        length = int(self.lengths[row])
+        blocks = self.row_blocks[row][: -(-length // self.block_size)]
+        state = []
+        for k, v in zip(self.keys, self.values):
+            index = torch.tensor(blocks, dtype=torch.long, device=k.device)
+            state.append(
+                tuple(t[index].transpose(0, 1).reshape(t.shape[1], -1, t.shape[-1])[:, :length].clone() for t in (k, v))
+            )
+        return state  # type: ignore[return-value]
 
 
 def _rotary_write_kernels() -> ModuleType | None:
@@ -220,15 +333,16 @@ def rotate_and_write(
     keys: torch.Tensor,
     values: torch.Tensor,
     layer: int,
+    tables: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
     heads: int,
     kv_heads: int,
 ) -> torch.Tensor:
     """Rotary embedding and K/V write of a Llama-family layer (Mistral's and Qwen2's rotary are copies of Llama's):
-    the rotated queries `[B, n, heads, D]`; keys and values go to `keys[layer, rows[b], :, positions[b, i]]` (and
-    `values`), stacks `[layers, cache_rows, kv_heads, max_len, D]`. An operator, so compiled layers call the kernel
-    as it is; where the kernel does not run, transformers' own arithmetic."""
+    the rotated queries `[B, n, heads, D]`; keys and values go to position `positions[b, i]` of row `rows[b]` of
+    layer `layer` (`PagedKVCache`), stacks `[layers, num_blocks, kv_heads, block_size, D]`. An operator, so compiled
+    layers call the kernel as it is; where the kernel does not run, transformers' own arithmetic."""
     batch, queries = projections.shape[:2]
     dim = keys.shape[-1]
     if keys.shape[2] != kv_heads or projections.shape[-1] != (heads + 2 * kv_heads) * dim:
@@ -239,11 +353,16 @@ def rotate_and_write(
         )
     keys, values = keys[layer], values[layer]
     if ROTARY_KERNEL is not None and ROTARY_KERNEL.supports(projections, cos, keys, dim):
-        return ROTARY_KERNEL.rotate_and_write(projections, cos, sin, keys, values, rows, positions, heads, kv_heads)
+        return ROTARY_KERNEL.rotate_and_write(
+            projections, cos, sin, keys, values, tables, rows, positions, heads, kv_heads
+        )
     query, key, value = projections.view(batch, queries, -1, dim).split([heads, kv_heads, kv_heads], dim=2)
     query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)  # [B, n, heads, D] as they come
-    keys[rows[:, None], :, positions] = key  # keys[rows[b], :, positions[b, i]] = key[b, i]
-    values[rows[:, None], :, positions] = value
+    block_size = keys.shape[2]
+    blocks = tables[rows[:, None], torch.div(positions, block_size, rounding_mode="floor")].long()
+    offsets = positions % block_size
+    keys[blocks, :, offsets] = key  # keys[blocks[b, i], :, offsets[b, i]] = key[b, i]
+    values[blocks, :, offsets] = value
     return query.contiguous()
 
 
@@ -255,6 +374,7 @@ def _(
     keys: torch.Tensor,
     values: torch.Tensor,
     layer: int,
+    tables: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
     heads: int,

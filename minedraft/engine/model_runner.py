@@ -1,4 +1,4 @@
-"""Forward passes of a causal LM over slot rows: steps prepared, then run as CUDA graphs or eagerly; compiled layers."""
+"""Forward passes of a causal LM over a paged KV cache: steps prepared, then run as CUDA graphs or eagerly."""
 
 from __future__ import annotations
 
@@ -12,10 +12,17 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from minedraft.engine.attention import CAUSAL_BY_POSITIONS, FUSED_MIN_BLOCKS, GROUPED_SDPA, SHORT_QUERY
+from minedraft.engine.attention import (
+    CAUSAL_BY_POSITIONS,
+    FUSED_MIN_BLOCKS,
+    GROUPED_SDPA,
+    PAGED,
+    SHORT_QUERY,
+    paged_kernel,
+)
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
 from minedraft.engine.fused_projections import fuse_projections
-from minedraft.engine.kv_cache import SlotKVCache
+from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.residual_fold import fold_residuals
 from minedraft.errors import CapacityError
 
@@ -24,29 +31,45 @@ log = logging.getLogger(__name__)
 
 # Attention reads keys up to a multiple of this, so few distinct shapes occur (masks hide the extra entries).
 KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
+# The KV cache of a worker on a CPU, by default (`--kv-cache-memory`): a laptop's share.
+CPU_KV_CACHE_GIB = 1.0
+# GPU memory kept out of the KV cache for what a step allocates beside it (activations, CUDA graphs' pools).
+ACTIVATION_RESERVE_GIB = 2.0
 
 
-@dataclass(frozen=True)
-class Arrangement:
-    """A batch whose K/V fill cache rows `[start, start + B)`: taken in `order`, row b of the step is cache row
-    start + b, so attention reads K/V as views (`ModelRunner.arrange`)."""
+def model_context(config: object) -> int:
+    """The most tokens a sequence of the model may hold (its position embeddings; 2048 where the config has none)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, name, None)
+        if value:
+            return int(value)
+    return 2048
 
-    start: int
-    order: torch.Tensor | None = None  # indices putting the batch in cache-row order; None when it is already
-    inverse: torch.Tensor | None = None  # indices putting a step's outputs back in the batch's order
-    rows: torch.Tensor | None = None  # with `order`: the batch's rows in that order, on the host (a step's rows)
+
+def kv_cache_bytes(device: torch.device, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
+    """The bytes of K/V blocks a worker allocates: `kv_cache_memory` GiB; or on a GPU what `gpu_memory_utilization`
+    of its memory leaves once this process's weights are in (never more than is free now, less a reserve for
+    activations); or `CPU_KV_CACHE_GIB`."""
+    if kv_cache_memory is not None:
+        return int(kv_cache_memory * 2**30)
+    if device.type != "cuda":
+        return int(CPU_KV_CACHE_GIB * 2**30)
+    free, total = torch.cuda.mem_get_info(device)
+    own = torch.cuda.memory_reserved(device)
+    budget = min(gpu_memory_utilization * total - own, free) - ACTIVATION_RESERVE_GIB * 2**30
+    return max(int(budget), 0)
 
 
 # Step and StepShape are made every step: not frozen, which takes four times as long to make.
 @dataclass(slots=True)
 class StepShape:
     """The static shape of a step, which its CUDA graph is captured for: the batch padded to its bucket (on CUDA,
-    where it runs as a graph), the key length attention reads, and the block of cache rows whose K/V the batch reads
-    as views (None: gathered)."""
+    where it runs as a graph) and the key length attention reads gathered (None: paged reads through the block
+    tables, bounded by each row's own length)."""
 
     padded: int
-    kv_len: int
-    view_start: int | None = None
+    kv_len: int | None
 
 
 @dataclass(slots=True)
@@ -57,17 +80,17 @@ class Step:
     inputs: tuple[torch.Tensor, ...]  # per-row inputs [B, ...] (on the host or the device); padding rows get zeros
     shape: StepShape
     graphable: bool  # a short step (not a prefill): padded, and on CUDA replayed from a graph
-    # (kind, forwards, padded batch, key length, block start, each input's (shape[1:], dtype)): its graph's key
+    # (kind, forwards, padded batch, key length, each input's (shape[1:], dtype)): its graph's key
     key: tuple[object, ...]
-    arrangement: Arrangement | None = None  # the batch in cache-row order (`ModelRunner.arrange`)
+    lane: int | None = None  # the coordinator's batch: graphs keep its rows in a buffer of its own
 
 
 # (rows, per-row inputs, shape) -> outputs: what a step runs on its batch, padded and in cache-row order; on CUDA
 # inside the step's graph, so it may read only its arguments and tensors that outlive the call, make no tensor from a
 # Python value and never sync with the host. Its kind (`ModelRunner.prepare`) names what it does.
 StepBody = Callable[[torch.Tensor, Sequence[torch.Tensor], StepShape], list[torch.Tensor]]
-# (rows, needed, arrangement) -> anything: a step of a kind that serving runs, on scratch rows (`precapture`)
-ScratchStep = Callable[[torch.Tensor, int, Arrangement | None], object]
+# (rows, needed) -> anything: a step of a kind that serving runs, on scratch rows (`precapture`)
+ScratchStep = Callable[[torch.Tensor, int], object]
 
 
 def attention_layout(config: object) -> tuple[int | None, bool]:
@@ -94,7 +117,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
 
     Compiled per layer rather than as a whole model: one compiled layer serves every layer of that kind, so warm-up
     costs a few compiles, not one per layer. For that the layer index is a dynamic int, which the cache write inside
-    the compiled code takes as an index into stacked K/V (`SlotKVCache.update`). Shapes are dynamic: key-length
+    the compiled code takes as an index into stacked K/V (`PagedKVCache.write`). Shapes are dynamic: key-length
     buckets, batch buckets and prefill lengths reuse the same code.
     """
     if getattr(model, "_minedraft_compiled", False):
@@ -126,39 +149,35 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
 
 
 class ModelRunner:
-    """Owns a model and its slot cache: allocates rows, prepares and runs steps that append tokens, rolls rows back."""
+    """Owns a model and its paged KV cache: rows for sequences, blocks for their tokens, steps that append tokens."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         num_slots: int,
-        max_len: int,
+        max_len: int | None = None,
         cuda_graphs: bool = True,
         compile_layers: bool = False,
-        groups: int = 1,
+        *,
+        block_size: int = 16,
+        kv_cache_memory: float | None = None,
+        gpu_memory_utilization: float = 0.9,
+        prefix_caching: bool = True,
     ) -> None:
-        """`groups`: batches that `arrange` gives a block of `num_slots // groups` cache rows each."""
+        """`max_len`: tokens per sequence (None: the model's context); `kv_cache_memory`: GiB of K/V blocks (None:
+        what `gpu_memory_utilization` of the GPU leaves after the weights, or `CPU_KV_CACHE_GIB` on a CPU)."""
         fuse_projections(model)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        limit = getattr(model.config, "max_position_embeddings", None) or max_len
-        self.max_len = min(max_len, int(limit))
+        limit = model_context(model.config)
+        self.max_len = min(max_len or limit, limit)
         self.num_slots = num_slots
-        # One extra row that is never handed out: padding rows of a static-shape batch write there.
+        # One extra row that is never handed out: padding rows of a static-shape batch write there (to the trash
+        # block: its table points nowhere else).
         self.scratch_row = num_slots
         spread = len({str(p.device) for p in model.parameters()}) > 1  # over several GPUs (load_model)
-        layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-        self.cache = SlotKVCache(
-            num_rows=num_slots + 1, max_len=self.max_len, device=self.device, num_layers=None if spread else layers
-        )
-        self.groups = groups
-        self.block_size = num_slots // groups
-        # Host copies of the cache's row map (logical row -> cache row) and of its inverse.
-        self._cache_row = list(range(num_slots + 1))
-        self._logical_row = list(range(num_slots + 1))
-        # group -> (its rows, their arrangement) while no row has moved since: a batch's steps mostly repeat its rows
-        self._arranged: dict[int, tuple[tuple[int, ...], Arrangement | None]] = {}
+        self.cache = PagedKVCache(num_slots + 1, self.max_len, block_size, self.device, prefix_caching)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._free = list(range(num_slots - 1, -1, -1))
         # transformers >= 5.24 names the cache argument `cache`; older 5.x call it `past_key_values`.
@@ -185,79 +204,129 @@ class ModelRunner:
         self.step_keys: set[tuple[object, ...]] = set()
         self.compiles = compile_layers
         self._masks = self._step_masks
-        if compile_layers:
-            compile_decoder_layers(model)
-            self._masks = torch.compile(self._step_masks, dynamic=True)
         self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
             # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
             torch.backends.cuda.enable_cudnn_sdp(False)
-            # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
-            if cuda_graphs and not spread:
-                self.graphs = CudaGraphs(model, decoder_layers(model), fill_row=self.scratch_row)
+        self._allocate_cache(kv_cache_memory, gpu_memory_utilization)
+        # Short steps read K/V through the block tables where the Triton kernels take the model's attention: then
+        # neither they nor their graphs depend on the key length.
+        text = model.config.get_text_config()
+        self._paged_queries = (
+            SHORT_QUERY // max(int(getattr(text, "num_attention_heads", 1)) // self.cache.kv_heads, 1)
+            if self.device.type == "cuda" and paged_kernel(self.cache.specs or [], text)
+            else 0
+        )
+        if compile_layers:
+            compile_decoder_layers(model)
+            self._masks = torch.compile(self._step_masks, dynamic=True)
+        # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
+        if self.device.type == "cuda" and cuda_graphs and not spread:
+            self.graphs = CudaGraphs(model, decoder_layers(model), fill_row=self.scratch_row)
         if compile_layers:
             self.warm_up()
 
-    # -- rows ---------------------------------------------------------------------------------------------------
-    def regroup(self, groups: int) -> None:
-        """Blocks for `groups` batches from now on, `num_slots // groups` cache rows each (`arrange`). Only while no
-        row is held: its K/V sits in a block of the old layout."""
-        if len(self._free) != self.num_slots:
-            raise RuntimeError(
-                f"cannot lay out {groups} batches while {self.num_slots - len(self._free)} rows are held"
+    # -- memory ---------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _allocate_cache(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> None:
+        """Probe the K/V each token caches, then allocate the blocks once, before serving; lowers `max_len` (with a
+        log line) where one sequence would not fit."""
+        self.cache.probe()
+        try:
+            rows = self._scratch_rows(1)
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            self.step_forward(rows, ids, torch.ones(1, dtype=torch.long, device=self.device), shape=StepShape(1, 1))
+        finally:
+            self.cache.end_probe()
+        self.cache.lengths[self.scratch_row] = 0
+        per_block = self.cache.bytes_per_block
+        budget = kv_cache_bytes(self.device, kv_cache_memory, gpu_memory_utilization)
+        ever_needed = self.num_slots * self.cache.max_blocks + 1  # every row at max_len, and the trash block
+        num_blocks = min(budget // per_block, ever_needed)
+        if num_blocks < 2:
+            raise CapacityError(
+                f"{budget / 2**30:.2f} GiB of KV cache holds no block of {per_block / 2**20:.1f} MiB: raise "
+                "--kv-cache-memory or --gpu-memory-utilization"
             )
-        self.groups, self.block_size = groups, self.num_slots // groups
-        self._arranged.clear()
+        self.cache.allocate(int(num_blocks))
+        fits = (int(num_blocks) - 1) * self.cache.block_size
+        if fits < self.max_len:
+            log.warning(
+                "max_model_len lowered from %d to %d tokens: one sequence must fit the KV cache's %d blocks",
+                self.max_len,
+                fits,
+                num_blocks - 1,
+            )
+            self.max_len = self.cache.max_len = fits
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s; max_model_len %d",
+            num_blocks - 1,
+            self.cache.block_size,
+            (num_blocks - 1) * self.cache.block_size,
+            num_blocks * per_block / 2**30,
+            self.device,
+            self.max_len,
+        )
 
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks sequences can hold."""
+        assert self.cache.pool is not None
+        return self.cache.pool.usable
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a sequence can take now (free, or cached and held by no one)."""
+        assert self.cache.pool is not None
+        return self.cache.pool.available
+
+    # -- rows ---------------------------------------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
         return len(self._free)
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
-            raise CapacityError(f"need {count} cache rows, {len(self._free)} free of {self.num_slots}")
+            raise CapacityError(f"need {count} sequence rows, {len(self._free)} free of {self.num_slots}")
         rows = [self._free.pop() for _ in range(count)]
         self.cache.lengths[rows] = 0
         return rows
 
     def release(self, rows: list[int]) -> None:
+        self.cache.release(rows)
         self._free.extend(rows)
 
     def truncate(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Roll rows back to `lengths` committed tokens; later entries become invisible garbage."""
+        """Roll rows back to `lengths` committed tokens, on the device (inside a step's graph); the blocks left
+        empty go back once the host knows the lengths (`PagedKVCache.trim`)."""
         self.cache.lengths[rows] = lengths
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile every kind of step the compiled layers will see, before serving: one token or several, a prefill,
-        batch 1, a few rows or many (each a separate compiled variant; sizes within a kind share one). Runs on the
-        scratch row. Afterwards a step of a kind not seen here runs its layers uncompiled rather than stall a
-        step on a compile (`eager_on_recompile`)."""
+        """Compile every kind of step the compiled layers will see, before serving: one token or several, paged or
+        gathered, a prefill, batch 1, a few rows or many (each a separate compiled variant; sizes within a kind share
+        one). Runs on the scratch row. Afterwards a step of a kind not seen here runs its layers uncompiled rather
+        than stall a step on a compile (`eager_on_recompile`)."""
         start = time.perf_counter()
 
-        def forward(batch: int, n: int, view: Arrangement | None) -> None:
+        def forward(batch: int, n: int, paged: bool) -> None:
             rows = self._scratch_rows(batch)
             input_ids = torch.zeros(batch, n, dtype=torch.long, device=self.device)
             num_valid = torch.full((batch,), n, dtype=torch.long, device=self.device)
-            view_start = None if view is None else view.start
-            shape = StepShape(padded=batch, kv_len=self.step_shape(batch, n)[1], view_start=view_start)
-            self.step_forward(rows, input_ids, num_valid, shape=shape, last_only=True)
+            kv_len = None if paged else self._key_length(n)
+            self.step_forward(rows, input_ids, num_valid, shape=StepShape(padded=batch, kv_len=kv_len), last_only=True)
 
-        # A first step allocates the cache (eagerly), whose K/V head count says how many rows make attention take
-        # the fused kernel.
-        if not self.cache.keys:
-            forward(1, 1, None)
         many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
-        # Batches read K/V as views (arrange); prefills gather theirs, short ones too. The strides differ, and so
-        # does the code.
-        kinds = [
-            (batch, n, view)
-            for batch in (1, 2, many)
-            for n, view in ((1, True), (2, True), (2, False), (min(SHORT_QUERY + 1, self.max_len), False))
-        ]
-        for batch, n, view in kinds:
-            forward(batch, n, self._block(0, batch) if view else None)
+        long = min(SHORT_QUERY + 1, self.max_len)
+        kinds = [(batch, n, False) for batch in (1, 2, many) for n in (1, 2, long)]
+        kinds += [(batch, n, True) for batch in (1, 2, many) for n in (1, 2) if n <= self._paged_queries]
+        for batch, n, paged in kinds:
+            forward(batch, n, paged)
         self.cache.lengths[self.scratch_row] = 0
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
@@ -267,97 +336,35 @@ class ModelRunner:
         uncompiled rather than stall a step (`unseen_step_stance`)."""
         return self.unseen_step_stance if self.warmed_up else "default"
 
-    def step_shape(self, batch: int, needed: int) -> tuple[int, int]:
-        """(padded batch, key length) of a step on `batch` rows whose longest reaches `needed` tokens: the static
-        shape a CUDA graph is captured for (batches are padded on CUDA only)."""
-        return padded_batch(batch), min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
+    def step_shape(self, batch: int, needed: int, tokens: int) -> tuple[int, int | None]:
+        """(padded batch, key length) of a step on `batch` rows of `tokens` new tokens each whose longest reaches
+        `needed`: the static shape a CUDA graph is captured for (batches are padded on CUDA only). The key length is
+        None where attention reads the blocks through the tables (`PagedKVCache`), else a bucket."""
+        return padded_batch(batch), None if tokens <= self._paged_queries else self._key_length(needed)
 
-    def _block(self, group: int, batch: int) -> Arrangement | None:
-        """The block of cache rows that batch `group` of `batch` rows takes, if it fits with its padding."""
-        start = group * self.block_size
-        padded = padded_batch(batch) if self.device.type == "cuda" else batch
-        if not 0 <= group < self.groups or batch > self.block_size or start + padded > self.num_slots + 1:
-            return None
-        return Arrangement(start)
-
-    def arrange(self, rows: Sequence[int], group: int) -> Arrangement | None:
-        """Move the K/V of logical `rows` (batch `group`) into its block of cache rows, so that the step reads them
-        as views instead of gathering them (`SlotKVCache`: the gather was 8 of 19 ms of an 8B verify at batch 32); None
-        if the batch does not fit.
-
-        Rows already in the block stay: a membership change (a finished sequence, an admission, a rebalance) moves
-        one row each, with the row that held its cache row in the block swapping out. The batch keeps its order;
-        the step takes it in cache-row order (`Arrangement.order`). The same rows as the group's last step, with no
-        row moved since, get that step's arrangement without a look (on an H200's host the look took 33 us of a
-        B=1 verify's 250 before its graph's launch).
-        """
-        key = tuple(rows)
-        last = self._arranged.get(group)
-        if last is not None and last[0] == key:
-            return last[1]
-        arrangement = self._arrange(rows, group)
-        self._arranged[group] = (key, arrangement)
-        return arrangement
+    def _key_length(self, needed: int) -> int:
+        """The key-length bucket of a gathered step whose longest row reaches `needed`."""
+        return min(-(-needed // self.kv_bucket) * self.kv_bucket, self.max_len)
 
     @torch.inference_mode()
-    def _arrange(self, rows: Sequence[int], group: int) -> Arrangement | None:
-        block = self._block(group, len(rows))
-        if block is None:
-            return None
-        start, end = block.start, block.start + len(rows)
-        members = set(rows)
-        vacant = [c for c in range(start, end) if self._logical_row[c] not in members]
-        strays = [r for r in rows if not start <= self._cache_row[r] < end]
-        if strays:
-            free = set(self._free)
-            sources, destinations, changed = [], [], []
-            for row, cache_row in zip(strays, vacant, strict=True):
-                other, old = self._logical_row[cache_row], self._cache_row[row]
-                sources.append(old)
-                destinations.append(cache_row)
-                if other not in free:  # a live sequence (of the other batch, or not yet in one): swap
-                    sources.append(cache_row)
-                    destinations.append(old)
-                self._cache_row[row], self._cache_row[other] = cache_row, old
-                self._logical_row[cache_row], self._logical_row[old] = row, other
-                changed += [row, other]
-            self._arranged.clear()  # other groups' rows may have moved
-            self.cache.move(sources, destinations)
-            self.cache.physical[torch.tensor(changed, device=self.device)] = torch.tensor(
-                [self._cache_row[r] for r in changed], device=self.device
-            )
-        offsets = [self._cache_row[r] - start for r in rows]
-        if offsets == list(range(len(rows))):
-            return block
-        order = sorted(range(len(rows)), key=offsets.__getitem__)
-        order_and_inverse = torch.tensor([order, offsets], device=self.device)  # one copy to the device
-        return Arrangement(
-            start, order=order_and_inverse[0], inverse=order_and_inverse[1], rows=torch.tensor([rows[i] for i in order])
-        )
-
-    @torch.inference_mode()
-    def precapture(self, max_batch: int, n: int, run_step: ScratchStep, groups: Sequence[int] | None = None) -> int:
-        """Run `run_step(rows, needed, arrangement)`, a step of `n` tokens, on the scratch row in every shape such a
-        step on up to `max_batch` rows of batch `groups` (default: all) can take, so that CUDA captures its graphs
-        before serving rather than while requests wait (0.2-0.5 s each, seen in the middle of a load on an H200).
-        Returns the shapes run."""
+    def precapture(self, max_batch: int, n: int, run_step: ScratchStep) -> int:
+        """Run `run_step(rows, needed)`, a step of `n` tokens, on the scratch row in every shape such a step on up
+        to `max_batch` rows can take, so that CUDA captures its graphs before serving rather than while requests
+        wait (0.2-0.5 s each, seen in the middle of a load on an H200). Paged steps have one shape per batch bucket
+        whatever `max_len`; gathered ones one per key-length bucket too. Returns the shapes run."""
         if self.device.type == "cuda" and self.graphs is None:  # --eager: nothing to capture
             return 0
         start = time.perf_counter()
-        lengths = sorted({self.step_shape(1, needed)[1] for needed in range(n, self.max_len + 1)})
-        if not self.cache.keys:  # the first forward allocates the cache, and runs eagerly
-            run_step(self._scratch_rows(1), lengths[0], None)
-        # Each batch's block has graphs of its own; a batch too big for its block with its padding gathers its rows.
-        # (rows run, arrangement) per graph key; on CPUs, where nothing is padded, the fewest rows of that key.
-        runs: dict[tuple[int, Arrangement | None], int] = {}
-        for group in range(self.groups) if groups is None else groups:
-            for batch in range(1, max_batch + 1):
-                padded = padded_batch(batch)
-                runs.setdefault((padded, self._block(group, batch)), padded if self.device.type == "cuda" else batch)
-        for (_, view), rows in runs.items():
-            for kv_len in lengths:
-                run_step(self._scratch_rows(rows), kv_len, view)
-        shapes = len(runs) * len(lengths)
+        lengths = sorted({(needed, self.step_shape(1, needed, n)[1]) for needed in range(n, self.max_len + 1)})
+        needs = list({kv_len: needed for needed, kv_len in lengths}.values())
+        # The rows run per graph key; on CPUs, where nothing is padded, the fewest rows of that key.
+        batches: dict[int, int] = {}
+        for batch in range(1, max_batch + 1):
+            batches.setdefault(padded_batch(batch), padded_batch(batch) if self.device.type == "cuda" else batch)
+        for rows in batches.values():
+            for needed in needs:
+                run_step(self._scratch_rows(rows), needed)
+        shapes = len(batches) * len(needs)
         self.cache.lengths[self.scratch_row] = 0
         reserved = torch.cuda.memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         log.info(
@@ -385,31 +392,31 @@ class ModelRunner:
         tokens: int,
         forwards: int = 1,
         last_only: bool = False,
-        arrangement: Arrangement | None = None,
+        lane: int | None = None,
     ) -> Step:
         """A step of `kind` (what its body does: graphs are kept per kind) on `rows`, each appending `tokens` in its
-        first forward, the longest reaching `needed`: checks capacity, picks the key-length bucket and the batch
-        bucket, and keys its graph. `inputs` are per-row tensors `[B, ...]`; `forwards`: the forwards its body runs
-        (a draft's decode loop: one per token); `last_only`: a prefill's (logits at each row's last token), which
-        runs eagerly at its own batch size (a graph per prompt length would be captured mid-load, and padding
-        would only add work: 39 prompts ran as 64); `arrangement` (from `arrange`) lets it read K/V as views."""
+        first forward, the longest reaching `needed`: checks the length, picks the batch bucket (and a key-length
+        bucket where attention gathers), and keys its graph. `inputs` are per-row tensors `[B, ...]`; `forwards`: the
+        forwards its body runs (a draft's decode loop: one per token); `last_only`: a prefill's (logits at each row's
+        last token), which runs eagerly at its own batch size (a graph per prompt length would be captured mid-load,
+        and padding would only add work: 39 prompts ran as 64); `lane`: the coordinator's batch (`Step.lane`). The
+        rows' blocks must be reserved (`PagedKVCache.reserve`)."""
         if needed > self.max_len:
-            raise CapacityError(f"a sequence would reach {needed} tokens, beyond the cache's {self.max_len}")
-        padded, kv_len = self.step_shape(len(rows), needed)
+            raise CapacityError(f"a sequence would reach {needed} tokens, beyond max_model_len {self.max_len}")
         short = graphable(tokens, last_only)
+        padded, kv_len = self.step_shape(len(rows), needed, tokens)
         if not short:
             padded = len(rows)
-        view_start = None if arrangement is None else arrangement.start
-        key = (kind, forwards, padded, kv_len, view_start, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
-        shape = StepShape(padded=padded, kv_len=kv_len, view_start=view_start)
-        return Step(rows=rows, inputs=inputs, shape=shape, graphable=short, key=key, arrangement=arrangement)
+        key = (kind, forwards, padded, kv_len, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
+        shape = StepShape(padded=padded, kv_len=kv_len)
+        return Step(rows=rows, inputs=inputs, shape=shape, graphable=short, key=key, lane=lane)
 
     @torch.inference_mode()
     def run(self, step: Step, body: StepBody, *, copy_outputs: bool = True) -> list[torch.Tensor]:
-        """Run `body` on the step's rows and inputs, taken in cache-row order and, for a short step on CUDA, padded
-        to its batch bucket (padding rows: the scratch row, zero inputs): its graph replayed (captured first), or
-        eagerly with the very shapes a graph would have. Outputs come back in the batch's order, copied out of a
-        graph's buffers (which the next replay of its shape rewrites) unless not `copy_outputs`.
+        """Run `body` on the step's rows and inputs, for a short step on CUDA padded to its batch bucket (padding
+        rows: the scratch row, zero inputs): its graph replayed (captured first), or eagerly with the very shapes a
+        graph would have. Outputs are copied out of a graph's buffers (which the next replay of its shape rewrites)
+        unless not `copy_outputs`.
 
         A verify's acceptance and commit are a few dozen small operations (148 launches from Python at batch 1): in
         the graph they cost no host time, and run without launch gaps (the verify 1% faster on an H200; they had
@@ -419,16 +426,7 @@ class ModelRunner:
         """
         if step.graphable:
             self.step_keys.add(step.key)
-        arrangement = step.arrangement
-        if arrangement is not None and arrangement.order is not None:
-            # The rows in that order as the arrangement made them, on the host: the same for every step of the batch.
-            assert arrangement.rows is not None  # (`_arrange` makes both)
-            inputs = [arrangement.rows, *(t.to(self.device, non_blocking=True)[arrangement.order] for t in step.inputs)]
-        else:
-            inputs = [step.rows, *step.inputs]
-        outputs = self._launch(step, body, inputs)
-        if arrangement is not None and arrangement.inverse is not None:
-            return [t[arrangement.inverse] for t in outputs]  # (indexing copies)
+        outputs = self._launch(step, body, [step.rows, *step.inputs])
         return [t.clone() for t in outputs] if copy_outputs else outputs
 
     def _launch(self, step: Step, body: StepBody, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -439,14 +437,14 @@ class ModelRunner:
             # As a graph's buffers and a padded batch are: inference tensors, which compiled code guards on.
             inputs = [t if t.is_inference() else t.clone() for t in inputs]
             return body(inputs[0], inputs[1:], shape)
-        if self.graphs is not None and step.graphable and self.cache.keys:
+        if self.graphs is not None and step.graphable:
 
             def graphed(rows: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 self.cache.lengths.narrow(0, self.scratch_row, 1).zero_()  # padding rows begin empty, in the graph
                 return body(rows, inputs, shape)
 
             try:
-                return self.graphs.run(step.key, graphed, inputs, padded=shape.padded, block=shape.view_start)
+                return self.graphs.run(step.key, graphed, inputs, padded=shape.padded, lane=step.lane)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
@@ -472,17 +470,19 @@ class ModelRunner:
         num_valid: torch.Tensor,
         last_only: bool = False,
         needed: int | None = None,
-        arrangement: Arrangement | None = None,
     ) -> torch.Tensor:
-        """Append `input_ids[b, :num_valid[b]]` to row `rows[b]` and return float32 logits: one step of its own.
+        """Append `input_ids[b, :num_valid[b]]` to row `rows[b]` and return float32 logits: one step of its own,
+        its blocks reserved first.
 
         Returns `[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only` (prefill: the hidden
         states of long prompts are reduced before the vocabulary projection). `needed`, the longest row after this
-        forward, spares the host sync that finds it when the caller knows it already.
-        `arrangement` (from `arrange`) lets the step read K/V as views. On CUDA the logits may live in a graph's
-        buffers, valid until the runner's next graphed step (`CudaGraphs`).
+        forward, spares the host sync that finds it when the caller knows it already. On CUDA the logits may live in
+        a graph's buffers, valid until the runner's next graphed step (`CudaGraphs`).
         """
         n = input_ids.shape[1]
+        host_rows = rows.tolist()
+        ends = (self.cache.lengths[rows.to(self.device)] + num_valid.to(self.device)).tolist()
+        self.cache.reserve(host_rows, ends)
         step = self.prepare(
             kind="forward",
             rows=rows,
@@ -490,7 +490,6 @@ class ModelRunner:
             needed=self.longest_after(rows, n) if needed is None else needed,
             tokens=n,
             last_only=last_only,
-            arrangement=arrangement,
         )
         return self.run(step, self._last_logits if last_only else self._logits, copy_outputs=False)[0]
 
@@ -515,27 +514,37 @@ class ModelRunner:
         num_valid: torch.Tensor,
         *,
         shape: StepShape,
-        last_only: bool,
+        last_only: bool = True,
     ) -> torch.Tensor:
         """The forward proper, inside a step's body: appends `input_ids[b, :num_valid[b]]` to row `rows[b]` and
         returns the logits (`[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only`) in
         `logits_dtype`. Free of host syncs, so that a CUDA graph can capture it."""
-        batch = input_ids.shape[0]
-        # The first forward allocates the cache: eagerly, or compiled code would be specialised on an empty one.
-        stance = self.stance() if self.cache.keys else "force_eager"
+        batch, n = input_ids.shape
+        # Before the cache is allocated (its probe) compiled code must not see it: eagerly.
+        stance = self.stance() if self.cache.pool is not None else "force_eager"
         config = self.model.config
         own, config._attn_implementation = config._attn_implementation, self._attention
         try:
             with torch.compiler.set_stance(stance):
                 starts = self.cache.lengths[rows]
-                positions, full, windowed = self._masks(starts, input_ids.shape[1], shape.kv_len)
-                mask: torch.Tensor | dict[str, torch.Tensor] = full
-                if windowed is not None:
-                    mask = {"full_attention": full, "sliding_attention": windowed} if self.mixed_layers else windowed
-                self.cache.select(rows, positions, kv_len=shape.kv_len, view_start=shape.view_start)
                 kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
-                if windowed is None:
-                    kwargs[CAUSAL_BY_POSITIONS] = True
+                mask: torch.Tensor | dict[str, torch.Tensor]
+                if shape.kv_len is None:  # paged reads: the kernels mask by positions (and the layer's window)
+                    positions = starts[:, None] + torch.arange(n, device=starts.device)
+                    mask = positions.new_zeros(batch, 1, n, 1, dtype=self.dtype)
+                    if self.mixed_layers:
+                        mask = {"full_attention": mask, "sliding_attention": mask}
+                    kwargs[PAGED] = (self.cache.tables, rows, positions, self.sliding_window is not None)
+                else:
+                    positions, full, windowed = self._masks(starts, n, shape.kv_len)
+                    mask = full
+                    if windowed is None:
+                        kwargs[CAUSAL_BY_POSITIONS] = True
+                    elif self.mixed_layers:
+                        mask = {"full_attention": full, "sliding_attention": windowed}
+                    else:
+                        mask = windowed
+                self.cache.select(rows, positions, kv_len=shape.kv_len)
                 hidden = self.model.base_model(
                     input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
                 ).last_hidden_state

@@ -1,4 +1,4 @@
-"""The sequences a worker holds: id -> cache row, and their decoding parameters as row-indexed tensors."""
+"""The sequences a worker holds: id -> row, their decoding parameters as row-indexed tensors, their prefills."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minedraft.engine.model_runner import Arrangement, ModelRunner, StepBody
+from minedraft.engine.model_runner import ModelRunner, StepBody
 from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig, SamplingKind, seed_key
 from minedraft.errors import UnknownSequenceError
 
@@ -34,7 +34,7 @@ def prefill_groups(lengths: Sequence[int], forward_cost: int) -> list[list[int]]
 
 
 class SequenceTable:
-    """Maps sequence ids to cache rows and keeps per-row parameters where batched tensor code can gather them."""
+    """Maps sequence ids to rows and keeps per-row parameters where batched tensor code can gather them."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -99,33 +99,40 @@ class SequenceTable:
         *,
         kind: str,
         body: StepBody,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Take rows for new sequences and cache their prompts: a step of `kind` per group of prompts of similar
-        lengths (`prefill_groups`), padded to its longest, whose `body` runs the forward and makes what it will of
-        the logits after each prompt's last token (`ModelRunner.prepare`, `last_only`).
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[int]]:
+        """Take rows for new sequences and cache their prompts: each starts with the cached blocks its prompt begins
+        with (prefix caching), then a step of `kind` per group of the rest of similar lengths (`prefill_groups`),
+        padded to its longest, whose `body` runs the forward and makes what it will of the logits after each
+        prompt's last token (`ModelRunner.prepare`, `last_only`).
 
-        Returns (rows, prompt lengths, what the bodies made, in the order of `prompts`); on failure the rows are
-        freed.
+        Returns (rows, prompt lengths, what the bodies made in the order of `prompts`, the prompt tokens each found
+        cached); on failure the rows and their blocks are freed.
         """
         if not prompts:
             raise ValueError("a prefill needs at least one prompt")
         rows = self.add(seq_ids, configs)
         try:
-            device = self.runner.device
+            cache, device = self.runner.cache, self.runner.device
+            host_rows = rows.tolist()
+            cached = [cache.share_prefix(row, prompt) for row, prompt in zip(host_rows, prompts)]
+            cache.reserve(host_rows, [len(p) for p in prompts])
+            cache.lengths[rows] = torch.tensor(cached, dtype=torch.long, device=device)
+            rests = [p[c:] for p, c in zip(prompts, cached)]
             lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-            groups = prefill_groups([len(p) for p in prompts], PREFILL_FORWARD_COST)
+            rest_lengths = torch.tensor([len(r) for r in rests], dtype=torch.long, device=device)
+            groups = prefill_groups([len(r) for r in rests], PREFILL_FORWARD_COST)
             parts = []
             for group in groups:
-                longest = max(len(prompts[i]) for i in group)
+                longest = max(len(rests[i]) for i in group)
                 ids = torch.zeros(len(group), longest, dtype=torch.long)
                 for row, i in enumerate(group):
-                    ids[row, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
+                    ids[row, : len(rests[i])] = torch.tensor(rests[i], dtype=torch.long)
                 index = torch.tensor(group, device=device)
                 step = self.runner.prepare(
                     kind=kind,
                     rows=rows[index],
-                    inputs=(ids.to(device), lengths[index]),
-                    needed=longest,
+                    inputs=(ids.to(device), rest_lengths[index]),
+                    needed=max(len(prompts[i]) for i in group),
                     tokens=longest,
                     last_only=True,
                 )
@@ -134,10 +141,12 @@ class SequenceTable:
             if len(groups) > 1:  # back in the prompts' order
                 back = torch.tensor([i for group in groups for i in group], device=device).argsort()
                 outputs = [torch.cat(part)[back] for part in zip(*parts, strict=True)]
+            for row, prompt in zip(host_rows, prompts):
+                cache.register_prompt(row, prompt)
         except Exception:
             self.remove(seq_ids)
             raise
-        return rows, lengths, outputs
+        return rows, lengths, outputs, cached
 
     def row_list(self, seq_ids: Sequence[int]) -> list[int]:
         missing = [s for s in seq_ids if s not in self.rows_by_id]
@@ -147,19 +156,15 @@ class SequenceTable:
             raise ValueError("a step lists a sequence id more than once")
         return [self.rows_by_id[s] for s in seq_ids]
 
-    def arranged_rows(
-        self, seq_ids: Sequence[int], batch_id: int | None
-    ) -> tuple[list[int], torch.Tensor, Arrangement | None]:
-        """The rows of a batch's step (a list, and a host tensor that a step copies straight into its graph's
-        inputs), and with `batch_id` their K/V moved into that batch's block of cache rows (`ModelRunner.arrange`)."""
+    def batch_rows(self, seq_ids: Sequence[int], batch_id: int | None) -> tuple[list[int], torch.Tensor]:
+        """The rows of a batch's step: a list, and a host tensor that a step copies straight into its graph's
+        inputs (kept per batch while its members stay)."""
         ids = tuple(seq_ids)
         known = self._rows_of_batch.get(batch_id)
         if known is None or known[0] != ids:
             rows = self.row_list(seq_ids)
             known = self._rows_of_batch[batch_id] = (ids, rows, torch.tensor(rows, dtype=torch.long))
-        _, rows, host = known
-        arrangement = None if batch_id is None else self.runner.arrange(rows, batch_id)
-        return rows, host, arrangement
+        return known[1], known[2]
 
     def remove(self, seq_ids: Sequence[int]) -> list[int]:
         """Free the rows of `seq_ids` and return them; ids not held are ignored (release is idempotent)."""

@@ -29,7 +29,7 @@ T = TypeVar("T")
 Drain = Callable[[asyncio.Event], Awaitable[None]]
 log = logging.getLogger(__name__)
 PROFILED_CALLS = 5
-NUM_BATCHES = 2  # the coordinator's alternating batches: each has a block of cache rows here (ModelRunner.arrange)
+NUM_BATCHES = 2  # the coordinator's alternating batches: each keeps its rows in graph buffers of its own
 # A draining worker stops once no model call has come for this long: its coordinator has drained, or is gone.
 QUIET_S = 5.0
 
@@ -40,7 +40,11 @@ class WorkerOptions:
     device: str = "cpu"
     dtype: str = "auto"
     max_batch_size: int = 32
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the model's context, lowered where one sequence would not fit the cache
+    block_size: int = 16  # --block-size: tokens per KV cache block
+    kv_cache_memory: float | None = None  # --kv-cache-memory GiB (None: by --gpu-memory-utilization, or 1 on CPUs)
+    gpu_memory_utilization: float = 0.9  # the fraction of the GPU's memory the worker may use, weights included
+    prefix_caching: bool = True  # --enable-prefix-caching
     cuda_graphs: bool = True  # off with --eager, for debugging
     compile_layers: bool = False  # --compile
     profile_dir: str | None = None  # --profile-dir: Chrome traces of a few calls, for diagnosis
@@ -67,7 +71,7 @@ def host_id() -> str:
 
 
 class ModelWorker:
-    """A model on its device with a slot cache for two batches; all model work runs on one thread, in order."""
+    """A model on its device with a paged KV cache for two batches; all model work runs on one thread, in order."""
 
     def __init__(self, options: WorkerOptions) -> None:
         self.options = options
@@ -84,7 +88,10 @@ class ModelWorker:
             options.max_model_len,
             cuda_graphs=options.cuda_graphs,
             compile_layers=options.compile_layers,
-            groups=NUM_BATCHES,
+            block_size=options.block_size,
+            kv_cache_memory=options.kv_cache_memory,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            prefix_caching=options.prefix_caching,
         )
         self.channel: Channel | None = None
         # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
@@ -94,7 +101,7 @@ class ModelWorker:
         self._calls = 0
         self._in_flight = 0
         self._last_call = time.monotonic()
-        self._precaptured: set[tuple[int, int, int]] = set()  # (k, max batch size, batch id)
+        self._precaptured: set[tuple[int, int]] = set()  # (k, max batch size)
 
     @property
     def device(self) -> torch.device:
@@ -196,6 +203,9 @@ class ModelWorker:
             channels=channels,
             gpu_uuid=self.gpu_uuids[0] if self.gpu_uuids else "",
             gpu_uuids=self.gpu_uuids,
+            block_size=self.runner.block_size,
+            num_blocks=self.runner.num_blocks,
+            free_blocks=self.runner.free_blocks,
         )
 
     @functools.cached_property
@@ -215,30 +225,13 @@ class ModelWorker:
         self.channel = channel
         return reply
 
-    async def prepare(
-        self, precapture: Callable[[int, int, list[int]], int], k: int, max_batch_size: int, num_batches: int
-    ) -> None:
-        """A coordinator's Prepare (or SetupChannel) (`num_batches` 0, from an older coordinator: two). The cache rows
-        laid out in as many blocks as the coordinator has batches (one batch of twice the size, on a GPU the pair
-        shares, reads its K/V as views of one block of every row); then, with --precapture-graphs,
-        `precapture(k, max_batch_size, batch_ids)` (the verifier's or proposer's) once for each k, batch size and
-        batch."""
-        groups = min(num_batches or NUM_BATCHES, NUM_BATCHES)
-        if groups != self.runner.groups:
-            if self.runner.free_slots == self.runner.num_slots:
-                await self.run(self.runner.regroup, groups)
-                log.info("cache rows laid out for %d batch(es) of up to %d rows", groups, self.runner.block_size)
-            else:  # a coordinator restarted while this worker holds sequences: its batches gather rows that don't fit
-                log.warning(
-                    "asked for %d batch(es) while holding sequences: the cache keeps %d blocks",
-                    groups,
-                    self.runner.groups,
-                )
+    async def prepare(self, precapture: Callable[[int, int], int], k: int, max_batch_size: int) -> None:
+        """A coordinator's Prepare (or SetupChannel): with --precapture-graphs, `precapture(k, max_batch_size)` (the
+        verifier's or proposer's) once for each k and batch size."""
         wanted = precaptures(self.options.precapture_graphs, self.device, self.options.cuda_graphs)
-        batch_ids = [b for b in range(groups) if (k, max_batch_size, b) not in self._precaptured]
-        if wanted and batch_ids:
-            await self.run(precapture, k, max_batch_size, batch_ids)
-            self._precaptured.update((k, max_batch_size, b) for b in batch_ids)
+        if wanted and (k, max_batch_size) not in self._precaptured:
+            await self.run(precapture, k, max_batch_size)
+            self._precaptured.add((k, max_batch_size))
 
     def require_channel(self) -> Channel:
         if self.channel is None:

@@ -25,7 +25,7 @@ class SequenceEngine(Protocol):
 
     def release(self, seq_ids: Sequence[int]) -> None: ...
 
-    def precapture(self, k: int, max_batch: int, batch_ids: Sequence[int] | None = None) -> int: ...
+    def precapture(self, k: int, max_batch: int) -> int: ...
 
 
 class WorkerServicer:
@@ -67,27 +67,27 @@ class WorkerServicer:
 
     @grpc_errors
     async def SetupChannel(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        k, max_batch_size, num_batches = request.num_speculative_tokens, request.max_batch_size, request.num_batches
+        k, max_batch_size = request.num_speculative_tokens, request.max_batch_size
         if self.exports_channel:
             # Before the export (a no-op after Prepare): an nccl export waits (120 s at most) for the target, which
             # attaches after this reply.
-            await self.prepare(k, max_batch_size, num_batches)
+            await self.prepare(k, max_batch_size)
         handshake = await self.worker.setup_channel(
             request.channel, request.handshake, k, max_batch_size, self.exports_channel
         )
         if not self.exports_channel:
             # After the attach (a no-op after Prepare): the draft's side of an nccl rendezvous is waiting for it.
-            await self.prepare(k, max_batch_size, num_batches)
+            await self.prepare(k, max_batch_size)
         return self.SetupChannelResponse(handshake=handshake)
 
     @grpc_errors
     async def Prepare(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        await self.prepare(request.num_speculative_tokens, request.max_batch_size, request.num_batches)
+        await self.prepare(request.num_speculative_tokens, request.max_batch_size)
         return self.PrepareResponse()
 
-    async def prepare(self, k: int, max_batch_size: int, num_batches: int) -> None:
+    async def prepare(self, k: int, max_batch_size: int) -> None:
         """The step shapes run (with --precapture-graphs): each once."""
-        await self.worker.prepare(self.engine.precapture, k, max_batch_size, num_batches)
+        await self.worker.prepare(self.engine.precapture, k, max_batch_size)
 
     @grpc_errors
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
@@ -95,7 +95,8 @@ class WorkerServicer:
         await self.release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prefill_inputs(request.sequences, self.worker.vocab.logits_size)
         fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs)
-        return self.PrefillResponse(**fields, timings=timings(start_unix, compute_s, queue_s=queue_s))
+        timed = timings(start_unix, compute_s, queue_s=queue_s)
+        return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.runner.free_blocks)
 
     async def step_stream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """The step call's stream (VerifyStream, ProposeStream): each message a `step` of its own."""
@@ -110,7 +111,8 @@ class WorkerServicer:
     @grpc_errors
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         await self.worker.run(self.engine.release, list(request.seq_ids))
-        return self.ReleaseResponse(free_slots=self.worker.runner.free_slots)
+        runner = self.worker.runner
+        return self.ReleaseResponse(free_slots=runner.free_slots, free_blocks=runner.free_blocks)
 
     async def serve(
         self,

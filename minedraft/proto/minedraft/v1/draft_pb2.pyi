@@ -60,10 +60,14 @@ class DraftServicePrefillRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftServicePrefillResponse(_message.Message):
-    __slots__ = ("timings",)
+    __slots__ = ("timings", "cached_prompt_tokens", "free_blocks")
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     timings: _common_pb2.Timings
-    def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    cached_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    free_blocks: int
+    def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_prompt_tokens: _Optional[_Iterable[int]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids", "num_missed_tokens", "missed_token_ids")
@@ -88,12 +92,14 @@ class ProposeRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., num_missed_tokens: _Optional[_Iterable[int]] = ..., missed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("drafts", "timings")
+    __slots__ = ("drafts", "timings", "free_blocks")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     drafts: _common_pb2.DraftPayload
     timings: _common_pb2.Timings
-    def __init__(self, drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    free_blocks: int
+    def __init__(self, drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ProposeStreamRequest(_message.Message):
     __slots__ = ("propose", "trace_context")
@@ -125,7 +131,9 @@ class DraftServiceReleaseRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftServiceReleaseResponse(_message.Message):
-    __slots__ = ("free_slots",)
+    __slots__ = ("free_slots", "free_blocks")
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     free_slots: int
-    def __init__(self, free_slots: _Optional[int] = ...) -> None: ...
+    free_blocks: int
+    def __init__(self, free_slots: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...

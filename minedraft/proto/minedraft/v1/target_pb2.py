@@ -26,7 +26,7 @@ from minedraft.proto.minedraft.v1 import common_pb2 as minedraft_dot_v1_dot_comm
 from minedraft.proto.minedraft.v1 import generation_pb2 as minedraft_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/target.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\x1a\x1dminedraft/v1/generation.proto\"\x1d\n\x1bTargetServiceGetInfoRequest\"F\n\x1cTargetServiceGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.WorkerInfo\"\x93\x01\n TargetServiceSetupChannelRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x11\n\thandshake\x18\x02 \x01(\x0c\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_batches\x18\x05 \x01(\r\"6\n!TargetServiceSetupChannelResponse\x12\x11\n\thandshake\x18\x01 \x01(\x0c\"j\n\x1bTargetServicePrepareRequest\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x13\n\x0bnum_batches\x18\x03 \x01(\r\"\x1e\n\x1cTargetServicePrepareResponse\"e\n\x1bTargetServicePrefillRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\"u\n\x1cTargetServicePrefillResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\"\xa2\x01\n\rVerifyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12*\n\x06\x64rafts\x18\x04 \x01(\x0b\x32\x1a.minedraft.v1.DraftPayload\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x17\n\x0frelease_seq_ids\x18\x06 \x03(\x04\"g\n\x0eVerifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\"\xc3\x01\n\x13VerifyStreamRequest\x12+\n\x06verify\x18\x01 \x01(\x0b\x32\x1b.minedraft.v1.VerifyRequest\x12J\n\rtrace_context\x18\x02 \x03(\x0b\x32\x33.minedraft.v1.VerifyStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"n\n\x14VerifyStreamResponse\x12,\n\x06verify\x18\x01 \x01(\x0b\x32\x1c.minedraft.v1.VerifyResponse\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.minedraft.v1.CallStatus\"|\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\".\n\x1bTargetServiceReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"2\n\x1cTargetServiceReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r2\xa8\x05\n\rTargetService\x12`\n\x07GetInfo\x12).minedraft.v1.TargetServiceGetInfoRequest\x1a*.minedraft.v1.TargetServiceGetInfoResponse\x12o\n\x0cSetupChannel\x12..minedraft.v1.TargetServiceSetupChannelRequest\x1a/.minedraft.v1.TargetServiceSetupChannelResponse\x12`\n\x07Prepare\x12).minedraft.v1.TargetServicePrepareRequest\x1a*.minedraft.v1.TargetServicePrepareResponse\x12`\n\x07Prefill\x12).minedraft.v1.TargetServicePrefillRequest\x1a*.minedraft.v1.TargetServicePrefillResponse\x12\x43\n\x06Verify\x12\x1b.minedraft.v1.VerifyRequest\x1a\x1c.minedraft.v1.VerifyResponse\x12Y\n\x0cVerifyStream\x12!.minedraft.v1.VerifyStreamRequest\x1a\".minedraft.v1.VerifyStreamResponse(\x01\x30\x01\x12`\n\x07Release\x12).minedraft.v1.TargetServiceReleaseRequest\x1a*.minedraft.v1.TargetServiceReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/target.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\x1a\x1dminedraft/v1/generation.proto\"\x1d\n\x1bTargetServiceGetInfoRequest\"F\n\x1cTargetServiceGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.WorkerInfo\"\x93\x01\n TargetServiceSetupChannelRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x11\n\thandshake\x18\x02 \x01(\x0c\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_batches\x18\x05 \x01(\r\"6\n!TargetServiceSetupChannelResponse\x12\x11\n\thandshake\x18\x01 \x01(\x0c\"j\n\x1bTargetServicePrepareRequest\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x13\n\x0bnum_batches\x18\x03 \x01(\r\"\x1e\n\x1cTargetServicePrepareResponse\"e\n\x1bTargetServicePrefillRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\"\x8a\x01\n\x1cTargetServicePrefillResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\"\xa2\x01\n\rVerifyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12*\n\x06\x64rafts\x18\x04 \x01(\x0b\x32\x1a.minedraft.v1.DraftPayload\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x17\n\x0frelease_seq_ids\x18\x06 \x03(\x04\"|\n\x0eVerifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\"\xc3\x01\n\x13VerifyStreamRequest\x12+\n\x06verify\x18\x01 \x01(\x0b\x32\x1b.minedraft.v1.VerifyRequest\x12J\n\rtrace_context\x18\x02 \x03(\x0b\x32\x33.minedraft.v1.VerifyStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"n\n\x14VerifyStreamResponse\x12,\n\x06verify\x18\x01 \x01(\x0b\x32\x1c.minedraft.v1.VerifyResponse\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.minedraft.v1.CallStatus\"\x9a\x01\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\".\n\x1bTargetServiceReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"G\n\x1cTargetServiceReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r2\xa8\x05\n\rTargetService\x12`\n\x07GetInfo\x12).minedraft.v1.TargetServiceGetInfoRequest\x1a*.minedraft.v1.TargetServiceGetInfoResponse\x12o\n\x0cSetupChannel\x12..minedraft.v1.TargetServiceSetupChannelRequest\x1a/.minedraft.v1.TargetServiceSetupChannelResponse\x12`\n\x07Prepare\x12).minedraft.v1.TargetServicePrepareRequest\x1a*.minedraft.v1.TargetServicePrepareResponse\x12`\n\x07Prefill\x12).minedraft.v1.TargetServicePrefillRequest\x1a*.minedraft.v1.TargetServicePrefillResponse\x12\x43\n\x06Verify\x12\x1b.minedraft.v1.VerifyRequest\x1a\x1c.minedraft.v1.VerifyResponse\x12Y\n\x0cVerifyStream\x12!.minedraft.v1.VerifyStreamRequest\x1a\".minedraft.v1.VerifyStreamResponse(\x01\x30\x01\x12`\n\x07Release\x12).minedraft.v1.TargetServiceReleaseRequest\x1a*.minedraft.v1.TargetServiceReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,24 +49,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETSERVICEPREPARERESPONSE']._serialized_end=548
   _globals['_TARGETSERVICEPREFILLREQUEST']._serialized_start=550
   _globals['_TARGETSERVICEPREFILLREQUEST']._serialized_end=651
-  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_start=653
-  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_end=770
-  _globals['_VERIFYREQUEST']._serialized_start=773
-  _globals['_VERIFYREQUEST']._serialized_end=935
-  _globals['_VERIFYRESPONSE']._serialized_start=937
-  _globals['_VERIFYRESPONSE']._serialized_end=1040
-  _globals['_VERIFYSTREAMREQUEST']._serialized_start=1043
-  _globals['_VERIFYSTREAMREQUEST']._serialized_end=1238
-  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1187
-  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1238
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=1240
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1350
-  _globals['_SEQUENCERESULT']._serialized_start=1352
-  _globals['_SEQUENCERESULT']._serialized_end=1476
-  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_start=1478
-  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_end=1524
-  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_start=1526
-  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_end=1576
-  _globals['_TARGETSERVICE']._serialized_start=1579
-  _globals['_TARGETSERVICE']._serialized_end=2259
+  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_start=654
+  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_end=792
+  _globals['_VERIFYREQUEST']._serialized_start=795
+  _globals['_VERIFYREQUEST']._serialized_end=957
+  _globals['_VERIFYRESPONSE']._serialized_start=959
+  _globals['_VERIFYRESPONSE']._serialized_end=1083
+  _globals['_VERIFYSTREAMREQUEST']._serialized_start=1086
+  _globals['_VERIFYSTREAMREQUEST']._serialized_end=1281
+  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1230
+  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1281
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=1283
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1393
+  _globals['_SEQUENCERESULT']._serialized_start=1396
+  _globals['_SEQUENCERESULT']._serialized_end=1550
+  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_start=1552
+  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_end=1598
+  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_start=1600
+  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_end=1671
+  _globals['_TARGETSERVICE']._serialized_start=1674
+  _globals['_TARGETSERVICE']._serialized_end=2354
 # @@protoc_insertion_point(module_scope)

@@ -61,12 +61,14 @@ class TargetServicePrefillRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetServicePrefillResponse(_message.Message):
-    __slots__ = ("results", "timings")
+    __slots__ = ("results", "timings", "free_blocks")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     timings: _common_pb2.Timings
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    free_blocks: int
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("step_id", "batch_id", "seq_ids", "drafts", "num_draft_tokens", "release_seq_ids")
@@ -85,12 +87,14 @@ class VerifyRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("results", "timings")
+    __slots__ = ("results", "timings", "free_blocks")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     timings: _common_pb2.Timings
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    free_blocks: int
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class VerifyStreamRequest(_message.Message):
     __slots__ = ("verify", "trace_context")
@@ -116,16 +120,18 @@ class VerifyStreamResponse(_message.Message):
     def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ..., status: _Optional[_Union[_common_pb2.CallStatus, _Mapping]] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason")
+    __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason", "cached_prompt_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
     finish_reason: _generation_pb2.FinishReason
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetServiceReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
@@ -134,7 +140,9 @@ class TargetServiceReleaseRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetServiceReleaseResponse(_message.Message):
-    __slots__ = ("free_slots",)
+    __slots__ = ("free_slots", "free_blocks")
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     free_slots: int
-    def __init__(self, free_slots: _Optional[int] = ...) -> None: ...
+    free_blocks: int
+    def __init__(self, free_slots: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
