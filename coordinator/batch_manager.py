@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.request_state import RequestState
@@ -81,9 +82,12 @@ class BatchManager:
         """Admitted requests still decoding, in every batch."""
         return [r for b in self.batches for r in b.members + b.joining if not (r.finished or r.cancelled)]
 
-    def take_admissions(self) -> list[tuple[Batch, list[RequestState]]]:
-        """Pop waiting requests into the emptier batch, one at a time, while there is room (balance by count) and
-        the prefill stays within `max_prefill_tokens` (a first request always goes in, however long).
+    def take_admissions(
+        self, memory: Callable[[RequestState], bool] = lambda request: True
+    ) -> list[tuple[Batch, list[RequestState]]]:
+        """Pop waiting requests into the emptier batch, one at a time, while there is room (balance by count), the
+        prefill stays within `max_prefill_tokens` (a first request always goes in, however long) and `memory` says
+        the workers' KV blocks hold the request (it is asked in order, and counts what it said yes to).
 
         Cancelled requests still in the queue are dropped here. A batch whose drafts are in flight gets new
         sequences as joiners; the others take them as members at once.
@@ -98,8 +102,10 @@ class BatchManager:
             batch = min(self.batches, key=lambda b: (b.size, b.awaiting_verify))
             if batch.size >= self.max_batch_size:
                 break
-            tokens += len(request.prompt_ids)
+            tokens += len(request.prompt_ids) + request.resumed_output
             if self.max_prefill_tokens and placed and tokens > self.max_prefill_tokens:
+                break
+            if not memory(request):
                 break
             self.waiting.popleft()
             (batch.joining if batch.awaiting_verify else batch.members).append(request)
@@ -115,6 +121,14 @@ class BatchManager:
         if surplus > 0:
             moved, batch.members = batch.members[-surplus:], batch.members[:-surplus]
             (other.joining if other.awaiting_verify else other.members).extend(moved)
+
+    def preempt_latest(self, batch: Batch) -> RequestState:
+        """Take the batch's most recently admitted member (not in flight) out, to the front of the queue."""
+        request = max(batch.members, key=lambda r: r.admitted)
+        batch.members.remove(request)
+        request.preempt()
+        self.waiting.appendleft(request)
+        return request
 
     def remove_finished(self, batch: Batch) -> list[RequestState]:
         """Drop finished or cancelled members of a batch not in flight; return them for release on the workers."""

@@ -44,6 +44,11 @@ class RequestState:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Output tokens the workers prefill with the prompt: those it had when last preempted (`preempt`).
+    resumed_output: int = 0
+    admitted: int = 0  # its place in the order of admissions (the latest is preempted first)
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0  # of its first prefill on the target, from the prefix cache
     first_token_at: float | None = None
     cancelled: bool = False
     span: Any = None  # the request's trace span, when tracing is on (minedraft.observability.telemetry)
@@ -61,6 +66,13 @@ class RequestState:
     def missed_by_draft(self) -> list[int]:
         """Tokens before `last_token` that the draft has not cached (`draft_from`)."""
         return self.output_ids[self.draft_from : -1]
+
+    def preempt(self) -> None:
+        """Its blocks freed for others: it waits to be prefilled again with its output so far, as a prompt whose
+        next token the target samples at the position it would have had (lossless, seeded or not)."""
+        self.resumed_output = len(self.output_ids)
+        self.num_accepted, self.draft_from = 0, len(self.output_ids)
+        self.preemptions += 1
 
     def record_verify(self, num_drafts: int, num_accepted: int) -> None:
         """Before the verify's tokens are emitted."""
@@ -162,4 +174,5 @@ class RequestState:
             accepted_per_position=self.accepted_per_position,
             time_to_first_token_s=ttft,
             time_per_output_token_s=(done - (self.first_token_at or done)) / max(completion - 1, 1),
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )

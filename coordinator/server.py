@@ -130,6 +130,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.loop.draft_lengths,
             )
         )
+        self.workers.reset_kv_blocks()
         tokenizer_dir = self.options.tokenizer or pair.target_info.model
         try:
             self.tokenizer = load_tokenizer(tokenizer_dir)

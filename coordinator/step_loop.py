@@ -8,7 +8,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -79,6 +79,8 @@ class StepLoop:
         # starts on them the moment it is done with the other batch's (a call's round trip, ~1.5 ms on two H200s,
         # would leave the target idle in every step); awaited by the step that verifies the batch.
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
+        self._admissions = itertools.count(1)
+        self.preemptions = 0
 
     def wake(self) -> None:
         self._wake.set()
@@ -131,6 +133,7 @@ class StepLoop:
         if not k:
             emitted = 0
             for batch in batches:
+                self._make_room(batch, 0)
                 if batch.members:
                     emitted += await self._verify(batch)
             if drafting and to_verify is None:  # (a step that verified drafts is not the target's alone)
@@ -195,10 +198,13 @@ class StepLoop:
         )
 
     async def _admit(self) -> bool:
-        """Prefill what the batches have room for; False if the prefill failed (its requests failed with it)."""
-        admitted = [r for _, requests in self.manager.take_admissions() for r in requests]
+        """Prefill what the batches and the workers' KV blocks have room for; False if the prefill failed (its
+        requests failed with it)."""
+        admitted = [r for _, requests in self.manager.take_admissions(self._memory_for()) for r in requests]
         if not admitted:
             return True
+        for request in admitted:
+            request.admitted = next(self._admissions)
         drafting = self.workers.prefill_draft(admitted) if self.workers.draft_connected else asyncio.sleep(0)
         target_reply, draft_reply = await asyncio.gather(
             self.workers.prefill_target(admitted), drafting, return_exceptions=True
@@ -211,12 +217,52 @@ class StepLoop:
             self._fail(admitted, draft_reply)
             return False
         for request, result in zip(admitted, target_reply.results):
+            if not request.preemptions:
+                request.cached_prompt_tokens = result.cached_prompt_tokens
             request.emit(list(result.token_ids), result.finish_reason, self.outbox)
         if self.metrics is not None:
             self.metrics.prefilled(admitted, target_reply.results)
         return True
 
+    def _memory_for(self) -> Callable[[RequestState], bool]:
+        """Whether the workers' free KV blocks (`Workers.free_blocks`) hold one more request's prompt, with a step's
+        growth for it and every running sequence to spare; counting those said yes to. With nothing running one is
+        always admitted: a prompt within max_model_len fits an empty pool."""
+        free = self.workers.free_blocks(self.k)
+        running = self.manager.num_running
+
+        def memory(request: RequestState) -> bool:
+            nonlocal running
+            tokens = len(request.prompt_ids) + request.resumed_output
+            needs = {w: self.workers.kv_blocks[w].for_prompt(tokens) for w in free}
+            if running and any(free[w][0] - needs[w] < (running + 1) * free[w][1] for w in free):
+                return False
+            running += 1
+            for w in free:
+                free[w] = (free[w][0] - needs[w], free[w][1])
+            return True
+
+        return memory
+
+    def _make_room(self, batch: Batch, k: int) -> None:
+        """Before a step of k drafts on `batch`: while the workers' free KV blocks may not hold its growth, preempt
+        its most recently admitted member (freed on both workers, queued first, prefilled again later with its
+        output so far), so that no running request fails for lack of memory."""
+        free = self.workers.free_blocks(k)
+        preempted = []
+        while batch.members and any(free[w][0] < len(batch.members) * free[w][1] for w in free):
+            preempted.append(self.manager.preempt_latest(batch))
+        if preempted:
+            self.preemptions += len(preempted)
+            if self.metrics is not None:
+                self.metrics.preemptions.inc(len(preempted))
+            log.info("KV cache full: %d sequences preempted, to be prefilled again", len(preempted))
+            self.workers.release_later([r.seq_id for r in preempted])
+
     async def _propose(self, batch: Batch, k: int) -> None:
+        self._make_room(batch, k)
+        if not batch.members:
+            return
         # The membership is frozen from here: a rebalance by the concurrent Verify of the other batch must put
         # its surplus in `joining`, not among the members whose drafts are being made (their count would no
         # longer match the drafts).

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from coordinator.health_watch import follow_health
+from coordinator.kv_blocks import BlockLedger
 from coordinator.pairing import Pair, call_detail
 from coordinator.request_state import RequestState
 from minedraft.errors import ModelLoadError
@@ -82,11 +83,12 @@ class StepEvent:
 
 
 def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.SequenceSpec:
-    """The request as a worker prefills it; `resume`: with its output so far but the last token, which the next
+    """The request as a worker prefills it: its prompt and the output it had when last preempted (`RequestState.
+    preempt`), for what it may still generate; `resume`: with its output so far but the last token, which the next
     proposal feeds (a draft service that joins a running request)."""
     c = request.config
     params = generation_pb2.SamplingParams(
-        max_tokens=c.max_tokens,
+        max_tokens=c.max_tokens - request.resumed_output,
         temperature=c.temperature,
         top_p=c.top_p,
         top_k=c.top_k,
@@ -94,7 +96,7 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
         stop_token_ids=list(c.stop_token_ids),
         ignore_eos=c.ignore_eos,
     )
-    tokens = request.prompt_ids + request.output_ids[:-1] if resume else request.prompt_ids
+    tokens = request.prompt_ids + (request.output_ids[:-1] if resume else request.output_ids[: request.resumed_output])
     return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params)
 
 
@@ -185,8 +187,33 @@ class Workers:
         # Sequences to release on each worker, sent with the next call to it (`release_later`).
         self._unreleased: dict[str, list[int]] = {"target": [], "draft": []}
         self._draft_backlog: list[int] = []  # what the draft may still hold after a loss: released when it is back
+        self.kv_blocks = {"target": BlockLedger(), "draft": BlockLedger()}  # (`reset_kv_blocks`)
 
     # ----------------------------------------------------------------------------------------------- state
+
+    def reset_kv_blocks(self) -> None:
+        """What the workers reported of their KV blocks at the pair's set-up (again after a loss)."""
+        for name, info in (("target", self.pair.target_info), ("draft", self.pair.draft_info)):
+            self.kv_blocks[name].reset(info.block_size, info.num_blocks, info.free_blocks)
+
+    def free_blocks(self, k: int) -> dict[str, tuple[int, int]]:
+        """Per worker in use that accounts blocks: (blocks free by the ledger, blocks one sequence's step of k drafts
+        may take)."""
+        names = ("target", "draft") if self.draft_connected and k else ("target",)
+        ledgers = {name: self.kv_blocks[name] for name in names}
+        return {name: (ledger.free, ledger.for_tokens(k + 2)) for name, ledger in ledgers.items() if ledger.accounted}
+
+    @contextlib.contextmanager
+    def _taking(self, worker: str, blocks: int) -> Iterator[Callable[[int], None]]:
+        """Around a call to `worker` that may take `blocks`: the ledger counts them until the reply, whose reported
+        free blocks the caller passes to what this yields."""
+        ledger = self.kv_blocks[worker]
+        ledger.sent(blocks)
+        free: list[int] = []
+        try:
+            yield free.append
+        finally:
+            ledger.answered(blocks, free[-1] if free and ledger.accounted else None)
 
     @property
     def target_lost(self) -> bool:
@@ -355,6 +382,7 @@ class Workers:
             return False
         try:
             await self.pair.set_up_draft_again()
+            self.reset_kv_blocks()
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             log.info("draft service not back yet: %s", call_detail(exc))
             return False
@@ -409,6 +437,7 @@ class Workers:
         follows with `report_target_back`)."""
         try:
             await self.pair.set_up_target_again(with_draft=self.draft_connected)
+            self.reset_kv_blocks()
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             log.info("target service not back yet: %s", call_detail(exc))
             return False
@@ -492,29 +521,31 @@ class Workers:
 
     async def prefill_target(self, requests: Sequence[RequestState]) -> target_pb2.TargetServicePrefillResponse:
         start = time.perf_counter()
-        with self._releasing("target") as released, self._on_target():
+        specs = [sequence_spec(r) for r in requests]
+        blocks = sum(self.kv_blocks["target"].for_prompt(len(s.prompt_token_ids)) for s in specs)
+        with self._releasing("target") as released, self._on_target(), self._taking("target", blocks) as report:
             reply = await self._started(
                 self._target.Prefill(
-                    target_pb2.TargetServicePrefillRequest(
-                        sequences=[sequence_spec(r) for r in requests], release_seq_ids=released
-                    ),
+                    target_pb2.TargetServicePrefillRequest(sequences=specs, release_seq_ids=released),
                     timeout=self.target_timeout,
                 )
             )
+            report(reply.free_blocks)
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
     async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
         assert self._draft is not None
-        with self._releasing("draft") as released:
-            await self._started(
+        specs = [sequence_spec(r, resume) for r in requests]
+        blocks = sum(self.kv_blocks["draft"].for_prompt(len(s.prompt_token_ids)) for s in specs)
+        with self._releasing("draft") as released, self._taking("draft", blocks) as report:
+            reply = await self._started(
                 self._draft.Prefill(
-                    draft_pb2.DraftServicePrefillRequest(
-                        sequences=[sequence_spec(r, resume) for r in requests], release_seq_ids=released
-                    ),
+                    draft_pb2.DraftServicePrefillRequest(sequences=specs, release_seq_ids=released),
                     timeout=self.draft_timeout,
                 )
             )
+            report(reply.free_blocks)
         if resume:
             for request in requests:
                 request.draft_from = len(request.output_ids) - 1
@@ -537,11 +568,13 @@ class Workers:
         if any(missed):  # (after steps decoded without drafts)
             request.num_missed_tokens.extend(len(m) for m in missed)
             request.missed_token_ids.extend(t for m in missed for t in m)
-        with self._releasing("draft") as released:
+        blocks = len(members) * self.kv_blocks["draft"].for_tokens(k + 2)
+        with self._releasing("draft") as released, self._taking("draft", blocks) as report:
             request.release_seq_ids.extend(released)
             reply = await self._started(
                 self._step_call(self.propose_stream, draft.Propose, request, self.draft_timeout)
             )
+            report(reply.free_blocks)
         self._record("propose", batch_id, len(members), start, reply.timings, k)
         return reply
 
@@ -559,11 +592,13 @@ class Workers:
         )
         if drafts is not None:
             request.drafts.CopyFrom(drafts)
-        with self._releasing("target") as released, self._on_target():
+        blocks = len(members) * self.kv_blocks["target"].for_tokens(k + 1)
+        with self._releasing("target") as released, self._on_target(), self._taking("target", blocks) as report:
             request.release_seq_ids.extend(released)
             reply = await self._started(
                 self._step_call(self.verify_stream, self._target.Verify, request, self.target_timeout)
             )
+            report(reply.free_blocks)
         self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
 
@@ -591,24 +626,26 @@ class Workers:
 
         async def on_target() -> None:
             if always or self._unreleased["target"]:
-                with self._releasing("target") as released, self._on_target():
-                    await self._started(
+                with self._releasing("target") as released, self._on_target(), self._taking("target", 0) as report:
+                    reply = await self._started(
                         self._target.Release(
                             target_pb2.TargetServiceReleaseRequest(seq_ids=released), timeout=self.target_timeout
                         )
                     )
+                    report(reply.free_blocks)
 
         async def on_draft() -> grpc.RpcError | None:
             draft = self._draft_in_use
             if draft is None or not (always or self._unreleased["draft"]):
                 return None
             try:
-                with self._releasing("draft") as released:
-                    await self._started(
+                with self._releasing("draft") as released, self._taking("draft", 0) as report:
+                    reply = await self._started(
                         draft.Release(
                             draft_pb2.DraftServiceReleaseRequest(seq_ids=released), timeout=self.draft_timeout
                         )
                     )
+                    report(reply.free_blocks)
             except grpc.RpcError as exc:
                 return exc
             return None

@@ -54,6 +54,9 @@ class CoordinatorMetrics:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.requests = Counter("minedraft_requests", "Requests ended, by finish reason", ["finish_reason"], registry=r)
         self.rejected = Counter("minedraft_requests_rejected", "Requests refused at admission", ["reason"], registry=r)
+        self.preemptions = Counter(
+            "minedraft_preemptions", "Running sequences preempted for KV blocks, to be prefilled again", registry=r
+        )
         self.prompt_tokens = Counter("minedraft_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("minedraft_generation_tokens", "Tokens generated and streamed", registry=r)
         self.draft_tokens = Counter("minedraft_draft_tokens", "Draft tokens proposed and verified", registry=r)
@@ -178,7 +181,7 @@ class CoordinatorMetrics:
         self.overlap_efficiency.observe(max(verify[1] - verify[0], propose[1] - propose[0]) / t_step)
 
     def prefilled(self, requests: Sequence[Any], results: Sequence[Any]) -> None:
-        self.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
+        self.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests if not r.preemptions))
         self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
 
     def verified(self, results: Sequence[Any], k: int) -> None:
@@ -255,7 +258,21 @@ class WorkerMetrics:
         self.batch_size = Histogram(
             "minedraft_worker_batch_size", "Sequences per call", ["method"], buckets=BATCH_SIZES, registry=r
         )
-        self.free_slots = Gauge("minedraft_worker_free_slots", "Free KV cache slots", registry=r)
+        self.free_slots = Gauge("minedraft_worker_free_slots", "Sequence rows free", registry=r)
+        self.kv_blocks = Gauge("minedraft_worker_kv_blocks", "KV cache blocks sequences can hold", registry=r)
+        self.kv_blocks_used = Gauge("minedraft_worker_kv_blocks_used", "KV cache blocks sequences hold", registry=r)
+        self.kv_blocks_cached = Gauge(
+            "minedraft_worker_kv_blocks_cached", "KV cache blocks in the prefix cache, held or not", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "minedraft_worker_kv_cache_usage_ratio", "Fraction of the KV cache blocks sequences hold", registry=r
+        )
+        self.prefix_queried = Gauge(
+            "minedraft_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Gauge(
+            "minedraft_worker_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=r
+        )
         self.tokens = Counter("minedraft_worker_tokens", "Tokens emitted (target: prefill and verify)", registry=r)
         self.draft_tokens = Counter(
             "minedraft_worker_draft_tokens", "Draft tokens proposed (draft) or verified (target)", registry=r

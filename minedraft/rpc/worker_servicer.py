@@ -124,7 +124,16 @@ class WorkerServicer:
         """This service's gRPC server (health and reflection come too), its free slots on /metrics, and its drain
         after a SIGTERM (`ModelWorker.drain`)."""
         if metrics is not None:
-            metrics.free_slots.set_function(lambda: self.worker.runner.free_slots)
+            runner = self.worker.runner
+            pool = runner.cache.pool
+            assert pool is not None
+            metrics.free_slots.set_function(lambda: runner.free_slots)
+            metrics.kv_blocks.set_function(lambda: pool.usable)
+            metrics.kv_blocks_used.set_function(lambda: pool.used)
+            metrics.kv_blocks_cached.set_function(lambda: pool.cached)
+            metrics.kv_cache_usage.set_function(lambda: pool.used / pool.usable)
+            metrics.prefix_queried.set_function(lambda: pool.stats.queried_tokens)
+            metrics.prefix_hits.set_function(lambda: pool.stats.hit_tokens)
         health_servicer = Health()
         server, bound = await start_server(
             port, [self.add_to], [self.service_name], host, interceptors, health_servicer
