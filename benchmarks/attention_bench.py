@@ -1,6 +1,7 @@
-"""The step attention's paths alone on the GPU, compiled, at real steps' shapes.
+"""The step attention's paths alone on the GPU, compiled, at real steps' shapes, over a paged K/V cache.
 
-The paths: the Triton kernels, fused SDPA and two matmuls.
+The paths: the Triton paged-attention kernels, and for comparison fused SDPA and two matmuls over each row's keys
+gathered through its block table.
 
 A layer's attention alone does not predict a whole step's: choose paths by whole-step
 A/Bs (`benchmarks/gpu_run.sh ab compile`) and use this to see where the paths stand against the K/V floor.
@@ -12,11 +13,10 @@ import argparse
 import functools
 import itertools
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import torch
 
-import minedraft.engine.attention as attention
+from minedraft.kernels import decode_attention
 
 # name -> (query heads, K/V heads, head dim, new tokens per step): an 8B verify of k=4 drafts, 1B and 68M decode steps.
 SHAPES = {"8b-verify": (32, 8, 128, 5), "1b-decode": (32, 8, 64, 1), "68m-decode": (12, 12, 64, 1)}
@@ -30,6 +30,10 @@ SWEEPS = {
     "chunks": (("CHUNKS", "NUM_WARPS", "NUM_STAGES"), ((None, 1, 2, 4, 8), (4, 8), (3, 4))),
 }
 LAYERS = 32  # calls per graph, each on its own layer's K/V (one layer's K/V at batch 16 would fit in the L2 cache)
+# An attention path's arguments (`layer_inputs`): query, one layer's key and value pools, block tables, rows,
+# positions, the additive mask of the keys up to the step's key length and the scale; (its output, None) back, as
+# transformers' attention functions give it.
+Attend = Callable[..., tuple[torch.Tensor, None]]
 
 
 def graph_ms(calls: list[Callable[[], object]], repeat: int = 20) -> float:
@@ -52,33 +56,83 @@ def graph_ms(calls: list[Callable[[], object]], repeat: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_path(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, None]:
+    """The Triton kernels through their operator, over the whole table (as a CUDA graph keyed by batch size has it)."""
+    out = torch.ops.minedraft.paged_attention(query, key_cache, value_cache, block_tables, rows, positions, scale)
+    return out, None
+
+
+def gathered_path(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    matmuls: bool,
+) -> tuple[torch.Tensor, None]:
+    """Each row's keys up to the mask's length gathered through its table into `[B, kv_heads, keys, D]`, then SDPA
+    (or two matmuls and a softmax in float32) with the queries sharing a K/V head stacked along the sequence axis."""
+    batch, heads, n, dim = query.shape
+    _, kv_heads, block_size, _ = key_cache.shape
+    groups, keys = heads // kv_heads, mask.shape[-1]
+    blocks = block_tables[rows, : keys // block_size].long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        return cache[blocks].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, keys, dim)
+
+    key, value = gather(key_cache), gather(value_cache)
+    folded = query.reshape(batch, kv_heads, groups * n, dim)
+    stacked = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * n, keys)
+    if matmuls:
+        scores = torch.matmul(folded, key.transpose(-1, -2)).float() * scale + stacked
+        out = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=stacked, scale=scale)
+    return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None
+
+
+def path(name: str) -> Attend:
+    """A path of PATHS, compiled."""
+    attend: Attend = kernel_path if name == "kernel" else functools.partial(gathered_path, matmuls=name == "matmuls")
+    return torch.compile(attend, fullgraph=True)
+
+
 def layer_inputs(
-    shape: tuple[int, int, int, int], batch: int, prefix: int, kv_len: int, max_len: int
-) -> list[Callable[[Callable[..., tuple[torch.Tensor, None]]], torch.Tensor]]:
-    """Per layer, a call of an attention function on: a module stub, the query as projections leave it, K/V as
-    views of a block of the layer's cache rows, the step's additive mask (rows at random lengths past the prefix)
-    and its positions, as the decoder layers pass them on from the model runner (which says the mask is causal by
-    those positions)."""
+    shape: tuple[int, int, int, int], batch: int, prefix: int, kv_len: int, max_len: int, block_size: int = 16
+) -> list[Callable[[Attend], torch.Tensor]]:
+    """Per layer, a call of an attention path (`Attend`) on: the query as projections leave it, the layer's pools (a
+    stack's), block tables of `max_len` positions a row whose blocks lie scattered over the pool (entries past a
+    row's end name block 0), rows out of order, positions (rows at random lengths from the prefix up to
+    `kv_len`) and the additive mask of the keys up to `kv_len` (rounded up to whole blocks)."""
     heads, kv_heads, dim, n = shape
-    module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
+    width, keys = -(-max_len // block_size), -(-kv_len // block_size) * block_size
     lengths = prefix + torch.randint(0, kv_len - prefix - n + 1, (batch,), device="cuda")
     positions = lengths[:, None] + torch.arange(n, device="cuda")
-    allowed = torch.arange(kv_len, device="cuda")[None, None, :] <= positions[:, :, None]
+    num_blocks = 1 + batch * width
+    rows = torch.randperm(batch, device="cuda")  # entry b's keys in table row rows[b]
+    tables = (1 + torch.randperm(num_blocks - 1, device="cuda")).view(batch, width)
+    past = torch.arange(width, device="cuda")[None, :] * block_size > positions[:, -1:]  # entry b's blocks past its end
+    block_tables = tables.masked_fill(past[rows.argsort()], 0).to(torch.int32)
+    allowed = torch.arange(keys, device="cuda")[None, None, :] <= positions[:, :, None]
     mask = torch.zeros(allowed.shape, dtype=torch.bfloat16, device="cuda")
     mask = mask.masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)[:, None]
-    cache = torch.randn(LAYERS, 2, batch + 1, kv_heads, max_len, dim, dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(LAYERS, 2, num_blocks, kv_heads, block_size, dim, dtype=torch.bfloat16, device="cuda")
     query = torch.randn(batch, n, heads, dim, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
 
-    def call(layer: torch.Tensor, attend: Callable[..., tuple[torch.Tensor, None]]) -> torch.Tensor:
-        return attend(
-            module,
-            query,
-            layer[0, :batch, :, :kv_len],
-            layer[1, :batch, :, :kv_len],
-            mask,
-            position_ids=positions,
-            **{attention.CAUSAL_BY_POSITIONS: True},
-        )[0]
+    def call(layer: torch.Tensor, attend: Attend) -> torch.Tensor:
+        return attend(query, layer[0], layer[1], block_tables, rows, positions, mask, dim**-0.5)[0]
 
     return [functools.partial(call, layer) for layer in cache]
 
@@ -88,8 +142,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,16,32,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--prefix", type=int, default=512)
-    parser.add_argument("--kv-len", type=int, default=768, help="keys read, a multiple of the cache's KV bucket")
-    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--kv-len", type=int, default=768, help="keys of the longest row (the others past the prefix)")
+    parser.add_argument("--max-len", type=int, default=1024, help="positions a block table's row holds")
+    parser.add_argument("--block-size", type=int, default=16, help="positions a cache block holds")
     parser.add_argument(
         "--sweep",
         nargs="?",
@@ -106,40 +161,26 @@ def main() -> None:
     torch.manual_seed(0)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per layer, compiled, {LAYERS} layers in a "
-        f"CUDA graph; prefix {args.prefix}, keys read {args.kv_len}; the path a step takes marked *; max diff "
-        "against the matmuls"
+        f"CUDA graph; prefix {args.prefix}, keys read up to {args.kv_len} of {args.max_len}, blocks of "
+        f"{args.block_size}; max diff against the matmuls"
     )
     print(
         f"{'shape':12s} {'B':>3s} {'K/V MB':>7s} {'floor us':>8s} {'kernel':>7s} {'fused':>7s} {'matmuls':>7s} "
         f"{'max diff':>9s}"
     )
-    kernels, chosen = attention.KERNELS, attention.takes_matmuls
     for name in args.shapes.split(","):
-        heads, kv_heads, _, n = SHAPES[name]
+        _, kv_heads, dim, _ = SHAPES[name]
         for batch in (int(b) for b in args.batches.split(",")):
-            layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len)
-            kv_bytes = 2 * batch * kv_heads * args.prefix * SHAPES[name][2] * 2  # bf16 K and V up to the prefix
+            layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len, args.block_size)
+            kv_bytes = 2 * batch * kv_heads * args.prefix * dim * 2  # bf16 K and V up to the prefix
             floor_us = kv_bytes / 4.2e12 * 1e6  # an H200's measured copy bandwidth
             times, outputs = {}, {}
-            for path in PATHS:
-                # The kernels run whenever KERNELS is set; without them takes_matmuls() picks the other two.
-                attention.KERNELS = kernels if path == "kernel" else None
-                attention.takes_matmuls = lambda *_, matmuls=path == "matmuls": matmuls  # type: ignore[misc]
+            for attend in PATHS:
                 torch._dynamo.reset()
-                layer: Callable[..., tuple[torch.Tensor, None]] = torch.compile(
-                    attention.grouped_sdpa_attention, fullgraph=True
-                )
-                times[path] = graph_ms([functools.partial(call, layer) for call in layers]) * 1e3
-                outputs[path] = layers[0](layer).float()
-            attention.KERNELS, attention.takes_matmuls = kernels, chosen
-            picked = (
-                "kernel"
-                if kernels is not None
-                else "matmuls"
-                if chosen(batch, kv_heads, heads // kv_heads * n)
-                else "fused"
-            )
-            cells = " ".join(f"{times[p]:6.1f}{'*' if p == picked else ' '}" for p in PATHS)
+                layer = path(attend)
+                times[attend] = graph_ms([functools.partial(call, layer) for call in layers]) * 1e3
+                outputs[attend] = layers[0](layer).float()
+            cells = " ".join(f"{times[p]:7.1f}" for p in PATHS)
             diff = max((outputs[p] - outputs["matmuls"]).abs().max().item() for p in PATHS)
             print(f"{name:12s} {batch:3d} {kv_bytes / 1e6:7.1f} {floor_us:8.1f} {cells} {diff:9.2e}", flush=True)
             del layers
@@ -147,20 +188,20 @@ def main() -> None:
 
 def sweep(args: argparse.Namespace) -> None:
     """The kernel path alone, over its parameters: us per layer of every setting, best first (defaults marked *)."""
-    from minedraft.kernels import decode_attention as kernels
-
+    kernels = decode_attention
     names, values = SWEEPS[args.sweep]
     defaults = tuple(getattr(kernels, name) for name in names)  # None: chosen per step (`decode_attention.tiles`)
     settings = [defaults, *(s for s in itertools.product(*values) if s != defaults)]
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}; the kernels' us per layer over "
-        f"{'/'.join(names)}; prefix {args.prefix}, keys read {args.kv_len}; default {defaults} marked *"
+        f"{'/'.join(names)}; prefix {args.prefix}, keys read up to {args.kv_len} of {args.max_len}, blocks of "
+        f"{args.block_size}; default {defaults} marked *"
     )
     # The kernels are opaque to the compiler: one compile serves every setting.
-    layer: Callable[..., tuple[torch.Tensor, None]] = torch.compile(attention.grouped_sdpa_attention, fullgraph=True)
+    layer = path("kernel")
     for name in args.shapes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len)
+            layers = layer_inputs(SHAPES[name], batch, args.prefix, args.kv_len, args.max_len, args.block_size)
             reference = layers[0](layer).float()
             times = {}
             for setting in settings:

@@ -1,10 +1,9 @@
-"""The Triton short-query attention equals float64 attention: on the CPU through Triton's interpreter, and on GPUs."""
+"""The Triton paged attention equals float64 attention: on the CPU through Triton's interpreter, and on GPUs."""
 
 from __future__ import annotations
 
-import itertools
 import os
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,76 +11,136 @@ from interpreter import needs_interpreter, run_in_interpreter
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
-# (batch, heads, kv_heads, new tokens, head dim, keys, chunks, keys per tile): GQA verify and decode shapes, no GQA,
-# one chunk, several, more chunks than tiles; both tiles that steps choose between (`decode_attention.tiles`); K/V
-# always views of a larger cache.
-SHAPES = [
-    (2, 8, 2, 5, 32, 200, None, 64),
-    (3, 8, 2, 5, 32, 300, 3, 128),
-    (1, 4, 1, 1, 16, 130, 1, 128),
-    (4, 4, 4, 1, 16, 70, 8, 64),
-    (2, 12, 2, 3, 64, 260, 2, 128),
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    n: int  # new tokens
+    dim: int
+    keys: int  # the longest row's
+    block_size: int
+    window: int
+    chunks: int | None
+    block_keys: int
+
+
+# GQA verify and decode shapes, no GQA; one chunk, several, more chunks than tiles; both tiles that steps choose between
+# (`decode_attention.tiles`); blocks of 16 and 12 positions; sliding windows shorter than the rows; a head size that is
+# no power of two.
+CASES = [
+    Case(3, 8, 2, 5, 32, 200, 16, 0, None, 64),
+    Case(3, 8, 2, 5, 32, 300, 12, 0, 3, 128),
+    Case(1, 4, 1, 1, 16, 130, 16, 0, 1, 128),
+    Case(4, 4, 4, 1, 16, 70, 12, 0, 8, 64),
+    Case(3, 12, 2, 3, 64, 260, 16, 40, 2, 128),
+    Case(3, 4, 2, 4, 40, 150, 12, 24, 4, 64),
+    Case(3, 6, 2, 2, 80, 100, 16, 0, 3, 64),
 ]
 
 
-def reference(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    groups = query.shape[1] // key.shape[1]
-    k, v = key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
-    scores = query.double() @ k.transpose(-1, -2) * scale + mask.double()
-    return (scores.softmax(-1) @ v).transpose(1, 2)
+@dataclass
+class Inputs:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+
+def paged_inputs(case: Case, device: str, dtype: torch.dtype, generator: torch.Generator) -> Inputs:
+    """Random inputs for `case`: each entry's last `n` positions are its queries, entry 0 with only its own new
+    tokens (every later tile and chunk empty), another as long as `case.keys`. Entries take a subset of the table's
+    rows out of order; each row's blocks are scattered over the pool out of order, two rows share their first block,
+    and the table's entries past a row's end name the NaN-filled trash block 0 or any block. Every cache entry that no
+    query may read is NaN (past a row's last position, and before its first query's window), as garbage might be;
+    the pools are views of layer stacks, with strides of their own."""
+    batch, kv_heads, dim, size = case.batch, case.kv_heads, case.dim, case.block_size
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device, dtype)
+
+    # As the projections leave it ([B, n, heads, D] transposed), or contiguous.
+    query = (
+        randn(batch, case.n, case.heads, dim).transpose(1, 2) if case.n > 1 else randn(batch, case.heads, case.n, dim)
+    )
+    lengths = torch.randint(max(case.n, size + 1), case.keys + 1, (batch,), generator=generator)
+    lengths[0], lengths[-1] = case.n, case.keys
+    positions = lengths[:, None] - case.n + torch.arange(case.n)
+    table_rows, width = batch + 3, -(-case.keys // size) + 2  # more table rows and entries than used
+    used = -(-lengths // size)
+    num_blocks = 1 + batch * width  # more blocks than used, never written
+    blocks = (1 + torch.randperm(num_blocks - 1, generator=generator))[: int(used.sum())].split(used.tolist())
+    tables = torch.randint(0, num_blocks, (table_rows, width), generator=generator)
+    tables[:, ::2] = 0  # the trash block
+    rows = torch.randperm(table_rows, generator=generator)[:batch]
+    for row, own in zip(rows.tolist(), blocks, strict=True):
+        tables[row, : len(own)] = own
+    if batch > 2:
+        tables[rows[2], 0] = tables[rows[1], 0]  # a shared first block (both rows have more than one block's keys)
+    # Layer 1 of a stack of two; the keys' positions padded, the values' heads outermost.
+    nan = float("nan")
+    key_cache = torch.full((2, num_blocks, kv_heads, size + 3, dim), nan, dtype=dtype, device=device)[1, :, :, :size]
+    value_cache = torch.full((2, kv_heads, num_blocks, size, dim), nan, dtype=dtype, device=device)[1].transpose(0, 1)
+    for b, row in enumerate(rows.tolist()):
+        first = max(int(positions[b].min()) - case.window + 1, 0) if case.window else 0
+        for position in range(first, int(lengths[b])):
+            block, offset = int(tables[row, position // size]), position % size
+            key_cache[block, :, offset] = randn(kv_heads, dim)
+            value_cache[block, :, offset] = randn(kv_heads, dim)
+    # A view too, of a wider table.
+    block_tables = torch.cat([tables, tables[:, :5]], 1).to(device, torch.int32)[:, :width]
+    return Inputs(query, key_cache, value_cache, block_tables, rows.to(device), positions.to(device))
+
+
+def reference(inputs: Inputs, scale: float, window: int) -> torch.Tensor:
+    """[B, n, heads, D] in float64: each entry's keys gathered through its table row, a softmax over the keys up to
+    each query's position (and within the window)."""
+    query, tables, size = inputs.query.cpu().double(), inputs.block_tables.cpu().long(), inputs.key_cache.shape[2]
+    groups = query.shape[1] // inputs.key_cache.shape[1]
+    out = []
+    for b, row in enumerate(inputs.rows.tolist()):
+        positions = inputs.positions[b].cpu()
+        length = torch.arange(int(positions.max()) + 1)
+        blocks, offsets = tables[row, length // size], length % size
+        k, v = (
+            cache.cpu().double()[blocks, :, offsets].nan_to_num().transpose(0, 1)
+            for cache in (inputs.key_cache, inputs.value_cache)
+        )
+        allowed = length[None, :] <= positions[:, None]
+        if window:
+            allowed &= length[None, :] > positions[:, None] - window
+        scores = query[b] @ k.repeat_interleave(groups, 0).transpose(-1, -2) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out.append((scores.softmax(-1) @ v.repeat_interleave(groups, 0)).transpose(0, 1))
+    return torch.stack(out)
 
 
 def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -> None:
-    """Random inputs for each of SHAPES: each row's last `n` positions are its queries, causal over its own length, so
-    whole key tiles are masked off and lengths differ between rows. Given the positions, the kernels must not read
-    past them: the cache holds NaN there, as a rolled-back row's garbage might."""
+    """Each of CASES, through the operator (what compiled layers call) where it takes the chunks chosen per step."""
     from minedraft.kernels import decode_attention
-    from minedraft.kernels.decode_attention import short_query_attention
+    from minedraft.kernels.decode_attention import paged_attention
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    inputs = ("mask only", "positions", "positions, no mask")
-    for (batch, heads, kv_heads, n, dim, keys, chunks, block_keys), passed in itertools.product(SHAPES, inputs):
-        given = passed != "mask only"
-
-        def randn(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=generator).to(device, dtype)
-
-        # As the projections leave it ([B, n, heads, D] transposed), or contiguous.
-        query = randn(batch, n, heads, dim).transpose(1, 2) if n > 1 else randn(batch, heads, n, dim)
-        cache_k, cache_v = randn(batch + 2, kv_heads, keys + 40, dim), randn(batch + 2, kv_heads, keys + 40, dim)
-        lengths = torch.randint(n, keys + 1, (batch,), generator=generator)
-        lengths[0] = n  # one row with only its own new tokens: every later tile masked off
-        if given:
-            for row, length in enumerate(lengths.tolist()):
-                cache_k[row + 1, :, length:] = cache_v[row + 1, :, length:] = float("nan")
-        key, value = cache_k[1 : batch + 1, :, :keys], cache_v[1 : batch + 1, :, :keys]  # strided views, as the cache's
-        positions = lengths[:, None] - n + torch.arange(n)
-        allowed = torch.arange(keys)[None, None, :] <= positions[:, :, None]
-        mask = torch.zeros(batch, 1, n, keys).masked_fill_(~allowed[:, None], torch.finfo(dtype).min).to(device, dtype)
-        scale = dim**-0.5
-
-        decode_attention.BLOCK_KEYS = block_keys
+    for case in CASES:
+        inputs = paged_inputs(case, device, dtype, generator)
+        scale = case.dim**-0.5
+        decode_attention.BLOCK_KEYS = case.block_keys
         try:
-            out = short_query_attention(
-                query,
-                key,
-                value,
-                None if passed == "positions, no mask" else mask,
-                scale,
-                positions.to(device) if given else None,
-                chunks,
-            )
+            args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.rows)
+            if case.chunks is None:
+                out = torch.ops.minedraft.paged_attention(*args, inputs.positions, scale, case.window)
+            else:
+                out = paged_attention(*args, inputs.positions, scale, case.window, case.chunks)
         finally:
             decode_attention.BLOCK_KEYS = None
-
-        expected = reference(query.cpu(), key.cpu().nan_to_num(), value.cpu().nan_to_num(), mask.cpu(), scale)
-        shape = (batch, heads, kv_heads, n, dim, keys, passed)
-        assert out.shape == (batch, n, heads, dim)
-        assert torch.isfinite(out).all(), f"non-finite output for {shape}"
+        expected = reference(inputs, scale, case.window)
+        assert out.shape == (case.batch, case.n, case.heads, case.dim), case
+        assert torch.isfinite(out).all(), f"non-finite output for {case}"
         error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
-        assert error < tolerance, f"relative error {error:.2e} for {shape}"
+        assert error < tolerance, f"relative error {error:.2e} for {case}"
 
 
 @needs_interpreter
@@ -89,76 +148,41 @@ def test_the_kernels_equal_float64_attention_in_triton_interpreter() -> None:
     run_in_interpreter("test_decode_attention", "t.check_against_reference('cpu', torch.float32, 1e-5)")
 
 
-def check_a_model_on_the_kernels() -> None:
-    """Steps through `ModelRunner` (a prefill, verify-sized and one-token steps, rows of different lengths) give the
-    same logits on the kernels as on the matmul path, and every kernel call got the step's positions from the decoder
-    layers (its cut-off; without them the kernels still read every key): with no mask for a Llama-shaped model, whose
-    steps' masks are causal by those positions, and with the mask for a model of an 8-token sliding window."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel
+def check_in_a_cuda_graph(device: str) -> None:
+    """Captured once, a call replays right for other rows, lengths and tables of the same shapes: nothing on the host
+    depends on them (chunks chosen per step, by the shapes alone)."""
+    from minedraft.kernels.decode_attention import paged_attention
 
-    import minedraft.engine.attention as attention
-    from minedraft.engine.model_runner import ModelRunner
-    from minedraft.kernels import decode_attention
+    generator = torch.Generator().manual_seed(0)
+    case = Case(4, 8, 2, 5, 64, 300, 16, 0, None, 64)
+    first, second = (paged_inputs(case, device, torch.bfloat16, generator) for _ in range(2))
+    second.rows[:] = second.rows.flip(0)  # entry 0, whose row was the shortest, now the longest
+    second.positions[:] = second.positions.flip(0)
+    static = Inputs(*(t.clone() for t in vars(first).values()))
 
-    # Weights well above transformers' 0.02 init: attention then moves the logits by far more than the tolerance.
-    shape: dict[str, Any] = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-    )
-    given: list[tuple[bool, bool]] = []  # (positions, mask) of each kernel call
-    plain = decode_attention.short_query_attention
-
-    def watched(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        given.append((positions is not None, mask is not None))
-        return plain(query, key, value, mask, scale, positions)
-
-    def steps(model: PreTrainedModel, on_kernels: bool) -> list[torch.Tensor]:
-        # On the CPU the kernels run only if asked (here through Triton's interpreter).
-        attention.KERNELS = decode_attention if on_kernels else None
-        attention.uses_kernel = lambda q, k, v, m, queries: (
-            on_kernels  # type: ignore
-            and queries <= attention.SHORT_QUERY
-            and decode_attention.supports(q, k, v, m)
+    def call() -> torch.Tensor:
+        return paged_attention(
+            static.query,
+            static.key_cache,
+            static.value_cache,
+            static.block_tables,
+            static.rows,
+            static.positions,
+            0.125,
         )
-        runner = ModelRunner(model, 4, 256)
-        rows = torch.tensor(runner.allocate(2))
-        generator = torch.Generator().manual_seed(1)
-        out = [
-            runner.forward(
-                rows, torch.randint(0, 300, (2, 12), generator=generator), torch.tensor([12, 7]), last_only=True
-            )
-        ]
-        for n in (5, 1, 5):
-            out.append(runner.forward(rows, torch.randint(0, 300, (2, n), generator=generator), torch.full((2,), n)))
-        return out
 
-    decode_attention.short_query_attention = watched  # type: ignore[assignment]
-    for config, masked in ((LlamaConfig(**shape), False), (MistralConfig(sliding_window=8, **shape), True)):
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        given.clear()
-        for kernels, matmuls in zip(steps(model, True), steps(model, False), strict=True):
-            torch.testing.assert_close(kernels, matmuls, atol=1e-4, rtol=1e-4)
-        assert given and set(given) == {(True, masked)}, (type(config).__name__, given)
-
-
-@needs_interpreter
-def test_a_model_on_the_kernels_equals_the_matmul_path_in_triton_interpreter() -> None:
-    run_in_interpreter("test_decode_attention", "t.check_a_model_on_the_kernels()")
+    call()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for inputs in (second, first):
+        for name, tensor in vars(inputs).items():
+            getattr(static, name).copy_(tensor)
+        graph.replay()
+        expected = reference(inputs, 0.125, 0)
+        error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
+        assert error < 2e-2, error
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -167,25 +191,23 @@ def test_the_kernels_equal_float64_attention_on_a_gpu() -> None:
     for index in range(torch.cuda.device_count()):
         check_against_reference(f"cuda:{index}", torch.float32, 1e-5)
         check_against_reference(f"cuda:{index}", torch.bfloat16, 2e-2)
+        with torch.cuda.device(index):
+            check_in_a_cuda_graph(f"cuda:{index}")
 
 
 def test_the_kernels_take_only_the_shapes_they_handle() -> None:
-    """Power-of-two head sizes, one size for q/k/v, unit last strides, a mask row per query; CPU steps never."""
-    from minedraft.engine.attention import uses_kernel
+    """Head sizes of 16 or more, one size and one pool shape for K and V, unit last strides, whole GQA groups."""
     from minedraft.kernels.decode_attention import supports
 
-    def inputs(dim: int = 64, value_dim: int = 64, n: int = 5) -> list[torch.Tensor]:
-        return [
-            torch.randn(2, 8, n, dim),
-            torch.randn(2, 2, 40, dim),
-            torch.randn(2, 2, 40, value_dim),
-            torch.zeros(2, 1, n, 40),
-        ]
+    def inputs(dim: int = 64, value_dim: int = 64, heads: int = 8) -> list[torch.Tensor]:
+        return [torch.randn(2, heads, 5, dim), torch.randn(9, 2, 16, dim), torch.randn(9, 2, 16, value_dim)]
 
     assert supports(*inputs())
-    assert not supports(*inputs(dim=80, value_dim=80))  # a 80-wide head: not a power of two
+    assert supports(*inputs(dim=80, value_dim=80))  # padded to 128
+    assert not supports(*inputs(dim=8, value_dim=8))
     assert not supports(*inputs(value_dim=32))
-    query, key, value, mask = inputs()
-    assert not supports(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, mask)
-    assert not supports(query, key, value, torch.zeros(2, 1, 1, 40))  # one mask row for five queries
-    assert not uses_kernel(query, key, value, mask, 4 * 5)  # on the CPU
+    assert not supports(*inputs(heads=5))
+    query, key, value = inputs()
+    assert not supports(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value)
+    assert not supports(query, key, torch.randn(9, 2, 12, 64))  # other blocks for the values
+    assert not supports(query, key[0], value[0])  # a slot cache's row, not a pool

@@ -1,14 +1,17 @@
-"""Short-query attention over slot-cache K/V as Triton kernels: each K/V head's keys read once for all its queries.
+"""Short-query attention over a paged K/V cache as Triton kernels: each K/V head's keys read once for all its queries.
 
 A decode or verify step has a few queries per K/V head (query heads sharing it x new tokens) against hundreds of
 keys. The fused SDPA kernels spread their work over (batch, head, query block): at batch 1 of an 8B verify, eight
 blocks for the whole GPU. Here the keys of each (row, K/V head) are cut into chunks, one program per chunk
 (flash-decoding); each program keeps a running softmax over its chunk, and a second kernel merges the chunks by
-their log-sum-exp. Given the queries' positions, a row's keys are read only up to its last query's position, so a
-row pays for its own length, not the batch's key bucket; the loop then has no branch and Triton pipelines its
-loads. Without a mask (a causal step's, which the positions alone define) no mask tile is loaded beside each K/V
-tile either. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output projection reads, so
-no transpose copy follows.
+their log-sum-exp. A row's keys live in the blocks its row of the block table names, `block_size` positions each;
+each tile's keys are found through the table, so the blocks may lie anywhere in the pool and be shared between rows.
+Visibility is causal by the queries' positions (and a sliding window): no mask tensor is read. A row's keys are read
+only up to its last query's position, and with a window only from its first query's window on, so a row pays for its
+own length, not the table's, and the cache past it (a trash block, garbage) is never read. The chunk count
+depends on shapes alone, so that CUDA graphs keyed by batch size replay it; each program sizes its chunk from its
+row's actual length. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output
+projection reads, so no transpose copy follows.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ PROGRAMS_PER_SM: int | None = None
 NUM_STAGES: int | None = None
 CHUNKS: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
-# Where each query's running maximum starts: above any masking value (transformers' masks use the dtype's minimum),
-# so keys the mask hides add exp(minimum - MASKED) = 0 even before a visible one.
+# Where each query's running maximum starts: finite, so that a tile whose keys a query cannot see (scores -inf) adds
+# exp(-inf - MASKED) = 0 and rescales by exp(0) = 1, where starting at -inf would give exp(-inf + inf) = NaN.
 MASKED: tl.constexpr = tl.constexpr(-1.0e30)
 
 
@@ -47,7 +50,8 @@ def _chunk_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    mask_ptr,
+    table_ptr,
+    rows_ptr,
     pos_ptr,
     part_ptr,
     lse_ptr,
@@ -55,15 +59,14 @@ def _chunk_kernel(
     sq_b,
     sq_h,
     sq_n,
-    sk_b,
+    sk_blk,
     sk_h,
-    sk_n,
-    sv_b,
+    sk_pos,
+    sv_blk,
     sv_h,
-    sv_n,
-    sm_b,
-    sm_q,
-    sm_n,
+    sv_pos,
+    st_row,
+    sr,
     sp_b,
     sp_n,
     so_b,
@@ -72,50 +75,63 @@ def _chunk_kernel(
     kv_heads,
     groups,
     queries,
-    rows,
-    keys,
-    chunk,
+    folded,
+    window,
     scale,
     ROWS: tl.constexpr,
+    HEAD: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
-    POSITIONS: tl.constexpr,
-    MASK: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Program (row x K/V head, chunk): softmax(q k^T * scale + mask) v over the chunk's keys, for the `rows`
-    folded queries of K/V head h (`_folded_offset`)."""
+    """Program (row x K/V head, chunk): softmax(q k^T * scale) v over the chunk's visible keys, for the `folded`
+    queries of K/V head h (`_folded_offset`)."""
     bh = tl.program_id(0)
     c = tl.program_id(1)
     b = bh // kv_heads
     h = bh % kv_heads
     r = tl.arange(0, ROWS)
-    d = tl.arange(0, DIM)
-    live = r < rows
+    d = tl.arange(0, DIM)  # DIM: HEAD rounded up to a power of two (tl.dot's and tl.arange's sizes)
+    live = r < folded
+    # Masks along d only where the head is padded: an all-true one would still cost the loads their vector width.
+    q_mask = live[:, None] if HEAD == DIM else live[:, None] & (d < HEAD)[None, :]
     q = tl.load(
         q_ptr + _folded_offset(b, h, r, groups, queries, sq_b, sq_n, sq_h)[:, None] + d[None, :],
-        mask=live[:, None],
+        mask=q_mask,
         other=0.0,
     )
-    mask_rows = mask_ptr + b * sm_b + (r % queries)[:, None] * sm_q
-    end = keys
-    if POSITIONS:  # causal: no query of the row sees a key past its own position
-        own = tl.load(pos_ptr + b * sp_b + (r % queries) * sp_n, mask=live, other=0)
-        end = tl.minimum(end, tl.max(own, 0) + 1)
+    own = tl.load(pos_ptr + b * sp_b + (r % queries) * sp_n, mask=live, other=0)
+    # The row's keys: up to its last query's position; with a window, from its first query's window on. The row's
+    # chunks split that span evenly (in whole tiles); on a short row the last chunks are empty and merge with weight 0.
+    end = tl.max(own, 0) + 1
+    begin = 0
+    if WINDOW:
+        begin = tl.maximum(tl.min(tl.where(live, own, end), 0) - window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(end - begin, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    first = begin + c * chunk
+    table = table_ptr + tl.load(rows_ptr + b * sr) * st_row
+    k_head, v_head = k_ptr + h.to(tl.int64) * sk_h, v_ptr + h.to(tl.int64) * sv_h
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
-    for start in range(c * chunk, tl.minimum(c * chunk + chunk, end), BLOCK_N):
+    for start in range(first, tl.minimum(first + chunk, end), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < end
-        if MASK:
-            bias = tl.load(mask_rows + n[None, :] * sm_n, mask=live[:, None] & inside[None, :], other=float("-inf"))
-        else:  # causal by the positions alone: no load for the loop's loads to wait on
-            bias = tl.where(live[:, None] & (n[None, :] <= own[:, None]), 0.0, float("-inf"))
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + n[:, None] * sk_n + d[None, :], mask=inside[:, None], other=0.0)
-        v = tl.load(v_ptr + b * sv_b + h * sv_h + n[:, None] * sv_n + d[None, :], mask=inside[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias.to(tl.float32)
+        seen = live[:, None] & (n[None, :] <= own[:, None])
+        if WINDOW:  # transformers' sliding window: a query sees the `window` keys up to its own
+            seen = seen & (n[None, :] > own[:, None] - window)
+        # The table masked too: its entries past the row's end may name any block, or none. The block's offset in
+        # int64, as a pool may hold more than 2^31 elements.
+        block = tl.load(table + n // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        kv_mask = inside[:, None] if HEAD == DIM else inside[:, None] & (d < HEAD)[None, :]
+        k = tl.load(k_head + block[:, None] * sk_blk + slot[:, None] * sk_pos + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + block[:, None] * sv_blk + slot[:, None] * sv_pos + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -129,9 +145,7 @@ def _chunk_kernel(
         tl.store(lse_ptr + (bh * tl.num_programs(1) + c) * ROWS + r, lse)
     else:
         out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)[:, None]
-        tl.store(
-            out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None]
-        )
+        tl.store(out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -147,10 +161,12 @@ def _merge_kernel(
     queries,
     chunks,
     ROWS: tl.constexpr,
+    HEAD: tl.constexpr,
     DIM: tl.constexpr,
     CHUNKS: tl.constexpr,
 ):
-    """Program (row x K/V head, folded query): the chunks' outputs weighted by exp(their log-sum-exp)."""
+    """Program (row x K/V head, folded query): the chunks' outputs weighted by exp(their log-sum-exp); an empty
+    chunk's is -inf, weight 0."""
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // kv_heads
@@ -165,19 +181,20 @@ def _merge_kernel(
     )
     merged = tl.sum(parts * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
     out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)
-    tl.store(out + d, merged.to(out_ptr.dtype.element_ty))
+    tl.store(out + d, merged.to(out_ptr.dtype.element_ty), mask=None if HEAD == DIM else d < HEAD)
 
 
-def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether the kernels take these shapes: one power-of-two head size of 16 or more for queries, keys and values,
-    contiguous along it, and a mask of one row per query."""
+def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the kernels take these shapes: queries `[B, heads, n, D]` and pools `[num_blocks, kv_heads,
+    block_size, D]` of one head size of 16 or more, contiguous along it, query heads a multiple of the K/V heads."""
     dim = query.shape[-1]
     return (
-        dim >= 16
-        and dim & (dim - 1) == 0
-        and key.shape[-1] == value.shape[-1] == dim
-        and mask.shape[2] == query.shape[2]
-        and query.stride(-1) == key.stride(-1) == value.stride(-1) == mask.stride(-1) == 1
+        query.dim() == key_cache.dim() == value_cache.dim() == 4
+        and dim >= 16
+        and key_cache.shape == value_cache.shape
+        and key_cache.shape[-1] == dim
+        and query.shape[1] % key_cache.shape[1] == 0
+        and query.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
     )
 
 
@@ -190,11 +207,11 @@ def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, in
     """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` (row, K/V head) blocks and `queries`
     tokens per row.
 
-    From a sweep on an H200 (us per layer at prefix 512, rows at 512-768 keys): steps of several tokens
-    take 64-key tiles, one program per SM (each reads its keys for all of them) and three stages (8B verify at
-    batch 1, 16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token decodes take 64-key tiles while the blocks
-    are fewer than the SMs, 128 beyond, two programs per SM and two stages (68M decode at 1, 16, 32: 5.5, 15.0, 22.3;
-    three stages 5.7, 18.2, 27.2).
+    From a sweep on an H200 (us per layer at prefix 512, rows at 512-768 keys; measured on a slot cache, whose tiles
+    were contiguous): steps of several tokens take 64-key tiles, one program per SM (each reads its keys for all of
+    them) and three stages (8B verify at batch 1, 16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token
+    decodes take 64-key tiles while the blocks are fewer than the SMs, 128 beyond, two programs per SM and two stages
+    (68M decode at 1, 16, 32: 5.5, 15.0, 22.3; three stages 5.7, 18.2, 27.2).
     """
     several = queries > 1
     block_keys = BLOCK_KEYS or (64 if several or blocks < _sm_count(device) else 128)
@@ -203,95 +220,103 @@ def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, in
 
 def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
     """How many chunks each (row, K/V head) block's keys are cut into: as many as fit in one wave of
-    `programs_per_sm` programs on every SM. Rounding up instead (a second, partial wave; and a merge where one chunk
-    fits) was 20-25% slower for an 8B verify at batch 8 and 16."""
+    `programs_per_sm` programs on every SM, and no more than `keys` (the longest a row can be) has tiles. Rounding up
+    instead (a second, partial wave; and a merge where one chunk fits) was 20-25% slower for an 8B verify at batch 8
+    and 16."""
     wanted = programs_per_sm * _sm_count(device) // blocks
     return max(1, min(wanted, math.ceil(keys / block_keys)))
 
 
-def short_query_attention(
+def paged_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
     scale: float,
-    positions: torch.Tensor | None = None,
+    window: int = 0,
     chunks: int | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v for `query` `[B, heads, n, D]` over `key`/`value` `[B, kv_heads, L, D]` (any
-    strides with a unit last one: the query as the projections leave it, transposed, is read without a copy) and an
-    additive `mask` `[B, 1, n, L]`; returns `[B, n, heads, D]`.
+    """softmax(q k^T * scale) v for `query` `[B, heads, n, D]` (any strides with a unit last one: the query as the
+    projections leave it, transposed, is read without a copy) over one layer's pools `key_cache`/`value_cache`
+    `[num_blocks, kv_heads, block_size, D]` (unit last stride); returns `[B, n, heads, D]`.
 
-    `positions` (`[B, n]`, optional): the queries' positions in a causal step, whose mask hides every key past them;
-    each row then reads keys only up to its last query's. Without a mask (positions required), each query sees
-    exactly the keys up to its own position. `chunks`: how many chunks each K/V head's keys are cut into (default:
-    `chunks_for`).
+    Entry b's keys are row `rows[b]` of `block_tables` `[R, M]` (int32, unit last stride): position p in block
+    `block_tables[rows[b], p // block_size]` at `p % block_size`. Query i of entry b sees the keys at positions up to
+    `positions[b, i]` (`[B, n]`), with `window` > 0 only the last `window` of them. `chunks`: how many chunks each
+    K/V head's keys are cut into (default: `chunks_for` the longest row the table holds); on the host nothing depends
+    on the rows' lengths, so CUDA graphs may capture the call.
     """
-    batch, heads, queries, dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
+    batch, heads, queries, head = query.shape
+    _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
-    rows = groups * queries
-    out = torch.empty(batch, queries, heads, dim, dtype=query.dtype, device=query.device)
+    folded = groups * queries
+    dim = triton.next_power_of_2(head)
+    out = torch.empty(batch, queries, heads, head, dtype=query.dtype, device=query.device)
     block_keys, programs_per_sm, stages = tiles(batch * kv_heads, queries, query.device)
-    chunks = chunks or CHUNKS or chunks_for(batch * kv_heads, keys, block_keys, programs_per_sm, query.device)
-    chunk = math.ceil(math.ceil(keys / chunks) / block_keys) * block_keys
-    chunks = math.ceil(keys / chunk)
-    padded_rows = max(16, triton.next_power_of_2(rows))
+    longest = block_tables.shape[1] * block_size
+    chunks = chunks or CHUNKS or chunks_for(batch * kv_heads, longest, block_keys, programs_per_sm, query.device)
+    padded_rows = max(16, triton.next_power_of_2(folded))
     split = chunks > 1
     part = torch.empty(
         batch * kv_heads * chunks * padded_rows * dim if split else 1, dtype=torch.float32, device=query.device
     )
     lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and (mask is None or mask.stride(-1) == 1)
-    mask_strides = (0, 0, 0) if mask is None else (mask.stride(0), mask.stride(2), mask.stride(3))
-    limits = positions if positions is not None and tuple(positions.shape) == (batch, queries) else None
-    if mask is None and limits is None:
-        raise ValueError(f"attention without a mask needs the queries' positions as [{batch}, {queries}]")
+    assert query.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == block_tables.stride(-1) == 1
+    if tuple(positions.shape) != (batch, queries) or tuple(rows.shape) != (batch,):
+        raise ValueError(
+            f"paged attention needs rows as [{batch}] and positions as [{batch}, {queries}], got "
+            f"{list(rows.shape)} and {list(positions.shape)}"
+        )
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         _chunk_kernel[(batch * kv_heads, chunks)](
             query,
-            key,
-            value,
-            lse if mask is None else mask,
-            lse if limits is None else limits,
+            key_cache,
+            value_cache,
+            block_tables,
+            rows,
+            positions,
             part,
             lse,
             out,
             query.stride(0),
             query.stride(1),
             query.stride(2),
-            key.stride(0),
-            key.stride(1),
-            key.stride(2),
-            value.stride(0),
-            value.stride(1),
-            value.stride(2),
-            *mask_strides,
-            *((0, 0) if limits is None else limits.stride()),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            block_tables.stride(0),
+            rows.stride(0),
+            positions.stride(0),
+            positions.stride(1),
             out.stride(0),
             out.stride(1),
             out.stride(2),
             kv_heads,
             groups,
             queries,
-            rows,
-            keys,
-            chunk,
+            folded,
+            window,
             scale,
             ROWS=padded_rows,
+            HEAD=head,
             DIM=dim,
             BLOCK_N=block_keys,
+            BLOCK_SIZE=block_size,
             SPLIT=split,
             PRECISION=precision,
-            POSITIONS=limits is not None,
-            MASK=mask is not None,
+            WINDOW=window > 0,
             num_warps=NUM_WARPS,
             num_stages=stages,
         )
         if split:
-            _merge_kernel[(batch * kv_heads, rows)](
+            _merge_kernel[(batch * kv_heads, folded)](
                 part,
                 lse,
                 out,
@@ -303,33 +328,38 @@ def short_query_attention(
                 queries,
                 chunks,
                 ROWS=padded_rows,
+                HEAD=head,
                 DIM=dim,
                 CHUNKS=triton.next_power_of_2(chunks),
             )
     return out
 
 
-@torch.library.custom_op("minedraft::short_query_attention", mutates_args=())
-def short_query_attention_op(
+@torch.library.custom_op("minedraft::paged_attention", mutates_args=())
+def paged_attention_op(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
     scale: float,
-    positions: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """`short_query_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
-    return short_query_attention(query, key, value, mask, scale, positions)
+    """`paged_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
+    return paged_attention(query, key_cache, value_cache, block_tables, rows, positions, scale, window)
 
 
-@short_query_attention_op.register_fake
+@paged_attention_op.register_fake
 def _(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
     scale: float,
-    positions: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)
