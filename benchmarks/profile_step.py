@@ -29,8 +29,7 @@ from target_service.verifier import Verifier  # noqa: E402
 HOST_PATH: list[tuple[type, str]] = [
     (Verifier, "verify"),
     (Proposer, "propose"),
-    (SequenceTable, "arranged_rows"),
-    (ModelRunner, "arrange"),
+    (SequenceTable, "batch_rows"),
     (SequenceTable, "sampling_kind"),
     (ModelRunner, "prepare"),
     (ModelRunner, "run"),
