@@ -490,18 +490,19 @@ def worker_info(address: str, kind: str) -> common_pb2.WorkerInfo:
 
 
 def assert_all_slots_free(workers: Workers, timeout: float = 10.0) -> None:
-    """Poll GetInfo on both workers until every KV row is free (requests that ended, however, released theirs);
-    fail with {kind: (free, total)} as last seen if some are still held after `timeout` seconds."""
+    """Poll GetInfo on both workers until every sequence row and KV block is free (requests that ended, however,
+    released theirs; cached blocks no one holds count as free); fail with {kind: (free rows, rows, free blocks,
+    blocks)} as last seen if some are still held after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         seen = {}
         for kind, service in (("target", workers.target), ("draft", workers.draft)):
             if service is not None:
                 info = worker_info(service.address, kind)
-                seen[kind] = (info.free_slots, info.num_slots)
-        if all(free == total for free, total in seen.values()):
+                seen[kind] = (info.free_slots, info.num_slots, info.free_blocks, info.num_blocks)
+        if all(rows == total and blocks == pool for rows, total, blocks, pool in seen.values()):
             return
-        assert time.monotonic() < deadline, f"KV rows still held (free, total): {seen}"
+        assert time.monotonic() < deadline, f"rows or KV blocks still held (free, total, free, total): {seen}"
         time.sleep(0.2)
 
 

@@ -19,7 +19,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GENERATOR = REPO_ROOT / "scripts" / "generate_cli_docs.py"
 CHART = REPO_ROOT / "helm" / "minedraft"
 TEMPLATE_COMPONENTS = {"model-services.yaml": ("target", "draft"), "coordinator.yaml": ("coordinator",)}
-WORKER_FIELDS_FROM_SWITCHES = {"cuda_graphs": "--eager", "compile_layers": "--compile"}  # cli.worker_options
+# Fields cli.worker_options derives from a flag of another name
+WORKER_FIELDS_FROM_SWITCHES = {
+    "cuda_graphs": "--eager",
+    "compile_layers": "--compile",
+    "prefix_caching": "--enable-prefix-caching",
+}
 
 
 def load_generator() -> ModuleType:
