@@ -21,6 +21,12 @@
 #   steps               the 8B verify and a draft's proposal in process: step times, host time before and during
 #                       each graph's launch, the host's calls, kernels (COMPILE=1: compiled layers; PROFILE_BATCHES,
 #                       PROFILE_DRAFT; EXTRA=--one-graph: a graph per step, not a chain)
+#   paged               the paged KV cache served on one GPU (benchmarks/paged_bench.py; 8B- and 68M-shaped random
+#                       weights, built once into /tmp/minedraft-paged-ckpt): 128 prompts of 1000-4000 tokens at once at
+#                       --max-model-len 32768 (output tokens/s, peak KV blocks, preemptions), start to SERVING at 2048
+#                       and 32768, 64 prompts sharing 2000 tokens with prefix caching on and off (TTFT, cached tokens),
+#                       the TTFT of a fresh stack's 1st and 10th requests. QUESTIONS: some of long,connect,prefix,first
+#                       (three stacks for all four); EXTRA: its flags (--requests 64, --target-kv-cache-memory 24 ...)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first)
@@ -147,6 +153,14 @@ attention)
 kvgather)
     python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"
     python3 benchmarks/kv_gather_bench.py --batch 8 2>&1 | tee -a "$OUT/run/kv_gather.txt"
+    ;;
+paged)
+    # 500 s, and 30 more to stop its stack on the way out: the stage fits a 560 s call with the set-up and the tar.
+    timeout -k 30 ${BENCH_SECONDS:-500} python3 -X faulthandler benchmarks/paged_bench.py --device cuda:0 \
+        --questions "${QUESTIONS:-long,connect,prefix,first}" ${EXTRA:-} --out "$OUT/run/paged" \
+        > "$OUT/run/paged.log" 2>&1
+    grep -E "^\[|checkpoint|Error" "$OUT/run/paged.log" | cut -c1-220 | tail -30
+    grep -E "^(summary|total)" "$OUT/run/paged.log"
     ;;
 *)
     echo "unknown stage $stage" >&2
