@@ -233,6 +233,9 @@ class PagedKVCache(Cache):
         )
         return query.transpose(1, 2)
 
+    # Outside compiled layers: the layer index is a symbolic int there, and a list indexed by it (or a view of the
+    # stacks at it) does not trace; the attention after it compiles as the next frame.
+    @torch.compiler.disable
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention reads of layer `layer_idx`: its blocks (paged reads) or the rows' K/V gathered."""
         if self._kv_len is None:
