@@ -174,7 +174,7 @@ class Proposer:
         lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
         for row, keep in zip(host_rows, kept):
             self.runner.cache.trim(row, keep)
-        self.runner.cache.reserve(host_rows, lengths)
+        self.runner.cache.reserve(host_rows, [min(keep + width, self.runner.max_len) for keep in kept])  # padding too
         self.runner.truncate(rows, torch.tensor(kept, dtype=torch.long, device=device))
         step = self.runner.prepare(
             kind="catch-up",

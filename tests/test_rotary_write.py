@@ -92,7 +92,7 @@ def test_the_kernel_equals_the_reference_on_a_gpu() -> None:
 def test_the_operator_refuses_a_cache_of_other_heads() -> None:
     from minedraft.engine.kv_cache import rotate_and_write
 
-    stacks = torch.zeros(2, 1, 3, 4, 8, 16)
+    stacks = torch.zeros(2, 1, 3, 4, 16, 16)  # (K, V) x [layers, blocks, kv_heads, block_size, head_dim]
     with pytest.raises(ValueError, match="2 K/V heads"):
         rotate_and_write(
             torch.zeros(1, 1, 8 * 16),
@@ -101,6 +101,7 @@ def test_the_operator_refuses_a_cache_of_other_heads() -> None:
             stacks[0],
             stacks[1],
             0,
+            torch.zeros(1, 1, dtype=torch.int32),
             torch.zeros(1, dtype=torch.long),
             torch.zeros(1, 1, dtype=torch.long),
             4,

@@ -42,7 +42,8 @@ class PagedKVCache(Cache):
     scratch row, whose table points at the trash block only). Position p of row r lives at offset p % block_size of
     block `tables[r, p // block_size]`. The host keeps each row's blocks (`reserve` before a step takes what its
     writes need, `trim` gives back what a rollback left empty); the device keeps `tables` and `lengths`, which steps
-    and their graphs read and write. Entries at or beyond a row's length are garbage no read reaches.
+    and their graphs read and write. K/V at or beyond a row's length are garbage no read reaches; so may table
+    entries past its blocks be, which no write reaches (`trim`).
 
     Before each forward the runner calls `select(rows, positions, kv_len)`; every layer's `update` then writes its
     new keys/values and returns what attention reads: with a `kv_len`, the rows' K/V gathered into `[B, kv_heads,
@@ -146,19 +147,25 @@ class PagedKVCache(Cache):
         self._set_tables(entries)
 
     def trim(self, row: int, length: int) -> None:
-        """Give back the row's blocks past its first `length` positions (what a rollback left empty)."""
+        """Give back the row's blocks past its first `length` positions (what a rollback left empty). Their table
+        entries stay as they are, a copy to the device saved per step: steps write only where their rows reserved
+        (padding rows write to the trash block), so a stale entry is never written through, and reads past a row's
+        length are masked."""
         assert self.pool is not None
         held = self.row_blocks[row]
         keep = -(-length // self.block_size)
         if len(held) > keep:
             self.pool.free(held[keep:])
-            self._set_tables([(row, column, TRASH_BLOCK) for column in range(keep, len(held))])
             del held[keep:]
 
     def release(self, rows: Sequence[int]) -> None:
-        """Every block of `rows` back to the pool (cached ones stay cached)."""
+        """Every block of `rows` back to the pool (cached ones stay cached), and their tables pointed at the trash
+        block: a new sequence's prefill pads its prompts with writes past what it reserved."""
+        entries = []
         for row in rows:
+            entries += [(row, column, TRASH_BLOCK) for column in range(len(self.row_blocks[row]))]
             self.trim(row, 0)
+        self._set_tables(entries)
 
     def share_prefix(self, row: int, prompt: Sequence[int]) -> int:
         """Give an empty row the cached blocks its prompt starts with; the tokens they hold. The last prompt token is

@@ -481,7 +481,7 @@ class ModelRunner:
         """
         n = input_ids.shape[1]
         host_rows = rows.tolist()
-        ends = (self.cache.lengths[rows.to(self.device)] + num_valid.to(self.device)).tolist()
+        ends = (self.cache.lengths[rows.to(self.device)] + n).clamp(max=self.max_len).tolist()  # padding too
         self.cache.reserve(host_rows, ends)
         step = self.prepare(
             kind="forward",
