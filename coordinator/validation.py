@@ -50,8 +50,8 @@ def chat_prompt_ids(messages: Sequence[generation_pb2.ChatMessage], tokenizer: o
     tokenizer = _tokenizer(tokenizer, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest(
-            "this model's tokenizer has no chat template, so messages cannot be formatted: send prompt or "
-            "prompt_token_ids (formatted as the model expects) instead",
+            "this model's tokenizer has no chat template, so messages cannot be formatted: send the prompt as text "
+            "or token ids (prompt_token_ids), formatted as the model expects",
             "messages",
         )
     for i, message in enumerate(messages):
