@@ -74,17 +74,20 @@ class RequestState:
         self.num_accepted, self.draft_from = 0, len(self.output_ids)
         self.preemptions += 1
 
-    def record_verify(self, num_drafts: int, num_accepted: int) -> None:
-        """Before the verify's tokens are emitted."""
+    def record_verify(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+        """Before the verify's `num_emitted` tokens are emitted: fewer than `num_accepted` + 1 where an EOS, a stop
+        token or max_tokens cut the step short."""
         self.steps += 1
         if num_drafts:
+            # The draft reconciles with the target's whole verdict; usage counts only the drafts the client got.
             self.num_accepted, self.draft_from = num_accepted, len(self.output_ids) + num_accepted
+            emitted_drafts = min(num_accepted, num_emitted)
             self.drafted_steps += 1
             self.draft_tokens += num_drafts
-            self.accepted_tokens += num_accepted
+            self.accepted_tokens += emitted_drafts
             if len(self.accepted_per_position) < num_drafts:
                 self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
-            for i in range(num_accepted):
+            for i in range(emitted_drafts):
                 self.accepted_per_position[i] += 1
 
     def emit(self, token_ids: list[int], finish_reason: int, outbox: StreamOutbox | None = None) -> None:

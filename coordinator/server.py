@@ -7,9 +7,10 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -19,8 +20,8 @@ from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.stream_outbox import StreamOutbox
 from coordinator.tracing import TracedStepLoop, TracedWorkers
-from coordinator.validation import prompt_token_ids, sampling_config
-from coordinator.workers import GENERATION_SERVICE, Workers
+from coordinator.validation import DEFAULT_MAX_TOKENS, prompt_token_ids, sampling_config
+from coordinator.workers import GENERATION_SERVICE, Refusal, Workers
 from minedraft.engine.models import load_tokenizer
 from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
@@ -28,8 +29,19 @@ from minedraft.observability.telemetry import Tracing, end_request_span, start_r
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 from minedraft.rpc.server_utils import Health, start_server
 
+if TYPE_CHECKING:
+    from coordinator.http_api import HttpServer
+
 # What tools and tests reach through this module besides the servicer
-__all__ = ["CoordinatorOptions", "GenerationServicer", "prepare_worker", "serve", "shared_gpus"]
+__all__ = [
+    "CoordinatorOptions",
+    "Generation",
+    "GenerationServicer",
+    "RequestRefused",
+    "prepare_worker",
+    "serve",
+    "shared_gpus",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +66,29 @@ class CoordinatorOptions:
     draft_timeout: float = 30.0  # a draft call that takes longer counts the draft service as lost
     target_timeout: float = 120.0  # a target step call that takes longer counts the target service as lost (0: never)
     drain_timeout: float = 30.0  # seconds a SIGTERM leaves the admitted requests to finish (`drain`)
+    # The OpenAI-compatible HTTP API's port (`coordinator.http_api`; 0: off). The CLI's default is 8000; a
+    # coordinator made in code (tests, tools) opens no second port unless asked.
+    http_port: int = 0
+
+
+class RequestRefused(Exception):
+    """A request refused at admission, or ended by a failure: the gRPC status its client gets (the HTTP API maps
+    it), the message, and the request field at fault where one is."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+@dataclass
+class Generation:
+    """One admitted request as a front end streams it (the gRPC `Generate`, the HTTP API): `responses` yields its
+    messages, `close` ends it however the front end stops; what its client received is kept for the metrics."""
+
+    state: RequestState
+    usage: generation_pb2.Usage | None = None
+    error: str | None = None
+    closed: bool = False
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -111,9 +146,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 lambda: float(self.loop.draft_length),
             )
         self.tokenizer: object | None = None
+        self.http: HttpServer | None = None  # the HTTP API, when `serve` started it
         # A random base: a restarted coordinator never collides with ids a worker may still hold.
         self._seq_ids = itertools.count(secrets.randbits(48))
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         """Check the pair, lay the batches out, set up the channel through both workers' control RPCs, start the
@@ -172,11 +209,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             log.warning("drain ended with %d requests unfinished: their clients get UNAVAILABLE", self.open_streams)
 
     async def stop(self) -> None:
+        self._stopping = True
+        if self.http is not None:
+            self.http.begin_stop()  # no new connections; open streams end with the step loop's shutdown below
         self.workers.stop_failover()
         self.loop.stop()
         if self._task is not None:
             await self._task
         await self.loop.shutdown()
+        if self.http is not None:
+            await self.http.stopped()
         if self.options.step_trace:
             with open(self.options.step_trace, "w") as f:
                 f.write(self.loop.step_trace())
@@ -201,58 +243,95 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            generation = self.admit(request, context.invocation_metadata())
+        except RequestRefused as exc:
+            await context.abort(exc.code, exc.message)
+        try:
+            async for message in self.responses(generation):
+                yield message
+        except RequestRefused as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            self.close(generation)
+
+    def admit(
+        self,
+        request: generation_pb2.GenerateRequest,
+        trace_metadata: Iterable[tuple[str, Any]] | None = None,
+        default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        http_route: str | None = None,
+    ) -> Generation:
+        """Check `request` and queue it for the step loop, for either front end; RequestRefused says why not
+        (UNAVAILABLE, INVALID_ARGUMENT, RESOURCE_EXHAUSTED). The caller streams it with `responses` and must
+        `close` it. `trace_metadata`: where a client's traceparent is (gRPC metadata, HTTP headers);
+        `default_max_tokens`: max_tokens when the request sets none (None: the rest of the context);
+        `http_route`: the HTTP API's route it came by (its span's name), None for gRPC."""
         refusal = self.workers.refusal()
+        if refusal is None and self._stopping:
+            refusal = Refusal("stopping", "this coordinator is stopping: send the request to another replica or retry")
         if refusal is not None:
             self._rejected(refusal.reason)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal.message)
+            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, refusal.message)
         try:
-            state = self._new_request(request)
+            state = self._new_request(request, default_max_tokens)
             self.manager.submit(state)
         except ValueError as exc:
             self._rejected("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), getattr(exc, "param", None)) from exc
         except QueueFullError as exc:
             self._rejected("queue_full")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise RequestRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         if self.tracer is not None:
             state.span = start_request_span(
                 self.tracer,
-                context,
+                trace_metadata,
                 {
                     "minedraft.seq_id": state.seq_id,
                     "minedraft.prompt_tokens": len(state.prompt_ids),
                     "minedraft.max_tokens": state.config.max_tokens,
                     "minedraft.temperature": state.config.temperature,
                 },
+                http_route,
             )
         self.loop.wake()
-        usage, error = None, None
         self.open_streams += 1
-        try:
-            while True:
-                item = await state.stream.get()
-                if isinstance(item, BaseException):
-                    code = (
-                        item.code()
-                        if isinstance(item, grpc.aio.AioRpcError)
-                        else grpc.StatusCode.UNAVAILABLE
-                        if isinstance(item, Unavailable)
-                        else grpc.StatusCode.INTERNAL
-                    )
-                    error = call_detail(item) or "generation failed"
-                    await context.abort(code, error)
-                    return
-                if item.HasField("usage"):
-                    usage = item.usage
-                yield state.render(item)
-                if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                    return
-        finally:
-            if not state.finished:  # the client went away or its deadline passed: free it at the next step
-                state.cancelled = True
-                self.loop.wake()
-            self.open_streams -= 1
-            self._ended(state, usage, error)
+        return Generation(state)
+
+    async def responses(self, generation: Generation) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The admitted request's messages as the step loop emits them, text filled in, up to the one with its
+        finish reason; RequestRefused (the status its client gets) if it failed meanwhile."""
+        state = generation.state
+        while True:
+            item = await state.stream.get()
+            if isinstance(item, BaseException):
+                code = (
+                    item.code()
+                    if isinstance(item, grpc.aio.AioRpcError)
+                    else grpc.StatusCode.UNAVAILABLE
+                    if isinstance(item, Unavailable)
+                    else grpc.StatusCode.INTERNAL
+                )
+                generation.error = call_detail(item) or "generation failed"
+                raise RequestRefused(code, generation.error)
+            if item.HasField("usage"):
+                generation.usage = item.usage
+            yield state.render(item)
+            if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                return
+
+    def close(self, generation: Generation) -> None:
+        """End a request however its front end stopped (finished, failed, or its client gone: then it is cancelled
+        and freed at the next step); closing it again does nothing."""
+        if generation.closed:
+            return
+        generation.closed = True
+        state = generation.state
+        if not state.finished:  # the client went away or its deadline passed: free it at the next step
+            state.cancelled = True
+            self.loop.wake()
+        self.open_streams -= 1
+        self._ended(state, generation.usage, generation.error)
 
     def _rejected(self, reason: str) -> None:
         if self.metrics is not None:
@@ -266,13 +345,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if state.span is not None:
             end_request_span(state.span, reason, usage, error)
 
-    def _new_request(self, request: generation_pb2.GenerateRequest) -> RequestState:
+    @property
+    def context_length(self) -> int:
+        """The tokens a request may hold, prompt and output: the last verify writes k tokens past the final
+        committed one, so that room is reserved too."""
+        return self.workers.pair.max_model_len - self.loop.k
+
+    def _new_request(self, request: generation_pb2.GenerateRequest, default_max_tokens: int | None) -> RequestState:
         """The request checked (`coordinator.validation`) and defaulted; a ValueError's message reaches its client."""
         vocab_size = self.workers.pair.target_info.logits_size
         prompt_ids = prompt_token_ids(request, self.tokenizer, vocab_size)
-        # The last verify writes k tokens past the final committed one, so that room is reserved too.
-        context = self.workers.pair.max_model_len - self.loop.k
-        config = sampling_config(request.params, len(prompt_ids), vocab_size, context)
+        config = sampling_config(request.params, len(prompt_ids), vocab_size, self.context_length, default_max_tokens)
         return RequestState(
             next(self._seq_ids),
             prompt_ids,
@@ -290,6 +373,8 @@ async def serve(
     tracing: Tracing | None = None,
     metrics: CoordinatorMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int, GenerationServicer]:
+    """The coordinator: the servicer started, its gRPC server on `port` and, with `options.http_port`, the
+    OpenAI-compatible HTTP API beside it in this event loop (`servicer.http`; `servicer.stop` stops it)."""
     servicer = GenerationServicer(options, tracing, metrics)
     await servicer.start()
     server, bound = await start_server(
@@ -299,4 +384,8 @@ async def serve(
         host,
         health_servicer=servicer.health,
     )
+    if options.http_port:
+        from coordinator.http_api import start_http_server  # here: it imports this module (and FastAPI)
+
+        servicer.http = start_http_server(servicer, options.http_port, host)
     return server, bound, servicer

@@ -297,7 +297,7 @@ class StepLoop:
                 self._fail(members, exc)
         else:
             for request, result in zip(members, reply.results):
-                request.record_verify(k, result.num_accepted)
+                request.record_verify(k, result.num_accepted, len(result.token_ids))
                 request.emit(list(result.token_ids), result.finish_reason, self.outbox)
                 emitted += len(result.token_ids)
             if self.metrics is not None:

@@ -6,49 +6,109 @@ import math
 import secrets
 from collections.abc import Sequence
 
+from jinja2 import TemplateError
+
 from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
 from minedraft.proto import generation_pb2
 
 DEFAULT_MAX_TOKENS = 16
+PROMPT_INPUTS = ("prompt", "prompt_token_ids", "messages")  # a request gives exactly one
+
+
+class InvalidRequest(ValueError):
+    """A bad request; `param` names the request field at fault where one is (the HTTP API's error object says it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: object | None, vocab_size: int) -> list[int]:
-    """The request's prompt as token ids: given as such, or its text tokenized; never empty, all in the vocabulary."""
-    if request.prompt and request.prompt_token_ids:
-        raise ValueError("give either prompt or prompt_token_ids, not both")
+    """The request's prompt as token ids: given as such, its text tokenized, or its messages rendered with the chat
+    template; never empty, all in the vocabulary."""
+    given = [name for name in PROMPT_INPUTS if getattr(request, name)]
+    if len(given) > 1:
+        which = f"not both {given[0]} and {given[1]}" if len(given) == 2 else "not all three"
+        raise InvalidRequest(f"give only one of prompt, prompt_token_ids and messages, {which}", given[-1])
     if request.prompt_token_ids:
         prompt_ids = list(request.prompt_token_ids)
     elif request.prompt:
-        if tokenizer is None:
-            raise ValueError("this server has no tokenizer: send prompt_token_ids")
-        prompt_ids = tokenizer.encode(request.prompt)  # type: ignore[attr-defined]
+        prompt_ids = _tokenizer(tokenizer, "prompt").encode(request.prompt)  # type: ignore[attr-defined]
+    elif request.messages:
+        prompt_ids = chat_prompt_ids(request.messages, tokenizer)
     else:
         prompt_ids = []
     if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    _check_in_vocabulary("prompt token ids", prompt_ids, vocab_size)
+        raise InvalidRequest("the prompt is empty", given[0] if given else "prompt")
+    _check_in_vocabulary("prompt token ids", prompt_ids, vocab_size, "prompt_token_ids")
     return prompt_ids
 
 
+def chat_prompt_ids(messages: Sequence[generation_pb2.ChatMessage], tokenizer: object | None) -> list[int]:
+    """`messages` rendered with the tokenizer's chat template, the assistant's turn opened, as token ids (exactly
+    what `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` gives)."""
+    tokenizer = _tokenizer(tokenizer, "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(
+            "this model's tokenizer has no chat template, so messages cannot be formatted: send the prompt as text "
+            "or token ids (prompt_token_ids), formatted as the model expects",
+            "messages",
+        )
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InvalidRequest(f"messages[{i}] has no role", "messages")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except TemplateError as exc:  # the template's own refusal (raise_exception), e.g. roles that do not alternate
+        raise InvalidRequest(f"the chat template refused these messages: {exc}", "messages") from exc
+    return list(ids)
+
+
+def _tokenizer(tokenizer: object | None, field: str) -> object:
+    if tokenizer is None:
+        raise InvalidRequest(f"this server has no tokenizer, so it cannot read {field}: send prompt_token_ids", field)
+    return tokenizer
+
+
 def sampling_config(
-    params: generation_pb2.SamplingParams, prompt_length: int, vocab_size: int, context: int
+    params: generation_pb2.SamplingParams,
+    prompt_length: int,
+    vocab_size: int,
+    context: int,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> SamplingConfig:
     """The request's sampling, checked and defaulted (a random seed where it gives none). `context`: the tokens a
-    sequence may hold, prompt and output."""
-    max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+    sequence may hold, prompt and output; `default_max_tokens`: max_tokens when unset (None: the rest of the
+    context, as OpenAI's chat completions)."""
+    if params.HasField("max_tokens"):
+        if params.max_tokens < 1:
+            raise InvalidRequest(
+                f"max_tokens must be >= 1 (leave it unset for the default), got {params.max_tokens}", "max_tokens"
+            )
+        max_tokens = params.max_tokens
+    else:
+        max_tokens = default_max_tokens if default_max_tokens is not None else max(context - prompt_length, 1)
     _check_length(prompt_length, max_tokens, context)
     if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {params.temperature}")
-    if not (0 <= params.top_p <= 1) or math.isnan(params.top_p):
-        raise ValueError(f"top_p must be in (0, 1] (0 means unset, i.e. 1), got {params.top_p}")
+        raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {params.temperature}", "temperature")
+    # Unset is 1.0 (off); a set 0 is an error, not "unset": it would keep no token at all.
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1] (leave it unset for 1), got {top_p}", "top_p")
     if params.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {params.top_k}")
+        raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {params.top_k}", "top_k")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(params.stop_token_ids)}")
-    _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab_size)
+        raise InvalidRequest(
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(params.stop_token_ids)}",
+            "stop_token_ids",
+        )
+    _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab_size, "stop_token_ids")
     return SamplingConfig(
         temperature=float(params.temperature),
-        top_p=float(params.top_p) or 1.0,
+        top_p=float(top_p),
         top_k=int(params.top_k),
         seed=params.seed if params.HasField("seed") else secrets.randbits(63),
         max_tokens=max_tokens,
@@ -59,15 +119,18 @@ def sampling_config(
 
 def _check_length(prompt_length: int, max_tokens: int, context: int) -> None:
     if prompt_length >= context:
-        raise ValueError(f"the prompt has {prompt_length} tokens; this server's context is {context} tokens")
+        raise InvalidRequest(
+            f"the prompt has {prompt_length} tokens; this server's context is {context} tokens", "prompt"
+        )
     if prompt_length + max_tokens > context:
-        raise ValueError(
+        raise InvalidRequest(
             f"prompt ({prompt_length} tokens) + max_tokens ({max_tokens}) = {prompt_length + max_tokens} "
-            f"exceeds the context length of {context} tokens; lower max_tokens to {context - prompt_length}"
+            f"exceeds the context length of {context} tokens; lower max_tokens to {context - prompt_length}",
+            "max_tokens",
         )
 
 
-def _check_in_vocabulary(what: str, token_ids: Sequence[int], vocab_size: int) -> None:
+def _check_in_vocabulary(what: str, token_ids: Sequence[int], vocab_size: int, param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        raise InvalidRequest(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})", param)

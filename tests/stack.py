@@ -59,6 +59,8 @@ SERVICE_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # No HTTP API unless a test asks (--http-port wins): coordinators running at once would all take port 8000.
+    "MINEDRAFT_HTTP_PORT": "0",
     "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
 }
 

@@ -104,7 +104,7 @@ def test_single_process_serve_over_the_local_channel_matches_the_services(
             "--max-model-len",
             "256",
         ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MINEDRAFT_HTTP_PORT": "0"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

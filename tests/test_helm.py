@@ -40,6 +40,7 @@ def test_values_have_the_documented_keys() -> None:
     expected = {
         "coordinator": [
             "port",
+            "httpPort",
             "mode",
             "numSpeculativeTokens",
             "maxBatchSize",
@@ -110,6 +111,7 @@ def test_templates_name_the_env_vars_and_probes() -> None:
         "MINEDRAFT_SPECULATION",
         "MINEDRAFT_STEP_CALLS",
         "MINEDRAFT_DRAIN_TIMEOUT",
+        "MINEDRAFT_HTTP_PORT",
         "terminationGracePeriodSeconds",
         "MINEDRAFT_COMPILE",
         "MINEDRAFT_PRECAPTURE_GRAPHS",
@@ -205,6 +207,22 @@ def test_helm_template_defaults() -> None:
         assert "hostIPC" not in pod
         models = next(v for v in pod["volumes"] if v["name"] == "models")
         assert models["persistentVolumeClaim"]["claimName"] == "minedraft-models"
+
+
+@needs_helm
+def test_helm_template_http_port() -> None:
+    """The OpenAI-compatible HTTP API: a container port and a Service port named http, off with httpPort 0."""
+    for sets, port in (((), 8000), (("coordinator.httpPort=8080",), 8080), (("coordinator.httpPort=0",), None)):
+        objs = render(*sets)
+        service = objs[("Service", f"{RELEASE}-minedraft-coordinator")]["spec"]["ports"]
+        http = [p for p in service if p["name"] == "http"]
+        container_ports = {p["name"]: p["containerPort"] for p in container(objs, "coordinator")["ports"]}
+        assert env(objs, "coordinator")["MINEDRAFT_HTTP_PORT"] == str(port or 0), sets
+        if port is None:
+            assert not http and "http" not in container_ports, sets
+        else:
+            assert http == [{"name": "http", "port": port, "targetPort": "http"}], sets
+            assert container_ports["http"] == port, sets
 
 
 @needs_helm

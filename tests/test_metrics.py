@@ -40,7 +40,7 @@ def test_usage_acceptance_figures() -> None:
     state = _request()
     state.emit([7], generation_pb2.FINISH_REASON_UNSPECIFIED)  # prefill
     for accepted in (3, 0, 1):
-        state.record_verify(3, accepted)
+        state.record_verify(3, accepted, accepted + 1)
         state.emit([7] * (accepted + 1), generation_pb2.FINISH_REASON_UNSPECIFIED)
     state.finish(generation_pb2.FINISH_REASON_CANCELLED)
     messages = [state.stream.get_nowait() for _ in range(state.stream.qsize())]
@@ -60,11 +60,12 @@ def test_verify_counters_match_record_verify() -> None:
     """CoordinatorMetrics.verified adds what RequestState.record_verify adds to each request's usage."""
     metrics = CoordinatorMetrics()
     states = [_request(i) for i in range(4)]
-    steps = [([3, 0, 1, 2], [4, 1, 2, 3]), ([0, 3, 3, 1], [1, 4, 2, 2])]  # the last row: budget cut
+    # The last row: a budget cut, 3 drafts accepted, 2 emitted (both counted, the third not: it was never sent)
+    steps = [([3, 0, 1, 2], [4, 1, 2, 3]), ([0, 3, 3, 1], [1, 4, 2, 2])]
     for accepted, emitted in steps:
         results = _results(accepted, emitted)
         for state, result in zip(states, results):
-            state.record_verify(K, result.num_accepted)
+            state.record_verify(K, result.num_accepted, len(result.token_ids))
             state.output_ids += list(result.token_ids)
         metrics.verified(results, K)
     metrics.verified(_results([0, 0], [1, 1]), 0)  # target-only decoding: tokens, no drafts
@@ -72,7 +73,7 @@ def test_verify_counters_match_record_verify() -> None:
     usages = [s.usage() for s in states]
     assert value("minedraft_generation_tokens_total") == sum(u.completion_tokens for u in usages) + 2
     assert value("minedraft_draft_tokens_total") == sum(u.draft_tokens for u in usages) == 2 * 4 * K
-    assert value("minedraft_accepted_tokens_total") == sum(u.accepted_tokens for u in usages) == 13
+    assert value("minedraft_accepted_tokens_total") == sum(u.accepted_tokens for u in usages) == 12
     for position in range(K):
         assert value("minedraft_accepted_tokens_by_position_total", {"position": str(position)}) == sum(
             u.accepted_per_position[position] for u in usages

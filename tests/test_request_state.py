@@ -52,3 +52,22 @@ def test_stop_string_ends_the_stream_before_it(tokenizer: object, lag: int) -> N
     request, streamed = _stream(tokenizer, ids, 2, stops=("def g",), lag=lag)
     assert request.finish_reason == FINISH.FINISH_REASON_STOP
     assert streamed == request.text == "def f(x):\n    return x\n\n"
+
+
+def test_accepted_tokens_count_only_the_drafts_that_were_emitted() -> None:
+    """A self-drafted run (every draft accepted) whose last verify is cut by max_tokens: the drafts past the cut were
+    never returned, so usage must not count them (it once reported 66 accepted of 64 completion tokens)."""
+    k, max_tokens = 4, 12
+    request = RequestState(1, [1, 2], SamplingConfig(max_tokens=max_tokens, ignore_eos=True), (), None)
+    request.emit([7], FINISH.FINISH_REASON_UNSPECIFIED)  # prefill's token
+    while not request.finished:
+        room = max_tokens - len(request.output_ids)
+        emitted = min(k + 1, room)  # the target trims the step to the budget
+        request.record_verify(k, k, emitted)
+        done = emitted == room
+        request.emit([7] * emitted, FINISH.FINISH_REASON_LENGTH if done else FINISH.FINISH_REASON_UNSPECIFIED)
+    usage = request.usage()
+    assert usage.completion_tokens == max_tokens
+    assert usage.accepted_tokens == 4 + 4 + 1 <= usage.completion_tokens  # 1+5+5+1 tokens: the last is a draft
+    assert list(usage.accepted_per_position) == [3, 2, 2, 2]
+    assert usage.mean_accepted_length == pytest.approx(9 / 3 + 1)

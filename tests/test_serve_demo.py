@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not available(), reason="the demo pair is not in
 def test_serve_demo_pair_and_generate_json() -> None:
     """`serve --port 0`: every service, the public coordinator too, binds a port of its own choosing. A SIGTERM
     (a container's stop) then lets the request in flight finish before all three stop."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MINEDRAFT_HTTP_PORT": "0"}
     serve = subprocess.Popen(
         [
             sys.executable,
@@ -157,7 +157,7 @@ def test_a_second_ctrl_c_stops_every_service_at_once() -> None:
             "--max-model-len",
             "256",
         ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MINEDRAFT_HTTP_PORT": "0"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

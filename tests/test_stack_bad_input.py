@@ -52,6 +52,15 @@ BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
         {"prompt": "def f():", "prompt_token_ids": PROMPT, "params": _params()},
         ("prompt_token_ids", "not both"),
     ),
+    "prompt_token_ids and messages": (
+        {"prompt_token_ids": PROMPT, "messages": [generation_pb2.ChatMessage(role="user", content="hi")]},
+        ("messages", "not both"),
+    ),
+    # The tiny pair's tokenizer has none (tests/test_http_api.py serves one that has).
+    "messages without a chat template": (
+        {"messages": [generation_pb2.ChatMessage(role="user", content="hi")], "params": _params()},
+        ("chat template", "prompt_token_ids"),
+    ),
     "prompt beyond context": ({"prompt_token_ids": PROMPT * 60, "params": _params()}, ("context",)),
     "prompt + max_tokens beyond context": (
         {"prompt_token_ids": PROMPT * 10, "params": _params(max_tokens=250)},
@@ -60,6 +69,9 @@ BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
     "negative temperature": ({"prompt_token_ids": PROMPT, "params": _params(temperature=-0.5)}, ("temperature",)),
     "top_p above 1": ({"prompt_token_ids": PROMPT, "params": _params(top_p=1.5)}, ("top_p",)),
     "negative top_p": ({"prompt_token_ids": PROMPT, "params": _params(top_p=-0.1)}, ("top_p",)),
+    # Zero is a value, not proto3's "unset": it would keep no token.
+    "top_p 0": ({"prompt_token_ids": PROMPT, "params": _params(top_p=0.0)}, ("top_p", "(0, 1]")),
+    "max_tokens 0": ({"prompt_token_ids": PROMPT, "params": _params(max_tokens=0)}, ("max_tokens", ">= 1")),
     "negative top_k": ({"prompt_token_ids": PROMPT, "params": _params(top_k=-1)}, ("top_k",)),
     "negative token id": ({"prompt_token_ids": [*PROMPT, -1], "params": _params()}, ("vocabulary", "-1")),
 }
@@ -87,10 +99,16 @@ def test_token_id_beyond_the_vocabulary(coordinator: Service, vocab_size: int) -
 
 
 def test_edge_values_that_are_valid(coordinator: Service) -> None:
-    """top_p 0 is proto3's "unset" (1.0); top_k 0 is off; a prompt that exactly fills the context is fine."""
+    """top_p unset is 1.0, as old clients send it; top_k 0 is off; a prompt that exactly fills the context is fine;
+    max_tokens unset is 16."""
     room = MAX_MODEL_LEN - K
+    unset = generation_pb2.SamplingParams(temperature=0.5, ignore_eos=True)
+    assert not unset.HasField("top_p") and not unset.HasField("max_tokens")
+    done = asyncio.run(
+        generate(coordinator.address, generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=unset), 60)
+    )
+    assert len(done.token_ids) == 16
     for params, prompt in (
-        (_params(top_p=0.0, ignore_eos=True), PROMPT),
         (_params(top_p=1.0, top_k=0, temperature=0.0, ignore_eos=True), PROMPT),
         (_params(max_tokens=4, ignore_eos=True), [7] * (room - 4)),
     ):

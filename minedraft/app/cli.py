@@ -24,6 +24,7 @@ from minedraft.app.stack import drain_process, service_args, start_stack, stop_p
 
 if TYPE_CHECKING:
     from coordinator.server import CoordinatorOptions
+    from minedraft.proto import generation_pb2
     from minedraft.rpc.worker import WorkerOptions
 
 Options = TypeVar("Options")
@@ -208,6 +209,8 @@ def serve_main(args: argparse.Namespace) -> int:
         port = start_stack(args, lambda command: subprocess.Popen(command, start_new_session=True), processes)
         public = f"localhost:{port}"
         print(f"minedraft serving {args.mode} on {public} (target {args.target}, draft {args.draft})", flush=True)
+        if args.http_port:
+            print(f"OpenAI-compatible HTTP API on http://localhost:{args.http_port}/v1", flush=True)
         if args.generate:
             print(f"$ minedraft generate --server {public} --prompt {args.generate!r}", flush=True)
             generate_main(build_parser().parse_args(["generate", "--server", public, "--prompt", args.generate]))
@@ -242,8 +245,17 @@ def generate_main(args: argparse.Namespace) -> int:
     if args.seed is not None:
         params.seed = args.seed
     request = generation_pb2.GenerateRequest(params=params)
+    if args.message and args.chat is None:
+        print("error: --message needs --chat", file=sys.stderr)
+        return 2
     if args.prompt is not None:
         request.prompt = args.prompt
+    elif args.chat is not None:
+        try:
+            request.messages.extend(chat_messages(args.chat, args.message))
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     else:
         try:
             request.prompt_token_ids.extend(int(t) for t in args.prompt_ids.split(",") if t.strip())
@@ -292,6 +304,31 @@ def generate_main(args: argparse.Namespace) -> int:
     else:
         print()
     return 0
+
+
+def chat_messages(path: str, messages: Sequence[str]) -> list[generation_pb2.ChatMessage]:
+    """`generate --chat`'s messages: those of the JSON file at `path` (a list of {"role", "content"}), or, with no
+    path, the --message ROLE:TEXT arguments; ValueError says what is wrong with them."""
+    from minedraft.proto import generation_pb2
+
+    if path:
+        with open(path, encoding="utf-8") as f:
+            given = json.load(f)
+        if not isinstance(given, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in given
+        ):
+            raise ValueError(f'{path}: expected a JSON list of {{"role": ..., "content": ...}} objects')
+        pairs = [(m["role"], m["content"]) for m in given]
+    else:
+        pairs = []
+        for message in messages:
+            role, colon, text = message.partition(":")
+            if not colon or not role.strip():
+                raise ValueError(f"--message {message!r}: expected ROLE:TEXT, for example user:Hello")
+            pairs.append((role.strip(), text))
+    if not pairs:
+        raise ValueError("--chat needs messages: --message ROLE:TEXT (repeatable) or a JSON file")
+    return [generation_pb2.ChatMessage(role=role, content=content) for role, content in pairs]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -397,6 +397,19 @@ FLAGS: tuple[Flag, ...] = (
         type=int,
     ),
     Flag(
+        "--http-port",
+        "port of the OpenAI-compatible HTTP API beside the gRPC one (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health), on --host (0: off)",
+        ("serve", "coordinator", "bench"),
+        SERVICE,
+        8000,
+        defaults={"bench": 0},
+        helps={"bench": "the OpenAI-compatible HTTP port of the coordinators it starts (0: off)"},
+        type=int,
+        passes_to=("coordinator",),
+        helm=("coordinator",),
+    ),
+    Flag(
         "--port-file",
         "once listening, write the port to this file (for a launcher that passes --port 0)",
         STACK_SERVICES,
@@ -483,6 +496,22 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--prompt", "the prompt, as text", ("generate",), REQUEST, one_of="prompt"),
     Flag("--prompt-ids", "the prompt, as comma-separated token ids", ("generate",), REQUEST, one_of="prompt"),
+    Flag(
+        "--chat",
+        "send chat messages, which the server formats with the model's chat template: those of --message, or "
+        'those of this JSON file ([{"role": "user", "content": "..."}, ...])',
+        ("generate",),
+        REQUEST,
+        const="",
+        one_of="prompt",
+    ),
+    Flag(
+        "--message",
+        "with --chat: a message as ROLE:TEXT, for example user:Hello (repeatable, in order)",
+        ("generate",),
+        REQUEST,
+        repeat=True,
+    ),
     Flag("--max-tokens", "tokens to generate at most", ("generate",), REQUEST, 64, type=int),
     Flag("--temperature", "sampling temperature (0: greedy)", ("generate", "bench"), REQUEST, 0.0, type=float),
     Flag(

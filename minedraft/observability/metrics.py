@@ -189,9 +189,9 @@ class CoordinatorMetrics:
         self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
         if not k:
             return
-        counts = [0] * (k + 1)  # counts[a]: sequences that accepted a drafts
+        counts = [0] * (k + 1)  # counts[a]: sequences that accepted a drafts and emitted them
         for result in results:
-            counts[min(result.num_accepted, k)] += 1
+            counts[min(result.num_accepted, len(result.token_ids), k)] += 1
         self.verify_steps.inc()
         self.verified_sequences.inc(len(results))
         self.draft_tokens.inc(k * len(results))
@@ -297,6 +297,7 @@ class WorkerMetrics:
             self.tokens.inc(sum(len(r.token_ids) for r in response.results))
         if method == "Verify" and request.num_draft_tokens:
             self.draft_tokens.inc(request.num_draft_tokens * size)
-            self.accepted_tokens.inc(sum(r.num_accepted for r in response.results))
+            # Accepted drafts cut off by EOS or max_tokens were never emitted: Usage leaves them out too.
+            self.accepted_tokens.inc(sum(min(r.num_accepted, len(r.token_ids)) for r in response.results))
         elif method == "Propose":
             self.draft_tokens.inc(request.num_draft_tokens * size)

@@ -286,23 +286,25 @@ def server_interceptors(
     return [ServerObserver(tracer, on_call)] if tracer is not None or on_call is not None else []
 
 
-def start_request_span(tracer: Tracer, context: grpc.aio.ServicerContext, attributes: Mapping[str, Any]) -> Span:
-    """The request's SERVER span in the coordinator; continues the client's trace when it sent a traceparent.
+def start_request_span(
+    tracer: Tracer,
+    metadata: Iterable[tuple[str, Any]] | None,
+    attributes: Mapping[str, Any],
+    http_route: str | None = None,
+) -> Span:
+    """The request's SERVER span in the coordinator; continues the client's trace when it sent a traceparent (in its
+    gRPC metadata, or its HTTP headers: both are lower-case key/value pairs). `http_route`: the HTTP API's route the
+    request came by; None: the gRPC Generate.
 
     It is not made current (it outlives many awaits); the worker calls of each step link to it instead.
     """
-    parent = propagate.extract(_carrier(context.invocation_metadata()))
-    return tracer.start_span(
-        GENERATE_SPAN,
-        context=parent,
-        kind=SpanKind.SERVER,
-        attributes={
-            "rpc.system": "grpc",
-            "rpc.service": "minedraft.v1.GenerationService",
-            "rpc.method": "Generate",
-            **attributes,
-        },
-    )
+    parent = propagate.extract(_carrier(metadata))
+    if http_route is None:
+        name = GENERATE_SPAN
+        transport = {"rpc.system": "grpc", "rpc.service": "minedraft.v1.GenerationService", "rpc.method": "Generate"}
+    else:
+        name, transport = f"POST {http_route}", {"http.request.method": "POST", "http.route": http_route}
+    return tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes={**transport, **attributes})
 
 
 def end_request_span(span: Span, finish_reason: str, usage: Any = None, error: str | None = None) -> None:

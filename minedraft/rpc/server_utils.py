@@ -33,6 +33,10 @@ class Health(health.aio.HealthServicer):
         await self.enter_graceful_shutdown()
         await self._set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
 
+    def serving(self, service: str = "") -> bool:
+        """Whether `service` ("": the server as a whole) reports SERVING now (what the HTTP API's /health says)."""
+        return self._server_status.get(service) == health_pb2.HealthCheckResponse.SERVING
+
 
 # Exceptions a handler may raise on bad input or exhausted capacity, and the status a caller gets for each.
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [

@@ -146,7 +146,7 @@ def sampling_config(spec: common_pb2.SequenceSpec) -> SamplingConfig:
     p: generation_pb2.SamplingParams = spec.params
     return SamplingConfig(
         temperature=float(p.temperature),
-        top_p=float(p.top_p) if p.top_p > 0 else 1.0,
+        top_p=float(p.top_p) if p.HasField("top_p") else 1.0,
         top_k=int(p.top_k),
         seed=int(p.seed),
         max_tokens=int(p.max_tokens),

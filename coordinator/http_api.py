@@ -1,0 +1,326 @@
+"""The OpenAI-compatible HTTP API: FastAPI on uvicorn in the coordinator's event loop, over the gRPC servicer's
+admission and step loop (`GenerationServicer.admit`, `responses`, `close`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from coordinator.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Reply,
+    SamplingBody,
+    error_body,
+    finish_reason,
+)
+from coordinator.server import Generation, GenerationServicer, RequestRefused
+from coordinator.validation import DEFAULT_MAX_TOKENS
+from minedraft.proto import generation_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# gRPC status -> HTTP status and OpenAI's error type; anything else is a 500 server_error.
+STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+}
+# Names of gRPC request fields in the HTTP API, for an error's `param`.
+PARAMS = {"prompt_token_ids": "prompt", "stop_token_ids": "stop_token_ids"}
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the logs may
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, kind, param, code)
+
+    @staticmethod
+    def of(refused: RequestRefused) -> ApiError:
+        status, kind = STATUS.get(refused.code, (500, "server_error"))
+        param = PARAMS.get(refused.param, refused.param) if refused.param else None
+        return ApiError(status, refused.message, kind, param, refused.code.name.lower())
+
+
+def _invalid(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, "invalid_argument")
+
+
+def create_app(servicer: GenerationServicer) -> FastAPI:
+    """The routes, over `servicer`; its target model is the one model served."""
+    app = FastAPI(title="MineDraft", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+
+    def model_name() -> str:
+        return servicer.workers.pair.target_info.model
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body, exc.status)
+
+    @app.exception_handler(RequestRefused)
+    async def refused(request: Request, exc: RequestRefused) -> JSONResponse:
+        error = ApiError.of(exc)
+        return JSONResponse(error.body, error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(part) for part in error.get("loc", ())[1:]) or None
+        if error.get("type") == "extra_forbidden":
+            message = f"{param} is not supported by this server"
+        else:
+            message = f"{param}: {error.get('msg', 'invalid')}" if param else str(error.get("msg", "invalid body"))
+        return JSONResponse(error_body(message, "invalid_request_error", param), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        serving = servicer.health.serving()
+        return JSONResponse({"status": "serving" if serving else "not_serving"}, 200 if serving else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        model = {
+            "id": model_name(),
+            "object": "model",
+            "created": started,
+            "owned_by": "minedraft",
+            "max_model_len": servicer.context_length,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        generate = _checked(body, model_name())
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > 1:
+                raise _invalid("several prompts in one request are not supported yet: send one", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            generate.prompt = prompt
+        else:
+            generate.prompt_token_ids.extend(prompt)  # type: ignore[arg-type]
+        reply = Reply(chat=False, model=model_name(), include_usage=body.include_usage)
+        return await _answer(servicer, request, body, generate, reply, DEFAULT_MAX_TOKENS, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if body.max_completion_tokens is not None:
+            if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
+                raise _invalid("max_tokens and max_completion_tokens differ: give one", "max_tokens")
+            body.max_tokens = body.max_completion_tokens
+        generate = _checked(body, model_name())
+        if not body.messages:
+            raise _invalid("messages is empty", "messages")
+        generate.messages.extend(generation_pb2.ChatMessage(role=m.role, content=m.text) for m in body.messages)
+        reply = Reply(chat=True, model=model_name(), include_usage=body.include_usage)
+        # As OpenAI's chat completions: without max_tokens, up to the end of the context.
+        return await _answer(servicer, request, body, generate, reply, None, "/v1/chat/completions")
+
+    return app
+
+
+def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
+    """The request's sampling as the gRPC API takes it, once its model is the one served and it asks for nothing
+    this server does not do yet."""
+    if body.model != model:
+        message = f"the model {body.model!r} does not exist: this server serves {model!r}"
+        raise ApiError(404, message, "invalid_request_error", "model", "model_not_found")
+    unsupported = body.unsupported()
+    if unsupported is not None:
+        name, value = unsupported
+        raise _invalid(f"{name}={value!r} is not supported yet by this server", name)
+    params = generation_pb2.SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
+        stop_token_ids=body.stop_token_ids or [],
+        top_k=max(body.top_k or 0, 0),
+        ignore_eos=body.ignore_eos,
+    )
+    # Set only when given: unset and 0 differ (unset top_p is 1, a top_p of 0 is refused).
+    if body.top_p is not None:
+        params.top_p = body.top_p
+    if body.max_tokens is not None:
+        params.max_tokens = body.max_tokens
+    if body.seed is not None:
+        params.seed = body.seed
+    return generation_pb2.GenerateRequest(params=params)
+
+
+async def _answer(
+    servicer: GenerationServicer,
+    request: Request,
+    body: SamplingBody,
+    generate: generation_pb2.GenerateRequest,
+    reply: Reply,
+    default_max_tokens: int | None,
+    route: str,
+) -> Response:
+    """Admit `generate` and answer it, whole or streamed; the request is cancelled if its client goes away."""
+    generation = servicer.admit(generate, request.headers.items(), default_max_tokens, route)
+    if body.stream:
+        return EventStream(_events(servicer, generation, reply), lambda: servicer.close(generation))
+    try:
+        whole = await _while_connected(request.receive, _collect(servicer, generation))
+    finally:
+        servicer.close(generation)
+    if whole is None:
+        return Response(status_code=CLIENT_GONE)
+    text, reason = whole
+    return JSONResponse(reply.whole(text, finish_reason(reason), generation.usage))
+
+
+async def _collect(servicer: GenerationServicer, generation: Generation) -> tuple[str, int]:
+    text, reason = [], generation_pb2.FINISH_REASON_UNSPECIFIED
+    async for message in servicer.responses(generation):
+        text.append(message.text)
+        reason = message.finish_reason
+    return "".join(text), reason
+
+
+def _sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _events(servicer: GenerationServicer, generation: Generation, reply: Reply) -> AsyncIterator[str]:
+    """The answer as server-sent events, as OpenAI streams it: (chat: the role first), text deltas, a chunk with
+    the finish reason, the usage if asked, then [DONE]; a failure midway is an error object before [DONE]."""
+    opening = reply.opening()
+    if opening is not None:
+        yield _sse(opening)
+    try:
+        async for message in servicer.responses(generation):
+            if message.text:
+                yield _sse(reply.delta(message.text))
+            reason = finish_reason(message.finish_reason)
+            if reason is not None:
+                yield _sse(reply.delta("", reason))
+        if reply.include_usage and generation.usage is not None:
+            yield _sse(reply.usage_chunk(generation.usage))
+    except RequestRefused as exc:
+        yield _sse(ApiError.of(exc).body)
+    yield _sse("[DONE]")
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that stops as soon as its client disconnects (whatever the server's ASGI version)
+    and calls `on_close` however it ends, even if it never started: the request is then cancelled and freed."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _while_connected(receive, self.stream_response(send))
+        except OSError:  # the client went away while a chunk was sent (how ASGI 2.4 servers say it)
+            pass
+        finally:
+            self.on_close()
+
+
+async def _while_connected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None if the client disconnected first (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the coordinator's own handle SIGINT and SIGTERM (the drain)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """The HTTP API serving as a task of the coordinator's event loop, on a socket bound before it starts (so that
+    a port in use fails the start-up at once)."""
+
+    def __init__(self, servicer: GenerationServicer, sock: socket.socket) -> None:
+        config = uvicorn.Config(
+            create_app(servicer),
+            lifespan="off",
+            log_config=None,  # the coordinator's logging as it is
+            access_log=False,
+            ws="none",
+            server_header=False,
+            timeout_graceful_shutdown=5,  # open streams end with the step loop's shutdown before this runs out
+        )
+        self.port = int(sock.getsockname()[1])
+        # Its start and stop lines would say "server process": it is a task of this one.
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+        self.server = _Server(config)
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        self.task.add_done_callback(_log_failure)
+
+    def begin_stop(self) -> None:
+        """Stop taking connections (uvicorn notices within 0.1 s); the open ones finish."""
+        self.server.should_exit = True
+
+    async def stopped(self) -> None:
+        self.begin_stop()
+        await self.task
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the HTTP API stopped", exc_info=task.exception())
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host` (as the gRPC `--host` takes it: "[::]" is every address, IPv4 too)."""
+    host = host.strip("[]")
+    if host in ("", "::"):
+        dual = socket.has_dualstack_ipv6()
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=dual)
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+
+
+def start_http_server(servicer: GenerationServicer, port: int, host: str) -> HttpServer:
+    """The HTTP API on `port`, started in this event loop beside the gRPC server; OSError if it cannot listen."""
+    try:
+        sock = listen(host, port)
+    except OSError as exc:
+        raise OSError(f"the HTTP API cannot listen on {host} port {port} (--http-port; 0 turns it off): {exc}") from exc
+    http = HttpServer(servicer, sock)
+    log.info("OpenAI-compatible HTTP API on port %d (/v1/completions, /v1/chat/completions, /v1/models)", http.port)
+    return http

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP API's shapes: request bodies as pydantic models, answers and errors as OpenAI's."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minedraft.proto import generation_pb2
+
+UINT32 = 2**32
+INT32 = 2**31
+TokenId = Annotated[int, Field(ge=-INT32, lt=INT32)]  # what the proto holds; the vocabulary is checked later
+
+
+class _Body(BaseModel):
+    # A field this server does not know is an error (400 naming it), never silently dropped.
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingBody(_Body):
+    """What completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=0, lt=UINT32)
+    temperature: float | None = None  # None: 1, OpenAI's default
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: taken, and not used
+    # Extensions that vLLM takes too
+    top_k: int | None = Field(None, ge=-1, lt=INT32)  # -1 or 0: off
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    # Not supported yet: each may be left out or given its value that asks for nothing (NEUTRAL), else a 400.
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+
+    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
+        "n": (1,),
+        "presence_penalty": (0.0,),
+        "frequency_penalty": (0.0,),
+        "repetition_penalty": (1.0,),
+        "logit_bias": ({},),
+        "min_p": (0.0,),
+        "min_tokens": (0,),
+    }
+
+    def unsupported(self) -> tuple[str, object] | None:
+        """The first field given a value this server cannot honour yet, and that value."""
+        for name, neutral in self.NEUTRAL.items():
+            value = getattr(self, name)
+            # By type too: 0 == False, and a completion's logprobs=0 asks for something.
+            if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+                return name, value
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingBody):
+    """POST /v1/completions."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
+        **SamplingBody.NEUTRAL,
+        "logprobs": (),
+        "echo": (False,),
+        "best_of": (1,),
+        "suffix": ("",),
+    }
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one text (text parts joined by newlines, as vLLM does)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingBody):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=0, lt=UINT32)  # OpenAI's newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
+        **SamplingBody.NEUTRAL,
+        "logprobs": (False,),
+        "top_logprobs": (0,),
+        "response_format": ({"type": "text"},),
+        "tools": ([],),
+        "tool_choice": ("none",),
+    }
+
+
+FINISH_REASONS: dict[int, str] = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+def finish_reason(reason: int) -> str | None:
+    """OpenAI's name of a finish reason; None while running ("abort" for one OpenAI has no name for)."""
+    if reason == generation_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return FINISH_REASONS.get(reason, "abort")
+
+
+def usage_body(usage: generation_pb2.Usage) -> dict[str, Any]:
+    """OpenAI's usage, and under `speculation` how speculative decoding did for the request (MineDraft's
+    extension; the gRPC Usage has the same figures)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+        "speculation": {
+            "draft_tokens": usage.draft_tokens,
+            "accepted_tokens": usage.accepted_tokens,
+            "mean_accepted_length": round(usage.mean_accepted_length, 6),
+            "acceptance_rate": round(usage.acceptance_rate, 6),
+            "steps": usage.steps,
+            "drafted_steps": usage.drafted_steps,
+            "accepted_per_position": list(usage.accepted_per_position),
+        },
+    }
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Reply:
+    """One answer as OpenAI shapes it: a completion or a chat completion, whole or as stream chunks."""
+
+    chat: bool
+    model: str
+    include_usage: bool = False  # streamed: every chunk has "usage" (null), and a last chunk carries it
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+
+    def whole(self, text: str, reason: str | None, usage: generation_pb2.Usage | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": None, "finish_reason": reason}
+        body = self._head("chat.completion" if self.chat else "text_completion", [choice])
+        body["usage"] = usage_body(usage) if usage is not None else None
+        return body
+
+    def opening(self) -> dict[str, Any] | None:
+        """A chat stream's first chunk: the assistant's role, no content yet."""
+        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+
+    def delta(self, text: str, reason: str | None = None) -> dict[str, Any]:
+        """A chunk of `text` (chat: the last chunk, with the finish reason, has an empty delta)."""
+        if self.chat:
+            return self._chunk({"content": text} if reason is None else {}, reason)
+        return self._chunk(text, reason)
+
+    def usage_chunk(self, usage: generation_pb2.Usage) -> dict[str, Any]:
+        """The last chunk of a stream that asked for usage: no choices."""
+        return self._head(self._chunk_object, []) | {"usage": usage_body(usage)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, delta: dict[str, Any] | str, reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice |= {"logprobs": None, "finish_reason": reason}
+        body = self._head(self._chunk_object, [choice])
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def _head(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}

@@ -1,0 +1,463 @@
+"""The OpenAI-compatible HTTP API through the official `openai` client, and gRPC chat messages, on one real stack.
+
+One coordinator, in front of the session's tiny Llama workers, serves both APIs: its tokenizer is the pair's,
+saved with a chat template written into its tokenizer_config.json (the pair's own has none). Batches of one and a
+queue of one make a full queue cheap to provoke. The last test drains the coordinator (503s), so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from stack import (
+    REPO,
+    SERVICE_ENV,
+    Service,
+    TinyPairs,
+    Workers,
+    assert_all_slots_free,
+    generate,
+    running_coordinator,
+)
+
+from coordinator.validation import chat_prompt_ids
+from minedraft.app.stack import free_port
+from minedraft.engine.models import load_tokenizer
+from minedraft.proto import generation_pb2
+
+pytest_plugins = ["stack"]
+
+K = 4
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "def fib(n):"},
+]
+PROMPT = "def parse(argv):\n    "
+LONG = 230  # output tokens that take seconds: a request that must be cut short by its client going away
+
+
+@dataclass
+class Stack:
+    coordinator: Service
+    base_url: str
+    metrics_port: int
+    model: str
+    tokenizer: Any  # the coordinator's, with the chat template
+    client: openai.OpenAI
+
+    def metric(self, name: str, **labels: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+
+def chat_tokenizer_dir(tiny_pairs: TinyPairs, root: Path) -> Path:
+    """The pair's tokenizer saved with save_pretrained, a chat template written into its config."""
+    directory = root / "chat-tokenizer"
+    tiny_pairs.tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+def _get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.fixture(scope="module")
+def stack(
+    llama_workers: Workers, tiny_pairs: TinyPairs, stack_logs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    tokenizer_dir = chat_tokenizer_dir(tiny_pairs, tmp_path_factory.mktemp("http_api"))
+    with contextlib.ExitStack() as stop:
+        for attempt in range(3):  # ports picked here may be taken before the coordinator binds them
+            http_port, metrics_port = free_port(), free_port()
+            extra = ["--tokenizer", str(tokenizer_dir), "--speculation", "always"]
+            extra += ["--http-port", str(http_port), "--metrics-port", str(metrics_port)]
+            try:
+                coordinator = stop.enter_context(
+                    running_coordinator(
+                        llama_workers, stack_logs, "psd", k=K, max_batch_size=1, max_queue_size=1, extra=extra
+                    )
+                )
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        base_url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 30
+        while True:  # the HTTP API starts just after the gRPC server reports SERVING
+            with contextlib.suppress(OSError):
+                if _get(f"{base_url}/health")[0] == 200:
+                    break
+            assert time.monotonic() < deadline, coordinator.log_tail()
+            time.sleep(0.1)
+        model = _get(f"{base_url}/v1/models")[1]["data"][0]["id"]
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield Stack(coordinator, base_url, metrics_port, model, load_tokenizer(str(tokenizer_dir)), client)
+
+
+def _grpc(stack: Stack, **fields: Any) -> Any:
+    params = generation_pb2.SamplingParams(max_tokens=12, ignore_eos=True)
+    return asyncio.run(generate(stack.coordinator.address, generation_pb2.GenerateRequest(params=params, **fields)))
+
+
+def _chat(stack: Stack, messages: list[Any], **kwargs: Any) -> Any:
+    """A greedy chat completion of 12 tokens (EOS ignored) of `messages`."""
+    request: dict[str, Any] = dict(
+        model=stack.model, messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    return stack.client.chat.completions.create(**request | kwargs)
+
+
+def _grpc_messages(messages: list[dict[str, str]]) -> list[generation_pb2.ChatMessage]:
+    return [generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+# --------------------------------------------------------------------------------------------- answers
+
+
+def test_models_and_health(stack: Stack) -> None:
+    (model,) = stack.client.models.list().data
+    assert model.id == stack.model and model.object == "model"
+    assert _get(f"{stack.base_url}/health") == (200, {"status": "serving"})
+
+
+def test_greedy_completion_equals_grpc_and_the_target_alone(
+    stack: Stack, llama_workers: Workers, hf_reference: Any
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = stack.tokenizer.encode(PROMPT)
+    over_grpc = _grpc(stack, prompt_token_ids=ids)
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    assert over_grpc.token_ids == hf_reference(target, ids, 12)  # lossless
+    for prompt in (PROMPT, ids):
+        done = stack.client.completions.create(
+            model=stack.model, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        (choice,) = done.choices
+        assert choice.text == over_grpc.text and choice.finish_reason == "length"
+        assert done.object == "text_completion" and done.id.startswith("cmpl-") and done.model == stack.model
+        assert done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 12)
+        assert done.usage.total_tokens == len(ids) + 12
+
+
+def test_usage_reports_the_speculation(stack: Stack) -> None:
+    done = stack.client.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert done.usage is not None
+    spec = done.usage.model_extra["speculation"]  # type: ignore[index]
+    assert spec["drafted_steps"] >= 1 and spec["draft_tokens"] == K * spec["drafted_steps"]  # --speculation always
+    assert 0 <= spec["accepted_tokens"] <= done.usage.completion_tokens
+    assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafted_steps"], 1e-4)
+    assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+    assert set(spec) >= {"acceptance_rate", "steps"}
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(stack: Stack) -> None:
+    prompt = [7 + i % 50 for i in range(40)]  # token ids: 2 full blocks of 16 before the last token
+    calls = [stack.client.completions.create(model=stack.model, prompt=prompt, max_tokens=2) for _ in range(2)]
+    cached = [c.usage.prompt_tokens_details.cached_tokens for c in calls]  # type: ignore[union-attr]
+    assert cached[1] == 32 and cached[0] in (0, 32), cached
+
+
+def test_streamed_completion_with_usage(stack: Stack) -> None:
+    kwargs: dict[str, Any] = dict(model=stack.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    whole = stack.client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    chunks = list(
+        stack.client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
+    *text_chunks, last = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 12
+    assert all(c.usage is None for c in text_chunks) and len({c.id for c in chunks}) == 1
+
+
+def test_stop_string(stack: Stack) -> None:
+    kwargs: dict[str, Any] = dict(model=stack.model, prompt=PROMPT, max_tokens=24, temperature=0)
+    full = stack.client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+    # A random model's text: its first printable ASCII character past the start (not a replacement character).
+    stop = next((c for c in full[3:] if c.isascii() and c.isprintable()), None)
+    assert stop is not None, full
+    for stops in (stop, [stop, "never in it \u2603"]):
+        done = stack.client.completions.create(**kwargs, stop=stops, extra_body={"ignore_eos": True})
+        assert done.choices[0].text == full[: full.index(stop)] and done.choices[0].finish_reason == "stop"
+
+
+def test_chat_completion_applies_the_template(stack: Stack) -> None:
+    templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    by_ids = _grpc(stack, prompt_token_ids=templated)
+    by_messages = _grpc(stack, messages=_grpc_messages(MESSAGES))
+    assert by_messages.token_ids == by_ids.token_ids and by_messages.usage.prompt_tokens == len(templated)
+    done = _chat(stack, MESSAGES)
+    (choice,) = done.choices
+    assert choice.message.role == "assistant" and choice.message.content == by_ids.text
+    assert choice.finish_reason == "length" and done.object == "chat.completion"
+    assert done.usage is not None and done.usage.prompt_tokens == len(templated)
+    # Text parts are one text, as a string content is.
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "def fib(n):"}]}]
+    again = _chat(stack, parts)
+    assert again.choices[0].message.content == by_ids.text
+
+
+def test_streamed_chat_completion(stack: Stack) -> None:
+    whole = _chat(stack, MESSAGES)
+    chunks = list(_chat(stack, MESSAGES, stream=True, stream_options={"include_usage": True}))
+    first, *deltas, finish, usage = chunks
+    assert first.choices[0].delta.role == "assistant" and not first.choices[0].delta.content
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == whole.choices[0].message.content
+    assert all(c.choices[0].finish_reason is None for c in [first, *deltas])
+    assert finish.choices[0].finish_reason == "length" and not finish.choices[0].delta.content
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 12
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+
+
+def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
+    """Server-sent events as OpenAI sends them: `data: {json}` events, the last `data: [DONE]`."""
+    body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    connection = http.client.HTTPConnection("127.0.0.1", int(stack.base_url.rsplit(":", 1)[1]), timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200 and reply.getheader("content-type", "").startswith("text/event-stream")
+    events = [e for e in reply.read().decode().split("\n\n") if e]
+    connection.close()
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[0].removeprefix("data: "))["object"] == "text_completion"
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "words"),
+    [
+        ({"n": 2}, "n", ("not supported yet",)),
+        ({"logprobs": 1}, "logprobs", ("not supported yet",)),
+        ({"presence_penalty": 0.5}, "presence_penalty", ("not supported yet",)),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", ("not supported yet",)),
+        ({"echo": True}, "echo", ("not supported yet",)),
+        ({"extra_body": {"best_of_three": 1}}, "best_of_three", ("not supported",)),
+        ({"temperature": -1}, "temperature", ("temperature", ">= 0")),
+        ({"top_p": 0}, "top_p", ("top_p", "(0, 1]")),
+        ({"max_tokens": 0}, "max_tokens", ("max_tokens", ">= 1")),
+        ({"max_tokens": 400}, "max_tokens", ("context",)),
+        ({"prompt": ""}, "prompt", ("empty",)),
+        ({"prompt": ["a", "b"]}, "prompt", ("several prompts",)),
+        ({"prompt": [1, 2, 10**6]}, "prompt", ("vocabulary",)),
+        ({"seed": -1}, "seed", ("greater than or equal",)),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
+)
+def test_bad_completion_is_400_naming_the_field(
+    stack: Stack, kwargs: dict[str, Any], param: str, words: tuple[str, ...]
+) -> None:
+    request = {"model": stack.model, "prompt": PROMPT, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        stack.client.completions.create(**request)
+    error = info.value.body
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, error
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert all(w in error["message"] for w in words), error
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "me"}]}, "messages.0.name"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
+)
+def test_bad_chat_completion_is_400_naming_the_field(stack: Stack, kwargs: dict[str, Any], param: str) -> None:
+    request = {"model": stack.model, "messages": MESSAGES, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        stack.client.chat.completions.create(**request)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == param, info.value.body
+
+
+def test_error_object_on_the_wire_and_unknown_model(stack: Stack) -> None:
+    body = json.dumps({"model": stack.model, "prompt": PROMPT, "n": 3}).encode()
+    request = urllib.request.Request(f"{stack.base_url}/v1/completions", body, {"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400
+    assert json.loads(info.value.read()) == {
+        "error": {
+            "message": "n=3 is not supported yet by this server",
+            "type": "invalid_request_error",
+            "param": "n",
+            "code": "invalid_argument",
+        }
+    }
+    with pytest.raises(openai.NotFoundError) as missing:
+        stack.client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert isinstance(missing.value.body, dict) and missing.value.body["code"] == "model_not_found"
+
+
+def test_full_queue_is_429(stack: Stack, llama_workers: Workers) -> None:
+    """One sequence per batch (two batches) and one waiting: a flood of twelve gets 429 for some."""
+
+    def one(_: int) -> str:
+        try:
+            done = stack.client.completions.create(
+                model=stack.model, prompt=PROMPT, max_tokens=30, extra_body={"ignore_eos": True}
+            )
+            return str(done.usage.completion_tokens if done.usage else None)
+        except openai.RateLimitError as error:
+            assert isinstance(error.body, dict) and "queue" in error.body["message"], error.body
+            return "429"
+
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(one, range(12)))
+    assert set(outcomes) == {"30", "429"}, outcomes
+    assert_all_slots_free(llama_workers)
+
+
+# --------------------------------------------------------------------------------------------- clients that go
+
+
+def _wait_cancelled(stack: Stack, count: int) -> None:
+    deadline = time.monotonic() + 15
+    while stack.metric("minedraft_requests_total", finish_reason="cancelled") < count:
+        assert time.monotonic() < deadline, "the request was never cancelled"
+        time.sleep(0.1)
+
+
+def test_client_gone_mid_stream_cancels_the_request(stack: Stack, llama_workers: Workers) -> None:
+    before = stack.metric("minedraft_requests_total", finish_reason="cancelled")
+    stream = stack.client.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    _wait_cancelled(stack, int(before) + 1)
+    assert_all_slots_free(llama_workers)
+
+    # A client that stops waiting for a whole answer cancels it too.
+    with pytest.raises(openai.APITimeoutError):
+        stack.client.with_options(timeout=0.5).completions.create(
+            model=stack.model, prompt=PROMPT, max_tokens=LONG, extra_body={"ignore_eos": True}
+        )
+    _wait_cancelled(stack, int(before) + 2)
+    assert_all_slots_free(llama_workers)
+
+
+# --------------------------------------------------------------------------------------------- gRPC
+
+
+def test_grpc_messages_equal_apply_chat_template(stack: Stack) -> None:
+    ids = chat_prompt_ids(_grpc_messages(MESSAGES), stack.tokenizer)
+    assert ids == stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        _grpc(stack, prompt="def f():", messages=_grpc_messages(MESSAGES))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in (info.value.details() or "")
+
+
+def test_generate_cli_chat(stack: Stack, tmp_path: Path) -> None:
+    expected = _grpc(stack, messages=_grpc_messages(MESSAGES))
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(MESSAGES))
+    common = ["generate", "--server", stack.coordinator.address, "--max-tokens", "12", "--ignore-eos", "--json"]
+    for args in (
+        ["--chat", "--message", f"system:{MESSAGES[0]['content']}", "--message", f"user:{MESSAGES[1]['content']}"],
+        ["--chat", str(path)],
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "minedraft", *common, *args],
+            cwd=REPO,
+            env=SERVICE_ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["token_ids"] == expected.token_ids
+    bad = subprocess.run(
+        [sys.executable, "-m", "minedraft", *common, "--chat", "--message", "no colon"],
+        cwd=REPO,
+        env=SERVICE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "ROLE:TEXT" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------- last: the drain
+
+
+def test_draining_coordinator_is_503(stack: Stack) -> None:
+    """SIGTERM drains: /health answers 503 and new requests get 503 while the admitted one finishes."""
+    streamed: list[str] = []
+
+    def read() -> None:
+        for chunk in stack.client.completions.create(
+            model=stack.model, prompt=PROMPT, max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}
+        ):
+            streamed.append(chunk.choices[0].finish_reason or "")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not streamed:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stack.coordinator.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while _get(f"{stack.base_url}/health")[0] != 503:
+        assert time.monotonic() < deadline, "health never turned 503"
+        time.sleep(0.05)
+    with pytest.raises(openai.InternalServerError) as info:
+        stack.client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=2)
+    assert info.value.status_code == 503 and isinstance(info.value.body, dict)
+    assert "shutting down" in info.value.body["message"]
+    reader.join(timeout=60)
+    assert streamed[-1] == "length"  # the admitted request finished
+    assert stack.coordinator.proc.wait(timeout=30) == 0
