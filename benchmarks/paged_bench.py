@@ -66,7 +66,7 @@ from typing import Any
 import grpc
 
 sys.path.insert(0, ".")
-from minedraft.app.bench import LocalStack, _server_info, percentile  # noqa: E402
+from minedraft.app.bench import LocalStack, _no_nan, _server_info, percentile  # noqa: E402
 from minedraft.app.cli import build_parser  # noqa: E402
 from minedraft.app.stack import LOOPBACK, METRICS_PORT_OFFSET, start_stack  # noqa: E402
 from minedraft.demo_models import DRAFT_DIR, TARGET_DIR  # noqa: E402
@@ -567,17 +567,6 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             f"{r['ttft_last_ms']} ms (stack up in {r['stack_start_s']} s)"
         )
     return lines
-
-
-def _no_nan(value: Any) -> Any:
-    """Strict JSON: NaN becomes null."""
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return value
 
 
 # --------------------------------------------------------------------------------------------- main
