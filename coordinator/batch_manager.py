@@ -83,11 +83,14 @@ class BatchManager:
         return [r for b in self.batches for r in b.members + b.joining if not (r.finished or r.cancelled)]
 
     def take_admissions(
-        self, memory: Callable[[RequestState], bool] = lambda request: True
+        self,
+        memory: Callable[[RequestState], bool] = lambda request: True,
+        cost: Callable[[RequestState], int] = lambda request: len(request.prefill_ids),
     ) -> list[tuple[Batch, list[RequestState]]]:
         """Pop waiting requests into the emptier batch, one at a time, while there is room (balance by count), the
-        prefill stays within `max_prefill_tokens` (a first request always goes in, however long) and `memory` says
-        the workers' KV blocks hold the request (it is asked in order, and counts what it said yes to).
+        prefill stays within `max_prefill_tokens` of what it computes (`cost`: the tokens a request's prefill
+        computes; a first request always goes in, however long) and `memory` says the workers' KV blocks hold the
+        request (it is asked in order, and counts what it said yes to).
 
         Cancelled requests still in the queue are dropped here. A batch whose drafts are in flight gets new
         sequences as joiners; the others take them as members at once.
@@ -102,7 +105,7 @@ class BatchManager:
             batch = min(self.batches, key=lambda b: (b.size, b.awaiting_verify))
             if batch.size >= self.max_batch_size:
                 break
-            tokens += len(request.prompt_ids) + request.resumed_output
+            tokens += cost(request)
             if self.max_prefill_tokens and placed and tokens > self.max_prefill_tokens:
                 break
             if not memory(request):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from coordinator.request_state import RequestState
+from minedraft.engine.block_pool import block_hashes
 
 
 @dataclass
@@ -46,3 +51,42 @@ class BlockLedger:
     def for_prompt(self, tokens: int) -> int:
         """Blocks a prompt of `tokens` takes without the prefix cache."""
         return -(-tokens // self.block_size) if self.accounted else 0
+
+
+class PrefixMemory:
+    """The full prompt blocks the target prefilled lately, as the coordinator saw them: what its prefix cache likely
+    holds, so that the prefill budget (`--max-prefill-tokens`) counts the tokens a prefill computes, not those it
+    finds cached. Off until the target reports a hit (its prefix caching may be off); an estimate either way: the
+    target may have evicted a block, which costs one prefill a little over the budget."""
+
+    def __init__(self, ledger: BlockLedger) -> None:
+        self._ledger = ledger  # the target's: its block size and block count
+        self._keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # least recently used first
+        self.active = False
+
+    def uncached_tokens(self, request: RequestState) -> int:
+        """The tokens of a waiting request's prefill the target likely computes."""
+        tokens = request.prefill_ids
+        size = self._ledger.block_size
+        if not (self.active and size):
+            return len(tokens)
+        hits = 0
+        for key in block_hashes(tokens[: len(tokens) - 1], size):
+            if key not in self._keys:
+                break
+            hits += 1
+        return len(tokens) - hits * size
+
+    def prefilled(self, prompts: Sequence[Sequence[int]], cached: Sequence[int]) -> None:
+        """The target prefilled `prompts`, finding `cached` tokens of each in its cache: their full blocks are
+        cached now."""
+        self.active = self.active or any(cached)
+        size = self._ledger.block_size
+        if not (self.active and size):
+            return
+        for prompt in prompts:
+            for key in block_hashes(prompt, size):
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+        while len(self._keys) > max(self._ledger.num_blocks, 1):
+            self._keys.popitem(last=False)

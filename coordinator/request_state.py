@@ -59,6 +59,11 @@ class RequestState:
         return self.finish_reason != FINISH.FINISH_REASON_UNSPECIFIED
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """What the workers prefill: the prompt, and the output it had when last preempted."""
+        return self.prompt_ids + self.output_ids[: self.resumed_output]
+
+    @property
     def last_token(self) -> int:
         return self.output_ids[-1]
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from coordinator.batch_manager import Batch, BatchManager
+from coordinator.kv_blocks import PrefixMemory
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
 from coordinator.speculation_policy import SpeculationPolicy, draft_lengths
@@ -80,6 +81,7 @@ class StepLoop:
         # would leave the target idle in every step); awaited by the step that verifies the batch.
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
         self._admissions = itertools.count(1)
+        self.prefixes = PrefixMemory(workers.kv_blocks["target"])
         self.preemptions = 0
 
     def wake(self) -> None:
@@ -200,7 +202,8 @@ class StepLoop:
     async def _admit(self) -> bool:
         """Prefill what the batches and the workers' KV blocks have room for; False if the prefill failed (its
         requests failed with it)."""
-        admitted = [r for _, requests in self.manager.take_admissions(self._memory_for()) for r in requests]
+        admissions = self.manager.take_admissions(self._memory_for(), self.prefixes.uncached_tokens)
+        admitted = [r for _, requests in admissions for r in requests]
         if not admitted:
             return True
         for request in admitted:
@@ -216,6 +219,9 @@ class StepLoop:
         if isinstance(draft_reply, BaseException) and not self._lose_draft(draft_reply):
             self._fail(admitted, draft_reply)
             return False
+        self.prefixes.prefilled(
+            [r.prefill_ids for r in admitted], [r.cached_prompt_tokens for r in target_reply.results]
+        )
         for request, result in zip(admitted, target_reply.results):
             if not request.preemptions:
                 request.cached_prompt_tokens = result.cached_prompt_tokens
@@ -233,7 +239,7 @@ class StepLoop:
 
         def memory(request: RequestState) -> bool:
             nonlocal running
-            tokens = len(request.prompt_ids) + request.resumed_output
+            tokens = len(request.prefill_ids)
             needs = {w: self.workers.kv_blocks[w].for_prompt(tokens) for w in free}
             if running and any(free[w][0] - needs[w] < (running + 1) * free[w][1] for w in free):
                 return False

@@ -96,7 +96,7 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
         stop_token_ids=list(c.stop_token_ids),
         ignore_eos=c.ignore_eos,
     )
-    tokens = request.prompt_ids + (request.output_ids[:-1] if resume else request.output_ids[: request.resumed_output])
+    tokens = request.prompt_ids + request.output_ids[:-1] if resume else request.prefill_ids
     return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.batch_manager import BatchManager, QueueFullError
+from coordinator.kv_blocks import BlockLedger, PrefixMemory
 from coordinator.measured_choice import PROBE_EVERY, PROBE_STEPS
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import RequestState
@@ -49,6 +50,27 @@ def test_a_burst_is_admitted_in_prefills_of_at_most_max_prefill_tokens() -> None
     for i in range(9):
         unlimited.submit(_request(i, 150))
     assert sum(len(requests) for _, requests in unlimited.take_admissions()) == 9
+
+
+def test_the_prefill_budget_counts_what_the_prefix_cache_likely_holds_as_free() -> None:
+    """Prompts sharing 96 tokens with one the target prefilled: once the target reported a hit, only their other
+    tokens count against --max-prefill-tokens, so four go in a step where one did."""
+    ledger = BlockLedger()
+    ledger.reset(block_size=16, num_blocks=100, free=100)
+    prefixes = PrefixMemory(ledger)
+    shared = list(range(1, 97))
+    prefixes.prefilled([shared + [500]], [0])
+    waiting = [RequestState(i, shared + [600 + i] * 5, SamplingConfig(), (), None) for i in range(6)]
+    assert prefixes.uncached_tokens(waiting[0]) == 101  # not active: the target reported no hit yet
+    prefixes.prefilled([shared + [501]], [96])
+    assert prefixes.uncached_tokens(waiting[0]) == 5  # 6 full blocks of 16 cached
+    manager = BatchManager(max_batch_size=8, max_queue_size=20, num_batches=2, max_prefill_tokens=110)
+    for request in waiting:
+        manager.submit(request)
+    assert len([r for _, rs in manager.take_admissions(cost=prefixes.uncached_tokens) for r in rs]) == 6
+    for request in waiting:
+        manager.submit(RequestState(request.seq_id + 10, request.prompt_ids, SamplingConfig(), (), None))
+    assert len([r for _, rs in manager.take_admissions() for r in rs]) == 1  # full prompts: one a step
 
 
 def test_queue_is_bounded() -> None:
