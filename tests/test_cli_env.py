@@ -30,6 +30,25 @@ def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
     assert "--eager" not in target and target[target.index("--precapture-graphs") + 1] == "auto"
 
 
+def test_target_and_draft_on_one_gpu_share_its_memory() -> None:
+    """Each worker sizes its KV cache by --gpu-memory-utilization of the whole GPU: on one GPU they split it."""
+    from minedraft.app.stack import stack_commands
+
+    def utilization(*flags: str) -> list[str | None]:
+        commands = stack_commands(build_parser().parse_args(["serve", *flags]), 1, 2)
+        return [
+            c[c.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in c else None for c in commands
+        ]
+
+    assert utilization("--target-device", "cuda:0", "--draft-device", "cuda:0") == ["0.72", "0.18", None]
+    assert utilization("--target-device", "cuda", "--draft-device", "cuda:0")[:2] == ["0.72", "0.18"]
+    assert utilization("--target-device", "cuda:0", "--draft-device", "cuda:1")[:2] == ["0.9", "0.9"]
+    assert utilization("--target-device", "cuda:0", "--draft-device", "cuda:0", "--kv-cache-memory", "8")[:2] == [
+        "0.9",
+        "0.9",
+    ]  # the caches sized by GiB: utilization does not bind
+
+
 def test_precapture_is_auto_by_default_and_on_where_cuda_graphs_are(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto precaptures on CUDA with graphs only: on a CPU (no graphs) it would run every shape for nothing."""
     from minedraft.rpc.worker import precaptures

@@ -111,6 +111,11 @@ def start_stack(
     return port
 
 
+# Of a GPU that target and draft share, the target's part of --gpu-memory-utilization: its weights and its KV
+# per token are the larger (an 8B target caches 128 KiB a token, a 1B draft 32 KiB).
+TARGET_SHARE = 0.8
+
+
 def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) -> list[list[str]]:
     """The service command lines that `serve` starts: target, draft (left out in ar mode), coordinator."""
     services = [s for s in STACK_SERVICES if s != "draft" or args.mode != "ar"]
@@ -131,14 +136,31 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
 
 def passed_on(args: argparse.Namespace, service: str) -> dict[str, object]:
     """The flags (by `service`'s names) that a stack of `serve`/`bench` arguments `args` gives `service`; a value
-    that is None is left out, for the service to default."""
+    that is None is left out, for the service to default. Target and draft on one GPU share its
+    `--gpu-memory-utilization` (`TARGET_SHARE` of it the target's), unless `--kv-cache-memory` sizes their caches."""
     values: dict[str, object] = {}
     for flag in FLAGS:
         name = flag.passed_on.get(service)
         value = getattr(args, flag.dest, None)
         if name is not None and value is not None:
             values[name] = value
+    utilization = values.get("--gpu-memory-utilization")
+    if service in ("target", "draft") and utilization is not None and shares_a_gpu(args):
+        share = TARGET_SHARE if service == "target" else 1 - TARGET_SHARE
+        values["--gpu-memory-utilization"] = round(float(utilization) * share, 4)  # type: ignore[arg-type]
     return values
+
+
+def shares_a_gpu(args: argparse.Namespace) -> bool:
+    """Whether a stack's target and draft load on one GPU, each sizing its KV cache by --gpu-memory-utilization."""
+    target, draft = getattr(args, "target_device", None), getattr(args, "draft_device", None)
+    return (
+        getattr(args, "mode", None) != "ar"
+        and getattr(args, "kv_cache_memory", None) is None
+        and isinstance(target, str)
+        and target.startswith("cuda")
+        and (target == draft or {target, draft} <= {"cuda", "cuda:0"})
+    )
 
 
 def service_args(args: argparse.Namespace, service: str, **wiring: object) -> argparse.Namespace:
