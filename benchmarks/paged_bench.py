@@ -30,10 +30,8 @@ reused by later runs; on a CPU the shipped demo pair (`minedraft/demo_models`). 
 with `--speculation auto` (the default) the target mostly decodes alone; `--synthetic-acceptance P` changes that
 (benchmark only, not lossless).
 
-KV cache memory: `serve`/`bench` stacks pass one `--kv-cache-memory` to both workers, and by default each worker
-takes what `--gpu-memory-utilization` (0.9) of the whole GPU leaves after its own weights: two workers on one GPU
-would each claim most of it, and whichever allocates second fails or gets the rest (they load at once). So here each
-worker gets its own value: `--target-kv-cache-memory` and `--draft-kv-cache-memory` (appended to that worker's
+KV cache memory: `serve`/`bench` stacks pass one `--kv-cache-memory` to both workers (without it, on one GPU they
+split `--gpu-memory-utilization` 80/20). For fixed, comparable pools each worker gets its own value here: `--target-kv-cache-memory` and `--draft-kv-cache-memory` (appended to that worker's
 command line, after the stack's flags), else `--kv-cache-memory` for both, else on CUDA 80 GiB for the target and
 12 GiB for the draft. On an H200 (139 GiB) that leaves ~45 GiB for the 8B target's 16 GiB of weights, both
 workers' graphs and activations and the draft; 80 GiB of an 8B target's 128 KiB per token hold ~655k tokens, more
