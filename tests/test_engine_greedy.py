@@ -273,3 +273,29 @@ def test_sliding_window_model_matches_hf(tiny_models, hf_reference: HFReference)
     expected = hf_reference(target, prompt, 12)
     results = _run(target, None, [OfflineRequest(prompt, SamplingConfig(max_tokens=12))], k=0)
     assert results[0].tokens == expected
+
+
+def test_gemma3_with_sliding_and_full_layers_matches_hf_past_its_window(hf_reference: HFReference) -> None:
+    """Gemma 3 mixes sliding-window layers with full ones (a mask of each kind per step); past the window, greedy
+    verify steps of a self-draft and plain decoding both give HF's tokens."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+    )
+    target = Gemma3ForCausalLM(config).eval()
+    prompt = PROMPTS[0][0][:2] + list(range(20))
+    expected = hf_reference(target, prompt, 12)
+    for draft, k in ((None, 0), (target, 3)):
+        results = _run(target, draft, [OfflineRequest(prompt, SamplingConfig(max_tokens=12))], k=k)
+        assert results[0].tokens == expected, f"k={k}"
