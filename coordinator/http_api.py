@@ -181,7 +181,7 @@ async def _answer(
     route: str,
 ) -> Response:
     """Admit `generate` and answer it, whole or streamed; the request is cancelled if its client goes away."""
-    generation = servicer.admit(generate, request.headers.items(), default_max_tokens, route)
+    generation = await servicer.admit(generate, request.headers.items(), default_max_tokens, route)
     if body.stream:
         return EventStream(_events(servicer, generation, reply), lambda: servicer.close(generation))
     try:
@@ -263,6 +263,28 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
+class BodyLimit:
+    """Refuse a body whose Content-Length exceeds `max_bytes` (the gRPC API's --max-request-bytes) before it is
+    read: 400 with OpenAI's error object."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]], max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.max_bytes:
+                message = (
+                    f"the request body is {int(length)} bytes; this server takes at most {self.max_bytes} "
+                    "(--max-request-bytes)"
+                )
+                await JSONResponse(error_body(message, "invalid_request_error", None, "invalid_argument"), 400)(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: the coordinator's own handle SIGINT and SIGTERM (the drain)."""
 
@@ -277,7 +299,7 @@ class HttpServer:
 
     def __init__(self, servicer: GenerationServicer, sock: socket.socket) -> None:
         config = uvicorn.Config(
-            create_app(servicer),
+            BodyLimit(create_app(servicer), servicer.options.max_request_bytes),
             lifespan="off",
             log_config=None,  # the coordinator's logging as it is
             access_log=False,

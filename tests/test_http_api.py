@@ -285,6 +285,8 @@ def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
         ({"prompt": ["a", "b"]}, "prompt", ("several prompts",)),
         ({"prompt": [1, 2, 10**6]}, "prompt", ("vocabulary",)),
         ({"seed": -1}, "seed", ("greater than or equal",)),
+        ({"prompt": "a" * ((1 << 20) + 1)}, "prompt", ("--max-prompt-bytes", str(1 << 20))),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop", ("--max-stop-strings", "16")),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
 )
@@ -337,6 +339,23 @@ def test_error_object_on_the_wire_and_unknown_model(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         stack.client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert isinstance(missing.value.body, dict) and missing.value.body["code"] == "model_not_found"
+
+
+def test_body_over_max_request_bytes_is_400_before_it_is_read(stack: Stack) -> None:
+    """A Content-Length beyond --max-request-bytes (4 MiB) is refused at once; not a byte of the body is sent."""
+    conn = http.client.HTTPConnection(stack.base_url.removeprefix("http://"), timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("content-length", str(5 << 20))
+        conn.endheaders()
+        reply = conn.getresponse()
+        assert reply.status == 400
+        error = json.loads(reply.read())["error"]
+    finally:
+        conn.close()
+    assert error["type"] == "invalid_request_error" and "--max-request-bytes" in error["message"], error
+    assert str(4 << 20) in error["message"], error
 
 
 def test_full_queue_is_429(stack: Stack, llama_workers: Workers) -> None:
