@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from coordinator.openai_schema import (
     ChatCompletionRequest,
@@ -264,25 +264,35 @@ async def _disconnect(receive: Receive) -> None:
 
 
 class BodyLimit:
-    """Refuse a body whose Content-Length exceeds `max_bytes` (the gRPC API's --max-request-bytes) before it is
-    read: 400 with OpenAI's error object."""
+    """Refuse a body beyond `max_bytes` (--max-request-bytes) with 400 and OpenAI's error object: at once when its
+    Content-Length says so, else (chunked) as soon as the bytes read pass it, so it is never held whole."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]], max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
+    def _message(self, size: str) -> str:
+        return f"the request body is {size} bytes; this server takes at most {self.max_bytes} (--max-request-bytes)"
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length", b"0")
-            if length.isdigit() and int(length) > self.max_bytes:
-                message = (
-                    f"the request body is {int(length)} bytes; this server takes at most {self.max_bytes} "
-                    "(--max-request-bytes)"
-                )
-                await JSONResponse(error_body(message, "invalid_request_error", None, "invalid_argument"), 400)(
-                    scope, receive, send
-                )
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            body = error_body(self._message(str(int(length))), "invalid_request_error", None, "invalid_argument")
+            await JSONResponse(body, 400)(scope, receive, send)
+            return
+        read = 0
+
+        async def counted() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:  # the app's ApiError handler answers it
+                raise _invalid(self._message(f"more than {self.max_bytes}"), None)
+            return message
+
+        await self.app(scope, counted if not length.isdigit() else receive, send)
 
 
 class _Server(uvicorn.Server):

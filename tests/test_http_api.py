@@ -27,6 +27,8 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 from stack import (
     REPO,
@@ -39,6 +41,7 @@ from stack import (
     running_coordinator,
 )
 
+from coordinator.http_api import ApiError, BodyLimit
 from coordinator.validation import chat_prompt_ids
 from minedraft.app.stack import free_port
 from minedraft.engine.models import load_tokenizer
@@ -356,6 +359,36 @@ def test_body_over_max_request_bytes_is_400_before_it_is_read(stack: Stack) -> N
         conn.close()
     assert error["type"] == "invalid_request_error" and "--max-request-bytes" in error["message"], error
     assert str(4 << 20) in error["message"], error
+
+
+def test_chunked_body_is_refused_once_it_passes_max_request_bytes() -> None:
+    """Without a Content-Length, `BodyLimit` counts what is read and refuses at the first byte beyond the limit."""
+    app = FastAPI()
+    app.add_exception_handler(ApiError, lambda _, exc: JSONResponse(exc.body, exc.status))
+
+    @app.post("/v1/completions")
+    async def read(request: Request) -> dict[str, int]:
+        return {"read": len(await request.body())}
+
+    async def post(chunks: list[bytes]) -> tuple[int, Any]:
+        messages = iter(
+            {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
+        )
+        sent: list[Any] = []
+
+        async def receive() -> Any:
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        await BodyLimit(app, 10)(scope, receive, send)
+        return sent[0]["status"], json.loads(sent[1]["body"])
+
+    assert asyncio.run(post([b"12345", b"1234"])) == (200, {"read": 9})
+    status, body = asyncio.run(post([b"12345", b"123456"]))
+    assert status == 400 and "--max-request-bytes" in body["error"]["message"], body
 
 
 def test_full_queue_is_429(stack: Stack, llama_workers: Workers) -> None:

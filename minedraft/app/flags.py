@@ -471,7 +471,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--max-request-bytes",
         "largest request the public APIs take, in bytes: a gRPC message (larger: RESOURCE_EXHAUSTED, unread) or an "
-        "HTTP body's Content-Length (larger: 400)",
+        "HTTP body (larger: 400, read no further)",
         COORDINATOR_COMMANDS,
         SERVICE,
         4 << 20,
