@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from coordinator.openai_schema import (
     ChatCompletionRequest,
@@ -181,7 +181,7 @@ async def _answer(
     route: str,
 ) -> Response:
     """Admit `generate` and answer it, whole or streamed; the request is cancelled if its client goes away."""
-    generation = servicer.admit(generate, request.headers.items(), default_max_tokens, route)
+    generation = await servicer.admit(generate, request.headers.items(), default_max_tokens, route)
     if body.stream:
         return EventStream(_events(servicer, generation, reply), lambda: servicer.close(generation))
     try:
@@ -263,6 +263,38 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
+class BodyLimit:
+    """Refuse a body beyond `max_bytes` (--max-request-bytes) with 400 and OpenAI's error object: at once when its
+    Content-Length says so, else (chunked) as soon as the bytes read pass it, so it is never held whole."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]], max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _message(self, size: str) -> str:
+        return f"the request body is {size} bytes; this server takes at most {self.max_bytes} (--max-request-bytes)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            body = error_body(self._message(str(int(length))), "invalid_request_error", None, "invalid_argument")
+            await JSONResponse(body, 400)(scope, receive, send)
+            return
+        read = 0
+
+        async def counted() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:  # the app's ApiError handler answers it
+                raise _invalid(self._message(f"more than {self.max_bytes}"), None)
+            return message
+
+        await self.app(scope, counted if not length.isdigit() else receive, send)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: the coordinator's own handle SIGINT and SIGTERM (the drain)."""
 
@@ -277,7 +309,7 @@ class HttpServer:
 
     def __init__(self, servicer: GenerationServicer, sock: socket.socket) -> None:
         config = uvicorn.Config(
-            create_app(servicer),
+            BodyLimit(create_app(servicer), servicer.options.max_request_bytes),
             lifespan="off",
             log_config=None,  # the coordinator's logging as it is
             access_log=False,

@@ -20,7 +20,7 @@ from coordinator.request_state import RequestState
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.stream_outbox import StreamOutbox
 from coordinator.tracing import TracedStepLoop, TracedWorkers
-from coordinator.validation import DEFAULT_MAX_TOKENS, prompt_token_ids, sampling_config
+from coordinator.validation import DEFAULT_MAX_TOKENS, Limits, check_limits, prompt_token_ids, sampling_config
 from coordinator.workers import GENERATION_SERVICE, Refusal, Workers
 from minedraft.engine.models import load_tokenizer
 from minedraft.errors import ModelLoadError
@@ -69,6 +69,16 @@ class CoordinatorOptions:
     # The OpenAI-compatible HTTP API's port (`coordinator.http_api`; 0: off). The CLI's default is 8000; a
     # coordinator made in code (tests, tools) opens no second port unless asked.
     http_port: int = 0
+    # Limits on one request, checked before any work on it (`coordinator.validation.Limits`)
+    max_request_bytes: int = 4 << 20  # the public gRPC server's receive limit
+    max_prompt_bytes: int = 1 << 20
+    max_messages: int = 1024
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_prompt_bytes, self.max_messages, self.max_stop_strings, self.max_stop_string_bytes)
 
 
 class RequestRefused(Exception):
@@ -244,7 +254,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
-            generation = self.admit(request, context.invocation_metadata())
+            generation = await self.admit(request, context.invocation_metadata())
         except RequestRefused as exc:
             await context.abort(exc.code, exc.message)
         try:
@@ -255,7 +265,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         finally:
             self.close(generation)
 
-    def admit(
+    async def admit(
         self,
         request: generation_pb2.GenerateRequest,
         trace_metadata: Iterable[tuple[str, Any]] | None = None,
@@ -267,14 +277,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         `close` it. `trace_metadata`: where a client's traceparent is (gRPC metadata, HTTP headers);
         `default_max_tokens`: max_tokens when the request sets none (None: the rest of the context);
         `http_route`: the HTTP API's route it came by (its span's name), None for gRPC."""
-        refusal = self.workers.refusal()
-        if refusal is None and self._stopping:
-            refusal = Refusal("stopping", "this coordinator is stopping: send the request to another replica or retry")
-        if refusal is not None:
-            self._rejected(refusal.reason)
-            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, refusal.message)
+        self._refuse_if_unavailable()
         try:
-            state = self._new_request(request, default_max_tokens)
+            check_limits(request, self.options.limits)
+            state = await self._new_request(request, default_max_tokens)
+            self._refuse_if_unavailable()  # the workers may have gone, or a stop begun, while it tokenized
             self.manager.submit(state)
         except ValueError as exc:
             self._rejected("invalid")
@@ -297,6 +304,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.loop.wake()
         self.open_streams += 1
         return Generation(state)
+
+    def _refuse_if_unavailable(self) -> None:
+        """RequestRefused (UNAVAILABLE) while the workers cannot take requests or this coordinator is stopping."""
+        refusal = self.workers.refusal()
+        if refusal is None and self._stopping:
+            refusal = Refusal("stopping", "this coordinator is stopping: send the request to another replica or retry")
+        if refusal is not None:
+            self._rejected(refusal.reason)
+            raise RequestRefused(grpc.StatusCode.UNAVAILABLE, refusal.message)
 
     async def responses(self, generation: Generation) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The admitted request's messages as the step loop emits them, text filled in, up to the one with its
@@ -351,10 +367,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         committed one, so that room is reserved too."""
         return self.workers.pair.max_model_len - self.loop.k
 
-    def _new_request(self, request: generation_pb2.GenerateRequest, default_max_tokens: int | None) -> RequestState:
+    async def _new_request(
+        self, request: generation_pb2.GenerateRequest, default_max_tokens: int | None
+    ) -> RequestState:
         """The request checked (`coordinator.validation`) and defaulted; a ValueError's message reaches its client."""
         vocab_size = self.workers.pair.target_info.logits_size
-        prompt_ids = prompt_token_ids(request, self.tokenizer, vocab_size)
+        if request.prompt or request.messages:
+            # In a thread: a long prompt's tokenizing (or chat template) must not stall the other streams.
+            prompt_ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer, vocab_size)
+        else:
+            prompt_ids = prompt_token_ids(request, self.tokenizer, vocab_size)
         config = sampling_config(request.params, len(prompt_ids), vocab_size, self.context_length, default_max_tokens)
         return RequestState(
             next(self._seq_ids),
@@ -383,6 +405,7 @@ async def serve(
         [GENERATION_SERVICE],
         host,
         health_servicer=servicer.health,
+        max_receive_bytes=options.max_request_bytes,
     )
     if options.http_port:
         from coordinator.http_api import start_http_server  # here: it imports this module (and FastAPI)

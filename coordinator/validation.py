@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
@@ -21,6 +22,48 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold, checked by `check_limits` before any work on it (each names its flag)."""
+
+    max_prompt_bytes: int = 1 << 20
+    max_messages: int = 1024
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+
+
+def check_limits(request: generation_pb2.GenerateRequest, limits: Limits) -> None:
+    """Refuse a request over a limit before it is tokenized: sizes only, each counted in one pass."""
+    if request.prompt:
+        _check_size("the prompt", len(request.prompt.encode()), limits.max_prompt_bytes, "prompt")
+    if request.messages:
+        if len(request.messages) > limits.max_messages:
+            raise InvalidRequest(
+                f"{len(request.messages)} messages; this server takes at most {limits.max_messages} (--max-messages)",
+                "messages",
+            )
+        size = sum(len(m.role.encode()) + len(m.content.encode()) for m in request.messages)
+        _check_size("the messages", size, limits.max_prompt_bytes, "messages")
+    stop = request.params.stop
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidRequest(
+            f"{len(stop)} stop strings; this server takes at most {limits.max_stop_strings} (--max-stop-strings)",
+            "stop",
+        )
+    longest = max((len(s.encode()) for s in stop), default=0)
+    if longest > limits.max_stop_string_bytes:
+        raise InvalidRequest(
+            f"a stop string of {longest} bytes; this server takes at most {limits.max_stop_string_bytes} "
+            "(--max-stop-string-bytes)",
+            "stop",
+        )
+
+
+def _check_size(what: str, size: int, limit: int, param: str) -> None:
+    if size > limit:
+        raise InvalidRequest(f"{what} is {size} bytes; this server takes at most {limit} (--max-prompt-bytes)", param)
 
 
 def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: object | None, vocab_size: int) -> list[int]:

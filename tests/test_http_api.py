@@ -27,6 +27,8 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 from stack import (
     REPO,
@@ -39,6 +41,7 @@ from stack import (
     running_coordinator,
 )
 
+from coordinator.http_api import ApiError, BodyLimit
 from coordinator.validation import chat_prompt_ids
 from minedraft.app.stack import free_port
 from minedraft.engine.models import load_tokenizer
@@ -285,6 +288,8 @@ def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
         ({"prompt": ["a", "b"]}, "prompt", ("several prompts",)),
         ({"prompt": [1, 2, 10**6]}, "prompt", ("vocabulary",)),
         ({"seed": -1}, "seed", ("greater than or equal",)),
+        ({"prompt": "a" * ((1 << 20) + 1)}, "prompt", ("--max-prompt-bytes", str(1 << 20))),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop", ("--max-stop-strings", "16")),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
 )
@@ -337,6 +342,53 @@ def test_error_object_on_the_wire_and_unknown_model(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         stack.client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert isinstance(missing.value.body, dict) and missing.value.body["code"] == "model_not_found"
+
+
+def test_body_over_max_request_bytes_is_400_before_it_is_read(stack: Stack) -> None:
+    """A Content-Length beyond --max-request-bytes (4 MiB) is refused at once; not a byte of the body is sent."""
+    conn = http.client.HTTPConnection(stack.base_url.removeprefix("http://"), timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("content-length", str(5 << 20))
+        conn.endheaders()
+        reply = conn.getresponse()
+        assert reply.status == 400
+        error = json.loads(reply.read())["error"]
+    finally:
+        conn.close()
+    assert error["type"] == "invalid_request_error" and "--max-request-bytes" in error["message"], error
+    assert str(4 << 20) in error["message"], error
+
+
+def test_chunked_body_is_refused_once_it_passes_max_request_bytes() -> None:
+    """Without a Content-Length, `BodyLimit` counts what is read and refuses at the first byte beyond the limit."""
+    app = FastAPI()
+    app.add_exception_handler(ApiError, lambda _, exc: JSONResponse(exc.body, exc.status))
+
+    @app.post("/v1/completions")
+    async def read(request: Request) -> dict[str, int]:
+        return {"read": len(await request.body())}
+
+    async def post(chunks: list[bytes]) -> tuple[int, Any]:
+        messages = iter(
+            {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
+        )
+        sent: list[Any] = []
+
+        async def receive() -> Any:
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        await BodyLimit(app, 10)(scope, receive, send)
+        return sent[0]["status"], json.loads(sent[1]["body"])
+
+    assert asyncio.run(post([b"12345", b"1234"])) == (200, {"read": 9})
+    status, body = asyncio.run(post([b"12345", b"123456"]))
+    assert status == 400 and "--max-request-bytes" in body["error"]["message"], body
 
 
 def test_full_queue_is_429(stack: Stack, llama_workers: Workers) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import grpc
 import pytest
 from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, Workers, generate, running_coordinator
 
-from minedraft.proto import generation_pb2
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
 
@@ -74,6 +75,27 @@ BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
     "max_tokens 0": ({"prompt_token_ids": PROMPT, "params": _params(max_tokens=0)}, ("max_tokens", ">= 1")),
     "negative top_k": ({"prompt_token_ids": PROMPT, "params": _params(top_k=-1)}, ("top_k",)),
     "negative token id": ({"prompt_token_ids": [*PROMPT, -1], "params": _params()}, ("vocabulary", "-1")),
+    # Limits, checked before any work (the coordinator's defaults)
+    "prompt text over --max-prompt-bytes": (
+        {"prompt": "a" * ((1 << 20) + 1), "params": _params()},
+        ("--max-prompt-bytes", str((1 << 20) + 1), str(1 << 20)),
+    ),
+    "messages over --max-prompt-bytes": (
+        {"messages": [generation_pb2.ChatMessage(role="user", content="é" * (1 << 19))], "params": _params()},
+        ("--max-prompt-bytes", "messages"),
+    ),
+    "messages over --max-messages": (
+        {"messages": [generation_pb2.ChatMessage(role="user", content="hi")] * 1025, "params": _params()},
+        ("--max-messages", "1025", "1024"),
+    ),
+    "stop strings over --max-stop-strings": (
+        {"prompt_token_ids": PROMPT, "params": _params(stop=[f"s{i}" for i in range(17)])},
+        ("--max-stop-strings", "17", "16"),
+    ),
+    "stop string over --max-stop-string-bytes": (
+        {"prompt_token_ids": PROMPT, "params": _params(stop=["ok", "x" * 257])},
+        ("--max-stop-string-bytes", "257", "256"),
+    ),
 }
 
 
@@ -222,3 +244,103 @@ def test_workers_refuse_a_batch_id_beyond_the_two_batches(llama_workers: Workers
             call(channel)
         assert error.value.code() == INVALID and "batch_id must be 0 or 1" in (error.value.details() or "")
     assert len(asyncio.run(generate(coordinator.address, _good())).token_ids) == 4
+
+
+async def _canary_gaps(address: str, during: asyncio.Future[tuple[float, str]]) -> list[float]:
+    """The seconds between the messages of a normal stream that runs while `during` is awaited."""
+    request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=_params(max_tokens=60, ignore_eos=True))
+    gaps: list[float] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
+        last = time.perf_counter()
+        async for _ in call:
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+    await during
+    return gaps[1:]  # the first waits for the prefill
+
+
+async def _refused(address: str, request: generation_pb2.GenerateRequest, delay: float) -> tuple[float, str]:
+    """Seconds until `request` (sent after `delay`) is refused, and the status's message."""
+    await asyncio.sleep(delay)
+    start = time.perf_counter()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(address, request, timeout=30)
+    assert info.value.code() == INVALID, info.value
+    return time.perf_counter() - start, info.value.details() or ""
+
+
+def test_huge_prompt_is_refused_fast_while_others_stream(coordinator: Service) -> None:
+    """A 2 MiB prompt is refused by its size, before any tokenizing, in well under a second; a stream running
+    meanwhile never stalls."""
+
+    async def run() -> tuple[list[float], tuple[float, str]]:
+        huge = generation_pb2.GenerateRequest(prompt="def f():\n" * (2 << 17), params=_params())
+        refusal = asyncio.ensure_future(_refused(coordinator.address, huge, 0.3))
+        return await _canary_gaps(coordinator.address, refusal), refusal.result()
+
+    gaps, (took, details) = asyncio.run(run())
+    assert "--max-prompt-bytes" in details, details
+    assert took < 1.0, took
+    assert len(gaps) >= 50 and max(gaps) < 0.5, max(gaps)
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_other_streams(coordinator: Service) -> None:
+    """A long prompt (384 KiB: about a second to tokenize) is tokenized off the event loop, then refused (beyond
+    the context); on the loop, the canary would wait that whole second."""
+
+    async def run() -> tuple[list[float], tuple[float, str]]:
+        long = generation_pb2.GenerateRequest(prompt="x = 1\n" * ((384 << 10) // 6), params=_params())
+        refusal = asyncio.ensure_future(_refused(coordinator.address, long, 0.3))
+        return await _canary_gaps(coordinator.address, refusal), refusal.result()
+
+    gaps, (took, details) = asyncio.run(run())
+    assert "context" in details, details
+    print(f"tokenizing took {took:.2f} s, the canary's longest gap {max(gaps) * 1000:.0f} ms")
+    assert max(gaps) < max(0.5, took / 2), (max(gaps), took)
+
+
+def test_request_over_max_request_bytes_is_refused_unread(coordinator: Service) -> None:
+    """Beyond --max-request-bytes (4 MiB) gRPC itself refuses the message (RESOURCE_EXHAUSTED, its code for it)."""
+    request = generation_pb2.GenerateRequest(prompt="a" * (5 << 20), params=_params())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(generate(coordinator.address, request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+    assert str(4 << 20) in (info.value.details() or ""), info.value.details()
+    assert len(asyncio.run(generate(coordinator.address, _good(), timeout=60)).token_ids) == 4
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (lengths under 128 bytes)."""
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+MALFORMED = {
+    "prompt not UTF-8": _field(1, b"def \xff\xfe():"),
+    "chat content not UTF-8": _field(5, _field(1, b"user") + _field(2, b"\xc3\x28")),
+    "truncated": _field(1, b"def f():")[:-3],
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_protobuf_is_invalid_argument_without_traceback(name: str, coordinator: Service) -> None:
+    before = len(coordinator.log_tail(10**9))
+
+    async def send() -> None:
+        async with grpc.aio.insecure_channel(coordinator.address) as channel:
+            call: grpc.aio.UnaryStreamMultiCallable[bytes, generation_pb2.GenerateResponse] = channel.unary_stream(
+                "/minedraft.v1.GenerationService/Generate",
+                request_serializer=None,
+                response_deserializer=generation_pb2.GenerateResponse.FromString,
+            )
+            async for _ in call(MALFORMED[name], timeout=30):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(send())
+    assert info.value.code() == INVALID, (info.value.code(), info.value.details())
+    assert "does not parse" in (info.value.details() or "") and "Error" not in (info.value.details() or "")
+    log = coordinator.log_tail(10**9)[before:]
+    assert "Traceback" not in log and " ERROR " not in log, log
+    assert len(asyncio.run(generate(coordinator.address, _good(), timeout=60)).token_ids) == 4

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -85,6 +87,83 @@ def timings(start_unix: float, compute_s: float, channel_s: float = 0.0, queue_s
     )
 
 
+class _Malformed:
+    """What a request that does not parse deserializes to: its handler then ends the call with INVALID_ARGUMENT."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            return _Malformed(exc)
+
+    return parse
+
+
+_MALFORMED = "the request message does not parse (bad protobuf encoding, or a string field that is not UTF-8)"
+
+
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """A request that does not parse gets INVALID_ARGUMENT with a short message; grpc.aio itself would answer
+    UNKNOWN with the Python exception's text and log a traceback at ERROR. Unary requests only (the step streams
+    are internal)."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any] | None] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if method not in self._handlers:  # wrapped once per method, not per call
+            self._handlers[method] = _wrapped(await continuation(handler_call_details))
+        handler = self._handlers[method]
+        return handler if handler is not None else await continuation(handler_call_details)
+
+
+def _wrapped(handler: Any) -> grpc.RpcMethodHandler[Any, Any] | None:
+    """`handler` with a lenient deserializer and a behavior that refuses a `_Malformed` request; None: left as is."""
+    if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        return None
+    parse = _lenient(handler.request_deserializer)
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+            reply = unary(request, context)
+            return await reply if inspect.isawaitable(reply) else reply
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, parse, handler.response_serializer)  # type: ignore[arg-type]
+    if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+        stream = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+            async for message in stream(request, context):
+                yield message
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, parse, handler.response_serializer)  # type: ignore[arg-type]
+    if handler.unary_stream is not None:  # one that writes with `context.write` (grpc.health.v1's Watch)
+        writes = handler.unary_stream
+
+        async def unary_writes(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+            return await writes(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(unary_writes, parse, handler.response_serializer)  # type: ignore[arg-type]
+    return None
+
+
 async def start_server(
     port: int,
     register: Sequence[Callable[[grpc.aio.Server], None]],
@@ -92,12 +171,14 @@ async def start_server(
     host: str = "[::]",
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     health_servicer: Health | None = None,
+    max_receive_bytes: int = 256 << 20,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the given services plus grpc.health.v1 (`health_servicer`, if the caller wants
-    to change what it reports later) and reflection; return it and its port."""
+    to change what it reports later) and reflection; return it and its port. `max_receive_bytes`: the largest
+    request message it reads (the workers' default is large: draft probabilities travel in theirs)."""
     server = grpc.aio.server(
-        interceptors=list(interceptors),
-        options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)],
+        interceptors=[MalformedRequests(), *interceptors],
+        options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", max_receive_bytes)],
     )
     for add in register:
         add(server)
