@@ -31,12 +31,13 @@ with `--speculation auto` (the default) the target mostly decodes alone; `--synt
 (benchmark only, not lossless).
 
 KV cache memory: `serve`/`bench` stacks pass one `--kv-cache-memory` to both workers (without it, on one GPU they
-split `--gpu-memory-utilization` 80/20). For fixed, comparable pools each worker gets its own value here: `--target-kv-cache-memory` and `--draft-kv-cache-memory` (appended to that worker's
-command line, after the stack's flags), else `--kv-cache-memory` for both, else on CUDA 80 GiB for the target and
-12 GiB for the draft. On an H200 (139 GiB) that leaves ~45 GiB for the 8B target's 16 GiB of weights, both
-workers' graphs and activations and the draft; 80 GiB of an 8B target's 128 KiB per token hold ~655k tokens, more
-than the default long load's peak (128 x ~3,000 = ~385k), and 12 GiB of the 68M draft's 6 KiB per token ~2M tokens.
-A smaller target value (e.g. 24) makes the long load preempt.
+split `--gpu-memory-utilization` 80/20). For fixed, comparable pools each worker gets its own value here:
+`--target-kv-cache-memory` and `--draft-kv-cache-memory` (appended to that worker's command line, after the stack's
+flags), else `--kv-cache-memory` for both, else on CUDA 80 GiB for the target and 12 GiB for the draft. On an H200
+(139 GiB) that leaves ~45 GiB for the 8B target's 16 GiB of weights, both workers' graphs and activations and the
+draft; 80 GiB of an 8B target's 128 KiB per token hold ~655k tokens, more than the default long load's peak (128 x
+~3,000 = ~385k), and 12 GiB of the 68M draft's 6 KiB per token ~2M tokens. A smaller target value (e.g. 24) makes
+the long load preempt.
 """
 
 from __future__ import annotations
