@@ -74,6 +74,9 @@ BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
     "max_tokens 0": ({"prompt_token_ids": PROMPT, "params": _params(max_tokens=0)}, ("max_tokens", ">= 1")),
     "negative top_k": ({"prompt_token_ids": PROMPT, "params": _params(top_k=-1)}, ("top_k",)),
     "negative token id": ({"prompt_token_ids": [*PROMPT, -1], "params": _params()}, ("vocabulary", "-1")),
+    "n above the limit": ({"prompt_token_ids": PROMPT, "params": _params(), "n": 17}, ("n must be at most 16",)),
+    # Each sample waits in the queue on its own: two can never wait in a queue of one.
+    "n beyond the queue": ({"prompt_token_ids": PROMPT, "params": _params(), "n": 2}, ("n=2", "queue of 1")),
 }
 
 
