@@ -495,6 +495,24 @@ def test_generate_cli_chat(stack: Stack, tmp_path: Path) -> None:
     assert bad.returncode == 2 and "ROLE:TEXT" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_generate_cli_n(stack: Stack) -> None:
+    """`generate --n 3 --json`: a JSON line a sample, by index; greedy samples are copies of the one completion."""
+    expected = _grpc(stack, prompt=PROMPT)
+    args = ["generate", "--server", stack.coordinator.address, "--prompt", PROMPT, "--max-tokens", "12"]
+    run = subprocess.run(
+        [sys.executable, "-m", "minedraft", *args, "--ignore-eos", "--json", "--n", "3"],
+        cwd=REPO,
+        env=SERVICE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    assert all(line["token_ids"] == expected.token_ids and line["finish_reason"] == "length" for line in lines)
+
+
 # --------------------------------------------------------------------------------------------- last: the drain
 
 
