@@ -295,9 +295,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     "minedraft.prompt_tokens": len(state.prompt_ids),
                     "minedraft.max_tokens": state.config.max_tokens,
                     "minedraft.temperature": state.config.temperature,
+                    "minedraft.n": len(samples),
                 },
                 http_route,
             )
+            for sample in samples[1:]:  # the call's one span: every sample's worker calls link to it
+                sample.span = state.span
         self.loop.wake()
         self.open_streams += 1
         return Generation(state, samples=samples)
@@ -350,7 +353,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         reason = finish_reason_name(state.finish_reason if state.finished else generation_pb2.FINISH_REASON_CANCELLED)
         if self.metrics is not None:
             self.metrics.request_finished(reason, usage, time.perf_counter() - state.created)
-        if state.span is not None:
+        if state.span is not None and state.index == 0:  # the span of the call, shared by its samples
             end_request_span(state.span, reason, usage, error)
 
     @property
