@@ -70,6 +70,15 @@ class BatchManager:
             )
         self.waiting.append(request)
 
+    def submit_all(self, requests: list[RequestState]) -> None:
+        """Queue the samples of one request (GenerateRequest.n) all or none: each counts against the bound."""
+        if len(self.waiting) + len(requests) > self.max_queue_size:
+            raise QueueFullError(
+                f"the waiting queue cannot take {len(requests)} more requests ({len(self.waiting)} of "
+                f"{self.max_queue_size} wait; each of n samples counts); retry later or raise --max-queue-size"
+            )
+        self.waiting.extend(requests)
+
     @property
     def queue_length(self) -> int:
         return len(self.waiting)

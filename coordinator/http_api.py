@@ -168,7 +168,7 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
         params.max_tokens = body.max_tokens
     if body.seed is not None:
         params.seed = body.seed
-    return generation_pb2.GenerateRequest(params=params)
+    return generation_pb2.GenerateRequest(params=params, n=body.n or 0)
 
 
 async def _answer(
@@ -190,16 +190,18 @@ async def _answer(
         servicer.close(generation)
     if whole is None:
         return Response(status_code=CLIENT_GONE)
-    text, reason = whole
-    return JSONResponse(reply.whole(text, finish_reason(reason), generation.usage))
+    return JSONResponse(reply.whole(whole, generation.usage))
 
 
-async def _collect(servicer: GenerationServicer, generation: Generation) -> tuple[str, int]:
-    text, reason = [], generation_pb2.FINISH_REASON_UNSPECIFIED
+async def _collect(servicer: GenerationServicer, generation: Generation) -> list[tuple[str, str | None]]:
+    """Each choice's text and finish reason, by index."""
+    n = max(len(generation.samples), 1)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
     async for message in servicer.responses(generation):
-        text.append(message.text)
-        reason = message.finish_reason
-    return "".join(text), reason
+        texts[message.index].append(message.text)
+        reasons[message.index] = finish_reason(message.finish_reason)
+    return [("".join(text), reason) for text, reason in zip(texts, reasons)]
 
 
 def _sse(body: dict[str, Any] | str) -> str:
@@ -209,16 +211,17 @@ def _sse(body: dict[str, Any] | str) -> str:
 async def _events(servicer: GenerationServicer, generation: Generation, reply: Reply) -> AsyncIterator[str]:
     """The answer as server-sent events, as OpenAI streams it: (chat: the role first), text deltas, a chunk with
     the finish reason, the usage if asked, then [DONE]; a failure midway is an error object before [DONE]."""
-    opening = reply.opening()
-    if opening is not None:
-        yield _sse(opening)
+    for index in range(max(len(generation.samples), 1)):
+        opening = reply.opening(index)
+        if opening is not None:
+            yield _sse(opening)
     try:
         async for message in servicer.responses(generation):
             if message.text:
-                yield _sse(reply.delta(message.text))
+                yield _sse(reply.delta(message.text, index=message.index))
             reason = finish_reason(message.finish_reason)
             if reason is not None:
-                yield _sse(reply.delta("", reason))
+                yield _sse(reply.delta("", reason, message.index))
         if reply.include_usage and generation.usage is not None:
             yield _sse(reply.usage_chunk(generation.usage))
     except RequestRefused as exc:

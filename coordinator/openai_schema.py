@@ -41,8 +41,8 @@ class SamplingBody(_Body):
     top_k: int | None = Field(None, ge=-1, lt=INT32)  # -1 or 0: off
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    n: int | None = Field(None, ge=1, lt=UINT32)  # choices of the one prompt (GenerateRequest.n, at most 16)
     # Not supported yet: each may be left out or given its value that asks for nothing (NEUTRAL), else a 400.
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -51,7 +51,6 @@ class SamplingBody(_Body):
     min_tokens: int | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
-        "n": (1,),
         "presence_penalty": (0.0,),
         "frequency_penalty": (0.0,),
         "repetition_penalty": (1.0,),
@@ -181,26 +180,29 @@ class Reply:
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
 
-    def whole(self, text: str, reason: str | None, usage: generation_pb2.Usage | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": reason}
-        body = self._head("chat.completion" if self.chat else "text_completion", [choice])
+    def whole(self, answers: list[tuple[str, str | None]], usage: generation_pb2.Usage | None) -> dict[str, Any]:
+        """The answer of choices (text, finish reason) by index; `usage`: theirs together."""
+        choices = []
+        for index, (text, reason) in enumerate(answers):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice | {"logprobs": None, "finish_reason": reason})
+        body = self._head("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_body(usage) if usage is not None else None
         return body
 
-    def opening(self) -> dict[str, Any] | None:
-        """A chat stream's first chunk: the assistant's role, no content yet."""
-        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
+        """A chat stream's first chunk of choice `index`: the assistant's role, no content yet."""
+        return self._chunk({"role": "assistant", "content": ""}, None, index) if self.chat else None
 
-    def delta(self, text: str, reason: str | None = None) -> dict[str, Any]:
-        """A chunk of `text` (chat: the last chunk, with the finish reason, has an empty delta)."""
+    def delta(self, text: str, reason: str | None = None, index: int = 0) -> dict[str, Any]:
+        """A chunk of `text` of choice `index` (chat: the last chunk, with the finish reason, has an empty delta)."""
         if self.chat:
-            return self._chunk({"content": text} if reason is None else {}, reason)
-        return self._chunk(text, reason)
+            return self._chunk({"content": text} if reason is None else {}, reason, index)
+        return self._chunk(text, reason, index)
 
     def usage_chunk(self, usage: generation_pb2.Usage) -> dict[str, Any]:
         """The last chunk of a stream that asked for usage: no choices."""
@@ -210,8 +212,8 @@ class Reply:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, delta: dict[str, Any] | str, reason: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(self, delta: dict[str, Any] | str, reason: str | None, index: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = delta
         else:

@@ -52,6 +52,7 @@ class RequestState:
     first_token_at: float | None = None
     cancelled: bool = False
     span: Any = None  # the request's trace span, when tracing is on (minedraft.observability.telemetry)
+    index: int = 0  # which sample of its request it is (GenerateRequest.n, `coordinator.samples`)
     stream: asyncio.Queue[generation_pb2.GenerateResponse | BaseException] = field(default_factory=asyncio.Queue)
 
     @property
@@ -115,7 +116,7 @@ class RequestState:
                 self.text = self.text[:hit]
                 finish_reason = FINISH.FINISH_REASON_STOP
         self.finish_reason = finish_reason
-        message = generation_pb2.GenerateResponse(token_ids=token_ids, finish_reason=finish_reason)  # type: ignore[arg-type]
+        message = generation_pb2.GenerateResponse(token_ids=token_ids, finish_reason=finish_reason, index=self.index)  # type: ignore[arg-type]
         if self.finished:
             message.usage.CopyFrom(self.usage())
         if outbox is None:
@@ -158,7 +159,7 @@ class RequestState:
         if not self.finished:
             self.finish_reason = reason
             self.stream.put_nowait(
-                generation_pb2.GenerateResponse(finish_reason=reason, usage=self.usage())  # type: ignore[arg-type]
+                generation_pb2.GenerateResponse(finish_reason=reason, usage=self.usage(), index=self.index)  # type: ignore[arg-type]
             )
 
     def fail(self, error: BaseException) -> None:

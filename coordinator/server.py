@@ -8,7 +8,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ import grpc
 from coordinator.batch_manager import BatchManager, QueueFullError
 from coordinator.pairing import Layout, call_detail, prepare_worker, shared_gpus
 from coordinator.request_state import RequestState
+from coordinator.samples import make_samples, sample_count, total_usage
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.stream_outbox import StreamOutbox
 from coordinator.tracing import TracedStepLoop, TracedWorkers
@@ -95,8 +96,10 @@ class Generation:
     """One admitted request as a front end streams it (the gRPC `Generate`, the HTTP API): `responses` yields its
     messages, `close` ends it however the front end stops; what its client received is kept for the metrics."""
 
-    state: RequestState
-    usage: generation_pb2.Usage | None = None
+    state: RequestState  # sample 0 (the only one unless the request set n)
+    usage: generation_pb2.Usage | None = None  # all samples' together (`total_usage`), once each has finished
+    samples: list[RequestState] = field(default_factory=list)  # every sample, by index
+    usages: dict[int, generation_pb2.Usage] = field(default_factory=dict)  # each sample's, by index
     error: str | None = None
     closed: bool = False
 
@@ -282,7 +285,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             check_limits(request, self.options.limits)
             state = await self._new_request(request, default_max_tokens)
             self._refuse_if_unavailable()  # the workers may have gone, or a stop begun, while it tokenized
-            self.manager.submit(state)
+            samples = make_samples(state, sample_count(request, self.options.max_queue_size), self._seq_ids)
+            self.manager.submit_all(samples)
         except ValueError as exc:
             self._rejected("invalid")
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), getattr(exc, "param", None)) from exc
@@ -298,12 +302,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     "minedraft.prompt_tokens": len(state.prompt_ids),
                     "minedraft.max_tokens": state.config.max_tokens,
                     "minedraft.temperature": state.config.temperature,
+                    "minedraft.n": len(samples),
                 },
                 http_route,
             )
+            for sample in samples[1:]:  # the call's one span: every sample's worker calls link to it
+                sample.span = state.span
         self.loop.wake()
         self.open_streams += 1
-        return Generation(state)
+        return Generation(state, samples=samples)
 
     def _refuse_if_unavailable(self) -> None:
         """RequestRefused (UNAVAILABLE) while the workers cannot take requests or this coordinator is stopping."""
@@ -317,7 +324,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def responses(self, generation: Generation) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The admitted request's messages as the step loop emits them, text filled in, up to the one with its
         finish reason; RequestRefused (the status its client gets) if it failed meanwhile."""
-        state = generation.state
+        state, samples = generation.state, generation.samples or [generation.state]
         while True:
             item = await state.stream.get()
             if isinstance(item, BaseException):
@@ -331,9 +338,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 generation.error = call_detail(item) or "generation failed"
                 raise RequestRefused(code, generation.error)
             if item.HasField("usage"):
-                generation.usage = item.usage
-            yield state.render(item)
-            if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                generation.usages[item.index] = item.usage
+                if len(generation.usages) == len(samples):
+                    generation.usage = total_usage([generation.usages[i] for i in range(len(samples))])
+            yield samples[item.index].render(item)
+            if generation.usage is not None:  # every sample has finished
                 return
 
     def close(self, generation: Generation) -> None:
@@ -342,12 +351,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if generation.closed:
             return
         generation.closed = True
-        state = generation.state
-        if not state.finished:  # the client went away or its deadline passed: free it at the next step
-            state.cancelled = True
-            self.loop.wake()
+        samples = generation.samples or [generation.state]
+        for state in samples:
+            if not state.finished:  # the client went away or its deadline passed: free it at the next step
+                state.cancelled = True
+                self.loop.wake()
         self.open_streams -= 1
-        self._ended(state, generation.usage, generation.error)
+        for state in samples:
+            self._ended(state, generation.usages.get(state.index), generation.error)
 
     def _rejected(self, reason: str) -> None:
         if self.metrics is not None:
@@ -358,7 +369,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         reason = finish_reason_name(state.finish_reason if state.finished else generation_pb2.FINISH_REASON_CANCELLED)
         if self.metrics is not None:
             self.metrics.request_finished(reason, usage, time.perf_counter() - state.created)
-        if state.span is not None:
+        if state.span is not None and state.index == 0:  # the span of the call, shared by its samples
             end_request_span(state.span, reason, usage, error)
 
     @property

@@ -311,3 +311,31 @@ def test_speculation_policy_walks_to_the_cheapest_draft_length() -> None:
     assert speculation.at(64).preferred == 0 and later[-1000:].count(0) > 0.97 * 1000
     fixed = SpeculationPolicy("always", draft_lengths(4, 1)).at(64)
     assert {fixed.choose() for _ in range(2 * PROBE_EVERY)} == {4}
+
+
+def test_the_samples_of_one_request_queue_all_or_none() -> None:
+    from coordinator.samples import make_samples, total_usage
+    from minedraft.proto import generation_pb2
+
+    manager = BatchManager(max_batch_size=4, max_queue_size=4, num_batches=1)
+    manager.submit(_request(0))
+    first = RequestState(1, [1, 2, 3], SamplingConfig(temperature=1.0, seed=2**64 - 1), (), None)
+    samples = make_samples(first, 3, iter(range(10, 20)))
+    assert [(s.seq_id, s.index, s.config.seed) for s in samples] == [(1, 0, 2**64 - 1), (10, 1, 0), (11, 2, 1)]
+    assert all(s.stream is first.stream for s in samples)  # one stream: their messages interleave
+    manager.submit_all(samples)
+    with pytest.raises(QueueFullError, match="each of n samples counts"):
+        manager.submit_all(make_samples(_request(2), 2, iter(range(30, 40))))
+    assert manager.queue_length == 4
+
+    usages = [
+        generation_pb2.Usage(
+            prompt_tokens=3, completion_tokens=5, draft_tokens=8, accepted_tokens=a, steps=2, drafted_steps=2
+        )
+        for a in (2, 4)
+    ]
+    usages[0].accepted_per_position.extend([2])
+    usages[1].accepted_per_position.extend([2, 2])
+    total = total_usage(usages)
+    assert (total.prompt_tokens, total.completion_tokens, total.accepted_tokens) == (3, 10, 6)
+    assert list(total.accepted_per_position) == [4, 2] and total.mean_accepted_length == pytest.approx(2.5)

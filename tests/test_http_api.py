@@ -2,7 +2,8 @@
 
 One coordinator, in front of the session's tiny Llama workers, serves both APIs: its tokenizer is the pair's,
 saved with a chat template written into its tokenizer_config.json (the pair's own has none). Batches of one and a
-queue of one make a full queue cheap to provoke. The last test drains the coordinator (503s), so it runs last.
+queue of three (room for the samples of n=3) make a full queue cheap to provoke. The last test drains the
+coordinator (503s), so it runs last.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def stack(
             try:
                 coordinator = stop.enter_context(
                     running_coordinator(
-                        llama_workers, stack_logs, "psd", k=K, max_batch_size=1, max_queue_size=1, extra=extra
+                        llama_workers, stack_logs, "psd", k=K, max_batch_size=1, max_queue_size=3, extra=extra
                     )
                 )
                 break
@@ -268,13 +269,77 @@ def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
     assert json.loads(events[0].removeprefix("data: "))["object"] == "text_completion"
 
 
+def test_n_completions_whole_and_streamed(stack: Stack) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=stack.model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True}
+    )
+    whole = stack.client.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in whole.choices)
+    assert len({c.text for c in whole.choices}) == 3  # seeded with seed + index: three different samples
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(stack.tokenizer.encode(PROMPT))
+    assert whole.usage.completion_tokens == 3 * 8  # the prompt counted once, the choices' tokens summed
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 24
+    chunks = list(stack.client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    *text_chunks, last = chunks
+    texts, reasons = ["", "", ""], [None, None, None]
+    for chunk in text_chunks:
+        (choice,) = chunk.choices
+        assert reasons[choice.index] is None  # nothing after a choice's finish reason
+        texts[choice.index] += choice.text
+        reasons[choice.index] = choice.finish_reason  # type: ignore[call-overload]
+    assert texts == [c.text for c in whole.choices] and reasons == ["length"] * 3  # the seeds reproduce them
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 24
+
+
+def test_n_chat_completions_whole_and_streamed(stack: Stack) -> None:
+    one = _chat(stack, MESSAGES).choices[0].message.content
+    two = _chat(stack, MESSAGES, n=2)
+    assert [(c.index, c.message.content, c.finish_reason) for c in two.choices] == [
+        (0, one, "length"),
+        (1, one, "length"),
+    ]
+    assert two.usage is not None and two.usage.completion_tokens == 24
+    contents, roles = ["", ""], [0, 0]
+    for chunk in _chat(stack, MESSAGES, n=2, stream=True):
+        (choice,) = chunk.choices
+        roles[choice.index] += choice.delta.role == "assistant"
+        contents[choice.index] += choice.delta.content or ""
+    assert contents == [one, one] and roles == [1, 1]  # one opening chunk per choice
+
+
+def test_n_samples_prefilled_later_find_the_prompt_cached(stack: Stack) -> None:
+    """Two batches of one: samples 0 and 1 are prefilled together (each computes the prompt), sample 2 once a row is
+    free, finding the prompt's 2 full blocks in the target's prefix cache."""
+    from minedraft.proto import generation_pb2_grpc
+
+    prompt = [9 + i % 47 for i in range(40)]  # not a prompt another test sends
+
+    async def three() -> dict[int, generation_pb2.Usage]:
+        params = generation_pb2.SamplingParams(max_tokens=4, ignore_eos=True)
+        usages = {}
+        async with grpc.aio.insecure_channel(stack.coordinator.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            async for message in stub.Generate(
+                generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params, n=3)
+            ):
+                if message.finish_reason:
+                    usages[message.index] = message.usage
+        return usages
+
+    usages = asyncio.run(three())
+    cached = [usages[i].cached_prompt_tokens for i in range(3)]
+    assert cached[2] == 32 and cached[0] == 0, cached
+
+
 # --------------------------------------------------------------------------------------------- errors
 
 
 @pytest.mark.parametrize(
     ("kwargs", "param", "words"),
     [
-        ({"n": 2}, "n", ("not supported yet",)),
+        ({"n": 17}, "n", ("at most 16",)),
+        ({"n": 0}, "n", ("greater than or equal",)),
         ({"logprobs": 1}, "logprobs", ("not supported yet",)),
         ({"presence_penalty": 0.5}, "presence_penalty", ("not supported yet",)),
         ({"logit_bias": {"5": 1.0}}, "logit_bias", ("not supported yet",)),
@@ -326,16 +391,16 @@ def test_bad_chat_completion_is_400_naming_the_field(stack: Stack, kwargs: dict[
 
 
 def test_error_object_on_the_wire_and_unknown_model(stack: Stack) -> None:
-    body = json.dumps({"model": stack.model, "prompt": PROMPT, "n": 3}).encode()
+    body = json.dumps({"model": stack.model, "prompt": PROMPT, "best_of": 3}).encode()
     request = urllib.request.Request(f"{stack.base_url}/v1/completions", body, {"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 400
     assert json.loads(info.value.read()) == {
         "error": {
-            "message": "n=3 is not supported yet by this server",
+            "message": "best_of=3 is not supported yet by this server",
             "type": "invalid_request_error",
-            "param": "n",
+            "param": "best_of",
             "code": "invalid_argument",
         }
     }
@@ -392,7 +457,7 @@ def test_chunked_body_is_refused_once_it_passes_max_request_bytes() -> None:
 
 
 def test_full_queue_is_429(stack: Stack, llama_workers: Workers) -> None:
-    """One sequence per batch (two batches) and one waiting: a flood of twelve gets 429 for some."""
+    """One sequence per batch (two batches) and three waiting: a flood of twelve gets 429 for some."""
 
     def one(_: int) -> str:
         try:
@@ -480,6 +545,24 @@ def test_generate_cli_chat(stack: Stack, tmp_path: Path) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "ROLE:TEXT" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_generate_cli_n(stack: Stack) -> None:
+    """`generate --n 3 --json`: a JSON line a sample, by index; greedy samples are copies of the one completion."""
+    expected = _grpc(stack, prompt=PROMPT)
+    args = ["generate", "--server", stack.coordinator.address, "--prompt", PROMPT, "--max-tokens", "12"]
+    run = subprocess.run(
+        [sys.executable, "-m", "minedraft", *args, "--ignore-eos", "--json", "--n", "3"],
+        cwd=REPO,
+        env=SERVICE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    assert all(line["token_ids"] == expected.token_ids and line["finish_reason"] == "length" for line in lines)
 
 
 # --------------------------------------------------------------------------------------------- last: the drain

@@ -96,6 +96,9 @@ BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
         {"prompt_token_ids": PROMPT, "params": _params(stop=["ok", "x" * 257])},
         ("--max-stop-string-bytes", "257", "256"),
     ),
+    "n above the limit": ({"prompt_token_ids": PROMPT, "params": _params(), "n": 17}, ("n must be at most 16",)),
+    # Each sample waits in the queue on its own: two can never wait in a queue of one.
+    "n beyond the queue": ({"prompt_token_ids": PROMPT, "params": _params(), "n": 2}, ("n=2", "queue of 1")),
 }
 
 

@@ -262,48 +262,60 @@ def generate_main(args: argparse.Namespace) -> int:
         except ValueError:
             print("error: --prompt-ids takes comma-separated integers", file=sys.stderr)
             return 2
-    token_ids: list[int] = []
-    text, finish, usage = "", 0, None
+    request.n = args.n
+    # Per sample (index): token ids, text, finish reason, usage. One sample streams as it comes; several are
+    # printed one after another once all have finished (their messages interleave).
+    samples: dict[int, list[Any]] = {}
     try:
         with grpc.insecure_channel(args.server) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
             for message in stub.Generate(request, timeout=args.timeout):
-                token_ids += message.token_ids
-                text += message.text
-                if not args.json:
+                sample = samples.setdefault(message.index, [[], "", 0, None])
+                sample[0] += message.token_ids
+                sample[1] += message.text
+                if not args.json and args.n <= 1:
                     print(message.text, end="", flush=True)
                 if message.finish_reason:
-                    finish, usage = message.finish_reason, message.usage
+                    sample[2], sample[3] = message.finish_reason, message.usage
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    if args.json:
-        u = usage or generation_pb2.Usage()
-        print(
-            json.dumps(
-                {
-                    "token_ids": token_ids,
-                    "text": text,
-                    "finish_reason": generation_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower(),
-                    "usage": {
-                        "prompt_tokens": u.prompt_tokens,
-                        "completion_tokens": u.completion_tokens,
-                        "draft_tokens": u.draft_tokens,
-                        "accepted_tokens": u.accepted_tokens,
-                        "steps": u.steps,
-                        "drafted_steps": u.drafted_steps,
-                        "mean_accepted_length": round(u.mean_accepted_length, 4),
-                        "acceptance_rate": round(u.acceptance_rate, 4),
-                        "accepted_per_position": list(u.accepted_per_position),
-                        "time_to_first_token_s": round(u.time_to_first_token_s, 6),
-                        "time_per_output_token_s": round(u.time_per_output_token_s, 6),
-                    },
-                }
+    for index in sorted(samples):
+        token_ids, text, finish, usage = samples[index]
+        if args.json:  # one JSON object a sample, a line each
+            print(
+                json.dumps(_generated_json(token_ids, text, finish, usage) | ({"index": index} if args.n > 1 else {}))
             )
-        )
-    else:
+        elif args.n > 1:
+            print(f"--- sample {index} ---\n{text}")
+    if not args.json and args.n <= 1:
         print()
     return 0
+
+
+def _generated_json(token_ids: list[int], text: str, finish: int, usage: Any) -> dict[str, Any]:
+    """`generate --json`'s object of one sample."""
+    from minedraft.proto import generation_pb2
+
+    u = usage or generation_pb2.Usage()
+    return {
+        "token_ids": token_ids,
+        "text": text,
+        "finish_reason": generation_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower(),
+        "usage": {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "draft_tokens": u.draft_tokens,
+            "accepted_tokens": u.accepted_tokens,
+            "steps": u.steps,
+            "drafted_steps": u.drafted_steps,
+            "mean_accepted_length": round(u.mean_accepted_length, 4),
+            "acceptance_rate": round(u.acceptance_rate, 4),
+            "accepted_per_position": list(u.accepted_per_position),
+            "time_to_first_token_s": round(u.time_to_first_token_s, 6),
+            "time_per_output_token_s": round(u.time_per_output_token_s, 6),
+        },
+    }
 
 
 def chat_messages(path: str, messages: Sequence[str]) -> list[generation_pb2.ChatMessage]:

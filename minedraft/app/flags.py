@@ -560,6 +560,15 @@ FLAGS: tuple[Flag, ...] = (
         repeat=True,
     ),
     Flag("--max-tokens", "tokens to generate at most", ("generate",), REQUEST, 64, type=int),
+    Flag(
+        "--n",
+        "completions (samples) of the prompt to generate, printed one after another (sample i is seeded with "
+        "--seed + i)",
+        ("generate",),
+        REQUEST,
+        1,
+        type=int,
+    ),
     Flag("--temperature", "sampling temperature (0: greedy)", ("generate", "bench"), REQUEST, 0.0, type=float),
     Flag(
         "--top-p",

@@ -55,6 +55,8 @@ class GenerationServiceServicer:
         """Generate streams the completion of one prompt: one GenerateResponse per
         verify step that emitted tokens for this request; the last message has a
         finish_reason other than FINISH_REASON_UNSPECIFIED and carries usage.
+        With n > 1, each sample's messages carry its index, and each sample's last
+        message its own finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
