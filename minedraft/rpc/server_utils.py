@@ -121,10 +121,10 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
-        if method not in self._handlers:  # wrapped once per method, not per call
-            self._handlers[method] = _wrapped(await continuation(handler_call_details))
-        handler = self._handlers[method]
-        return handler if handler is not None else await continuation(handler_call_details)
+        if method not in self._handlers:  # wrapped once per method, not per call; the inner interceptors run once
+            handler = await continuation(handler_call_details)
+            self._handlers[method] = _wrapped(handler) or handler
+        return self._handlers[method]
 
 
 def _wrapped(handler: Any) -> grpc.RpcMethodHandler[Any, Any] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import grpc
@@ -38,11 +38,11 @@ class WorkerServicer:
 
     service_name: ClassVar[str]  # the service's full name, for health and reflection
     exports_channel: ClassVar[bool] = False  # the draft exports its end of the data plane; the target attaches to it
-    GetInfoResponse: ClassVar[type[Message]]
-    SetupChannelResponse: ClassVar[type[Message]]
-    PrepareResponse: ClassVar[type[Message]]
-    PrefillResponse: ClassVar[type[Message]]
-    ReleaseResponse: ClassVar[type[Message]]
+    GetInfoResponse: ClassVar[Callable[..., Message]]
+    SetupChannelResponse: ClassVar[Callable[..., Message]]
+    PrepareResponse: ClassVar[Callable[..., Message]]
+    PrefillResponse: ClassVar[Callable[..., Message]]
+    ReleaseResponse: ClassVar[Callable[..., Message]]
     StepStreamResponse: ClassVar[type[Message]]
 
     def __init__(self, worker: ModelWorker, engine: SequenceEngine) -> None:
