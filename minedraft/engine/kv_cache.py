@@ -119,31 +119,26 @@ class PagedKVCache(Cache):
         return self.specs[0].kv_heads if self.specs else 0
 
     # -- rows' blocks (host) --------------------------------------------------------------------------------------
-    def blocks_needed(self, rows: Sequence[int], ends: Sequence[int]) -> int:
-        """Blocks that `reserve(rows, ends)` would take."""
-        return sum(max(0, -(-end // self.block_size) - len(self.row_blocks[r])) for r, end in zip(rows, ends))
-
     def reserve(self, rows: Sequence[int], ends: Sequence[int]) -> None:
         """Blocks for positions `[0, ends[i])` of each row: all of them or, raising CapacityError, none."""
         assert self.pool is not None
         if ends and max(ends) > self.max_len:
             raise CapacityError(f"a sequence would reach {max(ends)} tokens, beyond max_model_len {self.max_len}")
-        needed = self.blocks_needed(rows, ends)
-        if not needed:
+        missing = [
+            (row, column)
+            for row, end in zip(rows, ends)
+            for column in range(len(self.row_blocks[row]), -(-end // self.block_size))
+        ]
+        if not missing:
             return
-        if needed > self.pool.available:
+        if len(missing) > self.pool.available:
             raise CapacityError(
-                f"the KV cache is out of blocks: this step needs {needed} more, {self.pool.available} are free of "
-                f"{self.pool.usable}"
+                f"the KV cache is out of blocks: this step needs {len(missing)} more, {self.pool.available} are free "
+                f"of {self.pool.usable}"
             )
-        taken = iter(self.pool.take(needed))
-        entries = []
-        for row, end in zip(rows, ends):
-            held = self.row_blocks[row]
-            for column in range(len(held), -(-end // self.block_size)):
-                block = next(taken)
-                held.append(block)
-                entries.append((row, column, block))
+        entries = [(row, column, block) for (row, column), block in zip(missing, self.pool.take(len(missing)))]
+        for row, _, block in entries:
+            self.row_blocks[row].append(block)  # (columns of a row come in order)
         self._set_tables(entries)
 
     def trim(self, row: int, length: int) -> None:
@@ -199,11 +194,6 @@ class PagedKVCache(Cache):
         self._rows, self._positions, self._kv_len = rows, positions, kv_len
         blocks = self.tables[rows[:, None], torch.div(positions, self.block_size, rounding_mode="floor")]
         self._write_at = (blocks.long(), positions % self.block_size)
-
-    @property
-    def paged_reads(self) -> bool:
-        """Whether this forward's attention reads blocks through the tables (no key length)."""
-        return self._kv_len is None
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
