@@ -70,8 +70,12 @@ class PrefixMemory:
         size = self._ledger.block_size
         if not (self.active and size):
             return len(tokens)
+        made_from, keys = request.block_keys
+        if made_from != len(tokens):
+            keys = block_hashes(tokens[: len(tokens) - 1], size)
+            request.block_keys = (len(tokens), keys)
         hits = 0
-        for key in block_hashes(tokens[: len(tokens) - 1], size):
+        for key in keys:
             if key not in self._keys:
                 break
             hits += 1

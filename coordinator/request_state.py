@@ -49,6 +49,9 @@ class RequestState:
     admitted: int = 0  # its place in the order of admissions (the latest is preempted first)
     preemptions: int = 0
     cached_prompt_tokens: int = 0  # of its first prefill on the target, from the prefix cache
+    # The prefix cache keys of `prefill_ids` less its last token, and how many tokens they were made from: admission
+    # asks for them at every step while it waits (`PrefixMemory`)
+    block_keys: tuple[int, list[bytes]] = (-1, [])
     first_token_at: float | None = None
     cancelled: bool = False
     span: Any = None  # the request's trace span, when tracing is on (minedraft.observability.telemetry)

@@ -174,7 +174,7 @@ class StepLoop:
                 way: f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
                 for way in (now, before)
             }
-            log.warning(
+            log.info(
                 "%s at batches near %d: a token for each sequence every %s, against %s %s",
                 _describe(now, before),
                 sum(len(b.members) for b in self.manager.batches),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,11 +20,13 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
     """The key of each full block of `tokens`: a digest of its tokens and of the key before it, so that two
     sequences share a block only when everything up to its end is equal (a digest, not `hash()`: a collision would
     hand one prompt another's K/V)."""
+    ids = array.array("i", tokens)  # 4-byte signed ints, packed at once: per-token packing cost 0.6 ms a 2k prompt
+    if sys.byteorder == "big":
+        ids.byteswap()  # the same keys on every host: the coordinator mirrors the workers' keys
+    data, width = ids.tobytes(), block_size * ids.itemsize
     keys, parent = [], b""
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[start : start + block_size]))
-        parent = digest.digest()
+    for start in range(0, len(data) - width + 1, width):
+        parent = hashlib.blake2b(parent + data[start : start + width], digest_size=16).digest()
         keys.append(parent)
     return keys
 

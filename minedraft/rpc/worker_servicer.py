@@ -19,6 +19,11 @@ from minedraft.rpc.worker import NUM_BATCHES, Drain, ModelWorker
 if TYPE_CHECKING:
     from minedraft.observability.metrics import WorkerMetrics
 
+# Prompt lengths of the throwaway prefills run ahead of serving (`WorkerServicer.warm_up_prefill`): a short prompt
+# and a long one take different kernels.
+WARM_UP_PROMPT_LENGTHS = (17, 1000)
+WARM_UP_SEQ_ID = 2**64 - 1  # and below: ids no coordinator reaches (they count up from 1)
+
 
 class SequenceEngine(Protocol):
     """What the lifecycle RPCs ask of a worker's engine (the target's verifier, the draft's proposer)."""
@@ -86,8 +91,33 @@ class WorkerServicer:
         return self.PrepareResponse()
 
     async def prepare(self, k: int, max_batch_size: int) -> None:
-        """The step shapes run (with --precapture-graphs): each once."""
-        await self.worker.prepare(self.engine.precapture, k, max_batch_size)
+        """The step shapes run (with --precapture-graphs): each once, and a prefill."""
+        await self.worker.prepare(self._ahead_of_serving, k, max_batch_size)
+
+    def _ahead_of_serving(self, k: int, max_batch_size: int) -> int:
+        shapes = self.engine.precapture(k, max_batch_size)
+        self.warm_up_prefill()
+        return shapes
+
+    def warm_up_prefill(self) -> None:
+        """Prefill and release throwaway sequences, outside the prefix cache: the one-time costs of a first prefill
+        (kernels loaded at their first launch, cuBLAS plans) leave the first request (120 ms of an 8B target's first
+        TTFT on an H200)."""
+        runner = self.worker.runner
+        pool = runner.cache.pool
+        assert pool is not None
+        room = pool.available * runner.cache.block_size // len(WARM_UP_PROMPT_LENGTHS) - runner.cache.block_size
+        lengths = [n for n in WARM_UP_PROMPT_LENGTHS if n < min(runner.max_len, room)]
+        if not lengths or runner.free_slots < len(lengths):
+            return
+        seq_ids = [WARM_UP_SEQ_ID - i for i in range(len(lengths))]
+        prompts = [[i % self.worker.vocab.logits_size for i in range(n)] for n in lengths]
+        caching, pool.prefix_caching = pool.prefix_caching, False
+        try:
+            self.prefill(seq_ids, prompts, [SamplingConfig(max_tokens=1)] * len(prompts))
+        finally:
+            pool.prefix_caching = caching
+            self.engine.release(seq_ids)
 
     @grpc_errors
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
