@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
 import socket
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,7 @@ import openai
 import pytest
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from stack import MAX_MODEL_LEN, Service, TinyPairs, collect, spawn, stop_all
+from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, TinyPairs, collect, spawn, stop_all
 from transformers import AutoModelForCausalLM
 
 from coordinator.server import CoordinatorOptions, serve
@@ -367,3 +370,38 @@ def test_workers_and_metrics_bind_loopback_by_default(secured: SecuredStack) -> 
         for name, port in ports.items():
             with pytest.raises(OSError), socket.create_connection((outside, port), timeout=5):
                 pytest.fail(f"{name} answers on {outside}")
+
+
+# --------------------------------------------------------------------------------------------- the CLI, the nccl store
+
+
+def test_minedraft_generate_reaches_the_secured_stack_with_its_flags(secured: SecuredStack) -> None:
+    def generate(*flags: str) -> subprocess.CompletedProcess[str]:
+        line = ["generate", "--server", f"localhost:{secured.coordinator.port}", "--prompt-ids", "5,17,42"]
+        env = {k: v for k, v in SERVICE_ENV.items() if k != "MINEDRAFT_API_KEY"}
+        return subprocess.run(
+            [sys.executable, "-m", "minedraft", *line, "--max-tokens", "4", "--json", *flags],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    ca = str(secured.pki.ca)
+    done = generate("--tls-ca", ca, "--api-key", API_KEY)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["usage"]["completion_tokens"] == 4
+    refused = generate("--tls-ca", ca)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr and "--api-key" in refused.stderr
+    plain = generate("--api-key", API_KEY)
+    assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr and "--tls-ca" in plain.stderr
+
+
+def test_the_nccl_rendezvous_listens_on_the_address_it_advertises_alone() -> None:
+    from minedraft.channels.nccl import _listen
+
+    with _listen("127.0.0.1") as listener:
+        assert _listening(listener.getsockname()[1]) == {"127.0.0.1"}
+    with _listen("192.0.2.1") as listener:  # not this host's (TEST-NET-1): every interface, with a warning
+        assert _listening(listener.getsockname()[1]) == {"0.0.0.0"}

@@ -306,7 +306,9 @@ def generate_main(args: argparse.Namespace) -> int:
                 if message.finish_reason:
                     sample[2], sample[3] = message.finish_reason, message.usage
     except grpc.RpcError as exc:
-        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        plain = exc.code() == grpc.StatusCode.UNAVAILABLE and not args.tls_ca
+        hint = " (if the server serves TLS, pass --tls-ca)" if plain else ""
+        print(f"\nerror: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     for index in sorted(samples):
         token_ids, text, finish, usage = samples[index]

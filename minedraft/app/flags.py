@@ -418,7 +418,7 @@ FLAGS: tuple[Flag, ...] = (
         },
         passes_to=STACK_SERVICES,
     ),
-    # Security (docs/deploy.md#security): TLS on the public port, mTLS between the coordinator and its workers
+    # Security (docs/design.md, Security): TLS on the public port, mTLS between the coordinator and its workers
     Flag(
         "--tls-cert",
         "PEM certificate (chain) of this server: with --tls-key, the public gRPC and HTTP ports serve TLS only; "
