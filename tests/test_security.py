@@ -405,3 +405,29 @@ def test_the_nccl_rendezvous_listens_on_the_address_it_advertises_alone() -> Non
         assert _listening(listener.getsockname()[1]) == {"127.0.0.1"}
     with _listen("192.0.2.1") as listener:  # not this host's (TEST-NET-1): every interface, with a warning
         assert _listening(listener.getsockname()[1]) == {"0.0.0.0"}
+
+
+def test_wrong_security_flags_fail_with_the_flag_named(tmp_path: Path) -> None:
+    from minedraft.rpc.security import bearer_matches, read_api_key, server_credentials, worker_credentials
+
+    cert, key = make_leaf(tmp_path, "one", make_ca(tmp_path, "one"))
+    _, other_key = make_leaf(tmp_path, "two", make_ca(tmp_path, "two"))
+    ca = str(tmp_path / "one-ca.pem")
+    cases = [
+        (lambda: worker_credentials(str(cert), str(key), None), "missing --tls-ca"),
+        (lambda: server_credentials(str(cert), None), "--tls-cert and --tls-key go together"),
+        (lambda: server_credentials(str(cert), str(other_key)), "KEY_VALUES_MISMATCH"),
+        (lambda: server_credentials(str(cert), str(key), str(tmp_path / "none.pem")), "--tls-ca"),
+        (lambda: server_credentials(str(tmp_path / "one-ca.pem.missing"), str(key)), "cannot read it"),
+        (lambda: read_api_key("a", str(tmp_path / "key")), "not both"),
+        (lambda: read_api_key(None, str(tmp_path / "none")), "--api-key-file"),
+        (lambda: read_api_key(" a ", None), "spaces"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert worker_credentials(str(cert), str(key), ca) is not None
+    assert worker_credentials(None, None, None) is None
+    assert read_api_key(None, None) is None
+    assert bearer_matches(f"Bearer {API_KEY}", API_KEY) and bearer_matches(f"bearer {API_KEY}".encode(), API_KEY)
+    assert not any(bearer_matches(h, API_KEY) for h in (None, "", API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}1"))

@@ -306,19 +306,22 @@ def format_comparison(summaries: dict[str, Summary], measured: dict[str, dict[st
 # --------------------------------------------------------------------------------------------- stacks
 
 
-def _client_tls(args: argparse.Namespace) -> ClientTls | None:
+def _client_tls(args: argparse.Namespace | None) -> ClientTls | None:
     """TLS to the server measured, with bench's --tls-ca (its local stacks get none: `LocalStack`)."""
-    return client_tls(args.tls_ca, server_name=args.tls_server_name)
+    return client_tls(args.tls_ca, server_name=args.tls_server_name) if args is not None else None
 
 
-def _server_info(address: str, args: argparse.Namespace) -> dict[str, Any]:
+def _server_info(address: str, args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """The server's GetServerInfo, through bench's TLS and token where `args` has them."""
     from google.protobuf.json_format import MessageToDict
 
     from minedraft.proto import generation_pb2, generation_pb2_grpc
 
     with sync_channel(address, _client_tls(args)) as channel:
         reply = generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
-            generation_pb2.GetServerInfoRequest(), timeout=30, metadata=bearer_metadata(args.api_key)
+            generation_pb2.GetServerInfoRequest(),
+            timeout=30,
+            metadata=bearer_metadata(args.api_key if args is not None else None),
         )
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,14 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
+def check_pair(cert: str, key: str) -> None:
+    """That the key is the certificate's (gRPC would say only that it cannot bind the port)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"--tls-cert {cert} with --tls-key {key}: {exc.reason or exc}") from exc
+
+
 def server_credentials(cert: str | None, key: str | None, ca: str | None = None) -> grpc.ServerCredentials | None:
     """TLS with the certificate `cert` and its key (None: plaintext); with `ca`, clients must also present a
     certificate that CA signed (mTLS)."""
@@ -41,6 +50,7 @@ def server_credentials(cert: str | None, key: str | None, ca: str | None = None)
         raise ValueError("--tls-cert and --tls-key go together: give both, or neither for plaintext")
     pair = (read_pem(key, "--tls-key"), read_pem(cert, "--tls-cert"))
     root = read_pem(ca, "--tls-ca") if ca else None
+    check_pair(cert, key)
     return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=root is not None)
 
 
@@ -76,6 +86,8 @@ def client_tls(
         return None
     if bool(cert) != bool(key):
         raise ValueError("--tls-cert and --tls-key go together: give both")
+    if cert and key:
+        check_pair(cert, key)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=read_pem(ca, "--tls-ca"),
         private_key=read_pem(key, "--tls-key") if key else None,
