@@ -15,6 +15,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,11 +295,11 @@ def test_the_http_api_wants_the_token_over_https(secured: SecuredStack) -> None:
     with pytest.raises(openai.AuthenticationError) as refused:
         client("wrong").models.list()
     assert refused.value.status_code == 401
-    assert refused.value.body["code"] == "invalid_api_key" and "--api-key" in refused.value.body["message"]
+    body: Any = refused.value.body  # the error object's fields (the client unwraps "error")
+    assert body["code"] == "invalid_api_key" and "--api-key" in body["message"]
     model = client(API_KEY).models.list().data[0].id
     done = client(API_KEY).completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
-    assert done.usage.completion_tokens == 4
-    import urllib.request
+    assert done.usage is not None and done.usage.completion_tokens == 4
 
     with urllib.request.urlopen(f"https://127.0.0.1:{secured.http_port}/health", context=verify, timeout=10) as r:
         assert r.status == 200  # no token: /health stays open
