@@ -322,10 +322,13 @@ def test_a_worker_refuses_clients_without_a_certificate_of_its_ca(secured: Secur
         assert _code(get_info(tls)) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_coordinator_without_the_client_certificate_cannot_pair_with_the_workers(secured: SecuredStack) -> None:
+def test_a_coordinator_pairs_only_with_its_ca_certificate_and_the_workers_name(secured: SecuredStack) -> None:
     base = dict(target=secured.target.address, draft=secured.draft.address, max_batch_size=4, channel="grpc")
     pki = secured.pki
-    for tls in ({}, {"tls_ca": str(pki.ca), "tls_cert": str(pki.rogue_cert), "tls_key": str(pki.rogue_key)}):
+    ours = {"tls_ca": str(pki.ca), "tls_cert": str(pki.cert), "tls_key": str(pki.key)}
+    rogue = {**ours, "tls_cert": str(pki.rogue_cert), "tls_key": str(pki.rogue_key)}
+    misnamed = {**ours, "tls_server_name": "not-the-worker.example"}  # the workers' certificates do not carry it
+    for tls in ({}, rogue, misnamed):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             asyncio.run(serve(CoordinatorOptions(**base, **tls), 0, "127.0.0.1"))  # type: ignore[arg-type]
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
