@@ -31,6 +31,7 @@ from coordinator.openai_schema import (
 from coordinator.server import Generation, GenerationServicer, RequestRefused
 from coordinator.validation import DEFAULT_MAX_TOKENS
 from minedraft.proto import generation_pb2
+from minedraft.rpc.security import UNAUTHENTICATED, bearer_matches
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -298,6 +299,23 @@ class BodyLimit:
         await self.app(scope, counted if not length.isdigit() else receive, send)
 
 
+class ApiKeyAuth:
+    """Refuse a request without `Authorization: Bearer <api_key>` with 401 and OpenAI's error object, before its
+    body is read; /health stays open (probes carry no secret)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]], api_key: str) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            header = dict(scope["headers"]).get(b"authorization")
+            if not bearer_matches(header, self.api_key):
+                body = error_body(UNAUTHENTICATED, "invalid_request_error", None, "invalid_api_key")
+                await JSONResponse(body, 401, headers={"www-authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: the coordinator's own handle SIGINT and SIGTERM (the drain)."""
 
@@ -310,9 +328,14 @@ class HttpServer:
     """The HTTP API serving as a task of the coordinator's event loop, on a socket bound before it starts (so that
     a port in use fails the start-up at once)."""
 
-    def __init__(self, servicer: GenerationServicer, sock: socket.socket) -> None:
+    def __init__(self, servicer: GenerationServicer, sock: socket.socket, api_key: str | None = None) -> None:
+        app = BodyLimit(create_app(servicer), servicer.options.max_request_bytes)
+        options = servicer.options
         config = uvicorn.Config(
-            BodyLimit(create_app(servicer), servicer.options.max_request_bytes),
+            app if api_key is None else ApiKeyAuth(app, api_key),
+            # TLS only, with the gRPC port's certificate (uvicorn reads the files at its start)
+            ssl_certfile=options.tls_cert,
+            ssl_keyfile=options.tls_key,
             lifespan="off",
             log_config=None,  # the coordinator's logging as it is
             access_log=False,
@@ -320,6 +343,8 @@ class HttpServer:
             server_header=False,
             timeout_graceful_shutdown=5,  # open streams end with the step loop's shutdown before this runs out
         )
+        if options.tls_cert:
+            config.load()  # here: a certificate that does not load fails the start-up, not the task later
         self.port = int(sock.getsockname()[1])
         # Its start and stop lines would say "server process": it is a task of this one.
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
@@ -350,12 +375,13 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
 
 
-def start_http_server(servicer: GenerationServicer, port: int, host: str) -> HttpServer:
-    """The HTTP API on `port`, started in this event loop beside the gRPC server; OSError if it cannot listen."""
+def start_http_server(servicer: GenerationServicer, port: int, host: str, api_key: str | None = None) -> HttpServer:
+    """The HTTP API on `port`, started in this event loop beside the gRPC server (HTTPS with the servicer's
+    --tls-cert, the bearer token `api_key` wanted where given); OSError if it cannot listen."""
     try:
         sock = listen(host, port)
     except OSError as exc:
         raise OSError(f"the HTTP API cannot listen on {host} port {port} (--http-port; 0 turns it off): {exc}") from exc
-    http = HttpServer(servicer, sock)
+    http = HttpServer(servicer, sock, api_key)
     log.info("OpenAI-compatible HTTP API on port %d (/v1/completions, /v1/chat/completions, /v1/models)", http.port)
     return http

@@ -28,6 +28,7 @@ from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import Tracing, end_request_span, start_request_span
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.rpc.security import coordinator_worker_tls, read_api_key, server_credentials
 from minedraft.rpc.server_utils import Health, start_server
 
 if TYPE_CHECKING:
@@ -76,6 +77,15 @@ class CoordinatorOptions:
     max_messages: int = 1024
     max_stop_strings: int = 16
     max_stop_string_bytes: int = 256
+    # Security (`minedraft.rpc.security`): TLS of the public port (gRPC and HTTP) from this certificate and key,
+    # which are also its client certificate to workers verified with `tls_ca` (mTLS); the bearer token of the
+    # public APIs, given or in a file.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_server_name: str | None = None  # the name the workers' certificates carry, where not the host dialled
+    api_key: str | None = None
+    api_key_file: str | None = None
 
     @property
     def limits(self) -> Limits:
@@ -131,6 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             health=self.health,
             wake=wake,
             open_requests=lambda: self.open_streams,
+            tls=coordinator_worker_tls(options.tls_ca, options.tls_cert, options.tls_key, options.tls_server_name),
         )
         num_batches = 2 if options.mode == "psd" else 1
         self.manager = BatchManager(
@@ -407,7 +418,11 @@ async def serve(
     metrics: CoordinatorMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int, GenerationServicer]:
     """The coordinator: the servicer started, its gRPC server on `port` and, with `options.http_port`, the
-    OpenAI-compatible HTTP API beside it in this event loop (`servicer.http`; `servicer.stop` stops it)."""
+    OpenAI-compatible HTTP API beside it in this event loop (`servicer.http`; `servicer.stop` stops it); both serve
+    TLS only with `options.tls_cert`, and want the bearer token with an API key."""
+    # Checked before the workers are dialled: a wrong file fails the start-up at once, with its flag named.
+    credentials = server_credentials(options.tls_cert, options.tls_key)
+    api_key = read_api_key(options.api_key, options.api_key_file)
     servicer = GenerationServicer(options, tracing, metrics)
     await servicer.start()
     server, bound = await start_server(
@@ -417,9 +432,11 @@ async def serve(
         host,
         health_servicer=servicer.health,
         max_receive_bytes=options.max_request_bytes,
+        credentials=credentials,
+        api_key=api_key,
     )
     if options.http_port:
         from coordinator.http_api import start_http_server  # here: it imports this module (and FastAPI)
 
-        servicer.http = start_http_server(servicer, options.http_port, host)
+        servicer.http = start_http_server(servicer, options.http_port, host, api_key)
     return server, bound, servicer

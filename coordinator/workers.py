@@ -20,6 +20,7 @@ from coordinator.pairing import Pair, call_detail
 from coordinator.request_state import RequestState
 from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.rpc.security import ClientTls, aio_channel
 from minedraft.rpc.server_utils import CHANNEL_OPTIONS, Health
 from minedraft.rpc.step_stream import StepStream
 
@@ -130,6 +131,7 @@ class Workers:
         health: Health | None = None,
         wake: asyncio.Event | None = None,
         open_requests: Callable[[], int] = lambda: 0,
+        tls: ClientTls | None = None,
     ) -> None:
         """`channel`: the data plane asked for ("auto": `choose_channel`'s). A draft call that outlives
         `draft_timeout` is a lost draft (a hung process must not stall the target's decoding), a target call that
@@ -138,7 +140,8 @@ class Workers:
         that the step's GPU work waits on, a target call or one made while one runs (the step loop's outbox: the
         clients' stream handlers run meanwhile); not a proposal made alone: it is a step's shortest call, and its
         reply is what the verify that follows waits for. `health`: the coordinator's, which follows the target's.
-        `open_requests`: how many requests the coordinator has open, for the log."""
+        `open_requests`: how many requests the coordinator has open, for the log. `tls`: mTLS to both workers
+        (None: plaintext)."""
         self.draft_timeout, self.target_timeout = draft_timeout, target_timeout
         self.retry_interval = retry_interval
         self.metrics = metrics
@@ -149,17 +152,13 @@ class Workers:
         self._wake = wake if wake is not None else asyncio.Event()
         self._open_requests = open_requests
 
-        self._channels = [
-            grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
-        ]
+        self._channels = [aio_channel(target_address, tls, CHANNEL_OPTIONS, interceptors)]
         self._target_channel = self._channels[0]
         self._target = target_pb2_grpc.TargetServiceStub(self._target_channel)
         self._draft: draft_pb2_grpc.DraftServiceStub | None = None
         self._draft_channel: grpc.aio.Channel | None = None
         if draft_address:
-            self._draft_channel = grpc.aio.insecure_channel(
-                draft_address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
-            )
+            self._draft_channel = aio_channel(draft_address, tls, CHANNEL_OPTIONS, interceptors)
             self._channels.append(self._draft_channel)
             self._draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
         # Verify and Propose as messages on a stream per worker (`StepStream`), unless unary calls are asked for.

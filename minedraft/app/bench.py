@@ -22,6 +22,7 @@ import grpc
 
 from minedraft.app.stack import start_stack, stop_processes
 from minedraft.observability.metrics import mean_accepted_length
+from minedraft.rpc.security import ClientTls, aio_channel, bearer_metadata, client_tls, sync_channel
 
 MODES = ("psd", "sd", "sd2b", "ar")
 SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
@@ -107,13 +108,13 @@ def _request(prompt: str, index: int, args: argparse.Namespace) -> Any:
     return generation_pb2.GenerateRequest(prompt=prompt, params=params, request_id=f"bench-{index}")
 
 
-async def _one(stub: Any, request: Any, timeout: float) -> RequestResult:
+async def _one(stub: Any, request: Any, timeout: float, metadata: Sequence[tuple[str, str]] = ()) -> RequestResult:
     start = time.perf_counter()
     first: float | None = None
     tokens = 0
     usage = None
     try:
-        async for message in stub.Generate(request, timeout=timeout):
+        async for message in stub.Generate(request, timeout=timeout, metadata=metadata):
             if message.token_ids and first is None:
                 first = time.perf_counter()
             tokens += len(message.token_ids)
@@ -145,10 +146,11 @@ async def run_load(
     from minedraft.proto import generation_pb2_grpc
     from minedraft.rpc.server_utils import CHANNEL_OPTIONS
 
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    metadata = bearer_metadata(args.api_key)
+    async with aio_channel(address, _client_tls(args), CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         warm = [_request(prompts[i % len(prompts)], len(prompts) + i, args) for i in range(args.num_warmup)]
-        for result in await asyncio.gather(*(_one(stub, r, args.timeout) for r in warm)):
+        for result in await asyncio.gather(*(_one(stub, r, args.timeout, metadata) for r in warm)):
             if not result.ok:
                 raise RuntimeError(f"warm-up request failed: {result.error}")
         pending = iter(list(enumerate(prompts)))
@@ -157,7 +159,7 @@ async def run_load(
 
         async def client() -> None:
             for index, prompt in pending:
-                results.append(await _one(stub, _request(prompt, index, args), args.timeout))
+                results.append(await _one(stub, _request(prompt, index, args), args.timeout, metadata))
                 bar.update(1)
 
         start = time.perf_counter()
@@ -304,14 +306,22 @@ def format_comparison(summaries: dict[str, Summary], measured: dict[str, dict[st
 # --------------------------------------------------------------------------------------------- stacks
 
 
-def _server_info(address: str) -> dict[str, Any]:
+def _client_tls(args: argparse.Namespace | None) -> ClientTls | None:
+    """TLS to the server measured, with bench's --tls-ca (its local stacks get none: `LocalStack`)."""
+    return client_tls(args.tls_ca, server_name=args.tls_server_name) if args is not None else None
+
+
+def _server_info(address: str, args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """The server's GetServerInfo, through bench's TLS and token where `args` has them."""
     from google.protobuf.json_format import MessageToDict
 
     from minedraft.proto import generation_pb2, generation_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, _client_tls(args)) as channel:
         reply = generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
-            generation_pb2.GetServerInfoRequest(), timeout=30
+            generation_pb2.GetServerInfoRequest(),
+            timeout=30,
+            metadata=bearer_metadata(args.api_key if args is not None else None),
         )
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
@@ -332,6 +342,7 @@ class LocalStack:
             "step_trace": str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
             "port": 0,
             "host": "127.0.0.1",
+            "tls_ca": None,  # bench's --tls-ca checks --server's certificate; its own stacks are plaintext
         }
         self.args = argparse.Namespace(**(vars(args) | for_mode))  # as `serve` would hold them
         self.env = dict(os.environ)
@@ -438,7 +449,7 @@ def _no_nan(value: Any) -> Any:
 def _bench_server(args: argparse.Namespace, summaries: dict[str, Summary]) -> None:
     """The load against a running server; its summary goes into `summaries`."""
     address = args.server or "localhost:50051"
-    info = _server_info(address)
+    info = _server_info(address, args)
     tokenizer = _load_tokenizer(args.tokenizer or info.get("target_model"))
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
     label = info.get("mode", "server")
@@ -479,8 +490,9 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
             start = time.perf_counter()
             stack.start()
             print(f"{mode}: services up in {time.perf_counter() - start:.1f} s", flush=True)
-            info = _server_info(stack.address)
-            results, wall = asyncio.run(run_load(stack.address, prompts, args, mode))
+            info = _server_info(stack.address, stack.args)
+            plain = argparse.Namespace(**(vars(args) | {"tls_ca": None}))  # its own stack serves no TLS
+            results, wall = asyncio.run(run_load(stack.address, prompts, plain, mode))
             summaries[mode] = summarize(mode, results, wall, info)  # kept, even if stopping the stack is interrupted
         except (RuntimeError, TimeoutError, grpc.RpcError) as exc:
             raise RuntimeError(f"{mode}: {exc}\n--- {stack.log_path} ---\n{stack.log_tail()}") from exc

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from minedraft.app.flags import COMMANDS, SERVICE_COMMANDS, add_flags
-from minedraft.app.stack import drain_process, service_args, start_stack, stop_processes
+from minedraft.app.flags import COMMANDS, LOOPBACK, SERVICE_COMMANDS, add_flags
+from minedraft.app.stack import check_stack_tls, drain_process, service_args, start_stack, stop_processes
+from minedraft.rpc.security import bearer_metadata, client_tls, read_api_key, sync_channel, worker_credentials
 
 if TYPE_CHECKING:
     from coordinator.server import CoordinatorOptions
@@ -120,10 +121,11 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
     from minedraft.observability.metrics import WorkerMetrics, start_metrics_server
     from minedraft.observability.telemetry import server_interceptors, setup_tracing
 
+    worker_credentials(args.tls_cert, args.tls_key, args.tls_ca)  # a wrong TLS flag fails before the model loads
     tracing = setup_tracing(f"minedraft-{kind}")
     metrics = WorkerMetrics() if args.metrics_port else None
     if metrics is not None:
-        start_metrics_server(args.metrics_port, args.host, metrics.registry)
+        start_metrics_server(args.metrics_port, args.metrics_host or args.host, metrics.registry)
     interceptors = server_interceptors(tracing, metrics.observe_call if metrics is not None else None)
     options = worker_options(args)
     try:
@@ -150,8 +152,8 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
     options = coordinator_options(args)
     tracing = setup_tracing("minedraft-coordinator")
     metrics = CoordinatorMetrics() if args.metrics_port else None
-    if metrics is not None:
-        start_metrics_server(args.metrics_port, args.host, metrics.registry)
+    if metrics is not None:  # on loopback unless asked: --host is the public port's
+        start_metrics_server(args.metrics_port, args.metrics_host or LOOPBACK, metrics.registry)
     try:
         server, port, servicer = await serve(options, args.port, args.host, tracing, metrics)
         await _serve_forever(server, "coordinator", port, servicer.stop(), args.port_file, servicer.drain)
@@ -175,7 +177,9 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         server, draft_port, _ = await serve_draft(worker_options(service_args(args, "draft")), 0, "127.0.0.1")
         servers.append(server)
         draft_address = f"127.0.0.1:{draft_port}"
-    coordinator_args = service_args(args, "coordinator", target=f"127.0.0.1:{target_port}", draft=draft_address)
+    coordinator_args = service_args(
+        args, "coordinator", target=f"127.0.0.1:{target_port}", draft=draft_address, api_key=args.api_key
+    )
     if coordinator_args.channel == "auto":
         coordinator_args.channel = "local"
     server, port, servicer = await serve_coordinator(coordinator_options(coordinator_args), args.port, args.host)
@@ -184,16 +188,34 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         flush=True,
     )
     if args.generate:
-        request = ["generate", "--server", f"localhost:{port}", "--prompt", args.generate]
+        request = _generate_args(args, f"localhost:{port}", read_api_key(args.api_key, args.api_key_file))
         await asyncio.to_thread(generate_main, build_parser().parse_args(request))
     await _serve_forever(server, "coordinator", port, servicer.stop(), drain=servicer.drain)
     for worker_server in servers:
         await worker_server.stop(grace=2)
 
 
+def _generate_args(args: argparse.Namespace, server: str, api_key: str | None) -> list[str]:
+    """The `generate` arguments of serve's --generate, through serve's TLS and token."""
+    line = ["generate", "--server", server, "--prompt", args.generate]
+    if args.tls_ca:
+        line += ["--tls-ca", args.tls_ca]
+    if args.tls_server_name:
+        line += ["--tls-server-name", args.tls_server_name]
+    return line + (["--api-key", api_key] if api_key else [])
+
+
 def serve_main(args: argparse.Namespace) -> int:
     # A shell that starts us in the background leaves SIGINT ignored; Ctrl-C / kill -INT must still stop all three.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        check_stack_tls(args)
+        api_key = read_api_key(args.api_key, args.api_key_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.api_key:  # the coordinator reads it from its environment: a command line is visible to every user
+        os.environ["MINEDRAFT_API_KEY"] = args.api_key
     if args.single_process:
         with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C during start-up
             _run_until_signal(_single_process_main(args))
@@ -210,10 +232,11 @@ def serve_main(args: argparse.Namespace) -> int:
         public = f"localhost:{port}"
         print(f"minedraft serving {args.mode} on {public} (target {args.target}, draft {args.draft})", flush=True)
         if args.http_port:
-            print(f"OpenAI-compatible HTTP API on http://localhost:{args.http_port}/v1", flush=True)
+            scheme = "https" if args.tls_cert else "http"
+            print(f"OpenAI-compatible HTTP API on {scheme}://localhost:{args.http_port}/v1", flush=True)
         if args.generate:
             print(f"$ minedraft generate --server {public} --prompt {args.generate!r}", flush=True)
-            generate_main(build_parser().parse_args(["generate", "--server", public, "--prompt", args.generate]))
+            generate_main(build_parser().parse_args(_generate_args(args, public, api_key)))
             print("serving until Ctrl-C", flush=True)
         signal.signal(signal.SIGTERM, on_sigterm)
         while all(p.poll() is None for p in processes):
@@ -267,9 +290,14 @@ def generate_main(args: argparse.Namespace) -> int:
     # printed one after another once all have finished (their messages interleave).
     samples: dict[int, list[Any]] = {}
     try:
-        with grpc.insecure_channel(args.server) as channel:
+        tls = client_tls(args.tls_ca, server_name=args.tls_server_name)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with sync_channel(args.server, tls) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            for message in stub.Generate(request, timeout=args.timeout):
+            for message in stub.Generate(request, timeout=args.timeout, metadata=bearer_metadata(args.api_key)):
                 sample = samples.setdefault(message.index, [[], "", 0, None])
                 sample[0] += message.token_ids
                 sample[1] += message.text
@@ -278,7 +306,9 @@ def generate_main(args: argparse.Namespace) -> int:
                 if message.finish_reason:
                     sample[2], sample[3] = message.finish_reason, message.usage
     except grpc.RpcError as exc:
-        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        plain = exc.code() == grpc.StatusCode.UNAVAILABLE and not args.tls_ca
+        hint = " (if the server serves TLS, pass --tls-ca)" if plain else ""
+        print(f"\nerror: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     for index in sorted(samples):
         token_ids, text, finish, usage = samples[index]

@@ -24,6 +24,7 @@ ENV_PREFIX = "MINEDRAFT_"
 # What MINEDRAFT_<SWITCH> may read, in any case; empty is off.
 SWITCH_VALUES = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off", ""), False)
 PRECAPTURE_CHOICES = ("auto", "on", "off")
+LOOPBACK = "127.0.0.1"
 
 
 def dest(name: str) -> str:
@@ -378,11 +379,19 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--host",
-        "address to listen on",
+        "address to listen on: the public port's, every interface by default ([::], IPv4 too)",
         SERVICE_COMMANDS,
         SERVICE,
         "[::]",
-        helps={"serve": "the coordinator's address to listen on (the workers listen on 127.0.0.1)"},
+        defaults={"target": LOOPBACK, "draft": LOOPBACK},
+        helps={
+            "serve": "the coordinator's address to listen on, every interface by default (the workers listen on "
+            "127.0.0.1)",
+            "target": "address to listen on: loopback by default, as only the coordinator calls a worker ([::]: "
+            "every interface, for a coordinator on another host)",
+            "draft": "address to listen on: loopback by default, as only the coordinator calls a worker ([::]: "
+            "every interface, for a coordinator on another host)",
+        },
         passes_to=("coordinator",),
     ),
     Flag(
@@ -395,6 +404,88 @@ FLAGS: tuple[Flag, ...] = (
             "serve": "the coordinator's Prometheus /metrics port (0: off); the target's is the next, the draft's after"
         },
         type=int,
+    ),
+    Flag(
+        "--metrics-host",
+        "address the /metrics port listens on (default: 127.0.0.1, not the public --host; [::] for a scraper on "
+        "another host)",
+        SERVICE_COMMANDS,
+        SERVICE,
+        helps={
+            "target": "address the /metrics port listens on (default: --host, itself loopback by default)",
+            "draft": "address the /metrics port listens on (default: --host, itself loopback by default)",
+            "serve": "address the services' /metrics ports listen on (default: 127.0.0.1)",
+        },
+        passes_to=STACK_SERVICES,
+    ),
+    # Security (docs/design.md, Security): TLS on the public port, mTLS between the coordinator and its workers
+    Flag(
+        "--tls-cert",
+        "PEM certificate (chain) of this server: with --tls-key, the public gRPC and HTTP ports serve TLS only; "
+        "with --tls-ca it is also the client certificate the coordinator presents to its workers",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={
+            "serve": "PEM certificate the services serve TLS with (the coordinator's public ports too; needs "
+            "--tls-ca, with which they check each other)",
+        },
+        passes_to=STACK_SERVICES,
+    ),
+    Flag(
+        "--tls-cert",
+        "PEM certificate of this worker: with --tls-key and --tls-ca, it serves mTLS only",
+        WORKERS,
+        SERVICE,
+    ),
+    Flag(
+        "--tls-key",
+        "PEM private key of --tls-cert",
+        SERVICE_COMMANDS,
+        SERVICE,
+        passes_to=STACK_SERVICES,
+    ),
+    Flag(
+        "--tls-ca",
+        "PEM CA certificate(s) of the mTLS between the coordinator and its workers: the coordinator dials its "
+        "workers over TLS, checking their certificates with it and presenting its own --tls-cert",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={"serve": "PEM CA certificate(s) that signed --tls-cert: the services talk mTLS with each other"},
+        passes_to=STACK_SERVICES,
+    ),
+    Flag(
+        "--tls-ca",
+        "PEM CA certificate(s) of the mTLS with the coordinator: with --tls-cert and --tls-key the worker refuses "
+        "a client without a certificate that this CA signed",
+        WORKERS,
+        SERVICE,
+    ),
+    Flag(
+        "--tls-server-name",
+        "the name the workers' certificates are checked against, where it is not the host of --target/--draft",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=("coordinator",),
+    ),
+    Flag(
+        "--api-key",
+        "bearer token that every call to the public APIs must carry (gRPC metadata `authorization: Bearer KEY`, "
+        "HTTP header `Authorization: Bearer KEY`; health and reflection stay open); prefer --api-key-file or "
+        "MINEDRAFT_API_KEY to keep it out of the process list",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={
+            "serve": "the coordinator's --api-key, which it gets through MINEDRAFT_API_KEY in its environment (never "
+            "on its command line); serve --generate sends it"
+        },
+        environment=COORDINATOR_COMMANDS,
+    ),
+    Flag(
+        "--api-key-file",
+        "file whose first line is the --api-key",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=("coordinator",),
     ),
     Flag(
         "--http-port",
@@ -592,6 +683,25 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--ignore-eos", "generate past the end-of-sequence token", ("generate",), REQUEST, False, switch=True),
     Flag("--json", "print one JSON object instead of streaming text", ("generate",), REQUEST, False, switch=True),
     Flag("--timeout", "deadline of each request, in seconds", ("generate", "bench"), REQUEST, 600.0, type=float),
+    Flag(
+        "--api-key",
+        "the server's bearer token (its --api-key), sent with each request",
+        ("generate", "bench"),
+        REQUEST,
+        environment=("generate", "bench"),
+    ),
+    Flag(
+        "--tls-ca",
+        "PEM CA certificate(s) that signed the server's certificate: connect over TLS, checking it with them",
+        ("generate", "bench"),
+        REQUEST,
+    ),
+    Flag(
+        "--tls-server-name",
+        "with --tls-ca: the name the server's certificate is checked against, where it is not the host of --server",
+        ("generate", "bench"),
+        REQUEST,
+    ),
     # ---------------------------------------------------------------- what bench measures, and how
     Flag(
         "--modes",

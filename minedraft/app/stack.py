@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 
-from minedraft.app.flags import FLAGS, STACK_SERVICES, dest
+from minedraft.app.flags import FLAGS, LOOPBACK, STACK_SERVICES, dest
+from minedraft.rpc.security import ClientTls, client_tls, sync_channel
 
-LOOPBACK = "127.0.0.1"
 METRICS_PORT_OFFSET = {"coordinator": 0, "target": 1, "draft": 2}
 
 
@@ -34,8 +34,11 @@ def _raise_if_one_exited(processes: Sequence[subprocess.Popen]) -> None:
             raise RuntimeError(f"a service exited with code {proc.returncode} during start-up")
 
 
-def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: float = 300.0) -> None:
-    """Block until `address` answers SERVING on grpc.health.v1, or fail if a process died."""
+def wait_healthy(
+    address: str, processes: Sequence[subprocess.Popen], timeout: float = 300.0, tls: ClientTls | None = None
+) -> None:
+    """Block until `address` answers SERVING on grpc.health.v1 (over `tls` where given), or fail if a process
+    died."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
@@ -45,7 +48,7 @@ def wait_healthy(address: str, processes: Sequence[subprocess.Popen], timeout: f
         ("grpc.max_reconnect_backoff_ms", 500),
         ("grpc.min_reconnect_backoff_ms", 100),
     ]
-    with grpc.insecure_channel(address, options=options) as channel:
+    with sync_channel(address, tls, options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             _raise_if_one_exited(processes)
@@ -104,11 +107,34 @@ def start_stack(
         files = [launch(command, name) for command, name in zip(stack_commands(args, 0, 0)[:-1], ("target", "draft"))]
         worker_ports = [wait_port_file(path, processes) for path in files]
         for port in worker_ports:
-            wait_healthy(f"{LOOPBACK}:{port}", processes)
+            wait_healthy(f"{LOOPBACK}:{port}", processes, tls=stack_tls(args, worker=True))
         target_port, draft_port = worker_ports[0], worker_ports[-1] if len(worker_ports) > 1 else 0
         port = wait_port_file(launch(stack_commands(args, target_port, draft_port)[-1], "coordinator"), processes)
-    wait_healthy(f"{LOOPBACK}:{port}", processes)
+    wait_healthy(f"{LOOPBACK}:{port}", processes, tls=stack_tls(args, worker=False))
     return port
+
+
+def stack_tls(args: argparse.Namespace, worker: bool) -> ClientTls | None:
+    """How a stack's launcher checks its services: with serve's --tls-ca, over TLS, a worker with serve's
+    certificate as the client's (mTLS); None: plaintext."""
+    ca, cert, key = (getattr(args, name, None) for name in ("tls_ca", "tls_cert", "tls_key"))
+    if not ca:
+        return None
+    server_name = getattr(args, "tls_server_name", None)
+    if worker:
+        return client_tls(ca, cert, key, server_name)
+    return client_tls(ca, server_name=server_name) if cert else None
+
+
+def check_stack_tls(args: argparse.Namespace) -> None:
+    """serve's TLS flags make sense together: its certificate needs the CA that signed it, with which the services
+    (and serve's own health checks) check each other; ValueError says what is missing."""
+    cert, key, ca = (getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_ca"))
+    if (cert or key or ca) and not (cert and key and ca):
+        raise ValueError(
+            "serve's TLS takes --tls-cert, --tls-key and --tls-ca together: the services serve that certificate "
+            "and check each other's with that CA"
+        )
 
 
 # Of a GPU that target and draft share, the target's part of --gpu-memory-utilization: its weights and its KV
@@ -144,6 +170,9 @@ def passed_on(args: argparse.Namespace, service: str) -> dict[str, object]:
         value = getattr(args, flag.dest, None)
         if name is not None and value is not None:
             values[name] = value
+    if service in ("target", "draft") and "--tls-ca" not in values:  # a worker's TLS is mutual, or none
+        values.pop("--tls-cert", None)
+        values.pop("--tls-key", None)
     utilization = values.get("--gpu-memory-utilization")
     if service in ("target", "draft") and utilization is not None and shares_a_gpu(args):
         share = TARGET_SHARE if service == "target" else 1 - TARGET_SHARE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from minedraft.channels.base import Channel
 from minedraft.proto import common_pb2
 
+log = logging.getLogger(__name__)
 DRAFT_RANK, TARGET_RANK = 0, 1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -28,6 +30,18 @@ def _advertised_host() -> str:
         return "127.0.0.1"
 
 
+def _listen(host: str) -> socket.socket:
+    """The rendezvous store's listening socket, on the address the target dials alone (the store would listen on
+    every interface); on every interface only where that address is not one of this host's (a NAT's, a Service's).
+    Bound here and handed to the store: no port picked, freed and bound again, which another socket could take."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, 0), family=family)
+    except OSError:
+        log.warning("the nccl rendezvous address %s is not one of this host's: listening on every interface", host)
+        return socket.create_server(("", 0))
+
+
 class NcclChannel(Channel):
     """Messages are matched by order: drafts are verified in the order they were proposed, so the target's
     receives pair with the draft's sends one for one. The draft side sends asynchronously (a Propose reply must
@@ -41,12 +55,16 @@ class NcclChannel(Channel):
         self._ready: threading.Thread | None = None
         self._error: BaseException | None = None
         self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        self._listener: socket.socket | None = None  # the draft's rendezvous socket, open while the store lives
 
-    def _join(self, host: str, port: int, rank: int) -> None:
+    def _join(self, host: str, port: int, rank: int, listener: socket.socket | None = None) -> None:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            store = dist.TCPStore(host, port, 2, is_master=rank == DRAFT_RANK, timeout=timedelta(seconds=120))
+            fd = listener.fileno() if listener is not None else None
+            store = dist.TCPStore(
+                host, port, 2, is_master=rank == DRAFT_RANK, timeout=timedelta(seconds=120), master_listen_fd=fd
+            )
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
             # NCCL builds the pair's send/receive communicator at their first exchange, which both sides must
             # join. Done here, while both are setting up: left to the first proposal, the draft's send would wait
@@ -61,12 +79,11 @@ class NcclChannel(Channel):
             self._error = exc
 
     def export(self, num_speculative_tokens: int, max_batch_size: int, vocab_size: int) -> bytes:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
         host = _advertised_host()
+        self._listener = _listen(host)
+        port = self._listener.getsockname()[1]
         # init_process_group blocks until the target joins, which happens only after this reply: join in background.
-        self._ready = threading.Thread(target=self._join, args=("0.0.0.0", port, DRAFT_RANK), daemon=True)
+        self._ready = threading.Thread(target=self._join, args=(host, port, DRAFT_RANK, self._listener), daemon=True)
         self._ready.start()
         return f"{host}:{port}".encode()
 
@@ -112,3 +129,6 @@ class NcclChannel(Channel):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

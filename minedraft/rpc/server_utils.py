@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from minedraft.errors import CapacityError, ChannelNotSetUpError, ModelLoadError, UnknownSequenceError
 from minedraft.proto import common_pb2
+from minedraft.rpc.security import BearerAuth
 
 log = logging.getLogger(__name__)
 
@@ -172,20 +174,28 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     health_servicer: Health | None = None,
     max_receive_bytes: int = 256 << 20,
+    credentials: grpc.ServerCredentials | None = None,
+    api_key: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the given services plus grpc.health.v1 (`health_servicer`, if the caller wants
-    to change what it reports later) and reflection; return it and its port. `max_receive_bytes`: the largest
-    request message it reads (the workers' default is large: draft probabilities travel in theirs)."""
+    to change what it reports later) and reflection of those alone; return it and its port. `max_receive_bytes`: the
+    largest request message it reads (the workers' default is large: draft probabilities travel in theirs).
+    `credentials`: TLS (`minedraft.rpc.security`; None: plaintext); `api_key`: the bearer token every call but
+    health and reflection must carry."""
+    # The token is checked first, at every call: MalformedRequests caches per method what runs inside it.
+    auth = [BearerAuth(api_key)] if api_key else []
     server = grpc.aio.server(
-        interceptors=[MalformedRequests(), *interceptors],
+        interceptors=[*auth, MalformedRequests(), *interceptors],
         options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", max_receive_bytes)],
     )
     for add in register:
         add(server)
     health_servicer = Health() if health_servicer is None else health_servicer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    served = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(served, server, pool=descriptors_of(served))
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on port {port}")
     # Everything loaded so far (models, tokenizer, libraries: some 400k objects) lives as long as the process. Frozen,
@@ -197,6 +207,27 @@ async def start_server(
     for name in ("", LIVENESS, *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
+
+
+def descriptors_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
+    """A pool of the files that declare `service_names`, and their imports, alone: reflection over the default pool
+    would describe every proto this process imported (the coordinator's internal worker protos too)."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: Any) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+        added.add(file.name)
+
+    for name in service_names:
+        add(descriptor_pool.Default().FindServiceByName(name).file)
+    return pool
 
 
 CHANNEL_OPTIONS = [

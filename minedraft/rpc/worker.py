@@ -52,6 +52,10 @@ class WorkerOptions:
     synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
     precapture_graphs: str = "auto"  # --precapture-graphs: every step shape run when the coordinator connects
     drain_timeout: float = 30.0  # --drain-timeout: after a SIGTERM, the most seconds it keeps serving (`drain`)
+    # mTLS (`security.worker_credentials`): its certificate and key, and the CA its client's certificate must be of
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
 
 def precaptures(mode: str, device: torch.device, cuda_graphs: bool) -> bool:

@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2
+from minedraft.rpc.security import worker_credentials
 from minedraft.rpc.server_utils import Health, grpc_errors, start_server, timings
 from minedraft.rpc.step_stream import serve_step_stream
 from minedraft.rpc.worker import NUM_BATCHES, Drain, ModelWorker
@@ -165,8 +166,15 @@ class WorkerServicer:
             metrics.prefix_queried.set_function(lambda: pool.stats.queried_tokens)
             metrics.prefix_hits.set_function(lambda: pool.stats.hit_tokens)
         health_servicer = Health()
+        tls = self.worker.options
         server, bound = await start_server(
-            port, [self.add_to], [self.service_name], host, interceptors, health_servicer
+            port,
+            [self.add_to],
+            [self.service_name],
+            host,
+            interceptors,
+            health_servicer,
+            credentials=worker_credentials(tls.tls_cert, tls.tls_key, tls.tls_ca),
         )
         return server, bound, functools.partial(self.worker.drain, health_servicer)
 
