@@ -52,6 +52,7 @@ class WorkerOptions:
     synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
     precapture_graphs: str = "auto"  # --precapture-graphs: every step shape run when the coordinator connects
     drain_timeout: float = 30.0  # --drain-timeout: after a SIGTERM, the most seconds it keeps serving (`drain`)
+    lease_timeout: float = 5.0  # --lease-timeout: seconds a coordinator's lease lasts without a renewal
 
 
 def precaptures(mode: str, device: torch.device, cuda_graphs: bool) -> bool:
