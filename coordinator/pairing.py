@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -14,8 +15,11 @@ import grpc
 from minedraft.engine.models import VocabInfo, check_pair
 from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from minedraft.rpc.lease import Ticket
 
 log = logging.getLogger(__name__)
+
+LEASE_RETRY_S = 0.5  # between tries for a worker another coordinator holds, at start-up
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,12 @@ class Pair:
         target: target_pb2_grpc.TargetServiceStub,
         draft: draft_pb2_grpc.DraftServiceStub | None,
         channel: str = "auto",
+        tickets: dict[str, Ticket] | None = None,
     ) -> None:
-        """`channel`: the data plane asked for ("auto": `choose_channel`'s)."""
+        """`channel`: the data plane asked for ("auto": `choose_channel`'s); `tickets`: the leases the channels to
+        "target" and "draft" present (taken here, at each set-up)."""
         self._target, self._draft = target, draft
+        self.tickets = tickets if tickets is not None else {"target": Ticket(""), "draft": Ticket("")}
         self._requested_channel = channel
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()
@@ -123,8 +130,9 @@ class Pair:
         """At start-up: both workers' info, checked as a pair, and the channel between them chosen (`set_up` then
         prepares them, for a layout that may depend on what they reported)."""
         self.target_info = (await self._target.GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
+        await self.take_lease("target", wait=True)
         if self._draft is not None:
-            await self._pair_draft()
+            await self._pair_draft(wait=True)
 
     async def set_up(self, layout: Layout) -> None:
         """At start-up, after `connect`: prepare both workers for `layout` and set the channel up."""
@@ -146,17 +154,70 @@ class Pair:
         if vocab_of(info) != vocab_of(self.target_info):
             raise ModelLoadError(f"the target came back serving {info.model}, not {self.target_info.model}")
         self.target_info = info
+        await self.take_lease("target", timeout=timeout)
         if with_draft:
             await self.set_up_draft_again(timeout)
         else:
             log.info("target prepared in %.1f s", await self._prepare_target())
 
-    async def _pair_draft(self, timeout: float | None = None) -> None:
-        """The draft's info, checked against the target's, and the channel chosen."""
+    async def _pair_draft(self, timeout: float | None = None, wait: bool = False) -> None:
+        """The draft's info, checked against the target's, its lease taken, and the channel chosen."""
         assert self._draft is not None
         self.draft_info = (await self._draft.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=timeout)).info
         check_pair(vocab_of(self.target_info), vocab_of(self.draft_info))
+        await self.take_lease("draft", wait=wait, timeout=timeout)
         self.channel = choose_channel(self._requested_channel, self.target_info, self.draft_info)
+
+    async def take_lease(self, worker: str, wait: bool = False, timeout: float | None = None) -> None:
+        """A new lease on `worker` ("target" or "draft"), which frees what an earlier one held there; `wait`: while
+        another coordinator holds it, until its lease expires (start-up), rather than fail. A worker older than
+        leases answers UNIMPLEMENTED and serves without."""
+        ticket = self.tickets[worker]
+        waiting = False
+        while True:
+            try:
+                reply = await self._lease_call(worker, ticket.owner, 0, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    ticket.epoch, ticket.ttl_s = 0, 0.0
+                    return
+                if not wait or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                if not waiting:
+                    log.warning("the %s refuses this coordinator (%s); waiting for that lease", worker, exc.details())
+                    waiting = True
+                await asyncio.sleep(LEASE_RETRY_S)
+                continue
+            ticket.epoch, ticket.ttl_s = reply.lease.epoch, reply.lease.ttl_s
+            if waiting:
+                log.warning("the %s's lease taken (epoch %d)", worker, ticket.epoch)
+            return
+
+    def _lease_call(
+        self, worker: str, owner: str, epoch: int, give_up: bool = False, timeout: float | None = None
+    ) -> Awaitable[Any]:
+        if worker == "target":
+            request = target_pb2.TargetServiceLeaseRequest(owner=owner, epoch=epoch, give_up=give_up)
+            return self._target.Lease(request, timeout=timeout)
+        assert self._draft is not None
+        request_draft = draft_pb2.DraftServiceLeaseRequest(owner=owner, epoch=epoch, give_up=give_up)
+        return self._draft.Lease(request_draft, timeout=timeout)
+
+    async def renew_lease(self, worker: str, timeout: float) -> None:
+        """The heartbeat of `worker`'s lease; FAILED_PRECONDITION once it is no longer this coordinator's."""
+        ticket = self.tickets[worker]
+        if ticket.epoch:
+            await self._lease_call(worker, ticket.owner, ticket.epoch, timeout=timeout)
+
+    async def give_up_leases(self, timeout: float = 2.0) -> None:
+        """At the coordinator's stop: both leases given up, so that a new coordinator need not wait them out."""
+        workers = ["target"] + (["draft"] if self._draft is not None else [])
+        for worker in workers:
+            ticket = self.tickets[worker]
+            if ticket.epoch:
+                with contextlib.suppress(grpc.RpcError):
+                    await self._lease_call(worker, ticket.owner, ticket.epoch, give_up=True, timeout=timeout)
+                ticket.epoch = 0
 
     async def _prepare_and_link(self) -> None:
         """Both workers' start-up work, then the channel through both workers' control RPCs."""

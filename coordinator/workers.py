@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -14,12 +17,14 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 import grpc
 from grpc_health.v1 import health_pb2
 
+from coordinator.call_deadlines import CallDeadline
 from coordinator.health_watch import follow_health
 from coordinator.kv_blocks import BlockLedger
 from coordinator.pairing import Pair, call_detail
 from coordinator.request_state import RequestState
 from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.rpc.lease import Ticket, presenting
 from minedraft.rpc.security import ClientTls, aio_channel
 from minedraft.rpc.server_utils import CHANNEL_OPTIONS, Health
 from minedraft.rpc.step_stream import StepStream
@@ -38,8 +43,17 @@ TARGET_LOST_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
+# A step call later than this many times its median is hung (`CallDeadline`), but never sooner than the floor: a
+# late proposal costs the step only the floor (the target goes on alone), a late verify the whole target.
+LATE_FACTOR = 20.0
+DRAFT_LATE_FLOOR_S = 1.0
+TARGET_LATE_FLOOR_S = 10.0
 # Draft call failures that mean the draft is unreachable or hung
-DRAFT_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+DRAFT_LOST_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,  # its lease lost: what it held is gone
+)
 
 
 class TargetState(enum.Enum):
@@ -143,6 +157,10 @@ class Workers:
         `open_requests`: how many requests the coordinator has open, for the log. `tls`: mTLS to both workers
         (None: plaintext)."""
         self.draft_timeout, self.target_timeout = draft_timeout, target_timeout
+        self._step_deadlines = {
+            "draft": CallDeadline(LATE_FACTOR, DRAFT_LATE_FLOOR_S, draft_timeout),
+            "target": CallDeadline(LATE_FACTOR, TARGET_LATE_FLOOR_S, target_timeout),
+        }
         self.retry_interval = retry_interval
         self.metrics = metrics
         self.record_events = record_events
@@ -152,13 +170,20 @@ class Workers:
         self._wake = wake if wake is not None else asyncio.Event()
         self._open_requests = open_requests
 
-        self._channels = [aio_channel(target_address, tls, CHANNEL_OPTIONS, interceptors)]
+        # One owner id per coordinator process: the workers' leases name it (`Pair.take_lease`).
+        owner = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        tickets = {"target": Ticket(owner), "draft": Ticket(owner)}
+        self._channels = [
+            aio_channel(target_address, tls, CHANNEL_OPTIONS, [*interceptors, *presenting(tickets["target"])])
+        ]
         self._target_channel = self._channels[0]
         self._target = target_pb2_grpc.TargetServiceStub(self._target_channel)
         self._draft: draft_pb2_grpc.DraftServiceStub | None = None
         self._draft_channel: grpc.aio.Channel | None = None
         if draft_address:
-            self._draft_channel = aio_channel(draft_address, tls, CHANNEL_OPTIONS, interceptors)
+            self._draft_channel = aio_channel(
+                draft_address, tls, CHANNEL_OPTIONS, [*interceptors, *presenting(tickets["draft"])]
+            )
             self._channels.append(self._draft_channel)
             self._draft = draft_pb2_grpc.DraftServiceStub(self._draft_channel)
         # Verify and Propose as messages on a stream per worker (`StepStream`), unless unary calls are asked for.
@@ -171,7 +196,7 @@ class Workers:
             else None
         )
 
-        self.pair = Pair(self._target, self._draft, channel)  # set up at start-up (`GenerationServicer.start`)
+        self.pair = Pair(self._target, self._draft, channel, tickets)  # set up at start-up (`GenerationServicer.start`)
 
         self._target_state = TargetState.SERVING
         self._draft_state = DraftState.ABSENT if self._draft is None else DraftState.CONNECTED
@@ -181,6 +206,7 @@ class Workers:
         self._draft_probe: asyncio.Task[bool] | None = None
         self._next_probe = 0.0  # (time.monotonic)
         self._watches: list[asyncio.Task[None]] = []  # `follow_health` of each worker
+        self._reports: set[asyncio.Future[None]] = set()  # health reports in flight (`_lose_target`)
 
         self._target_calls = 0  # in flight
         # Sequences to release on each worker, sent with the next call to it (`release_later`).
@@ -260,16 +286,40 @@ class Workers:
     # ----------------------------------------------------------------------------------------------- health
 
     def watch_health(self) -> None:
-        """Follow both workers' health (`follow_health`) until `stop_failover`."""
+        """Follow both workers' health (`follow_health`) and renew their leases (`_renew_leases`) until
+        `stop_failover`."""
         self._watches = [
             asyncio.create_task(
                 follow_health(self._target_channel, "target", self.retry_interval, self._target_said, self._lose_target)
-            )
+            ),
+            asyncio.create_task(self._renew_leases()),
         ]
         if self._draft_channel is not None:
             self._watches.append(
                 asyncio.create_task(follow_health(self._draft_channel, "draft", self.retry_interval, self._draft_said))
             )
+
+    async def _renew_leases(self) -> None:
+        """The leases' heartbeat, three times a lease's life: a lease another coordinator took meanwhile (this one
+        was paused past it) loses that worker; an unanswered one is left to the health streams and the calls."""
+        while True:
+            tickets = self.pair.tickets
+            ttl = min((t.ttl_s for t in tickets.values() if t.epoch), default=0.0)
+            await asyncio.sleep(ttl / 3 if ttl else self.retry_interval)
+            for worker in ("target", "draft"):
+                if not tickets[worker].epoch or (worker == "draft" and not self.draft_connected):
+                    continue
+                if worker == "target" and self._target_state is TargetState.LOST:
+                    continue
+                try:
+                    await self.pair.renew_lease(worker, timeout=max(tickets[worker].ttl_s / 3, 0.5))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        continue
+                    if worker == "target":
+                        self._lose_target(f"its lease lost: {exc.details()}")
+                    else:
+                        self.leave_draft(f"the draft's lease lost: {exc.details()}")
 
     async def _target_said(self, stopping: bool) -> None:
         """The target's health said `stopping` (NOT_SERVING: a SIGTERM alone, as when its pod is replaced; it serves
@@ -385,7 +435,16 @@ class Workers:
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             log.info("draft service not back yet: %s", call_detail(exc))
             return False
+        await self._reopen_streams(self.propose_stream)
         return True
+
+    @staticmethod
+    async def _reopen_streams(*streams: StepStream | None) -> None:
+        """After a new lease: the next step call opens a new stream, which presents it (a stream presents the lease
+        it was opened under)."""
+        for stream in streams:
+            if stream is not None:
+                await stream.close()
 
     async def hand_over_draft(self, running: Sequence[RequestState]) -> None:
         """Once `probe_draft` found the draft back, between steps with no drafts in flight: release what it may
@@ -425,6 +484,10 @@ class Workers:
             log.error("target service lost (%s): failing every request until it is back", reason)
             self._target_state = TargetState.LOST
             self._wake.set()  # an idle loop reconnects at once
+            # NOT_SERVING before the failed requests' clients hear of it: a load balancer moves on at once.
+            report = asyncio.ensure_future(self._report_health(serving=False))
+            self._reports.add(report)
+            report.add_done_callback(self._reports.discard)
 
     async def report_target_lost(self) -> None:
         """Health NOT_SERVING while the target is lost."""
@@ -440,6 +503,7 @@ class Workers:
         except (grpc.RpcError, ModelLoadError, ValueError) as exc:
             log.info("target service not back yet: %s", call_detail(exc))
             return False
+        await self._reopen_streams(self.verify_stream, self.propose_stream if self.draft_connected else None)
         self._target_state = TargetState.SERVING
         return True
 
@@ -490,6 +554,7 @@ class Workers:
 
     async def close(self) -> None:
         self.stop_failover()
+        await self.pair.give_up_leases()
         for stream in (self.verify_stream, self.propose_stream):
             if stream is not None:
                 await stream.close()
@@ -571,9 +636,10 @@ class Workers:
         with self._releasing("draft") as released, self._taking("draft", blocks) as report:
             request.release_seq_ids.extend(released)
             reply = await self._started(
-                self._step_call(self.propose_stream, draft.Propose, request, self.draft_timeout)
+                self._step_call(self.propose_stream, draft.Propose, request, self._step_deadlines["draft"].timeout())
             )
             report(reply.free_blocks)
+        self._step_deadlines["draft"].record(time.perf_counter() - start)
         self._record("propose", batch_id, len(members), start, reply.timings, k)
         return reply
 
@@ -595,9 +661,12 @@ class Workers:
         with self._releasing("target") as released, self._on_target(), self._taking("target", blocks) as report:
             request.release_seq_ids.extend(released)
             reply = await self._started(
-                self._step_call(self.verify_stream, self._target.Verify, request, self.target_timeout)
+                self._step_call(
+                    self.verify_stream, self._target.Verify, request, self._step_deadlines["target"].timeout()
+                )
             )
             report(reply.free_blocks)
+        self._step_deadlines["target"].record(time.perf_counter() - start)
         self._record("verify", batch_id, len(members), start, reply.timings, k)
         return reply
 

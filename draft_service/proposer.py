@@ -253,5 +253,9 @@ class Proposer:
         self.runner.step_forward(rows, input_ids, num_valid, shape=shape, last_only=True)
         return []
 
+    def held_seq_ids(self) -> list[int]:
+        """Every sequence it holds (what a worker frees when its lease ends)."""
+        return list(self.table.rows_by_id)
+
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)

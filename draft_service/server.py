@@ -15,7 +15,7 @@ from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from minedraft.rpc.server_utils import grpc_errors, timings
 from minedraft.rpc.worker import Drain, ModelWorker, WorkerOptions, elapsed
-from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id
+from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id, leased
 
 if TYPE_CHECKING:
     from minedraft.observability.metrics import WorkerMetrics
@@ -31,6 +31,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
     PrepareResponse = draft_pb2.DraftServicePrepareResponse
     PrefillResponse = draft_pb2.DraftServicePrefillResponse
     ReleaseResponse = draft_pb2.DraftServiceReleaseResponse
+    LeaseResponse = draft_pb2.DraftServiceLeaseResponse
     StepStreamResponse = draft_pb2.ProposeStreamResponse
     ProposeStream = WorkerServicer.step_stream
 
@@ -46,6 +47,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         return {"cached_prompt_tokens": self.proposer.prefill(seq_ids, prompts, configs)}
 
     @grpc_errors
+    @leased
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:

@@ -15,3 +15,8 @@ class UnknownSequenceError(KeyError):
 
 class ChannelNotSetUpError(RuntimeError):
     """A data-plane call before SetupChannel: the worker restarted since its coordinator set the channel up."""
+
+
+class LeaseError(RuntimeError):
+    """An internal call or Lease call that the worker's lease refuses (FAILED_PRECONDITION): another coordinator
+    holds the worker, or the caller's lease has expired."""

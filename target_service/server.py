@@ -14,7 +14,7 @@ from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.rpc.server_utils import grpc_errors, timings
 from minedraft.rpc.worker import Drain, ModelWorker, WorkerOptions, elapsed
-from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id
+from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id, leased
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
     PrepareResponse = target_pb2.TargetServicePrepareResponse
     PrefillResponse = target_pb2.TargetServicePrefillResponse
     ReleaseResponse = target_pb2.TargetServiceReleaseResponse
+    LeaseResponse = target_pb2.TargetServiceLeaseResponse
     StepStreamResponse = target_pb2.VerifyStreamResponse
     VerifyStream = WorkerServicer.step_stream
 
@@ -78,6 +79,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         return {"results": results_proto(seq_ids, self.verifier.prefill(seq_ids, prompts, configs))}
 
     @grpc_errors
+    @leased
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:

@@ -115,6 +115,10 @@ class Verifier:
             self.cached.pop(r, None)
         return StepResult(packed, self._recorder(host_rows, before))
 
+    def held_seq_ids(self) -> list[int]:
+        """Every sequence it holds (what a worker frees when its lease ends)."""
+        return list(self.table.rows_by_id)
+
     def release(self, seq_ids: Sequence[int]) -> None:
         for row in self.table.remove(seq_ids):
             self.cached.pop(row, None)

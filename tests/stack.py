@@ -45,6 +45,7 @@ from minedraft.proto import (
     target_pb2,
     target_pb2_grpc,
 )
+from minedraft.rpc.lease import Ticket, presenting
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -423,6 +424,36 @@ async def in_process_coordinator(workers: Workers, **options: Any) -> AsyncItera
 
 
 # --------------------------------------------------------------------------------------------- clients
+
+
+@contextlib.asynccontextmanager
+async def leased_channel(address: str, kind: str = "target", wait: float = 30.0) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a worker (`kind`) whose calls present a lease taken for it, as a coordinator's do: for tests
+    that call a worker's internal RPCs themselves. Waits out the lease of a coordinator that just died; given up
+    on leaving, so that the next coordinator takes the worker at once."""
+    ticket = Ticket(f"test/{os.getpid()}/{next(_lease_owners)}")
+    async with grpc.aio.insecure_channel(address, interceptors=presenting(ticket)) as channel:
+        if kind == "target":
+            stub: Any = target_pb2_grpc.TargetServiceStub(channel)
+            request: Any = target_pb2.TargetServiceLeaseRequest
+        else:
+            stub, request = draft_pb2_grpc.DraftServiceStub(channel), draft_pb2.DraftServiceLeaseRequest
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                ticket.epoch = (await stub.Lease(request(owner=ticket.owner), timeout=10)).lease.epoch
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        try:
+            yield channel
+        finally:
+            await stub.Lease(request(owner=ticket.owner, epoch=ticket.epoch, give_up=True), timeout=10)
+
+
+_lease_owners = itertools.count()
 
 
 @dataclass

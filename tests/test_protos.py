@@ -139,6 +139,7 @@ def test_services_shape() -> None:
         "Verify",
         "VerifyStream",
         "Release",
+        "Lease",
     }
     draft = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
     assert set(draft.methods_by_name) == {
@@ -149,6 +150,7 @@ def test_services_shape() -> None:
         "Propose",
         "ProposeStream",
         "Release",
+        "Lease",
     }
     for method in (target.methods_by_name["VerifyStream"], draft.methods_by_name["ProposeStream"]):
         assert method.client_streaming and method.server_streaming

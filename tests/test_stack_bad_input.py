@@ -220,32 +220,55 @@ def test_generate_cli_json(coordinator: Service) -> None:
     assert out["usage"]["completion_tokens"] == 6
 
 
-def test_workers_refuse_a_batch_id_beyond_the_two_batches(llama_workers: Workers, coordinator: Service) -> None:
-    """The workers' batch RPCs check the batch id (it picks the batch's block of cache rows), and serve on."""
-    from minedraft.proto import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+def test_internal_calls_without_the_lease_are_refused_and_change_nothing(
+    llama_workers: Workers, coordinator: Service
+) -> None:
+    """A client that reaches a worker but holds no lease (the coordinator holds it) gets FAILED_PRECONDITION naming
+    the owner for every internal call, whatever it asks; the worker keeps what it held and the coordinator serves
+    on. A Lease call of its own is refused too while the coordinator's lease is live."""
+    from stack import worker_info
 
-    calls = [
-        (
-            llama_workers.target,
-            lambda c: target_pb2_grpc.TargetServiceStub(c).Verify(
-                target_pb2.VerifyRequest(step_id=1, batch_id=2, seq_ids=[10**9]), timeout=10
-            ),
-        ),
-        (
-            llama_workers.draft,
-            lambda c: draft_pb2_grpc.DraftServiceStub(c).Propose(
-                draft_pb2.ProposeRequest(
-                    step_id=1, batch_id=7, seq_ids=[10**9], num_accepted=[0], next_token_ids=[3], num_draft_tokens=K
-                ),
-                timeout=10,
-            ),
-        ),
+    from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    spec = common_pb2.SequenceSpec(seq_id=10**9, prompt_token_ids=[1, 2, 3], params=_params())
+    target_calls = [
+        lambda s: s.Prefill(target_pb2.TargetServicePrefillRequest(sequences=[spec]), timeout=10),
+        lambda s: s.Verify(target_pb2.VerifyRequest(step_id=1, batch_id=0, seq_ids=[10**9]), timeout=10),
+        lambda s: s.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=list(range(1000))), timeout=10),
+        lambda s: s.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(channel="grpc"), timeout=10),
+        lambda s: s.Prepare(target_pb2.TargetServicePrepareRequest(num_speculative_tokens=K), timeout=10),
+        lambda s: s.Lease(target_pb2.TargetServiceLeaseRequest(owner="intruder"), timeout=10),
+        lambda s: s.Lease(target_pb2.TargetServiceLeaseRequest(owner="intruder", epoch=1, give_up=True), timeout=10),
     ]
-    for service, call in calls:
-        assert service is not None
-        with grpc.insecure_channel(service.address) as channel, pytest.raises(grpc.RpcError) as error:
-            call(channel)
-        assert error.value.code() == INVALID and "batch_id must be 0 or 1" in (error.value.details() or "")
+    draft_calls = [
+        lambda s: s.Prefill(draft_pb2.DraftServicePrefillRequest(sequences=[spec]), timeout=10),
+        lambda s: s.Release(draft_pb2.DraftServiceReleaseRequest(seq_ids=list(range(1000))), timeout=10),
+        lambda s: s.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(channel="grpc"), timeout=10),
+    ]
+    assert llama_workers.draft is not None
+    before = [
+        worker_info(w.address, kind).free_blocks
+        for w, kind in ((llama_workers.target, "target"), (llama_workers.draft, "draft"))
+    ]
+    for service, stub_type, calls in (
+        (llama_workers.target, target_pb2_grpc.TargetServiceStub, target_calls),
+        (llama_workers.draft, draft_pb2_grpc.DraftServiceStub, draft_calls),
+    ):
+        with grpc.insecure_channel(service.address) as channel:
+            stub = stub_type(channel)
+            for call in calls:
+                try:
+                    reply = call(stub)
+                except grpc.RpcError as error:
+                    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error
+                    assert "holds this worker's lease" in (error.details() or ""), error.details()
+                else:  # a give-up under another's lease is a no-op that says nothing
+                    assert not reply.lease.owner
+    after = [
+        worker_info(w.address, kind).free_blocks
+        for w, kind in ((llama_workers.target, "target"), (llama_workers.draft, "draft"))
+    ]
+    assert after == before
     assert len(asyncio.run(generate(coordinator.address, _good())).token_ids) == 4
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from stack import Workers, generate, in_process_coordinator, run_async
+from stack import Workers, generate, in_process_coordinator, leased_channel, run_async
 
 from coordinator.request_state import RequestState
 from coordinator.workers import Workers as WorkerClients
@@ -44,7 +44,7 @@ def test_a_failed_call_leaves_the_stream_open_and_calls_sent_together_are_answer
     on_stream, on_unary = 10**9 + 11, 10**9 + 12
 
     async def main() -> tuple[list[int], list[int], int]:
-        async with grpc.aio.insecure_channel(llama_workers.target.address) as channel:
+        async with leased_channel(llama_workers.target.address) as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
             stream = StepStream(stub.VerifyStream, target_pb2.VerifyStreamRequest)
             try:

@@ -516,6 +516,17 @@ FLAGS: tuple[Flag, ...] = (
         type=float,
     ),
     Flag(
+        "--lease-timeout",
+        "seconds a coordinator's lease on this worker lasts without a renewal (its calls and heartbeats renew it): "
+        "after that the worker frees what the coordinator held and takes another; until then a second coordinator "
+        "is refused",
+        ("serve", *WORKERS),
+        SERVICE,
+        5.0,
+        type=float,
+        passes_to=WORKERS,
+    ),
+    Flag(
         "--drain-timeout",
         "on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new requests "
         "get UNAVAILABLE; SIGINT (Ctrl-C) stops at once",
@@ -539,7 +550,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--draft-timeout",
-        "seconds a draft call may take before the draft service counts as lost (a hung draft)",
+        "seconds a draft call may take before the draft service counts as lost (a hung draft); a proposal's own "
+        "deadline is 20x the median proposal time (at least 1 s) when that is shorter",
         COORDINATOR_COMMANDS,
         SERVICE,
         30.0,
@@ -550,7 +562,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--target-timeout",
         "seconds a target prefill, verify or release may take before the target service counts as lost and its "
-        "requests end with UNAVAILABLE until it answers again (0: no limit)",
+        "requests end with UNAVAILABLE until it answers again (0: no limit); a verify's own deadline is 20x the "
+        "median verify time (at least 10 s) when that is shorter",
         COORDINATOR_COMMANDS,
         SERVICE,
         120.0,

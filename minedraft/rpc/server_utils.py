@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from minedraft.errors import CapacityError, ChannelNotSetUpError, ModelLoadError, UnknownSequenceError
+from minedraft.errors import CapacityError, ChannelNotSetUpError, LeaseError, ModelLoadError, UnknownSequenceError
 from minedraft.proto import common_pb2
 from minedraft.rpc.security import BearerAuth
 
@@ -48,6 +48,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 

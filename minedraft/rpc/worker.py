@@ -56,6 +56,7 @@ class WorkerOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    lease_timeout: float = 5.0  # --lease-timeout: seconds a coordinator's lease lasts without a renewal
 
 
 def precaptures(mode: str, device: torch.device, cuda_graphs: bool) -> bool:

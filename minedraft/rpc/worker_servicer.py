@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2
+from minedraft.rpc.lease import Leases, presented
 from minedraft.rpc.security import worker_credentials
 from minedraft.rpc.server_utils import Health, grpc_errors, start_server, timings
 from minedraft.rpc.step_stream import serve_step_stream
@@ -20,16 +22,31 @@ from minedraft.rpc.worker import NUM_BATCHES, Drain, ModelWorker
 if TYPE_CHECKING:
     from minedraft.observability.metrics import WorkerMetrics
 
+Handler = TypeVar("Handler", bound=Callable[..., Any])
+
 # Prompt lengths of the throwaway prefills run ahead of serving (`WorkerServicer.warm_up_prefill`): a short prompt
 # and a long one take different kernels.
 WARM_UP_PROMPT_LENGTHS = (17, 1000)
 WARM_UP_SEQ_ID = 2**64 - 1  # and below: ids no coordinator reaches (they count up from 1)
 
 
+def leased(handler: Handler) -> Handler:
+    """An internal call's handler: served only under the worker's current lease (`Leases.check`), which it renews."""
+
+    @functools.wraps(handler)
+    async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.leases.check(presented(context))
+        return await handler(self, request, context)
+
+    return wrapped  # type: ignore[return-value]
+
+
 class SequenceEngine(Protocol):
     """What the lifecycle RPCs ask of a worker's engine (the target's verifier, the draft's proposer)."""
 
     def release(self, seq_ids: Sequence[int]) -> None: ...
+
+    def held_seq_ids(self) -> list[int]: ...
 
     def precapture(self, k: int, max_batch: int) -> int: ...
 
@@ -49,11 +66,13 @@ class WorkerServicer:
     PrepareResponse: ClassVar[Callable[..., Message]]
     PrefillResponse: ClassVar[Callable[..., Message]]
     ReleaseResponse: ClassVar[Callable[..., Message]]
+    LeaseResponse: ClassVar[Callable[..., Message]]
     StepStreamResponse: ClassVar[type[Message]]
 
     def __init__(self, worker: ModelWorker, engine: SequenceEngine) -> None:
         self.worker = worker
         self.engine = engine
+        self.leases = Leases(worker.options.lease_timeout, self._free_all)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register this servicer with `server` (the service's generated `add_..._to_server`)."""
@@ -72,6 +91,17 @@ class WorkerServicer:
         return self.GetInfoResponse(info=self.worker.info())
 
     @grpc_errors
+    async def Lease(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        return self.LeaseResponse(lease=await self.leases.take(request.owner, request.epoch, request.give_up))
+
+    async def _free_all(self) -> int:
+        """What a lease that ended held: every sequence, freed on the compute thread (after the calls queued there)."""
+        held = await self.worker.run(self.engine.held_seq_ids)
+        await self.worker.run(self.engine.release, held)
+        return len(held)
+
+    @grpc_errors
+    @leased
     async def SetupChannel(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         k, max_batch_size = request.num_speculative_tokens, request.max_batch_size
         if self.exports_channel:
@@ -87,6 +117,7 @@ class WorkerServicer:
         return self.SetupChannelResponse(handshake=handshake)
 
     @grpc_errors
+    @leased
     async def Prepare(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         await self.prepare(request.num_speculative_tokens, request.max_batch_size)
         return self.PrepareResponse()
@@ -121,6 +152,7 @@ class WorkerServicer:
             self.engine.release(seq_ids)
 
     @grpc_errors
+    @leased
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         start_unix = time.time()
         await self.release_first(request.release_seq_ids)
@@ -130,8 +162,15 @@ class WorkerServicer:
         return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.runner.free_blocks)
 
     async def step_stream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        """The step call's stream (VerifyStream, ProposeStream): each message a `step` of its own."""
-        async for reply in serve_step_stream(requests, self.step, self.StepStreamResponse):
+        """The step call's stream (VerifyStream, ProposeStream): each message a `step` of its own, under the lease the
+        stream was opened with (one given up or expired since refuses it)."""
+        ticket = presented(context)
+
+        async def step(request: Any) -> Message:
+            self.leases.check(ticket)
+            return await self.step(request)
+
+        async for reply in serve_step_stream(requests, step, self.StepStreamResponse):
             yield reply
 
     async def release_first(self, seq_ids: Sequence[int]) -> None:
@@ -140,6 +179,7 @@ class WorkerServicer:
             await self.worker.run(self.engine.release, list(seq_ids))
 
     @grpc_errors
+    @leased
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         await self.worker.run(self.engine.release, list(request.seq_ids))
         runner = self.worker.runner
@@ -166,6 +206,7 @@ class WorkerServicer:
             metrics.prefix_queried.set_function(lambda: pool.stats.queried_tokens)
             metrics.prefix_hits.set_function(lambda: pool.stats.hit_tokens)
         health_servicer = Health()
+        self._expiry = asyncio.create_task(self.leases.expire())  # (held: a task nothing references may vanish)
         tls = self.worker.options
         server, bound = await start_server(
             port,

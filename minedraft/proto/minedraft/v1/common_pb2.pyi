@@ -96,3 +96,13 @@ class CallStatus(_message.Message):
     code: int
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("owner", "epoch", "ttl_s")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    epoch: int
+    ttl_s: float
+    def __init__(self, owner: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...

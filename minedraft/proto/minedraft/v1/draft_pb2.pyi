@@ -137,3 +137,19 @@ class DraftServiceReleaseResponse(_message.Message):
     free_slots: int
     free_blocks: int
     def __init__(self, free_slots: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+
+class DraftServiceLeaseRequest(_message.Message):
+    __slots__ = ("owner", "epoch", "give_up")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GIVE_UP_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    epoch: int
+    give_up: bool
+    def __init__(self, owner: _Optional[str] = ..., epoch: _Optional[int] = ..., give_up: _Optional[bool] = ...) -> None: ...
+
+class DraftServiceLeaseResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _common_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_common_pb2.Lease, _Mapping]] = ...) -> None: ...

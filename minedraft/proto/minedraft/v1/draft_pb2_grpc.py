@@ -71,6 +71,11 @@ class DraftServiceStub:
                 request_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceReleaseRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceReleaseResponse.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/minedraft.v1.DraftService/Lease',
+                request_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceLeaseRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -131,6 +136,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """Lease takes this worker for the calling coordinator, renews it, or gives it up (see Lease in common.proto).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +180,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceReleaseRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceReleaseResponse.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceLeaseRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_draft__pb2.DraftServiceLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +378,33 @@ class DraftService:
             '/minedraft.v1.DraftService/Release',
             minedraft_dot_v1_dot_draft__pb2.DraftServiceReleaseRequest.SerializeToString,
             minedraft_dot_v1_dot_draft__pb2.DraftServiceReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.DraftService/Lease',
+            minedraft_dot_v1_dot_draft__pb2.DraftServiceLeaseRequest.SerializeToString,
+            minedraft_dot_v1_dot_draft__pb2.DraftServiceLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

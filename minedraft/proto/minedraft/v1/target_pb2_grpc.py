@@ -72,6 +72,11 @@ class TargetServiceStub:
                 request_serializer=minedraft_dot_v1_dot_target__pb2.TargetServiceReleaseRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServiceReleaseResponse.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/minedraft.v1.TargetService/Lease',
+                request_serializer=minedraft_dot_v1_dot_target__pb2.TargetServiceLeaseRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServiceLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -133,6 +138,13 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """Lease takes this worker for the calling coordinator, renews it, or gives it up (see Lease in common.proto).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +182,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServiceReleaseRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_target__pb2.TargetServiceReleaseResponse.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=minedraft_dot_v1_dot_target__pb2.TargetServiceLeaseRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_target__pb2.TargetServiceLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -364,6 +381,33 @@ class TargetService:
             '/minedraft.v1.TargetService/Release',
             minedraft_dot_v1_dot_target__pb2.TargetServiceReleaseRequest.SerializeToString,
             minedraft_dot_v1_dot_target__pb2.TargetServiceReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minedraft.v1.TargetService/Lease',
+            minedraft_dot_v1_dot_target__pb2.TargetServiceLeaseRequest.SerializeToString,
+            minedraft_dot_v1_dot_target__pb2.TargetServiceLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
