@@ -1,0 +1,189 @@
+"""Penalties, min_tokens, min_p and logprobs through the engine equal the target alone, drafted or not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    PreTrainedModel,
+    RepetitionPenaltyLogitsProcessor,
+)
+
+from draft_service.proposer import Proposer
+from minedraft.app.offline import OfflineRequest, generate_offline
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.sampling import SamplingConfig
+from target_service.verifier import StepResult, Verifier
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+VOCAB = 128
+MAX_BATCH = 4
+CACHE_LEN = 96
+
+
+class PresenceFrequency(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens (after the prompt)."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        counts = torch.zeros_like(scores).scatter_add_(
+            1,
+            input_ids[:, self.prompt_length :],
+            torch.ones_like(input_ids[:, self.prompt_length :], dtype=scores.dtype),
+        )
+        return scores - self.presence * (counts > 0) - self.frequency * counts  # type: ignore[return-value]
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist() for n in (3, 9, 17, 30, 5, 12)]
+
+
+PROMPTS = _prompts()
+MAX_TOKENS = 20
+
+
+def _hf(model: PreTrainedModel, prompt: list[int], config: SamplingConfig, eos: int | None) -> list[int]:
+    """Hugging Face `generate()`, greedy, with the logits processors that mean what `config` asks."""
+    processors: list[LogitsProcessor] = []
+    if config.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if config.presence_penalty or config.frequency_penalty:
+        processors.append(PresenceFrequency(len(prompt), config.presence_penalty, config.frequency_penalty))
+    if config.min_tokens:
+        assert eos is not None
+        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), config.min_tokens, eos))
+    if config.min_p:
+        processors.append(MinPLogitsWarper(config.min_p))
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=config.max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList(processors),
+        )
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def _run(
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    configs: list[SamplingConfig],
+    k: int,
+    eos: list[int],
+    steps: list[tuple[list[int], StepResult]] | None = None,
+) -> list[list[int]]:
+    verifier = Verifier(ModelRunner(target, MAX_BATCH, CACHE_LEN), eos)
+    proposer = None if draft is None else Proposer(ModelRunner(draft, MAX_BATCH, CACHE_LEN), eos_token_ids=eos)
+    if steps is not None:  # every step's result, to read its logprobs after
+        verify, prefill = verifier.verify, verifier.prefill
+
+        def recording_verify(seq_ids: list[int], *args: Any, **kwargs: Any) -> StepResult:
+            steps.append((list(seq_ids), verify(seq_ids, *args, **kwargs)))
+            return steps[-1][1]
+
+        def recording_prefill(seq_ids: list[int], *args: Any, **kwargs: Any) -> StepResult:
+            steps.append((list(seq_ids), prefill(seq_ids, *args, **kwargs)))
+            return steps[-1][1]
+
+        verifier.verify = recording_verify  # type: ignore[method-assign,assignment]
+        verifier.prefill = recording_prefill  # type: ignore[method-assign,assignment]
+    requests = [OfflineRequest(list(p), c, arrival_step=i // 2) for i, (p, c) in enumerate(zip(PROMPTS, configs))]
+    results = generate_offline(verifier, proposer, requests, k, MAX_BATCH)
+    assert verifier.runner.free_slots == MAX_BATCH
+    return [r.tokens for r in results]
+
+
+PENALTIES = {
+    "repetition": {"repetition_penalty": 1.8},
+    "repetition-below-1": {"repetition_penalty": 0.6},
+    "presence": {"presence_penalty": 1.5},
+    "frequency": {"frequency_penalty": 0.7},
+    "presence-frequency": {"presence_penalty": -0.5, "frequency_penalty": 1.2},
+    "min_tokens": {"min_tokens": 12},
+    "min_p": {"min_p": 0.3},
+}
+
+
+@pytest.mark.parametrize("penalty", PENALTIES)
+@pytest.mark.parametrize("mode", ["ar", "sd", "self"])
+def test_penalized_greedy_matches_hf(penalty: str, mode: str, tiny_models) -> None:
+    """Each penalty alone, greedy: the tokens of HF `generate()` with the same logits processor, the target alone,
+    drafted by an unrelated-ish (noisy) draft and by the target itself (every draft accepted: the penalties of the
+    drafted positions count the drafts before them)."""
+    target = tiny_models.target("llama", vocab=VOCAB)
+    draft = {"ar": None, "sd": tiny_models.noisy_draft("llama", vocab=VOCAB), "self": target}[mode]
+    # An EOS the target does emit early, so that min_tokens has something to hold back.
+    plain = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), None) for p in PROMPTS]
+    eos = max(range(VOCAB), key=lambda t: sum(tokens[:8].count(t) for tokens in plain))
+    configs = [SamplingConfig(max_tokens=MAX_TOKENS, **PENALTIES[penalty]) for _ in PROMPTS]  # type: ignore[arg-type]
+    expected = [_hf(target, p, c, eos) for p, c in zip(PROMPTS, configs)]
+    unpenalized = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), eos) for p in PROMPTS]
+    if penalty != "min_p":  # (greedy min_p keeps the argmax: nothing to see but that it runs)
+        assert expected != unpenalized, "the penalty changes nothing here: the test would not see it"
+    assert _run(target, draft, configs, k=3, eos=[eos]) == expected
+
+
+def _logprobs_of(steps: list[tuple[list[int], StepResult]]) -> list[list[tuple[float, list]]]:
+    """Each sequence's reported logprobs, in order, from the steps' results (read after their tokens)."""
+    per_seq: dict[int, list[tuple[float, list]]] = {}
+    for seq_ids, step in steps:
+        for seq, row in zip(seq_ids, step.logprobs_per_row()):
+            assert row is not None
+            per_seq.setdefault(seq, []).extend(row)
+    return [per_seq[i] for i in sorted(per_seq)]
+
+
+@pytest.mark.parametrize("penalized", [False, True])
+def test_logprobs_equal_target_alone(penalized: bool, tiny_models) -> None:
+    """The reported log-probabilities, drafted positions included, equal the target alone's within 1e-5; without
+    penalties, log_softmax of the HF model's own logits over the generated sequence."""
+    target = tiny_models.target("llama", vocab=VOCAB)
+    extra = {"repetition_penalty": 1.3, "frequency_penalty": 0.4} if penalized else {}
+    configs = [
+        SamplingConfig(max_tokens=MAX_TOKENS, logprobs=(0, 5, 20)[i % 3], temperature=0.0, **extra)  # type: ignore[arg-type]
+        for i in range(len(PROMPTS))
+    ]
+    reported = {}
+    for mode, draft in (("ar", None), ("sd", tiny_models.noisy_draft("llama", vocab=VOCAB)), ("self", target)):
+        steps: list[tuple[list[int], StepResult]] = []
+        tokens = _run(target, draft, configs, k=3, eos=[], steps=steps)
+        reported[mode] = (tokens, _logprobs_of(steps))
+    ar_tokens, ar_logprobs = reported["ar"]
+    for mode in ("sd", "self"):
+        tokens, logprobs = reported[mode]
+        assert tokens == ar_tokens
+        for config, got, want in zip(configs, logprobs, ar_logprobs):
+            assert len(got) == len(want) == MAX_TOKENS
+            for (lp, top), (lp_ar, top_ar) in zip(got, want):
+                assert abs(lp - lp_ar) < 1e-5
+                assert len(top) == config.logprobs
+                assert [i for i, _ in top] == [i for i, _ in top_ar]
+                assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(top, top_ar))
+    if penalized:
+        return
+    for prompt, generated, reports in zip(PROMPTS, ar_tokens, ar_logprobs):
+        with torch.inference_mode():
+            logits = target(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1].float()
+        expected = logits.log_softmax(-1)
+        chosen = expected.gather(-1, torch.tensor(generated)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([lp for lp, _ in reports]), chosen, atol=1e-5)
+        for j, (_, top) in enumerate(reports):
+            for token, value in top:
+                assert abs(expected[j, token].item() - value) < 1e-5
+            if top:
+                assert top[0][0] == generated[j]  # greedy: the chosen token is the most likely
