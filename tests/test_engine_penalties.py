@@ -6,14 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    PreTrainedModel,
-    RepetitionPenaltyLogitsProcessor,
-)
+from conftest import hf_processed_greedy
+from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
 from minedraft.app.offline import OfflineRequest, generate_offline
@@ -28,21 +22,6 @@ MAX_BATCH = 4
 CACHE_LEN = 96
 
 
-class PresenceFrequency(LogitsProcessor):
-    """OpenAI's presence and frequency penalties over the generated tokens (after the prompt)."""
-
-    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
-        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        counts = torch.zeros_like(scores).scatter_add_(
-            1,
-            input_ids[:, self.prompt_length :],
-            torch.ones_like(input_ids[:, self.prompt_length :], dtype=scores.dtype),
-        )
-        return scores - self.presence * (counts > 0) - self.frequency * counts  # type: ignore[return-value]
-
-
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist() for n in (3, 9, 17, 30, 5, 12)]
@@ -53,30 +32,7 @@ MAX_TOKENS = 20
 
 
 def _hf(model: PreTrainedModel, prompt: list[int], config: SamplingConfig, eos: int | None) -> list[int]:
-    """Hugging Face `generate()`, greedy, with the logits processors that mean what `config` asks."""
-    processors: list[LogitsProcessor] = []
-    if config.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
-    if config.presence_penalty or config.frequency_penalty:
-        processors.append(PresenceFrequency(len(prompt), config.presence_penalty, config.frequency_penalty))
-    if config.min_tokens:
-        assert eos is not None
-        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), config.min_tokens, eos))
-    if config.min_p:
-        processors.append(MinPLogitsWarper(config.min_p))
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(  # type: ignore[operator]
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=config.max_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-            logits_processor=LogitsProcessorList(processors),
-        )
-    tokens = out[0, len(prompt) :].tolist()
-    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+    return hf_processed_greedy(model, prompt, config, [] if eos is None else [eos])
 
 
 def _run(

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import hf_processors
 from transformers import PreTrainedModel
 from transformers.generation.logits_process import (
     LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -276,29 +275,12 @@ PENALIZED = {
 }
 
 
-class PresenceFrequency:
-    """OpenAI's presence and frequency penalties over the tokens after the prompt, as a HF logits processor."""
-
-    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
-        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        output = input_ids[:, self.prompt_length :]
-        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
-        return scores - self.presence * (counts > 0) - self.frequency * counts
-
-
 def hf_penalized_distribution(target: PreTrainedModel, config: SamplingConfig) -> dict[tuple[int, ...], float]:
     """P(x_1..x_L | PROMPT) by the chain rule, each step's probabilities made by Hugging Face's processors."""
-    processors = LogitsProcessorList(
-        [
-            MinNewTokensLengthLogitsProcessor(len(PROMPT), config.min_tokens, EOS_ID),
-            RepetitionPenaltyLogitsProcessor(config.repetition_penalty),
-            PresenceFrequency(len(PROMPT), config.presence_penalty, config.frequency_penalty),
-            TemperatureLogitsWarper(config.temperature),
-        ]
-        + ([MinPLogitsWarper(config.min_p)] if config.min_p else [])
-    )
+    processors = hf_processors(len(PROMPT), dataclasses.replace(config, min_p=0.0), [EOS_ID])
+    processors.append(TemperatureLogitsWarper(config.temperature))
+    if config.min_p:  # (after the temperature, as Hugging Face's warpers)
+        processors.append(MinPLogitsWarper(config.min_p))
     exact: dict[tuple[int, ...], float] = {}
     for sequence in itertools.product(range(SMALL_VOCAB), repeat=LENGTH):
         ids = torch.tensor([PROMPT + list(sequence)])
