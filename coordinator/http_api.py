@@ -31,6 +31,7 @@ from coordinator.openai_schema import (
 )
 from coordinator.server import Generation, GenerationServicer, RequestRefused
 from coordinator.validation import DEFAULT_MAX_TOKENS
+from minedraft.engine.sampling import MAX_LOGPROBS
 from minedraft.proto import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
         generate.messages.extend(generation_pb2.ChatMessage(role=m.role, content=m.text) for m in body.messages)
         if body.top_logprobs is not None and not body.logprobs:
             raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        if (body.top_logprobs or 0) > MAX_LOGPROBS:  # (the gRPC field's name would be logprobs)
+            raise _invalid(f"top_logprobs must be at most {MAX_LOGPROBS}, got {body.top_logprobs}", "top_logprobs")
         if body.logprobs:
             generate.params.logprobs = body.top_logprobs or 0
         reply = Reply(chat=True, model=model_name(), include_usage=body.include_usage)
