@@ -37,9 +37,9 @@ class StepResult:
     # finish is RUNNING, FINISHED_STOP or FINISHED_LENGTH
     on_read: Callable[[list[int]], None] | None = None  # told each row's emitted count once the host has it
     cached_tokens: list[int] | None = None  # a prefill's: the prompt tokens each row found in the prefix cache
-    # With log-probabilities asked for: (chosen [B, m], top values [B, m, N], top ids [B, m, N]), and per row how
-    # many top ones it asked for (None: none)
-    logprobs: Sequence[torch.Tensor] = ()
+    # With log-probabilities asked for: [B, m, 1 + 2N] float32, per token its own, the top N's, their ids (exact in
+    # float32 below 2**24), one copy to the host; and per row how many top ones it asked for (None: none)
+    logprobs: torch.Tensor | None = None
     top_n: Sequence[int | None] = ()
     _emitted: list[int] | None = None
 
@@ -54,16 +54,17 @@ class StepResult:
     def logprobs_per_row(self) -> list[list[tuple[float, list[tuple[int, float]]]] | None]:
         """After `per_row`: per row that asked, each emitted token's log-probability and its top ones' (id,
         log-probability), most likely first; None for rows that did not ask (and every row without logprobs)."""
-        if not self.logprobs:
+        if self.logprobs is None:
             return [None] * len(self.packed)
         assert self._emitted is not None, "per_row first"
-        chosen, values, ids = (t.tolist() for t in self.logprobs)
+        reported, width = self.logprobs.tolist(), (self.logprobs.shape[-1] - 1) // 2
         rows: list[list[tuple[float, list[tuple[int, float]]]] | None] = []
         for b, (n, top) in enumerate(zip(self._emitted, self.top_n, strict=True)):
             if top is None:
                 rows.append(None)
                 continue
-            rows.append([(chosen[b][j], list(zip(ids[b][j][:top], values[b][j][:top], strict=True))) for j in range(n)])
+            tokens = [reported[b][j] for j in range(n)]
+            rows.append([(t[0], [(int(t[1 + width + i]), t[1 + i]) for i in range(top)]) for t in tokens])
         return rows
 
 
@@ -110,7 +111,9 @@ class Verifier:
         rows = self.table.row_list(seq_ids)
         # (the last token of each prompt is pending)
         recorder = self._recorder(rows, [len(p) - 1 for p in prompts])
-        return StepResult(packed, recorder, cached, logprobs, [c.logprobs for c in configs] if logprobs else ())
+        if not logprobs:
+            return StepResult(packed, recorder, cached)
+        return StepResult(packed, recorder, cached, logprobs[0], [c.logprobs for c in configs])
 
     def verify(
         self,
@@ -140,7 +143,10 @@ class Verifier:
         for r in host_rows:  # unknown until the result is read
             self.cached.pop(r, None)
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
-        return StepResult(packed, self._recorder(host_rows, before), logprobs=logprobs, top_n=top_n)
+        recorder = self._recorder(host_rows, before)
+        if not logprobs:
+            return StepResult(packed, recorder)
+        return StepResult(packed, recorder, logprobs=logprobs[0], top_n=top_n)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for row in self.table.remove(seq_ids):
@@ -342,7 +348,10 @@ class Verifier:
             all_greedy=all_greedy,
             filtered=filtered,
         )
-        reported = list(token_logprobs(logits, params.temperature, sampled.tokens)) if logprobs else []
+        reported = []
+        if logprobs:  # one tensor: one copy to the host
+            chosen, values, ids = token_logprobs(logits, params.temperature, sampled.tokens)
+            reported.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
         packed = self._commit(rows, first_position - 1, sampled)
         if penalized:
             t.record_history(rows, first_position, sampled.tokens, packed[:, 0])
