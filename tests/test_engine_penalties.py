@@ -42,6 +42,7 @@ def _run(
     k: int,
     eos: list[int],
     steps: list[tuple[list[int], StepResult]] | None = None,
+    all_accepted: bool = False,
 ) -> list[list[int]]:
     verifier = Verifier(ModelRunner(target, MAX_BATCH, CACHE_LEN), eos)
     proposer = None if draft is None else Proposer(ModelRunner(draft, MAX_BATCH, CACHE_LEN), eos_token_ids=eos)
@@ -61,6 +62,8 @@ def _run(
     requests = [OfflineRequest(list(p), c, arrival_step=i // 2) for i, (p, c) in enumerate(zip(PROMPTS, configs))]
     results = generate_offline(verifier, proposer, requests, k, MAX_BATCH)
     assert verifier.runner.free_slots == MAX_BATCH
+    if all_accepted:  # a draft penalized as the target is accepted at every position
+        assert all(r.accepted == k * r.steps for r in results), [(r.accepted, r.steps) for r in results]
     return [r.tokens for r in results]
 
 
@@ -79,8 +82,8 @@ PENALTIES = {
 @pytest.mark.parametrize("mode", ["ar", "sd", "self"])
 def test_penalized_greedy_matches_hf(penalty: str, mode: str, tiny_models) -> None:
     """Each penalty alone, greedy: the tokens of HF `generate()` with the same logits processor, the target alone,
-    drafted by an unrelated-ish (noisy) draft and by the target itself (every draft accepted: the penalties of the
-    drafted positions count the drafts before them)."""
+    drafted by a noisy copy of the target and by the target itself (every draft accepted: the draft penalizes as the
+    target does, and the penalties of both count the drafts before each position)."""
     target = tiny_models.target("llama", vocab=VOCAB)
     draft = {"ar": None, "sd": tiny_models.noisy_draft("llama", vocab=VOCAB), "self": target}[mode]
     # An EOS the target does emit early, so that min_tokens has something to hold back.
@@ -91,7 +94,7 @@ def test_penalized_greedy_matches_hf(penalty: str, mode: str, tiny_models) -> No
     unpenalized = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), eos) for p in PROMPTS]
     if penalty != "min_p":  # (greedy min_p keeps the argmax: nothing to see but that it runs)
         assert expected != unpenalized, "the penalty changes nothing here: the test would not see it"
-    assert _run(target, draft, configs, k=3, eos=[eos]) == expected
+    assert _run(target, draft, configs, k=3, eos=[eos], all_accepted=mode == "self") == expected
 
 
 def _logprobs_of(steps: list[tuple[list[int], StepResult]]) -> list[list[tuple[float, list]]]:
