@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -146,3 +147,25 @@ def test_logprobs_equal_target_alone(penalized: bool, tiny_models) -> None:
                 assert abs(expected[j, token].item() - value) < 1e-5
             if top:
                 assert top[0][0] == generated[j]  # greedy: the chosen token is the most likely
+
+
+@pytest.mark.parametrize("penalty", ["presence-frequency", "min_tokens"])
+def test_output_prefilled_again_counts_as_output(penalty: str, tiny_models) -> None:
+    """A sequence prefilled again with its output so far (after a preemption: `SequenceSpec.output_tokens`) goes on
+    as if it had never stopped: the penalties and min_tokens count that output as output, not prompt."""
+    target = tiny_models.target("llama", vocab=VOCAB)
+    plain = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), None) for p in PROMPTS]
+    eos = max(range(VOCAB), key=lambda t: sum(tokens[:8].count(t) for tokens in plain))
+    configs = [SamplingConfig(max_tokens=MAX_TOKENS, **PENALTIES[penalty]) for _ in PROMPTS]  # type: ignore[arg-type]
+    whole = [_hf(target, p, c, eos) for p, c in zip(PROMPTS, configs)]
+    done = 10
+    resumed = [
+        (p + w[:done], dataclasses.replace(c, max_tokens=MAX_TOKENS - done, output_tokens=done))
+        for p, c, w in zip(PROMPTS, configs, whole)
+        if len(w) > done
+    ]
+    verifier = Verifier(ModelRunner(target, MAX_BATCH, CACHE_LEN), [eos])
+    proposer = Proposer(ModelRunner(tiny_models.noisy_draft("llama", vocab=VOCAB), MAX_BATCH, CACHE_LEN), False, [eos])
+    requests = [OfflineRequest(p, c) for p, c in resumed]
+    results = generate_offline(verifier, proposer, requests, 3, MAX_BATCH)
+    assert [r.tokens for r in results] == [w[done:] for w in whole if len(w) > done]
