@@ -240,6 +240,15 @@ def test_generate_cli_json(coordinator: Service) -> None:
         "time_per_output_token_s",
     } <= set(out["usage"])
     assert out["usage"]["completion_tokens"] == 6
+    # With logprobs and a penalty: the tokens' logprobs, 3 top ones each, as gRPC gives them.
+    flags = ["--max-tokens", "6", "--ignore-eos", "--json", "--logprobs", "3", "--repetition-penalty", "1.3"]
+    run = _cli("--server", coordinator.address, "--prompt-ids", ",".join(map(str, PROMPT)), *flags)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    params = generation_pb2.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, repetition_penalty=1.3)
+    request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=params)
+    assert out["token_ids"] == asyncio.run(generate(coordinator.address, request, timeout=60)).token_ids
+    assert len(out["logprobs"]) == 6 and all(len(lp["top"]) == 3 and lp["logprob"] <= 0 for lp in out["logprobs"])
 
 
 def test_workers_refuse_a_batch_id_beyond_the_two_batches(llama_workers: Workers, coordinator: Service) -> None:
