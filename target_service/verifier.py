@@ -44,7 +44,8 @@ class StepResult:
     _emitted: list[int] | None = None
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
-        """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step."""
+        """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step (a second one,
+        `logprobs_per_row`, only where a row asked for logprobs)."""
         rows = self.packed.tolist()
         self._emitted = [n for n, *_ in rows]
         if self.on_read is not None:
