@@ -79,20 +79,29 @@ PENALTIES = {
 }
 
 
+@pytest.fixture(scope="module")
+def early_eos(tiny_models) -> tuple[int, list[list[int]]]:
+    """An EOS the Llama target does emit early, so that min_tokens has something to hold back, and HF's greedy
+    output of PROMPTS with it, unpenalized."""
+    target = tiny_models.target("llama", vocab=VOCAB)
+    plain = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), None) for p in PROMPTS]
+    eos = max(range(VOCAB), key=lambda t: sum(tokens[:8].count(t) for tokens in plain))
+    return eos, [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), eos) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("penalty", PENALTIES)
 @pytest.mark.parametrize("mode", ["ar", "sd", "self"])
-def test_penalized_greedy_matches_hf(penalty: str, mode: str, tiny_models) -> None:
+def test_penalized_greedy_matches_hf(
+    penalty: str, mode: str, tiny_models, early_eos: tuple[int, list[list[int]]]
+) -> None:
     """Each penalty alone, greedy: the tokens of HF `generate()` with the same logits processor, the target alone,
     drafted by a noisy copy of the target and by the target itself (every draft accepted: the draft penalizes as the
     target does, and the penalties of both count the drafts before each position)."""
     target = tiny_models.target("llama", vocab=VOCAB)
     draft = {"ar": None, "sd": tiny_models.noisy_draft("llama", vocab=VOCAB), "self": target}[mode]
-    # An EOS the target does emit early, so that min_tokens has something to hold back.
-    plain = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), None) for p in PROMPTS]
-    eos = max(range(VOCAB), key=lambda t: sum(tokens[:8].count(t) for tokens in plain))
+    eos, unpenalized = early_eos
     configs = [SamplingConfig(max_tokens=MAX_TOKENS, **PENALTIES[penalty]) for _ in PROMPTS]  # type: ignore[arg-type]
     expected = [_hf(target, p, c, eos) for p, c in zip(PROMPTS, configs)]
-    unpenalized = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), eos) for p in PROMPTS]
     if penalty != "min_p":  # (greedy min_p keeps the argmax: nothing to see but that it runs)
         assert expected != unpenalized, "the penalty changes nothing here: the test would not see it"
     assert _run(target, draft, configs, k=3, eos=[eos], all_accepted=mode == "self") == expected
@@ -150,12 +159,13 @@ def test_logprobs_equal_target_alone(penalized: bool, tiny_models) -> None:
 
 
 @pytest.mark.parametrize("penalty", ["presence-frequency", "min_tokens"])
-def test_output_prefilled_again_counts_as_output(penalty: str, tiny_models) -> None:
+def test_output_prefilled_again_counts_as_output(
+    penalty: str, tiny_models, early_eos: tuple[int, list[list[int]]]
+) -> None:
     """A sequence prefilled again with its output so far (after a preemption: `SequenceSpec.output_tokens`) goes on
     as if it had never stopped: the penalties and min_tokens count that output as output, not prompt."""
     target = tiny_models.target("llama", vocab=VOCAB)
-    plain = [_hf(target, p, SamplingConfig(max_tokens=MAX_TOKENS), None) for p in PROMPTS]
-    eos = max(range(VOCAB), key=lambda t: sum(tokens[:8].count(t) for tokens in plain))
+    eos = early_eos[0]
     configs = [SamplingConfig(max_tokens=MAX_TOKENS, **PENALTIES[penalty]) for _ in PROMPTS]  # type: ignore[arg-type]
     whole = [_hf(target, p, c, eos) for p, c in zip(PROMPTS, configs)]
     done = 10
