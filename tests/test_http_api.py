@@ -287,9 +287,9 @@ def test_completion_logprobs_whole_and_streamed(stack: Stack, llama_workers: Wor
     logprobs = stack.client.completions.create(**kwargs).choices[0].logprobs
     assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
     assert logprobs.tokens == [stack.tokenizer.decode([t]) for t in tokens]
-    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in over_grpc], abs=1e-6)
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in over_grpc], abs=1e-5)
     for top, reported in zip(logprobs.top_logprobs, over_grpc):
-        assert top == {stack.tokenizer.decode([t.token_id]): pytest.approx(t.logprob, abs=1e-6) for t in reported.top}
+        assert top == {stack.tokenizer.decode([t.token_id]): pytest.approx(t.logprob, abs=1e-5) for t in reported.top}
         assert 1 <= len(top) <= 5 and len(reported.top) == 5
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(tokens))]
     target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
@@ -300,7 +300,8 @@ def test_completion_logprobs_whole_and_streamed(stack: Stack, llama_workers: Wor
     streamed = [c.choices[0].logprobs for c in stack.client.completions.create(**kwargs, stream=True)]
     parts = [lp for lp in streamed if lp is not None]
     assert [t for lp in parts for t in lp.tokens or ()] == logprobs.tokens
-    assert [v for lp in parts for v in lp.token_logprobs or ()] == logprobs.token_logprobs
+    # (Another run: its steps may have drafted other positions, which float32 sums differently, well within 1e-5.)
+    assert [v for lp in parts for v in lp.token_logprobs or ()] == pytest.approx(logprobs.token_logprobs, abs=1e-5)
     assert [o for lp in parts for o in lp.text_offset or ()] == logprobs.text_offset
 
 
@@ -312,14 +313,15 @@ def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
     assert done.logprobs is not None and done.logprobs.content is not None
     content = done.logprobs.content
     assert [c.token for c in content] == [stack.tokenizer.decode([t]) for t in tokens]
-    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in over_grpc], abs=1e-6)
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in over_grpc], abs=1e-5)
     assert all(c.bytes == list(c.token.encode()) for c in content)
     for c, reported in zip(content, over_grpc):
         assert [t.token for t in c.top_logprobs] == [stack.tokenizer.decode([t.token_id]) for t in reported.top]
-        assert [t.logprob for t in c.top_logprobs] == pytest.approx([t.logprob for t in reported.top], abs=1e-6)
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([t.logprob for t in reported.top], abs=1e-5)
     chunks = list(_chat(stack, MESSAGES, logprobs=True, top_logprobs=3, stream=True))
     streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content or ()]
-    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    assert [e.token for e in streamed] == [c.token for c in content]
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = _chat(stack, MESSAGES, logprobs=True).choices[0].logprobs
     assert plain is not None and plain.content is not None
     assert len(plain.content) == 12 and all(c.top_logprobs == [] for c in plain.content)
