@@ -19,6 +19,7 @@ from stack import (
     TinyPairs,
     Workers,
     assert_all_slots_free,
+    assert_same_top,
     coordinator_args,
     generate,
     in_process_coordinator,
@@ -302,8 +303,8 @@ def test_logprobs_and_penalties_through_the_services(llama_workers: Workers, hf_
             assert len(got) == len(want) == (len(tokens) if request.params.HasField("logprobs") else 0)
             for (lp, top), (lp_ar, top_ar) in zip(got, want):
                 assert abs(lp - lp_ar) < 1e-5, mode
-                assert len(top) == request.params.logprobs and [i for i, _ in top] == [i for i, _ in top_ar]
-                assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(top, top_ar)), mode
+                assert len(top) == request.params.logprobs
+                assert_same_top(top, top_ar)
     for prompt, (tokens, logprobs, _) in zip(prompts, results["psd"]):  # the requests without penalties
         with torch.inference_mode():
             logits = target(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
