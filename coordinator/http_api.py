@@ -25,11 +25,13 @@ from coordinator.openai_schema import (
     CompletionRequest,
     Reply,
     SamplingBody,
+    TokenEntry,
     error_body,
     finish_reason,
 )
 from coordinator.server import Generation, GenerationServicer, RequestRefused
 from coordinator.validation import DEFAULT_MAX_TOKENS
+from minedraft.engine.sampling import MAX_LOGPROBS
 from minedraft.proto import generation_pb2
 from minedraft.rpc.security import UNAUTHENTICATED, bearer_matches
 
@@ -125,6 +127,8 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
             generate.prompt = prompt
         else:
             generate.prompt_token_ids.extend(prompt)  # type: ignore[arg-type]
+        if body.logprobs is not None:
+            generate.params.logprobs = body.logprobs
         reply = Reply(chat=False, model=model_name(), include_usage=body.include_usage)
         return await _answer(servicer, request, body, generate, reply, DEFAULT_MAX_TOKENS, "/v1/completions")
 
@@ -138,6 +142,12 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
         if not body.messages:
             raise _invalid("messages is empty", "messages")
         generate.messages.extend(generation_pb2.ChatMessage(role=m.role, content=m.text) for m in body.messages)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        if (body.top_logprobs or 0) > MAX_LOGPROBS:  # (the gRPC field's name would be logprobs)
+            raise _invalid(f"top_logprobs must be at most {MAX_LOGPROBS}, got {body.top_logprobs}", "top_logprobs")
+        if body.logprobs:
+            generate.params.logprobs = body.top_logprobs or 0
         reply = Reply(chat=True, model=model_name(), include_usage=body.include_usage)
         # As OpenAI's chat completions: without max_tokens, up to the end of the context.
         return await _answer(servicer, request, body, generate, reply, None, "/v1/chat/completions")
@@ -161,6 +171,10 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
         stop_token_ids=body.stop_token_ids or [],
         top_k=max(body.top_k or 0, 0),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
     )
     # Set only when given: unset and 0 differ (unset top_p is 1, a top_p of 0 is refused).
     if body.top_p is not None:
@@ -169,6 +183,8 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
         params.max_tokens = body.max_tokens
     if body.seed is not None:
         params.seed = body.seed
+    if body.repetition_penalty is not None:
+        params.repetition_penalty = body.repetition_penalty
     return generation_pb2.GenerateRequest(params=params, n=body.n or 0)
 
 
@@ -183,10 +199,11 @@ async def _answer(
 ) -> Response:
     """Admit `generate` and answer it, whole or streamed; the request is cancelled if its client goes away."""
     generation = await servicer.admit(generate, request.headers.items(), default_max_tokens, route)
+    entries = _entries(generate, servicer.tokenizer)
     if body.stream:
-        return EventStream(_events(servicer, generation, reply), lambda: servicer.close(generation))
+        return EventStream(_events(servicer, generation, reply, entries), lambda: servicer.close(generation))
     try:
-        whole = await _while_connected(request.receive, _collect(servicer, generation))
+        whole = await _while_connected(request.receive, _collect(servicer, generation, entries))
     finally:
         servicer.close(generation)
     if whole is None:
@@ -194,32 +211,70 @@ async def _answer(
     return JSONResponse(reply.whole(whole, generation.usage))
 
 
-async def _collect(servicer: GenerationServicer, generation: Generation) -> list[tuple[str, str | None]]:
-    """Each choice's text and finish reason, by index."""
+Entries = Callable[[generation_pb2.GenerateResponse], list[TokenEntry]]
+
+
+def _entries(generate: generation_pb2.GenerateRequest, tokenizer: object | None) -> Entries | None:
+    """How a message's tokens become its logprobs' entries, each token's text decoded alone ("token_id:N" without
+    a tokenizer, as vLLM's return_tokens_as_token_ids), if the request asked for logprobs."""
+    if not generate.params.HasField("logprobs"):
+        return None
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"  # type: ignore[attr-defined]
+
+    def entries(message: generation_pb2.GenerateResponse) -> list[TokenEntry]:
+        return [
+            (text(token_id), lp.logprob, [(text(top.token_id), top.logprob) for top in lp.top])
+            for token_id, lp in zip(message.token_ids, message.logprobs, strict=True)
+        ]
+
+    return entries
+
+
+async def _collect(
+    servicer: GenerationServicer,
+    generation: Generation,
+    logprobs: Entries | None,
+) -> list[tuple[str, str | None, list[TokenEntry] | None]]:
+    """Each choice's text, finish reason and logprobs (when asked), by index."""
     n = max(len(generation.samples), 1)
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
+    entries: list[list[TokenEntry] | None] = [[] if logprobs else None for _ in range(n)]
     async for message in servicer.responses(generation):
         texts[message.index].append(message.text)
         reasons[message.index] = finish_reason(message.finish_reason)
-    return [("".join(text), reason) for text, reason in zip(texts, reasons)]
+        if logprobs is not None:
+            entries[message.index] += logprobs(message)  # type: ignore[operator]
+    return [("".join(text), reason, e) for text, reason, e in zip(texts, reasons, entries)]
 
 
 def _sse(body: dict[str, Any] | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def _events(servicer: GenerationServicer, generation: Generation, reply: Reply) -> AsyncIterator[str]:
-    """The answer as server-sent events, as OpenAI streams it: (chat: the role first), text deltas, a chunk with
-    the finish reason, the usage if asked, then [DONE]; a failure midway is an error object before [DONE]."""
+async def _events(
+    servicer: GenerationServicer,
+    generation: Generation,
+    reply: Reply,
+    logprobs: Entries | None,
+) -> AsyncIterator[str]:
+    """The answer as server-sent events, as OpenAI streams it: (chat: the role first), text deltas (each with its
+    tokens' logprobs, when asked), a chunk with the finish reason, the usage if asked, then [DONE]; a failure midway
+    is an error object before [DONE]."""
+    offsets = [0] * max(len(generation.samples), 1)  # each choice's text so far (a completion's text_offset)
     for index in range(max(len(generation.samples), 1)):
         opening = reply.opening(index)
         if opening is not None:
             yield _sse(opening)
     try:
         async for message in servicer.responses(generation):
-            if message.text:
-                yield _sse(reply.delta(message.text, index=message.index))
+            entries = logprobs(message) if logprobs is not None and message.token_ids else None
+            if message.text or entries:
+                i = message.index
+                yield _sse(reply.delta(message.text, index=i, entries=entries, offset=offsets[i]))
+                offsets[i] += sum(len(token) for token, _, _ in entries or ())
             reason = finish_reason(message.finish_reason)
             if reason is not None:
                 yield _sse(reply.delta("", reason, message.index))

@@ -42,21 +42,16 @@ class SamplingBody(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     n: int | None = Field(None, ge=1, lt=UINT32)  # choices of the one prompt (GenerateRequest.n, at most 16)
-    # Not supported yet: each may be left out or given its value that asks for nothing (NEUTRAL), else a 400.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM's extensions, as SamplingParams takes them
     min_p: float | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(None, ge=0, lt=UINT32)
+    # Not supported yet: each may be left out or given its value that asks for nothing (NEUTRAL), else a 400.
+    logit_bias: dict[str, float] | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
-        "presence_penalty": (0.0,),
-        "frequency_penalty": (0.0,),
-        "repetition_penalty": (1.0,),
         "logit_bias": ({},),
-        "min_p": (0.0,),
-        "min_tokens": (0,),
     }
 
     def unsupported(self) -> tuple[str, object] | None:
@@ -77,14 +72,13 @@ class CompletionRequest(SamplingBody):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, lt=UINT32)  # the top ones per token (0: the chosen one's only)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingBody.NEUTRAL,
-        "logprobs": (),
         "echo": (False,),
         "best_of": (1,),
         "suffix": ("",),
@@ -114,15 +108,13 @@ class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=0, lt=UINT32)  # OpenAI's newer name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, lt=UINT32)  # with logprobs: the top ones per token
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingBody.NEUTRAL,
-        "logprobs": (False,),
-        "top_logprobs": (0,),
         "response_format": ({"type": "text"},),
         "tools": ([],),
         "tool_choice": ("none",),
@@ -162,6 +154,35 @@ def usage_body(usage: generation_pb2.Usage) -> dict[str, Any]:
     }
 
 
+# One generated token's log-probabilities as text: (token, logprob, [(top token, its logprob), ...])
+TokenEntry = tuple[str, float, list[tuple[str, float]]]
+
+
+def chat_logprobs(entries: list[TokenEntry]) -> dict[str, Any]:
+    """A chat choice's `logprobs`, as OpenAI's: per token its text, bytes, logprob and top ones."""
+
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = [one(token, lp) | {"top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenEntry], offset: int = 0) -> dict[str, Any]:
+    """A completion choice's `logprobs`, as OpenAI's legacy shape: tokens, their logprobs, top ones by text, and
+    each token's offset in the choice's text (from `offset`)."""
+    offsets = []
+    for token, _, _ in entries:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": [token for token, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -180,16 +201,18 @@ class Reply:
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
 
-    def whole(self, answers: list[tuple[str, str | None]], usage: generation_pb2.Usage | None) -> dict[str, Any]:
-        """The answer of choices (text, finish reason) by index; `usage`: theirs together."""
+    def whole(
+        self, answers: list[tuple[str, str | None, list[TokenEntry] | None]], usage: generation_pb2.Usage | None
+    ) -> dict[str, Any]:
+        """The answer of choices (text, finish reason, logprobs when asked) by index; `usage`: theirs together."""
         choices = []
-        for index, (text, reason) in enumerate(answers):
+        for index, (text, reason, entries) in enumerate(answers):
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choices.append(choice | {"logprobs": None, "finish_reason": reason})
+            choices.append(choice | {"logprobs": self._logprobs(entries), "finish_reason": reason})
         body = self._head("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage_body(usage) if usage is not None else None
         return body
@@ -198,11 +221,24 @@ class Reply:
         """A chat stream's first chunk of choice `index`: the assistant's role, no content yet."""
         return self._chunk({"role": "assistant", "content": ""}, None, index) if self.chat else None
 
-    def delta(self, text: str, reason: str | None = None, index: int = 0) -> dict[str, Any]:
-        """A chunk of `text` of choice `index` (chat: the last chunk, with the finish reason, has an empty delta)."""
+    def delta(
+        self,
+        text: str,
+        reason: str | None = None,
+        index: int = 0,
+        entries: list[TokenEntry] | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        """A chunk of `text` of choice `index` and the logprobs of its tokens (chat: the last chunk, with the finish
+        reason, has an empty delta); `offset`: the choice's text before it (a completion's text_offset)."""
         if self.chat:
-            return self._chunk({"content": text} if reason is None else {}, reason, index)
-        return self._chunk(text, reason, index)
+            return self._chunk({"content": text} if reason is None else {}, reason, index, self._logprobs(entries))
+        return self._chunk(text, reason, index, self._logprobs(entries, offset))
+
+    def _logprobs(self, entries: list[TokenEntry] | None, offset: int = 0) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, offset)
 
     def usage_chunk(self, usage: generation_pb2.Usage) -> dict[str, Any]:
         """The last chunk of a stream that asked for usage: no choices."""
@@ -212,13 +248,15 @@ class Reply:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, delta: dict[str, Any] | str, reason: str | None, index: int = 0) -> dict[str, Any]:
+    def _chunk(
+        self, delta: dict[str, Any] | str, reason: str | None, index: int = 0, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = delta
         else:
             choice["text"] = delta
-        choice |= {"logprobs": None, "finish_reason": reason}
+        choice |= {"logprobs": logprobs, "finish_reason": reason}
         body = self._head(self._chunk_object, [choice])
         if self.include_usage:
             body["usage"] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -99,7 +100,13 @@ class RequestState:
             for i in range(emitted_drafts):
                 self.accepted_per_position[i] += 1
 
-    def emit(self, token_ids: list[int], finish_reason: int, outbox: StreamOutbox | None = None) -> None:
+    def emit(
+        self,
+        token_ids: list[int],
+        finish_reason: int,
+        outbox: StreamOutbox | None = None,
+        logprobs: Sequence[generation_pb2.TokenLogprob] = (),
+    ) -> None:
         """Append what the target emitted, apply stop strings, and push one message to the client's stream (through
         `outbox`, which may hold it a moment).
 
@@ -119,7 +126,12 @@ class RequestState:
                 self.text = self.text[:hit]
                 finish_reason = FINISH.FINISH_REASON_STOP
         self.finish_reason = finish_reason
-        message = generation_pb2.GenerateResponse(token_ids=token_ids, finish_reason=finish_reason, index=self.index)  # type: ignore[arg-type]
+        message = generation_pb2.GenerateResponse(
+            token_ids=token_ids,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            index=self.index,
+            logprobs=logprobs,
+        )
         if self.finished:
             message.usage.CopyFrom(self.usage())
         if outbox is None:

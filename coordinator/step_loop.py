@@ -225,7 +225,7 @@ class StepLoop:
         for request, result in zip(admitted, target_reply.results):
             if not request.preemptions:
                 request.cached_prompt_tokens = result.cached_prompt_tokens
-            request.emit(list(result.token_ids), result.finish_reason, self.outbox)
+            request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)
         if self.metrics is not None:
             self.metrics.prefilled(admitted, target_reply.results)
         return True
@@ -304,7 +304,7 @@ class StepLoop:
         else:
             for request, result in zip(members, reply.results):
                 request.record_verify(k, result.num_accepted, len(result.token_ids))
-                request.emit(list(result.token_ids), result.finish_reason, self.outbox)
+                request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)
                 emitted += len(result.token_ids)
             if self.metrics is not None:
                 self.metrics.verified(reply.results, k)

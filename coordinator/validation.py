@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig
+from minedraft.engine.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingConfig
 from minedraft.proto import generation_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -149,6 +149,7 @@ def sampling_config(
             "stop_token_ids",
         )
     _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab_size, "stop_token_ids")
+    _check_penalties(params, max_tokens)
     return SamplingConfig(
         temperature=float(params.temperature),
         top_p=float(top_p),
@@ -157,7 +158,36 @@ def sampling_config(
         max_tokens=max_tokens,
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        min_tokens=params.min_tokens,
+        min_p=float(params.min_p),
+        repetition_penalty=float(params.repetition_penalty) if params.HasField("repetition_penalty") else 1.0,
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
     )
+
+
+def _check_penalties(params: generation_pb2.SamplingParams, max_tokens: int) -> None:
+    """logprobs, min_tokens, min_p and the penalties in their ranges (OpenAI's for presence and frequency)."""
+    if params.HasField("logprobs") and params.logprobs > MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}", "logprobs")
+    if params.min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+        )
+    if not 0 <= params.min_p <= 1:  # (a NaN fails too)
+        raise InvalidRequest(f"min_p must be in [0, 1] (0 disables it), got {params.min_p}", "min_p")
+    if params.HasField("repetition_penalty") and not (
+        math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0
+    ):
+        raise InvalidRequest(
+            f"repetition_penalty must be > 0 (1 disables it; leave it unset for 1), got {params.repetition_penalty}",
+            "repetition_penalty",
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -2 <= value <= 2:
+            raise InvalidRequest(f"{name} must be in [-2, 2] (0 disables it), got {value}", name)
 
 
 def _check_length(prompt_length: int, max_tokens: int, context: int) -> None:

@@ -110,9 +110,16 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
         seed=c.seed,
         stop_token_ids=list(c.stop_token_ids),
         ignore_eos=c.ignore_eos,
+        logprobs=c.logprobs,
+        min_tokens=c.min_tokens,
+        min_p=c.min_p,
+        repetition_penalty=c.repetition_penalty,
+        presence_penalty=c.presence_penalty,
+        frequency_penalty=c.frequency_penalty,
     )
     tokens = request.prompt_ids + request.output_ids[:-1] if resume else request.prefill_ids
-    return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params)
+    output = len(tokens) - len(request.prompt_ids)  # penalties and min_tokens count these as output
+    return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params, output_tokens=output)
 
 
 class Workers:

@@ -15,6 +15,7 @@ from minedraft.engine.sampling import (
     SamplingConfig,
     SamplingKind,
     greedy_tokens,
+    penalized_logits,
     processed_probs,
     sample_from,
     seeded_uniform,
@@ -40,9 +41,9 @@ class Proposer:
     d_k still has to be run, before t.
     """
 
-    def __init__(self, runner: ModelRunner, greedy_drafts: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, greedy_drafts: bool = False, eos_token_ids: Sequence[int] = ()) -> None:
         self.runner = runner
-        self.table = SequenceTable(runner)
+        self.table = SequenceTable(runner, eos_token_ids)  # (the EOS ids: what min_tokens masks in drafts too)
         self.greedy_drafts = greedy_drafts  # one-hot q for every row: no probabilities move, still lossless
         slots, device = runner.num_slots + 1, runner.device  # with the scratch row, as the table
         self.committed = torch.zeros(slots, dtype=torch.long, device=device)
@@ -101,8 +102,9 @@ class Proposer:
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
     def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
-        """How a batch of this kind drafts: greedily for every row with `greedy_drafts`."""
-        return SamplingKind(all_greedy=True, filtered=kind.filtered) if self.greedy_drafts else kind
+        """How a batch of this kind drafts: greedily for every row with `greedy_drafts`; never with logprobs (the
+        target's alone)."""
+        return kind._replace(all_greedy=kind.all_greedy or self.greedy_drafts, logprobs=False)
 
     def _run_proposal(
         self,
@@ -136,10 +138,14 @@ class Proposer:
         Returns the drafts `[B, k]`, then their distributions `[B, k, V]` unless every row drafts greedily."""
         (verdicts,) = inputs
         tokens, num_valid = self._reconcile(rows, verdicts)
+        if kind.penalized:  # the tail's tokens where the penalties of the drafts count them
+            self.table.record_history(rows, self.committed[rows] - num_valid, tokens, num_valid)
         drafts, probs = [], []
         for position in range(k):
             logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=True)
             draft, q = self._choose(rows, logits, position=position, kind=kind)
+            if kind.penalized:
+                self.table.record_history(rows, self.committed[rows] + position, draft[:, None], torch.ones_like(draft))
             drafts.append(draft)
             if q is not None:
                 probs.append(q)
@@ -171,6 +177,7 @@ class Proposer:
         for b, tokens in enumerate(appended):
             ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_reconcile`: a wider target vocabulary)
+        self.table.write_history(host_rows, kept, [ids[b, : len(t)].tolist() for b, t in enumerate(appended)])
         lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
         for row, keep in zip(host_rows, kept):
             self.runner.cache.trim(row, keep)
@@ -233,13 +240,24 @@ class Proposer:
         self, rows: torch.Tensor, logits: torch.Tensor, *, position: int, kind: SamplingKind
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Inside the proposal's graph: the draft token of each row from its last logits `[B, V]`, the proposal's
-        `position`-th, and its distribution q (None when every row drafts greedily: none is made, and none moves)."""
+        `position`-th, and its distribution q (None when every row drafts greedily: none is made, and none moves);
+        penalized as the target's, over the row's history and the drafts before."""
+        t = self.table
+        if kind.penalized:
+            assert t.history is not None
+            length = self.committed[rows] + position
+            none = torch.zeros(len(rows), 0, dtype=torch.long, device=logits.device)
+            logits = penalized_logits(logits[:, None], t.history[rows, :-1], length, none, t.penalties(rows))[:, 0]
         if kind.all_greedy:
             return greedy_tokens(logits), None
-        t = self.table
         temp = t.temperature[rows]  # (with greedy_drafts every batch is all-greedy: see `_drafting_kind`)
         probs = processed_probs(
-            logits[:, None], temperature=temp, top_k=t.top_k[rows], top_p=t.top_p[rows], filtered=kind.filtered
+            logits[:, None],
+            temperature=temp,
+            top_k=t.top_k[rows],
+            top_p=t.top_p[rows],
+            filtered=kind.filtered,
+            min_p=t.min_p[rows],
         )[:, 0]
         u = seeded_uniform(t.seed_key[rows], (self.committed[rows] + position)[:, None], STREAM_DRAFT)[:, 0]
         greedy = temp == 0

@@ -37,7 +37,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
 
     def __init__(self, options: WorkerOptions, greedy_drafts: bool = False) -> None:
         worker = ModelWorker(options)
-        self.proposer = Proposer(worker.runner, greedy_drafts=greedy_drafts)
+        self.proposer = Proposer(worker.runner, greedy_drafts, worker.vocab.eos_token_ids)
         super().__init__(worker, self.proposer)
 
     def add_to(self, server: grpc.aio.Server) -> None:

@@ -24,6 +24,7 @@ class RowParams:
     top_k: torch.Tensor  # [B] long, 0 = off
     top_p: torch.Tensor  # [B] float
     seed_key: torch.Tensor  # [B] long: sampling.seed_key of each row's seed
+    min_p: torch.Tensor | None = None  # [B] float, 0 = off
 
 
 @dataclass
@@ -69,7 +70,7 @@ def rejection_sample(
 
     vocab = target_logits.shape[-1]
     positions = first_position[:, None] + torch.arange(k + 1, device=draft_ids.device)
-    p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p, filtered)
+    p = processed_probs(target_logits, params.temperature, params.top_k, params.top_p, filtered, params.min_p)
     if draft_probs is None:
         q = torch.zeros_like(p[:, :k]).scatter_(-1, draft_ids[..., None], 1.0)  # one-hot, without F.one_hot's sync
     else:

@@ -30,6 +30,8 @@ _FINISH = {
 
 def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.SequenceResult]:
     cached = result.cached_tokens or [0] * len(seq_ids)
+    rows = result.per_row()
+    logprobs = result.logprobs_per_row()
     return [
         target_pb2.SequenceResult(
             seq_id=seq_id,
@@ -37,8 +39,14 @@ def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.Seq
             num_accepted=accepted,
             finish_reason=_FINISH.get(finish, generation_pb2.FINISH_REASON_UNSPECIFIED),
             cached_prompt_tokens=hits,
+            logprobs=[
+                generation_pb2.TokenLogprob(
+                    logprob=lp, top=[generation_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top]
+                )
+                for lp, top in reported or ()
+            ],
         )
-        for seq_id, (tokens, accepted, finish), hits in zip(seq_ids, result.per_row(), cached, strict=True)
+        for seq_id, (tokens, accepted, finish), hits, reported in zip(seq_ids, rows, cached, logprobs, strict=True)
     ]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from minedraft.engine.model_runner import ModelRunner, StepShape
-from minedraft.engine.sampling import SamplingConfig, SamplingKind
+from minedraft.engine.sampling import SamplingConfig, SamplingKind, penalized_logits, token_logprobs
 from minedraft.engine.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
 
@@ -37,13 +37,36 @@ class StepResult:
     # finish is RUNNING, FINISHED_STOP or FINISHED_LENGTH
     on_read: Callable[[list[int]], None] | None = None  # told each row's emitted count once the host has it
     cached_tokens: list[int] | None = None  # a prefill's: the prompt tokens each row found in the prefix cache
+    # With log-probabilities asked for: [B, m, 1 + 2N] float32, per token its own, the top N's, their ids (exact in
+    # float32 below 2**24), one copy to the host; and per row how many top ones it asked for (None: none)
+    logprobs: torch.Tensor | None = None
+    top_n: Sequence[int | None] = ()
+    _emitted: list[int] | None = None
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
-        """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step."""
+        """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step (a second one,
+        `logprobs_per_row`, only where a row asked for logprobs)."""
         rows = self.packed.tolist()
+        self._emitted = [n for n, *_ in rows]
         if self.on_read is not None:
-            self.on_read([n for n, *_ in rows])
+            self.on_read(self._emitted)
         return [(row[:n], a, f) for n, a, f, *row in rows]
+
+    def logprobs_per_row(self) -> list[list[tuple[float, list[tuple[int, float]]]] | None]:
+        """After `per_row`: per row that asked, each emitted token's log-probability and its top ones' (id,
+        log-probability), most likely first; None for rows that did not ask (and every row without logprobs)."""
+        if self.logprobs is None:
+            return [None] * len(self.packed)
+        assert self._emitted is not None, "per_row first"
+        reported, width = self.logprobs.tolist(), (self.logprobs.shape[-1] - 1) // 2
+        rows: list[list[tuple[float, list[tuple[int, float]]]] | None] = []
+        for b, (n, top) in enumerate(zip(self._emitted, self.top_n, strict=True)):
+            if top is None:
+                rows.append(None)
+                continue
+            tokens = [reported[b][j] for j in range(n)]
+            rows.append([(t[0], [(int(t[1 + width + i]), t[1 + i]) for i in range(top)]) for t in tokens])
+        return rows
 
 
 class Verifier:
@@ -55,7 +78,7 @@ class Verifier:
     ) -> None:
         self.runner = runner
         self.synthetic_acceptance = synthetic_acceptance  # benchmarks only: see rejection_sample
-        self.table = SequenceTable(runner)
+        self.table = SequenceTable(runner, eos_token_ids)
         self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
         # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
         # length without waiting for the device (a row missing here costs one host sync).
@@ -83,10 +106,15 @@ class Verifier:
         the last prompt token had been pending."""
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size, configs)
         body = functools.partial(self._prefill_step, kind=kind)
-        _, _, (packed,), cached = self.table.prefill(seq_ids, prompts, configs, kind=_step_kind(kind), body=body)
+        _, _, (packed, *logprobs), cached = self.table.prefill(
+            seq_ids, prompts, configs, kind=_step_kind(kind), body=body
+        )
         rows = self.table.row_list(seq_ids)
         # (the last token of each prompt is pending)
-        return StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]), cached_tokens=cached)
+        recorder = self._recorder(rows, [len(p) - 1 for p in prompts])
+        if not logprobs:
+            return StepResult(packed, recorder, cached)
+        return StepResult(packed, recorder, cached, logprobs[0], [c.logprobs for c in configs])
 
     def verify(
         self,
@@ -110,10 +138,16 @@ class Verifier:
         self.runner.cache.reserve(host_rows, [length + k + 1 for length in before])
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         probs = () if draft_probs is None else (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
-        (packed,) = self._run_verify(rows, draft_ids, probs, kind=kind, needed=max(before) + k + 1, lane=batch_id)
+        packed, *logprobs = self._run_verify(
+            rows, draft_ids, probs, kind=kind, needed=max(before) + k + 1, lane=batch_id
+        )
         for r in host_rows:  # unknown until the result is read
             self.cached.pop(r, None)
-        return StepResult(packed, self._recorder(host_rows, before))
+        top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
+        recorder = self._recorder(host_rows, before)
+        if not logprobs:
+            return StepResult(packed, recorder)
+        return StepResult(packed, recorder, logprobs=logprobs[0], top_n=top_n)
 
     def held_seq_ids(self) -> list[int]:
         """Every sequence it holds (what a worker frees when its lease ends)."""
@@ -157,7 +191,7 @@ class Verifier:
         num_valid = torch.full_like(rows, k + 1)
         before = self.runner.cache.lengths[rows]
         logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=False)
-        packed = self._decide(
+        return self._decide(
             rows,
             tokens=tokens,
             num_valid=num_valid,
@@ -167,7 +201,6 @@ class Verifier:
             drafts=k,
             kind=kind,
         )
-        return [packed]
 
     def _prefill_step(
         self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape, *, kind: SamplingKind
@@ -177,7 +210,7 @@ class Verifier:
         prompts, lengths = inputs
         before = self.runner.cache.lengths[rows]
         logits = self.runner.step_forward(rows, prompts, lengths, shape=shape, last_only=True)
-        packed = self._decide(
+        return self._decide(
             rows,
             tokens=prompts,
             num_valid=lengths,
@@ -187,7 +220,6 @@ class Verifier:
             drafts=0,
             kind=kind,
         )
-        return [packed]
 
     def _recorder(self, rows: list[int], starts: list[int]) -> Callable[[list[int]], None]:
         """What a step's result tells the host once read: each row now caches its start plus what it emitted
@@ -260,10 +292,11 @@ class Verifier:
         draft_probs: torch.Tensor | None,
         drafts: int,
         kind: SamplingKind,
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
         `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
-        its arguments and the table's tensors. Returns `StepResult.packed`."""
+        its arguments and the table's tensors. Returns `StepResult.packed`, then its `logprobs` when the kind has
+        them."""
         # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
         draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
         stance = (
@@ -280,6 +313,8 @@ class Verifier:
                 draft_probs=draft_probs,
                 all_greedy=kind.all_greedy,
                 filtered=kind.filtered,
+                penalized=kind.penalized,
+                logprobs=kind.logprobs,
             )
 
     def _accept_and_commit_eagerly(
@@ -291,12 +326,22 @@ class Verifier:
         draft_probs: torch.Tensor | None,
         all_greedy: bool,
         filtered: bool,
-    ) -> torch.Tensor:
-        """`rejection_sample`, then `_commit`; `first_position` is each row's sequence index of its first draft (or
-        of its next token). Compiled with the layers (`_accept_and_commit`)."""
+        penalized: bool,
+        logprobs: bool,
+    ) -> list[torch.Tensor]:
+        """The penalties applied (with `penalized`), `rejection_sample`, the emitted tokens' log-probabilities (with
+        `logprobs`), then `_commit`; `first_position` is each row's sequence index of its first draft (or of its next
+        token). Compiled with the layers (`_accept_and_commit`)."""
         t = self.table
+        if penalized:  # each position sees the history before it, the drafts it follows included
+            assert t.history is not None
+            logits = penalized_logits(logits, t.history[rows, :-1], first_position, draft_ids, t.penalties(rows))
         params = RowParams(
-            temperature=t.temperature[rows], top_k=t.top_k[rows], top_p=t.top_p[rows], seed_key=t.seed_key[rows]
+            temperature=t.temperature[rows],
+            top_k=t.top_k[rows],
+            top_p=t.top_p[rows],
+            seed_key=t.seed_key[rows],
+            min_p=t.min_p[rows],
         )
         sampled = rejection_sample(
             target_logits=logits,
@@ -308,7 +353,14 @@ class Verifier:
             all_greedy=all_greedy,
             filtered=filtered,
         )
-        return self._commit(rows, first_position - 1, sampled)
+        reported = []
+        if logprobs:  # one tensor: one copy to the host
+            chosen, values, ids = token_logprobs(logits, params.temperature, sampled.tokens)
+            reported.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
+        packed = self._commit(rows, first_position - 1, sampled)
+        if penalized:
+            t.record_history(rows, first_position, sampled.tokens, packed[:, 0])
+        return [packed, *reported]
 
     def _padded(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""

@@ -14,13 +14,19 @@ from transformers import (
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
     MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen3Config,
+    RepetitionPenaltyLogitsProcessor,
 )
 
 from minedraft.engine.models import load_model
+from minedraft.engine.sampling import SamplingConfig
 
 TINY_ARCHS = ("llama", "qwen3", "mistral", "gpt2", "gpt_neox")
 
@@ -170,3 +176,52 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) ->
 def hf_reference() -> Any:
     """`hf_greedy`, as a fixture so test modules need not import conftest."""
     return hf_greedy
+
+
+class PresenceFrequency(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens (after the prompt): Hugging Face has no
+    processor of its own for them."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        output = input_ids[:, self.prompt_length :]
+        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0) - self.frequency * counts  # type: ignore[return-value]
+
+
+def hf_processors(prompt_length: int, config: SamplingConfig, eos: list[int]) -> LogitsProcessorList:
+    """Hugging Face's logits processors that mean what `config`'s penalties, min_tokens and min_p ask (min_tokens
+    holding back `eos` and the stop token ids)."""
+    processors = LogitsProcessorList()
+    if config.min_tokens:
+        stops = eos + list(config.stop_token_ids)
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_tokens, stops))
+    if config.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if config.presence_penalty or config.frequency_penalty:
+        processors.append(PresenceFrequency(prompt_length, config.presence_penalty, config.frequency_penalty))
+    if config.min_p:
+        processors.append(MinPLogitsWarper(config.min_p))
+    return processors
+
+
+def hf_processed_greedy(model: PreTrainedModel, prompt: list[int], config: SamplingConfig, eos: list[int]) -> list[int]:
+    """Hugging Face `generate()`, greedy, with the processors of `config` (`hf_processors`), up to and including
+    the first of `eos` or the stop token ids."""
+    stops = eos + list(config.stop_token_ids)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=config.max_tokens,
+            do_sample=False,
+            eos_token_id=stops or None,
+            pad_token_id=0,
+            logits_processor=hf_processors(len(prompt), config, eos),
+        )
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    ends = [i for i, t in enumerate(tokens) if t in stops]
+    return tokens[: ends[0] + 1] if ends else tokens

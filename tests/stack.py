@@ -571,6 +571,19 @@ async def generate_all(address: str, requests: Sequence[generation_pb2.GenerateR
     return [c.token_ids for c in done]
 
 
+def assert_same_top(got: Sequence[tuple[Any, float]], want: Sequence[tuple[Any, float]], tol: float = 1e-5) -> None:
+    """Two runs' top logprobs of one position, (token, logprob) most likely first, agree: each value within `tol`,
+    and the same token at each rank but where its logprob is within `tol` of a neighbour's (float32 sums of another
+    batch shape may swap near-ties)."""
+    assert len(got) == len(want), (got, want)
+    values = [v for _, v in want]
+    for rank, ((token, value), (token_ar, value_ar)) in enumerate(zip(got, want)):
+        assert abs(value - value_ar) < tol, (rank, got, want)
+        near = [abs(value_ar - v) < tol for v in values[max(rank - 1, 0) : rank] + values[rank + 1 : rank + 2]]
+        # (The last rank's near-tie may be with a token beyond the list.)
+        assert token == token_ar or any(near) or rank == len(want) - 1, (rank, got, want)
+
+
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 

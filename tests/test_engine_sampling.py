@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import hf_processors
 from transformers import PreTrainedModel
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -154,25 +156,30 @@ def small_pair(tiny_models) -> tuple[PreTrainedModel, PreTrainedModel]:
 
 
 def sample_sequences(
-    target: PreTrainedModel, draft: PreTrainedModel | None, k: int, greedy_drafts: bool = False
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    k: int,
+    greedy_drafts: bool = False,
+    configs: dict[str, SamplingConfig] = CONFIGS,
+    eos: Sequence[int] = (),
 ) -> dict[str, list[tuple[int, ...]]]:
     """SAMPLES requests per configuration, each with its own seed, LENGTH tokens each.
 
     They run in CHUNKS batches, each mixing every configuration (rows of different temperatures, top-k and top-p
     side by side); chunks keep `generate_offline`'s admission bookkeeping, quadratic in the requests, cheap.
     """
-    samples: dict[str, list[tuple[int, ...]]] = {name: [] for name in CONFIGS}
+    samples: dict[str, list[tuple[int, ...]]] = {name: [] for name in configs}
     per_chunk = SAMPLES // CHUNKS
     for chunk in range(CHUNKS):
         requests, names = [], []
-        for c, (name, config) in enumerate(CONFIGS.items()):
+        for c, (name, config) in enumerate(configs.items()):
             for i in range(chunk * per_chunk, (chunk + 1) * per_chunk):
                 seeded = dataclasses.replace(config, seed=1_000_003 * c + i, max_tokens=LENGTH)
                 requests.append(OfflineRequest(PROMPT, seeded))
                 names.append(name)
         slots = len(requests)
-        verifier = Verifier(ModelRunner(target, slots, 16), [])
-        proposer = None if draft is None else Proposer(ModelRunner(draft, slots, 16), greedy_drafts)
+        verifier = Verifier(ModelRunner(target, slots, 16), eos)
+        proposer = None if draft is None else Proposer(ModelRunner(draft, slots, 16), greedy_drafts, eos)
         for name, result in zip(names, generate_offline(verifier, proposer, requests, k, slots)):
             assert len(result.tokens) == LENGTH
             samples[name].append(tuple(result.tokens))
@@ -256,6 +263,52 @@ def test_distribution_matches_target(k: int, draft_kind: str, small_pair) -> Non
     fits = check_all(target, samples)
     failing = {name: fit for name, fit in fits.items() if not _passes(fit)}
     assert not failing, f"distribution differs from the target's: {failing}"
+
+
+# The penalties, min_tokens and min_p (EOS_ID masked by min_tokens until the last position, or throughout)
+EOS_ID = 3
+PENALIZED = {
+    "rep-presence-frequency": SamplingConfig(
+        temperature=1.0, repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty=0.8, min_tokens=LENGTH
+    ),
+    "minp-rep-below-1": SamplingConfig(temperature=1.2, min_p=0.15, repetition_penalty=0.7, min_tokens=LENGTH - 1),
+}
+
+
+def hf_penalized_distribution(target: PreTrainedModel, config: SamplingConfig) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_L | PROMPT) by the chain rule, each step's probabilities made by Hugging Face's processors."""
+    processors = hf_processors(len(PROMPT), dataclasses.replace(config, min_p=0.0), [EOS_ID])
+    processors.append(TemperatureLogitsWarper(config.temperature))
+    if config.min_p:  # (after the temperature, as Hugging Face's warpers)
+        processors.append(MinPLogitsWarper(config.min_p))
+    exact: dict[tuple[int, ...], float] = {}
+    for sequence in itertools.product(range(SMALL_VOCAB), repeat=LENGTH):
+        ids = torch.tensor([PROMPT + list(sequence)])
+        with torch.inference_mode():
+            logits = target(ids).logits[0, len(PROMPT) - 1 : -1].float()
+        p = 1.0
+        for i, token in enumerate(sequence):
+            scores = processors(ids[:, : len(PROMPT) + i], logits[i : i + 1].clone())  # type: ignore[arg-type]
+            p *= float(scores.softmax(-1)[0, token])
+        exact[sequence] = p
+    assert abs(sum(exact.values()) - 1) < 1e-6
+    return exact
+
+
+def test_penalized_distribution_matches_penalized_target(small_pair) -> None:
+    """With penalties, min_tokens and min_p, sampled SD draws from the penalized target's distribution, as Hugging
+    Face's logits processors make it (the draft's probabilities penalized alike)."""
+    target, draft = small_pair
+    samples = sample_sequences(target, draft, 3, configs=PENALIZED, eos=[EOS_ID])
+    fits = {name: goodness_of_fit(samples[name], hf_penalized_distribution(target, c)) for name, c in PENALIZED.items()}
+    failing = {name: fit for name, fit in fits.items() if not _passes(fit)}
+    assert not failing, f"distribution differs from the penalized target's: {failing}"
+    # The check sees the penalties: the unpenalized target's distribution does not fit.
+    plain = {
+        name: dataclasses.replace(c, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        for name, c in PENALIZED.items()
+    }
+    assert not any(_passes(goodness_of_fit(samples[n], hf_penalized_distribution(target, c))) for n, c in plain.items())
 
 
 # -- the check has teeth: deliberately wrong acceptance rules fail it -------------------------------------------

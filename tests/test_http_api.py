@@ -28,6 +28,8 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import torch
+from conftest import hf_processed_greedy
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +40,7 @@ from stack import (
     TinyPairs,
     Workers,
     assert_all_slots_free,
+    assert_same_top,
     generate,
     running_coordinator,
 )
@@ -46,7 +49,8 @@ from coordinator.http_api import ApiError, BodyLimit
 from coordinator.validation import chat_prompt_ids
 from minedraft.app.stack import free_port
 from minedraft.engine.models import load_tokenizer
-from minedraft.proto import generation_pb2
+from minedraft.engine.sampling import SamplingConfig
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
 
@@ -256,6 +260,99 @@ def test_streamed_chat_completion(stack: Stack) -> None:
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
 
 
+def _grpc_logprobs(stack: Stack, prompt_ids: list[int], top: int) -> tuple[list[int], list[Any]]:
+    """The greedy tokens of 12 (EOS ignored) over gRPC and their logprobs."""
+    params = generation_pb2.SamplingParams(max_tokens=12, ignore_eos=True, logprobs=top)
+    request = generation_pb2.GenerateRequest(prompt_token_ids=prompt_ids, params=params)
+
+    async def run() -> tuple[list[int], list[Any]]:
+        tokens, logprobs = [], []
+        async with grpc.aio.insecure_channel(stack.coordinator.address) as channel:
+            async for message in generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60):
+                tokens += message.token_ids
+                logprobs += message.logprobs
+        return tokens, logprobs
+
+    return asyncio.run(run())
+
+
+def test_completion_logprobs_whole_and_streamed(stack: Stack, llama_workers: Workers) -> None:
+    """`logprobs: 5` on a completion: OpenAI's legacy shape, what gRPC reports, and the target's own log_softmax."""
+    from transformers import AutoModelForCausalLM
+
+    ids = stack.tokenizer.encode(PROMPT)
+    tokens, over_grpc = _grpc_logprobs(stack, ids, 5)
+    kwargs: dict[str, Any] = dict(
+        model=stack.model, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=5, extra_body={"ignore_eos": True}
+    )
+    logprobs = stack.client.completions.create(**kwargs).choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.tokens == [stack.tokenizer.decode([t]) for t in tokens]
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in over_grpc], abs=1e-5)
+    for top, reported in zip(logprobs.top_logprobs, over_grpc):
+        want = {stack.tokenizer.decode([t.token_id]): t.logprob for t in reported.top}
+        assert_same_top(sorted(top.items(), key=lambda kv: -kv[1]), sorted(want.items(), key=lambda kv: -kv[1]))
+        assert 1 <= len(top) <= 5 and len(reported.top) == 5
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(tokens))]
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    with torch.inference_mode():
+        logits = target(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float()
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    assert logprobs.token_logprobs == pytest.approx(expected, abs=1e-5)  # the target's own, drafted ones included
+    streamed = [c.choices[0].logprobs for c in stack.client.completions.create(**kwargs, stream=True)]
+    parts = [lp for lp in streamed if lp is not None]
+    assert [t for lp in parts for t in lp.tokens or ()] == logprobs.tokens
+    # (Another run: its steps may have drafted other positions, which float32 sums differently, well within 1e-5.)
+    assert [v for lp in parts for v in lp.token_logprobs or ()] == pytest.approx(logprobs.token_logprobs, abs=1e-5)
+    assert [o for lp in parts for o in lp.text_offset or ()] == logprobs.text_offset
+
+
+def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
+    """`logprobs: true` and `top_logprobs` on a chat completion: OpenAI's content list, what gRPC reports."""
+    templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    tokens, over_grpc = _grpc_logprobs(stack, templated, 3)
+    done = _chat(stack, MESSAGES, logprobs=True, top_logprobs=3).choices[0]
+    assert done.logprobs is not None and done.logprobs.content is not None
+    content = done.logprobs.content
+    assert [c.token for c in content] == [stack.tokenizer.decode([t]) for t in tokens]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in over_grpc], abs=1e-5)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    for c, reported in zip(content, over_grpc):
+        want = [(stack.tokenizer.decode([t.token_id]), t.logprob) for t in reported.top]
+        assert_same_top([(t.token, t.logprob) for t in c.top_logprobs], want)
+    chunks = list(_chat(stack, MESSAGES, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content or ()]
+    assert [e.token for e in streamed] == [c.token for c in content]
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = _chat(stack, MESSAGES, logprobs=True).choices[0].logprobs
+    assert plain is not None and plain.content is not None
+    assert len(plain.content) == 12 and all(c.top_logprobs == [] for c in plain.content)
+    assert _chat(stack, MESSAGES).choices[0].logprobs is None
+
+
+def test_penalties_round_trip(stack: Stack, llama_workers: Workers) -> None:
+    """Penalties and min_tokens through the openai client: greedy output equals HF `generate()` with the same
+    logits processors; a chat completion's too."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    ids = stack.tokenizer.encode(PROMPT)
+    penalties: dict[str, Any] = dict(presence_penalty=0.5, frequency_penalty=1.0)
+    extra: dict[str, Any] = dict(repetition_penalty=1.5, min_tokens=6, min_p=0.05)
+    config = SamplingConfig(max_tokens=16, **penalties, **extra)
+    expected = hf_processed_greedy(target, ids, config, [0])
+    assert expected != hf_processed_greedy(target, ids, SamplingConfig(max_tokens=16), [0])
+    done = stack.client.completions.create(
+        model=stack.model, prompt=ids, max_tokens=16, temperature=0, **penalties, extra_body=extra
+    )
+    assert done.choices[0].text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    assert done.usage is not None and done.usage.completion_tokens == len(expected)
+    templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    chat = _chat(stack, MESSAGES, max_tokens=16, frequency_penalty=1.5, extra_body={"ignore_eos": True})
+    want = hf_processed_greedy(target, templated, SamplingConfig(max_tokens=16, frequency_penalty=1.5), [])
+    assert chat.choices[0].message.content == stack.tokenizer.decode(want, skip_special_tokens=True)
+
+
 def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
     """Server-sent events as OpenAI sends them: `data: {json}` events, the last `data: [DONE]`."""
     body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 4, "stream": True}
@@ -340,8 +437,12 @@ def test_n_samples_prefilled_later_find_the_prompt_cached(stack: Stack) -> None:
     [
         ({"n": 17}, "n", ("at most 16",)),
         ({"n": 0}, "n", ("greater than or equal",)),
-        ({"logprobs": 1}, "logprobs", ("not supported yet",)),
-        ({"presence_penalty": 0.5}, "presence_penalty", ("not supported yet",)),
+        ({"logprobs": 21}, "logprobs", ("at most 20",)),
+        ({"presence_penalty": 2.5}, "presence_penalty", ("[-2, 2]",)),
+        ({"frequency_penalty": -3}, "frequency_penalty", ("[-2, 2]",)),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", ("> 0",)),
+        ({"extra_body": {"min_p": 1.5}}, "min_p", ("[0, 1]",)),
+        ({"extra_body": {"min_tokens": 5}}, "min_tokens", ("max_tokens (4)",)),
         ({"logit_bias": {"5": 1.0}}, "logit_bias", ("not supported yet",)),
         ({"echo": True}, "echo", ("not supported yet",)),
         ({"extra_body": {"best_of_three": 1}}, "best_of_three", ("not supported",)),
@@ -373,9 +474,9 @@ def test_bad_completion_is_400_naming_the_field(
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
-        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi", "name": "me"}]}, "messages.0.name"),

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from draft_service.proposer import Proposer
 from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import CapacityError, ModelRunner
-from minedraft.engine.sampling import SamplingConfig
+from minedraft.engine.sampling import SamplingConfig, SamplingKind
 from target_service.verifier import FINISHED_LENGTH, RUNNING, Verifier
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -380,5 +380,5 @@ def test_a_batch_whose_sequences_come_and_go_steps_on_their_current_rows(tiny_mo
     verifier.prefill([1], [[3, 4, 5]], [SamplingConfig(max_tokens=8, temperature=1.0)])  # another row, sampled
     rows, host = table.batch_rows([1, 2], 0)
     assert rows == [table.rows_by_id[1], table.rows_by_id[2]] != first and host.tolist() == rows
-    assert table.sampling_kind([1, 2], VOCAB) == (False, False)
+    assert table.sampling_kind([1, 2], VOCAB) == SamplingKind(all_greedy=False, filtered=False)
     verifier.verify([1, 2], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()

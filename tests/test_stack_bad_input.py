@@ -75,6 +75,25 @@ BAD_INPUTS: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
     "max_tokens 0": ({"prompt_token_ids": PROMPT, "params": _params(max_tokens=0)}, ("max_tokens", ">= 1")),
     "negative top_k": ({"prompt_token_ids": PROMPT, "params": _params(top_k=-1)}, ("top_k",)),
     "negative token id": ({"prompt_token_ids": [*PROMPT, -1], "params": _params()}, ("vocabulary", "-1")),
+    "logprobs above 20": ({"prompt_token_ids": PROMPT, "params": _params(logprobs=21)}, ("logprobs", "at most 20")),
+    "min_tokens above max_tokens": (
+        {"prompt_token_ids": PROMPT, "params": _params(min_tokens=5)},
+        ("min_tokens (5)", "max_tokens (4)"),
+    ),
+    "min_p above 1": ({"prompt_token_ids": PROMPT, "params": _params(min_p=1.5)}, ("min_p", "[0, 1]")),
+    # Set to 0 is a value, not "unset" (1): it would divide by zero.
+    "repetition_penalty 0": (
+        {"prompt_token_ids": PROMPT, "params": _params(repetition_penalty=0.0)},
+        ("repetition_penalty", "> 0"),
+    ),
+    "presence_penalty above 2": (
+        {"prompt_token_ids": PROMPT, "params": _params(presence_penalty=2.5)},
+        ("presence_penalty", "[-2, 2]"),
+    ),
+    "frequency_penalty below -2": (
+        {"prompt_token_ids": PROMPT, "params": _params(frequency_penalty=-2.5)},
+        ("frequency_penalty", "[-2, 2]"),
+    ),
     # Limits, checked before any work (the coordinator's defaults)
     "prompt text over --max-prompt-bytes": (
         {"prompt": "a" * ((1 << 20) + 1), "params": _params()},
@@ -135,6 +154,9 @@ def test_edge_values_that_are_valid(coordinator: Service) -> None:
     assert len(done.token_ids) == 16
     for params, prompt in (
         (_params(top_p=1.0, top_k=0, temperature=0.0, ignore_eos=True), PROMPT),
+        # The ends of the ranges of logprobs, min_tokens, min_p and the penalties
+        (_params(logprobs=20, min_tokens=4, min_p=1.0, presence_penalty=-2, frequency_penalty=2), PROMPT),
+        (_params(logprobs=0, repetition_penalty=0.01, ignore_eos=True), PROMPT),
         (_params(max_tokens=4, ignore_eos=True), [7] * (room - 4)),
     ):
         done = asyncio.run(
@@ -218,6 +240,15 @@ def test_generate_cli_json(coordinator: Service) -> None:
         "time_per_output_token_s",
     } <= set(out["usage"])
     assert out["usage"]["completion_tokens"] == 6
+    # With logprobs and a penalty: the tokens' logprobs, 3 top ones each, as gRPC gives them.
+    flags = ["--max-tokens", "6", "--ignore-eos", "--json", "--logprobs", "3", "--repetition-penalty", "1.3"]
+    run = _cli("--server", coordinator.address, "--prompt-ids", ",".join(map(str, PROMPT)), *flags)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    params = generation_pb2.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, repetition_penalty=1.3)
+    request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=params)
+    assert out["token_ids"] == asyncio.run(generate(coordinator.address, request, timeout=60)).token_ids
+    assert len(out["logprobs"]) == 6 and all(len(lp["top"]) == 3 and lp["logprob"] <= 0 for lp in out["logprobs"])
 
 
 def test_internal_calls_without_the_lease_are_refused_and_change_nothing(

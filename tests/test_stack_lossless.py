@@ -7,17 +7,23 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import torch
+from conftest import hf_processed_greedy
 from stack import (
     Completion,
     Service,
     TinyPairs,
     Workers,
     assert_all_slots_free,
+    assert_same_top,
     coordinator_args,
     generate,
+    in_process_coordinator,
+    run_async,
     spawn,
     start_workers,
     stop_all,
@@ -25,7 +31,9 @@ from stack import (
     wait_all,
 )
 
-from minedraft.proto import generation_pb2
+from minedraft.engine.models import load_tokenizer
+from minedraft.engine.sampling import SamplingConfig
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
 
@@ -211,3 +219,96 @@ def test_compiled_services_match_target_alone(
         workers.stop()
     assert "acceptance and commit compiled for k=4" in target_log
     assert [(c.token_ids, c.finish_reason) for c in got] == [(c.expected, c.expected_finish) for c in some]
+
+
+# Each alone, greedy, as SamplingParams takes them (min_tokens holds back a stop token id the target emits early)
+PENALTIES: dict[str, dict[str, Any]] = {
+    "repetition": {"repetition_penalty": 1.7, "logprobs": 5},
+    "presence": {"presence_penalty": 2.0},
+    "frequency": {"frequency_penalty": 0.8},
+    "min_tokens": {"min_tokens": 10},
+    "min_p": {"min_p": 0.3},
+}
+LOGPROB_TOKENS = 16
+
+
+def _logprob_requests(
+    prompts: list[list[int]], target: Any, hf_reference: Any
+) -> tuple[list[generation_pb2.GenerateRequest], list[list[int]]]:
+    """Greedy requests asking for logprobs (0, 4 and 20 top ones), then a request per penalty and prompt; each
+    with the tokens HF `generate()` gives (with the penalty's logits processor)."""
+    requests, expected = [], []
+    plain = [hf_reference(target, p, LOGPROB_TOKENS) for p in prompts]
+    for prompt, top, tokens in zip(prompts, (0, 4, 20), plain):
+        params = generation_pb2.SamplingParams(max_tokens=LOGPROB_TOKENS, ignore_eos=True, logprobs=top)
+        requests.append(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params))
+        expected.append(tokens)
+    for name, fields in PENALTIES.items():
+        changed = False
+        for prompt, tokens in zip(prompts[:2], plain):
+            stops = (tokens[2],) if name == "min_tokens" else ()
+            config = SamplingConfig(max_tokens=LOGPROB_TOKENS, stop_token_ids=stops, **fields)
+            want = hf_processed_greedy(target, prompt, config, [EOS])
+            plain_config = SamplingConfig(max_tokens=LOGPROB_TOKENS, stop_token_ids=stops)
+            changed |= want != hf_processed_greedy(target, prompt, plain_config, [EOS])
+            params = generation_pb2.SamplingParams(max_tokens=LOGPROB_TOKENS, stop_token_ids=stops, **fields)
+            requests.append(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params))
+            expected.append(want)
+        # (Greedy min_p keeps the argmax: nothing to see there but that it runs.)
+        assert changed or name == "min_p", f"{name} changes nothing here: the test would not see it"
+    return requests, expected
+
+
+Reported = tuple[list[int], list[tuple[float, list[tuple[int, float]]]], int]
+
+
+async def _logprobs_run(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[Reported]:
+    """Each request's tokens, its messages' logprobs ((logprob, [(id, logprob), ...]) per token), its drafts."""
+
+    async def one(request: generation_pb2.GenerateRequest) -> Reported:
+        tokens: list[int] = []
+        logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            async for message in generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=120):
+                assert len(message.logprobs) in (0, len(message.token_ids))
+                tokens += message.token_ids
+                logprobs += [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in message.logprobs]
+        return tokens, logprobs, message.usage.draft_tokens
+
+    return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def test_logprobs_and_penalties_through_the_services(llama_workers: Workers, hf_reference: Any) -> None:
+    """Coordinators in this process over the session's Llama workers, psd and sd drafting every step, and ar:
+    greedy output with each penalty equals HF `generate()` with the same logits processor in every mode, and the
+    logprobs through psd and sd equal the target alone's (ar) within 1e-5, drafted positions included (without
+    penalties: log_softmax of the HF model's own logits)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype=torch.float32)
+    tokenizer = load_tokenizer(str(llama_workers.pair.target))
+    prompts = text_prompts(tokenizer, 3, 6, 30, seed=5)
+    requests, expected = _logprob_requests(prompts, target, hf_reference)
+
+    async def run(mode: str) -> list[Reported]:
+        async with in_process_coordinator(llama_workers, mode=mode, speculation="always") as (address, _):
+            return await _logprobs_run(address, requests)
+
+    results = {mode: run_async(run(mode)) for mode in ("ar", "sd", "psd")}
+    for mode, done in results.items():
+        assert [tokens for tokens, _, _ in done] == expected, mode
+        assert (sum(drafts for _, _, drafts in done) > 0) == (mode != "ar"), mode
+    for mode in ("sd", "psd"):
+        for request, tokens, (_, got, _), (_, want, _) in zip(requests, expected, results[mode], results["ar"]):
+            assert len(got) == len(want) == (len(tokens) if request.params.HasField("logprobs") else 0)
+            for (lp, top), (lp_ar, top_ar) in zip(got, want):
+                assert abs(lp - lp_ar) < 1e-5, mode
+                assert len(top) == request.params.logprobs
+                assert_same_top(top, top_ar)
+    for prompt, (tokens, logprobs, _) in zip(prompts, results["psd"]):  # the requests without penalties
+        with torch.inference_mode():
+            logits = target(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        chosen = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        assert len(logprobs) == len(tokens)
+        assert torch.allclose(torch.tensor([lp for lp, _ in logprobs]), chosen, atol=1e-5)
+    assert_all_slots_free(llama_workers)

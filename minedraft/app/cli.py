@@ -264,9 +264,17 @@ def generate_main(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     if args.seed is not None:
         params.seed = args.seed
+    if args.repetition_penalty is not None:
+        params.repetition_penalty = args.repetition_penalty
+    if args.logprobs is not None:
+        params.logprobs = args.logprobs
     request = generation_pb2.GenerateRequest(params=params)
     if args.message and args.chat is None:
         print("error: --message needs --chat", file=sys.stderr)
@@ -298,9 +306,10 @@ def generate_main(args: argparse.Namespace) -> int:
         with sync_channel(args.server, tls) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
             for message in stub.Generate(request, timeout=args.timeout, metadata=bearer_metadata(args.api_key)):
-                sample = samples.setdefault(message.index, [[], "", 0, None])
+                sample = samples.setdefault(message.index, [[], "", 0, None, []])
                 sample[0] += message.token_ids
                 sample[1] += message.text
+                sample[4] += message.logprobs
                 if not args.json and args.n <= 1:
                     print(message.text, end="", flush=True)
                 if message.finish_reason:
@@ -311,11 +320,14 @@ def generate_main(args: argparse.Namespace) -> int:
         print(f"\nerror: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     for index in sorted(samples):
-        token_ids, text, finish, usage = samples[index]
+        token_ids, text, finish, usage, logprobs = samples[index]
         if args.json:  # one JSON object a sample, a line each
-            print(
-                json.dumps(_generated_json(token_ids, text, finish, usage) | ({"index": index} if args.n > 1 else {}))
-            )
+            out = _generated_json(token_ids, text, finish, usage) | ({"index": index} if args.n > 1 else {})
+            if args.logprobs is not None:  # per token: its own, and the top ones as [id, logprob]
+                out["logprobs"] = [
+                    {"logprob": lp.logprob, "top": [[t.token_id, t.logprob] for t in lp.top]} for lp in logprobs
+                ]
+            print(json.dumps(out))
         elif args.n > 1:
             print(f"--- sample {index} ---\n{text}")
     if not args.json and args.n <= 1:

@@ -29,6 +29,7 @@ STREAM_DRAFT = 2
 
 _MASK32 = 0xFFFFFFFF
 MAX_STOP_TOKEN_IDS = 16
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for: a step computes this many for every row
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,27 @@ class SamplingConfig:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # top log-probabilities reported per token (0: the chosen one's only); None: none
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output_tokens: int = 0  # of the prompt a worker is given, the last tokens that are output (after a preemption)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the sequence's history (penalties, min_tokens)."""
+        return (
+            self.min_tokens > 0
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 class SamplingKind(NamedTuple):
@@ -53,11 +71,26 @@ class SamplingKind(NamedTuple):
     its own CUDA graphs."""
 
     all_greedy: bool  # every row greedy: no probabilities are made
-    filtered: bool  # some row restricted by top-k or top-p
+    filtered: bool  # some row restricted by top-k, top-p or min-p
+    penalized: bool = False  # some row has penalties or min_tokens: its logits depend on its history
+    logprobs: bool = False  # some row reports log-probabilities (the target's steps only)
 
     @property
     def name(self) -> str:
-        return "greedy" if self.all_greedy else "filtered" if self.filtered else "sampled"
+        base = "greedy" if self.all_greedy else "filtered" if self.filtered else "sampled"
+        return base + ("-penalized" if self.penalized else "") + ("-logprobs" if self.logprobs else "")
+
+
+@dataclass
+class Penalties:
+    """Per-row penalty parameters of one step, gathered from the sequence table (`SequenceTable.penalties`)."""
+
+    repetition: torch.Tensor  # [B] float, 1 = off
+    presence: torch.Tensor  # [B] float
+    frequency: torch.Tensor  # [B] float
+    min_tokens: torch.Tensor  # [B] long
+    output_start: torch.Tensor  # [B] long: the sequence index of the first output token
+    stop_ids: torch.Tensor  # [B, S] long: what min_tokens masks (EOS unless ignored, stop ids), -1 = none
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -104,14 +137,61 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return (best * chunk + within.gather(-1, best)).squeeze(-1)
 
 
+def penalized_logits(
+    logits: torch.Tensor, history: torch.Tensor, length: torch.Tensor, upcoming: torch.Tensor, pen: Penalties
+) -> torch.Tensor:
+    """`logits` [B, n, V] (float32) after min_tokens and the penalties, position j's seeing the row's `history`
+    [B, H] up to `length` [B] and then `upcoming[:, :j]` [B, n - 1] (the drafts a verify scores, in order).
+
+    Repetition penalty as Hugging Face's (prompt and output tokens), presence and frequency as OpenAI's and vLLM's
+    (output tokens only); min_tokens masks the stop tokens while fewer than min_tokens tokens precede the position.
+    """
+    logits = logits.float()
+    batch, n, vocab = logits.shape
+    index = torch.arange(history.shape[1], device=logits.device)[None, :]
+    valid = index < length[:, None]
+    ids = history.to(torch.long).clamp(0, vocab - 1)
+    counts = logits.new_zeros(batch, vocab).scatter_add_(1, ids, (valid & (index >= pen.output_start[:, None])).float())
+    seen = logits.new_zeros(batch, vocab).scatter_add_(1, ids, valid.float())
+    # The drafts before each position, as counts: every draft is output.
+    ahead = logits.new_zeros(batch, n, vocab)
+    if n > 1:
+        ahead[:, 1:].scatter_(2, upcoming[:, : n - 1, None].clamp(0, vocab - 1), 1.0)
+        ahead = ahead.cumsum(dim=1)
+    counts, seen = counts[:, None] + ahead, seen[:, None] + ahead
+    rep = pen.repetition[:, None, None]
+    logits = torch.where(seen > 0, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - pen.presence[:, None, None] * (counts > 0) - pen.frequency[:, None, None] * counts
+    generated = length[:, None] - pen.output_start[:, None] + torch.arange(n, device=logits.device)
+    stops = torch.where(pen.stop_ids >= 0, pen.stop_ids, vocab).clamp(max=vocab)  # (vocab: a column dropped after)
+    is_stop = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device).scatter_(1, stops, True)
+    masked = is_stop[:, None, :vocab] & (generated < pen.min_tokens[:, None])[..., None]
+    return logits.masked_fill(masked, float("-inf"))
+
+
+def token_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a step reports of `tokens` [B, n] under `logits` [B, n, V] (penalized already): each token's
+    log-probability [B, n] and the MAX_LOGPROBS most likely tokens' [B, n, N], with their ids, from log_softmax
+    after the temperature (0 taken as 1), before top-k, top-p and min-p."""
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    logprobs = (logits.float() / temp[:, None, None]).log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[..., None]).squeeze(-1)
+    top = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
+    return chosen, top.values, top.indices
+
+
 def processed_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     filtered: bool,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax of `logits` [B, n, V] after per-row temperature, then top-k, then top-p (Hugging Face's order).
+    """Softmax of `logits` [B, n, V] after per-row temperature, then top-k, then top-p, then min-p (Hugging Face's
+    order).
 
     Rows with temperature 0 are processed at temperature 1; greedy callers use the argmax instead. `filtered`
     says whether any row has top-k or top-p, known on the host (`SequenceTable.sampling_kind`): finding it out from
@@ -133,6 +213,9 @@ def processed_probs(
         # Rows without top-p must keep every token: a float32 cumsum reaches 1.0 before the tail.
         sorted_logits = sorted_logits.masked_fill((p < 1) & (mass_above >= p), float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        if min_p is not None:  # p < min_p * p_max, as logits: below the maximum by more than -log(min_p)
+            floor = logits.amax(dim=-1, keepdim=True) + min_p.to(logits.dtype).log()[:, None, None]
+            logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits.softmax(dim=-1)
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from minedraft.engine.model_runner import ModelRunner, StepBody
-from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingConfig, SamplingKind, seed_key
+from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, Penalties, SamplingConfig, SamplingKind, seed_key
 from minedraft.errors import UnknownSequenceError
 
 # A prefill forward's fixed cost, in prompt tokens: on an H200 one prompt of 512 tokens took 46.7 ms where each of 16
@@ -36,7 +36,7 @@ def prefill_groups(lengths: Sequence[int], forward_cost: int) -> list[list[int]]
 class SequenceTable:
     """Maps sequence ids to rows and keeps per-row parameters where batched tensor code can gather them."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, eos_token_ids: Sequence[int] = ()) -> None:
         self.runner = runner
         slots, device = runner.num_slots, runner.device
         self.rows_by_id: dict[int, int] = {}
@@ -51,6 +51,16 @@ class SequenceTable:
         self.generated = torch.zeros(slots, dtype=torch.long, device=device)
         self.ignore_eos = torch.zeros(slots, dtype=torch.bool, device=device)
         self.stop_ids = torch.full((slots, MAX_STOP_TOKEN_IDS), -1, dtype=torch.long, device=device)
+        self.min_p = torch.zeros(slots, device=device)
+        self.repetition = torch.ones(slots, device=device)
+        self.presence = torch.zeros(slots, device=device)
+        self.frequency = torch.zeros(slots, device=device)
+        self.min_tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.output_start = torch.zeros(slots, dtype=torch.long, device=device)
+        self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=device)
+        # Each row's tokens, prompt and output, that penalties count: made when the first penalized sequence comes
+        # (slots x max_len ids), with a last column that writes past a row's end go to.
+        self.history: torch.Tensor | None = None
         self.max_tokens[runner.scratch_row] = 1 << 62  # the scratch row never finishes
         # What a batch's steps ask of the table again and again while its members stay (a batch id or None -> its
         # sequence ids, their rows, the rows as a host tensor; sequence ids -> their sampling kind): forgotten
@@ -89,7 +99,46 @@ class SequenceTable:
         self.ignore_eos[index] = column([c.ignore_eos for c in configs], torch.bool)
         stops = [list(c.stop_token_ids) + [-1] * (MAX_STOP_TOKEN_IDS - len(c.stop_token_ids)) for c in configs]
         self.stop_ids[index] = column(stops, torch.long).reshape(len(configs), MAX_STOP_TOKEN_IDS)
+        self.min_p[index] = column([c.min_p for c in configs], torch.float32)
+        self.repetition[index] = column([c.repetition_penalty for c in configs], torch.float32)
+        self.presence[index] = column([c.presence_penalty for c in configs], torch.float32)
+        self.frequency[index] = column([c.frequency_penalty for c in configs], torch.float32)
+        self.min_tokens[index] = column([c.min_tokens for c in configs], torch.long)
+        if self.history is None and any(c.penalized for c in configs):
+            self.history = torch.zeros(self.temperature.shape[0], self.runner.max_len + 1, dtype=torch.int32)
+            self.history = self.history.to(self.runner.device)
         return index
+
+    def write_history(self, rows: list[int], starts: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+        """On the host: each row's `tokens` from sequence index `start` on, where penalties will count them."""
+        if self.history is None:
+            return
+        for row, start, ids in zip(rows, starts, tokens, strict=True):
+            if ids:
+                self.history[row, start : start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+
+    def record_history(
+        self, rows: torch.Tensor, first: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor
+    ) -> None:
+        """Inside a step: each row's first `count` of `tokens` [B, n] at sequence indices from `first` [B] on."""
+        assert self.history is not None
+        n, end = tokens.shape[1], self.history.shape[1] - 1
+        index = first[:, None] + torch.arange(n, device=tokens.device)
+        index = torch.where(torch.arange(n, device=tokens.device) < count[:, None], index, end).clamp(0, end)
+        self.history[rows[:, None], index] = tokens.to(torch.int32)
+
+    def penalties(self, rows: torch.Tensor) -> Penalties:
+        """The penalty parameters of `rows`; what min_tokens masks: the stop ids and EOS, unless ignored."""
+        eos = self.eos[None, :].expand(len(rows), -1)
+        eos = torch.where(self.ignore_eos[rows][:, None], torch.full_like(eos, -1), eos)
+        return Penalties(
+            repetition=self.repetition[rows],
+            presence=self.presence[rows],
+            frequency=self.frequency[rows],
+            min_tokens=self.min_tokens[rows],
+            output_start=self.output_start[rows],
+            stop_ids=torch.cat([eos, self.stop_ids[rows]], dim=1),
+        )
 
     def prefill(
         self,
@@ -114,6 +163,9 @@ class SequenceTable:
         try:
             cache, device = self.runner.cache, self.runner.device
             host_rows = rows.tolist()
+            starts = [len(p) - c.output_tokens for p, c in zip(prompts, configs)]
+            self.output_start[rows] = torch.tensor(starts, dtype=torch.long, device=device)
+            self.write_history(host_rows, [0] * len(prompts), prompts)
             cached = [cache.share_prefix(row, prompt) for row, prompt in zip(host_rows, prompts)]
             cache.reserve(host_rows, [len(p) for p in prompts])
             cache.lengths[rows] = torch.tensor(cached, dtype=torch.long, device=device)
@@ -189,7 +241,9 @@ class SequenceTable:
             return self._kinds[ids]
         return SamplingKind(
             all_greedy=all(c.greedy for c in configs),
-            filtered=any(0 < c.top_k < vocab or c.top_p < 1 for c in configs),
+            filtered=any(0 < c.top_k < vocab or c.top_p < 1 or c.min_p > 0 for c in configs),
+            penalized=any(c.penalized for c in configs),
+            logprobs=any(c.logprobs is not None for c in configs),
         )
 
     def _forget_batches(self) -> None:

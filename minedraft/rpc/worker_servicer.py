@@ -231,6 +231,13 @@ def sampling_config(spec: common_pb2.SequenceSpec) -> SamplingConfig:
         max_tokens=int(p.max_tokens),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=bool(p.ignore_eos),
+        logprobs=int(p.logprobs) if p.HasField("logprobs") else None,
+        min_tokens=int(p.min_tokens),
+        min_p=float(p.min_p),
+        repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+        output_tokens=int(spec.output_tokens),
     )
 
 
@@ -244,6 +251,8 @@ def prefill_inputs(
     for spec in sequences:
         if not spec.prompt_token_ids:
             raise ValueError(f"sequence {spec.seq_id} has an empty prompt")
+        if spec.output_tokens >= len(spec.prompt_token_ids):
+            raise ValueError(f"sequence {spec.seq_id}: output_tokens must be fewer than its prompt's tokens")
     prompts = [list(s.prompt_token_ids) for s in sequences]
     if any(t < 0 or t >= logits_size for prompt in prompts for t in prompt):
         raise ValueError(f"prompt token ids must be in [0, {logits_size})")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from minedraft.proto.minedraft.v1 import generation_pb2 as minedraft_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/common.proto\x12\x0cminedraft.v1\x1a\x1dminedraft/v1/generation.proto\"f\n\x0cSequenceSpec\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\"\xb2\x01\n\x0c\x44raftPayload\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x01(\x0c\x12\r\n\x05probs\x18\x07 \x01(\x0c\x12\x13\n\x0bprobs_shape\x18\x08 \x03(\x03\x12\x13\n\x0bprobs_dtype\x18\t \x01(\t\"j\n\x07Timings\x12\x11\n\tcompute_s\x18\x01 \x01(\x01\x12\x11\n\tchannel_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x14\n\x0cstart_unix_s\x18\x04 \x01(\x01\x12\x12\n\nend_unix_s\x18\x05 \x01(\x01\"\xca\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0blogits_size\x18\x06 \x01(\r\x12\x16\n\x0etokenizer_size\x18\x07 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x12\n\nfree_slots\x18\n \x01(\r\x12\x10\n\x08\x63hannels\x18\x0b \x03(\t\x12\x10\n\x08gpu_uuid\x18\x0c \x01(\t\x12\x11\n\tgpu_uuids\x18\r \x03(\t\x12\x12\n\nblock_size\x18\x0e \x01(\r\x12\x12\n\nnum_blocks\x18\x0f \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x10 \x01(\r\"+\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"4\n\x05Lease\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/common.proto\x12\x0cminedraft.v1\x1a\x1dminedraft/v1/generation.proto\"}\n\x0cSequenceSpec\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12\x15\n\routput_tokens\x18\x04 \x01(\r\"\xb2\x01\n\x0c\x44raftPayload\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x01(\x0c\x12\r\n\x05probs\x18\x07 \x01(\x0c\x12\x13\n\x0bprobs_shape\x18\x08 \x03(\x03\x12\x13\n\x0bprobs_dtype\x18\t \x01(\t\"j\n\x07Timings\x12\x11\n\tcompute_s\x18\x01 \x01(\x01\x12\x11\n\tchannel_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x14\n\x0cstart_unix_s\x18\x04 \x01(\x01\x12\x12\n\nend_unix_s\x18\x05 \x01(\x01\"\xca\x02\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tnum_slots\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0blogits_size\x18\x06 \x01(\r\x12\x16\n\x0etokenizer_size\x18\x07 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x12\n\nfree_slots\x18\n \x01(\r\x12\x10\n\x08\x63hannels\x18\x0b \x03(\t\x12\x10\n\x08gpu_uuid\x18\x0c \x01(\t\x12\x11\n\tgpu_uuids\x18\r \x03(\t\x12\x12\n\nblock_size\x18\x0e \x01(\r\x12\x12\n\nnum_blocks\x18\x0f \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x10 \x01(\r\"+\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"4\n\x05Lease\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minedraft.proto.minedraft.v
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEQUENCESPEC']._serialized_start=74
-  _globals['_SEQUENCESPEC']._serialized_end=176
-  _globals['_DRAFTPAYLOAD']._serialized_start=179
-  _globals['_DRAFTPAYLOAD']._serialized_end=357
-  _globals['_TIMINGS']._serialized_start=359
-  _globals['_TIMINGS']._serialized_end=465
-  _globals['_WORKERINFO']._serialized_start=468
-  _globals['_WORKERINFO']._serialized_end=798
-  _globals['_CALLSTATUS']._serialized_start=800
-  _globals['_CALLSTATUS']._serialized_end=843
-  _globals['_LEASE']._serialized_start=845
-  _globals['_LEASE']._serialized_end=897
+  _globals['_SEQUENCESPEC']._serialized_end=199
+  _globals['_DRAFTPAYLOAD']._serialized_start=202
+  _globals['_DRAFTPAYLOAD']._serialized_end=380
+  _globals['_TIMINGS']._serialized_start=382
+  _globals['_TIMINGS']._serialized_end=488
+  _globals['_WORKERINFO']._serialized_start=491
+  _globals['_WORKERINFO']._serialized_end=821
+  _globals['_CALLSTATUS']._serialized_start=823
+  _globals['_CALLSTATUS']._serialized_end=866
+  _globals['_LEASE']._serialized_start=868
+  _globals['_LEASE']._serialized_end=920
 # @@protoc_insertion_point(module_scope)

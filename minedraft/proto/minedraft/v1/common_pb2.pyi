@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "params")
+    __slots__ = ("seq_id", "prompt_token_ids", "params", "output_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    output_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftPayload(_message.Message):
     __slots__ = ("channel", "step_id", "slot", "batch_size", "num_tokens", "token_ids", "probs", "probs_shape", "probs_dtype")
