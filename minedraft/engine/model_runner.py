@@ -213,8 +213,10 @@ class ModelRunner:
         # Short steps read K/V through the block tables where the Triton kernels take the model's attention: then
         # neither they nor their graphs depend on the key length.
         text = model.config.get_text_config()
+        heads = int(getattr(text, "num_attention_heads", 1))
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)  # (the ratio a rank's shard keeps too)
         self._paged_queries = (
-            SHORT_QUERY // max(int(getattr(text, "num_attention_heads", 1)) // self.cache.kv_heads, 1)
+            SHORT_QUERY // max(heads // kv_heads, 1)
             if self.device.type == "cuda" and paged_kernel(self.cache.specs or [], text)
             else 0
         )
