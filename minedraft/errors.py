@@ -15,3 +15,7 @@ class UnknownSequenceError(KeyError):
 
 class ChannelNotSetUpError(RuntimeError):
     """A data-plane call before SetupChannel: the worker restarted since its coordinator set the channel up."""
+
+
+class RankLostError(RuntimeError):
+    """A tensor-parallel rank of this worker died: the worker cannot run its model until it is started again."""

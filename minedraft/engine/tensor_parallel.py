@@ -84,6 +84,7 @@ def shard_model(model: torch.nn.Module, tp: TensorParallel) -> int:
             )
         _shard_linear(module, tp, rowwise=style == "rowwise")
         sharded += 1
+    model._minedraft_tp = tp  # type: ignore[assignment]  # what the runner's collectives run over
     log.info("rank %d of %d holds its shard of %d projections", tp.rank, tp.size, sharded)
     return sharded
 
@@ -126,3 +127,24 @@ def init_group(rank: int, size: int, address: str, device: torch.device, timeout
         timeout=timedelta(seconds=timeout_s),
     )
     return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of tensor-parallel rank `rank` when rank 0 runs on `device`: the next GPUs in order (cuda:K is
+    rank 0's, cuda:K+1 rank 1's ...); every rank on the CPU."""
+    if "," in device:
+        raise ModelLoadError(f"--device {device!r} lists several devices: with tensor parallelism give rank 0's alone")
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.partition(":")[2] or 0)
+    return f"cuda:{first + rank}"
+
+
+def same_on_every_rank(value: int, tp: TensorParallel | None, device: torch.device) -> int:
+    """The least of every rank's `value`: sizes the ranks must agree on (their KV blocks), whatever each one's free
+    memory says."""
+    if tp is None or tp.size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(tensor.item())

@@ -53,6 +53,7 @@ class WorkerServicer:
     def __init__(self, worker: ModelWorker, engine: SequenceEngine) -> None:
         self.worker = worker
         self.engine = engine
+        self.health: Health | None = None  # once serving
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register this servicer with `server` (the service's generated `add_..._to_server`)."""
@@ -164,7 +165,7 @@ class WorkerServicer:
             metrics.kv_cache_usage.set_function(lambda: pool.used / pool.usable)
             metrics.prefix_queried.set_function(lambda: pool.stats.queried_tokens)
             metrics.prefix_hits.set_function(lambda: pool.stats.hit_tokens)
-        health_servicer = Health()
+        health_servicer = self.health = Health()
         server, bound = await start_server(
             port, [self.add_to], [self.service_name], host, interceptors, health_servicer
         )
