@@ -36,7 +36,7 @@ import torch
 
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.engine.tensor_parallel import TensorParallel, init_group, rank_device
-from minedraft.errors import RankLostError
+from minedraft.errors import ModelLoadError, RankLostError
 from minedraft.rpc.worker import ModelWorker, WorkerOptions
 from target_service.verifier import StepResult, Verifier
 
@@ -185,7 +185,11 @@ def follow(options: WorkerOptions, rank: int, address: str, calls: Connection) -
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     device = torch.device(rank_device(options.device, rank))
     tp = init_group(rank, options.tensor_parallel_size, address, device, COLLECTIVE_TIMEOUT_S)
-    worker = ModelWorker(options, tp)
+    try:
+        worker = ModelWorker(options, tp)
+    except ModelLoadError as exc:  # rank 0 meets the same, and says it
+        log.error("rank %d cannot load its shard: %s", rank, exc)
+        sys.exit(1)
     verifier = Verifier(worker.runner, worker.vocab.eos_token_ids, options.synthetic_acceptance)
     worker._on_device()  # (its stream current here, as on rank 0's compute thread)
     while True:

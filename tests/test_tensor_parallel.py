@@ -18,7 +18,7 @@ from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.engine.tensor_parallel import TensorParallel, shard_model
+from minedraft.engine.tensor_parallel import TensorParallel, rank_device, shard_model
 from minedraft.errors import ModelLoadError
 from target_service.verifier import Verifier
 
@@ -118,3 +118,10 @@ def test_heads_that_do_not_split_are_refused(tiny_models, tmp_path: Path) -> Non
     model = load_model(str(tmp_path / "m"), dtype="float32")
     with pytest.raises(ModelLoadError, match="1 key/value heads, which 2 tensor-parallel ranks cannot split"):
         shard_model(model, TensorParallel(rank=0, size=2))
+
+
+def test_each_rank_takes_the_next_device() -> None:
+    assert [rank_device("cuda:1", r) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:3"]
+    assert rank_device("cuda", 1) == "cuda:1" and rank_device("cpu", 3) == "cpu"
+    with pytest.raises(ModelLoadError, match="lists several devices"):
+        rank_device("cuda:0,cuda:1", 0)
