@@ -82,11 +82,12 @@ class RankGroup:
         device = torch.device(rank_device(options.device, 0))
         self.tp: TensorParallel = init_group(0, size, address, device, COLLECTIVE_TIMEOUT_S)
 
-    def send(self, name: str, args: Sequence[object]) -> None:
-        """Hand the call `name(*args)` to every other rank (tensors among `args` on the host)."""
+    def send(self, name: str, args: Sequence[object], prefix_caching: bool) -> None:
+        """Hand the call `name(*args)` to every other rank (tensors among `args` on the host), to run with prefix
+        caching as on rank 0 (whose warm-up prefills turn it off)."""
         if self.lost is not None:
             raise RankLostError(self.lost)
-        message = pickle.dumps((name, args))
+        message = pickle.dumps((name, args, prefix_caching))
         try:
             for pipe in self.pipes:
                 pipe.send_bytes(message)
@@ -141,7 +142,8 @@ class MirroredVerifier:
         self.ranks = ranks
 
     def _call(self, name: str, *args: object) -> Any:
-        self.ranks.send(name, _on_host(args))
+        pool = self.verifier.runner.cache.pool
+        self.ranks.send(name, _on_host(args), pool is not None and pool.prefix_caching)
         try:
             return getattr(self.verifier, name)(*args)
         except Exception as exc:
@@ -192,9 +194,11 @@ def follow(options: WorkerOptions, rank: int, address: str, calls: Connection) -
         sys.exit(1)
     verifier = Verifier(worker.runner, worker.vocab.eos_token_ids, options.synthetic_acceptance)
     worker._on_device()  # (its stream current here, as on rank 0's compute thread)
+    pool = worker.runner.cache.pool
+    assert pool is not None
     while True:
         try:
-            name, args = pickle.loads(calls.recv_bytes())
+            name, args, pool.prefix_caching = pickle.loads(calls.recv_bytes())
         except EOFError:
             log.info("rank 0 is gone: rank %d stops", rank)
             return
