@@ -10,8 +10,9 @@ second collective to hand results back.
 
 The calls go over a pipe rather than a broadcast in the group: a rank idle between requests then waits on its pipe
 for as long as it likes, where a collective would time out, and it sees rank 0 go (end of file) at once.
-A rank that exits makes rank 0 report NOT_SERVING and answer UNAVAILABLE, then exit, so that whatever supervises the
-service starts the whole group anew (a NCCL or gloo group takes no new member).
+A rank that exits, or a call that fails midway on rank 0 (a collective timed out: a hung rank), makes rank 0 report
+NOT_SERVING and answer UNAVAILABLE, then exit, so that whatever supervises the service starts the whole group anew
+(a NCCL or gloo group takes no new member, and ranks out of step cannot be trusted).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -36,7 +36,7 @@ import torch
 
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.engine.tensor_parallel import TensorParallel, init_group, rank_device
-from minedraft.errors import ModelLoadError, RankLostError
+from minedraft.errors import CapacityError, ModelLoadError, RankLostError, UnknownSequenceError
 from minedraft.rpc.worker import ModelWorker, WorkerOptions
 from target_service.verifier import StepResult, Verifier
 
@@ -66,6 +66,7 @@ class RankGroup:
         self.processes: list[BaseProcess] = []
         self.lost: str | None = None
         self._lost = threading.Event()
+        self._failing = threading.Lock()
         self._closing = False
         self.on_lost: list[Callable[[], object]] = []  # what the service does then (its health NOT_SERVING)
         for rank in range(1, size):
@@ -106,18 +107,21 @@ class RankGroup:
             return
         process = by_sentinel[ready[0]]  # type: ignore[index]
         process.join(timeout=1)  # (reaped: its exit code known)
-        self.lost = (
-            f"tensor-parallel {process.name} (pid {process.pid}) exited with code {process.exitcode}: the target is "
-            "unavailable until it is started again"
-        )
+        self.fail(f"tensor-parallel {process.name} (pid {process.pid}) exited with code {process.exitcode}")
+
+    def fail(self, why: str) -> None:
+        """The group is lost (`why`): NOT_SERVING and UNAVAILABLE from now on, the other ranks stopped, and rank 0
+        exits shortly, for its supervisor to start the group anew."""
+        with self._failing:
+            if self.lost is not None:
+                return
+            self.lost = f"{why}: the target is unavailable until it is started again"
         log.error("%s; exiting in %.0f s", self.lost, EXIT_AFTER_S)
         self._lost.set()
         for callback in self.on_lost:
             callback()
         self.close()
-        time.sleep(EXIT_AFTER_S)
-        logging.shutdown()
-        os._exit(1)
+        threading.Timer(EXIT_AFTER_S, _exit).start()
 
     def close(self) -> None:
         """Stop the other ranks (rank 0 is stopping)."""
@@ -128,6 +132,11 @@ class RankGroup:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
+
+
+def _exit() -> None:
+    logging.shutdown()
+    os._exit(1)
 
 
 def _on_host(args: Sequence[object]) -> tuple[object, ...]:
@@ -146,10 +155,13 @@ class MirroredVerifier:
         self.ranks.send(name, _on_host(args), pool is not None and pool.prefix_caching)
         try:
             return getattr(self.verifier, name)(*args)
+        except (CapacityError, UnknownSequenceError, ValueError):
+            raise  # (raised alike on every rank, before any collective: the ranks stay in step)
         except Exception as exc:
-            if self.ranks.lost is not None or not all(p.is_alive() for p in self.ranks.processes):
-                raise RankLostError(self.ranks.wait_lost()) from exc
-            raise
+            # A rank gone, a collective timed out, or anything else midway: the ranks may be out of step.
+            if all(p.is_alive() for p in self.ranks.processes):
+                self.ranks.fail(f"{name} failed on rank 0 ({exc})")
+            raise RankLostError(self.ranks.wait_lost()) from exc
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
