@@ -20,3 +20,7 @@ class ChannelNotSetUpError(RuntimeError):
 class LeaseError(RuntimeError):
     """An internal call or Lease call that the worker's lease refuses (FAILED_PRECONDITION): another coordinator
     holds the worker, or the caller's lease has expired."""
+
+
+class RankLostError(RuntimeError):
+    """A tensor-parallel rank of this worker died: the worker cannot run its model until it is started again."""

@@ -108,6 +108,7 @@ def make_tiny_pair(root: Path, arch: str, tokenizer: object) -> TinyPair:
     """A target and a draft sharing `tokenizer`, saved with save_pretrained (the services load them back).
 
     llama: target hidden 64 x 2 layers, an unrelated draft hidden 32 x 1 layer (acceptance near zero).
+    qwen3: llama's shapes in Qwen3 layers (per-head query and key norms).
     gpt2: target hidden 64 x 2 layers (the second one damped); the draft is the target's first layer alone, with
     the same embeddings and head, so that about half the drafts are accepted (every verify outcome shows up).
     """
@@ -127,6 +128,23 @@ def make_tiny_pair(root: Path, arch: str, tokenizer: object) -> TinyPair:
                 num_hidden_layers=layers,
                 num_attention_heads=4,
                 num_key_value_heads=2,
+                max_position_embeddings=512,
+                initializer_range=0.2,
+                tie_word_embeddings=False,
+                **special,
+            )
+            _save(transformers.AutoModelForCausalLM.from_config(cfg), tokenizer, directory)
+    elif arch == "qwen3":
+        for directory, hidden, layers, seed in ((target_dir, 64, 2, 3), (draft_dir, 32, 1, 1)):
+            torch.manual_seed(seed)
+            cfg = transformers.Qwen3Config(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
                 max_position_embeddings=512,
                 initializer_range=0.2,
                 tie_word_embeddings=False,

@@ -183,6 +183,17 @@ FLAGS: tuple[Flag, ...] = (
         type=float,
         passes_to=("target",),
     ),
+    Flag(
+        "--tensor-parallel-size",
+        "shard the target over this many ranks, one process per device (the next GPUs after --device's; gloo on a "
+        "CPU): attention heads and MLP columns split, two all-reduces per layer; rank 0 serves",
+        ("target", "serve", "bench"),
+        MODELS,
+        1,
+        type=int,
+        helps={s: "the target's --tensor-parallel-size" for s in STACKS},
+        passes_to=("target",),
+    ),
     Flag("--greedy-drafts", "draft greedily even for sampled requests", ("draft",), MODELS, False, switch=True),
     Flag(
         "--profile-dir",

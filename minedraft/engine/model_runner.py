@@ -24,6 +24,7 @@ from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
 from minedraft.engine.fused_projections import fuse_projections
 from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.residual_fold import fold_residuals
+from minedraft.engine.tensor_parallel import TensorParallel, same_on_every_rank
 from minedraft.errors import CapacityError
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ class ModelRunner:
         what `gpu_memory_utilization` of the GPU leaves after the weights, or `CPU_KV_CACHE_GIB` on a CPU)."""
         fuse_projections(model)
         self.model = model
+        self.tensor_parallel: TensorParallel | None = getattr(model, "_minedraft_tp", None)  # (`shard_model`)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         limit = model_context(model.config)
@@ -213,8 +215,10 @@ class ModelRunner:
         # Short steps read K/V through the block tables where the Triton kernels take the model's attention: then
         # neither they nor their graphs depend on the key length.
         text = model.config.get_text_config()
+        heads = int(getattr(text, "num_attention_heads", 1))
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)  # (the ratio a rank's shard keeps too)
         self._paged_queries = (
-            SHORT_QUERY // max(int(getattr(text, "num_attention_heads", 1)) // self.cache.kv_heads, 1)
+            SHORT_QUERY // max(heads // kv_heads, 1)
             if self.device.type == "cuda" and paged_kernel(self.cache.specs or [], text)
             else 0
         )
@@ -243,7 +247,8 @@ class ModelRunner:
         per_block = self.cache.bytes_per_block
         budget = kv_cache_bytes(self.device, kv_cache_memory, gpu_memory_utilization)
         ever_needed = self.num_slots * self.cache.max_blocks + 1  # every row at max_len, and the trash block
-        num_blocks = min(budget // per_block, ever_needed)
+        # Every rank of a tensor-parallel group holds as many blocks: each then takes and frees the very same ones.
+        num_blocks = same_on_every_rank(min(budget // per_block, ever_needed), self.tensor_parallel, self.device)
         if num_blocks < 2:
             raise CapacityError(
                 f"{budget / 2**30:.2f} GiB of KV cache holds no block of {per_block / 2**20:.1f} MiB: raise "

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minedraft.engine.tensor_parallel import TensorParallel, shard_model
 from minedraft.errors import ModelLoadError
 
 if TYPE_CHECKING:  # transformers' model code takes seconds to import; the coordinator needs only tokenizers
@@ -25,8 +26,11 @@ def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str, device: str = "cpu", dtype: str | None = "auto") -> PreTrainedModel:
-    """Load a causal LM from a local directory (safetensors) for inference on `device`.
+def load_model(
+    path: str, device: str = "cpu", dtype: str | None = "auto", tensor_parallel: TensorParallel | None = None
+) -> PreTrainedModel:
+    """Load a causal LM from a local directory (safetensors) for inference on `device`; with `tensor_parallel`,
+    this rank's shard of it (`minedraft.engine.tensor_parallel`), cut on the host before it moves to `device`.
 
     `device` may list several GPUs ("cuda:0,cuda:1") for a model that does not fit on one: its layers are then
     spread over them in order (transformers' device_map, which needs the accelerate package).
@@ -53,6 +57,10 @@ def load_model(path: str, device: str = "cpu", dtype: str | None = "auto") -> Pr
         )
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
+    if tensor_parallel is not None:
+        if placement:
+            raise ModelLoadError("a tensor-parallel rank runs on one device, not a list of them")
+        shard_model(model, tensor_parallel)
     if not placement:
         model.to(devices[0])  # type: ignore[arg-type]
     model.eval()

@@ -16,7 +16,14 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from minedraft.errors import CapacityError, ChannelNotSetUpError, LeaseError, ModelLoadError, UnknownSequenceError
+from minedraft.errors import (
+    CapacityError,
+    ChannelNotSetUpError,
+    LeaseError,
+    ModelLoadError,
+    RankLostError,
+    UnknownSequenceError,
+)
 from minedraft.proto import common_pb2
 from minedraft.rpc.security import BearerAuth
 
@@ -45,6 +52,7 @@ class Health(health.aio.HealthServicer):
 # Exceptions a handler may raise on bad input or exhausted capacity, and the status a caller gets for each.
 _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
+    (RankLostError, grpc.StatusCode.UNAVAILABLE),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION),

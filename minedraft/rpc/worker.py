@@ -20,6 +20,7 @@ import torch
 from minedraft.channels import Channel, make_channel
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import VocabInfo, load_model, load_tokenizer
+from minedraft.engine.tensor_parallel import TensorParallel, rank_device
 from minedraft.errors import ChannelNotSetUpError
 from minedraft.proto import common_pb2
 from minedraft.rpc.server_utils import Health
@@ -57,6 +58,7 @@ class WorkerOptions:
     tls_key: str | None = None
     tls_ca: str | None = None
     lease_timeout: float = 5.0  # --lease-timeout: seconds a coordinator's lease lasts without a renewal
+    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the target is sharded over, one process each
 
 
 def precaptures(mode: str, device: torch.device, cuda_graphs: bool) -> bool:
@@ -78,9 +80,11 @@ def host_id() -> str:
 class ModelWorker:
     """A model on its device with a paged KV cache for two batches; all model work runs on one thread, in order."""
 
-    def __init__(self, options: WorkerOptions) -> None:
+    def __init__(self, options: WorkerOptions, tensor_parallel: TensorParallel | None = None) -> None:
+        """`tensor_parallel`: this process's rank of a group that shards the model (its device: `rank_device`)."""
         self.options = options
-        self.model = load_model(options.model, options.device, options.dtype)
+        device = options.device if tensor_parallel is None else rank_device(options.device, tensor_parallel.rank)
+        self.model = load_model(options.model, device, options.dtype, tensor_parallel)
         try:
             tokenizer = load_tokenizer(options.model)
         except ValueError:

@@ -73,6 +73,7 @@ class WorkerServicer:
         self.worker = worker
         self.engine = engine
         self.leases = Leases(worker.options.lease_timeout, self._free_all)
+        self.health: Health | None = None  # once serving
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Register this servicer with `server` (the service's generated `add_..._to_server`)."""
@@ -205,7 +206,7 @@ class WorkerServicer:
             metrics.kv_cache_usage.set_function(lambda: pool.used / pool.usable)
             metrics.prefix_queried.set_function(lambda: pool.stats.queried_tokens)
             metrics.prefix_hits.set_function(lambda: pool.stats.hit_tokens)
-        health_servicer = Health()
+        health_servicer = self.health = Health()
         self._expiry = asyncio.create_task(self.leases.expire())  # (held: a task nothing references may vanish)
         tls = self.worker.options
         server, bound = await start_server(

@@ -1,0 +1,150 @@
+"""Tensor parallelism of a loaded model: attention heads and MLP columns split over the ranks of a process group.
+
+Which projections split how comes from transformers' own plan (`config.base_model_tp_plan`: `colwise` splits a
+Linear's outputs, `rowwise` its inputs and all-reduces what it returns). The sharding itself is ours: transformers'
+`from_pretrained(tp_plan=...)` needs `accelerate` (not a dependency) and makes DTensor parameters, which the fused
+projections' concatenation (`fused_projections`), the stacked cache writes and CUDA graphs do not take; plain local
+shards and one all-reduce after each row-parallel projection keep every path of the runner as it is. Embeddings and
+the LM head stay whole on every rank, so each rank computes the same logits (an all-reduce leaves the same sum on
+every rank) and a step's sampling runs identically everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minedraft.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# Styles of transformers' plans that leave a module whole here (norms; embeddings, which we replicate).
+REPLICATED_STYLES = {"replicated_with_grad_allreduce", "embedding_rowwise", "isolated"}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group."""
+
+    rank: int
+    size: int
+    group: Any = None  # a torch.distributed ProcessGroup (None: the default group)
+
+
+def tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """transformers' tensor-parallel plan of the model's base model: module name patterns (`layers.*.mlp.up_proj`)
+    and their styles."""
+    config: Any = model.config  # type: ignore[union-attr]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return dict(getattr(text, "base_model_tp_plan", None) or {})
+
+
+def _check_divisible(model: torch.nn.Module, size: int) -> None:
+    """Heads split whole: a slice of a projection's rows must never cut one."""
+    config: Any = model.config  # type: ignore[union-attr]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if count % size:
+            raise ModelLoadError(
+                f"{type(model).__name__} has {count} {what}, which {size} tensor-parallel ranks cannot split "
+                f"evenly: pick a --tensor-parallel-size that divides {count}"
+            )
+
+
+def shard_model(model: torch.nn.Module, tp: TensorParallel) -> int:
+    """Keep this rank's shard of every projection the model's plan splits, in place; row-parallel ones all-reduce
+    their output (their bias added once, by rank 0). Returns the projections sharded."""
+    if tp.size == 1:
+        return 0
+    plan = tp_plan(model)
+    if not plan:
+        raise ModelLoadError(
+            f"{type(model).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan): serve it "
+            "with --tensor-parallel-size 1"
+        )
+    _check_divisible(model, tp.size)
+    patterns = [(re.compile(re.escape(k).replace(r"\*", r"\d+")), style) for k, style in plan.items()]
+    base = getattr(model, "base_model", model)
+    sharded = 0
+    for name, module in base.named_modules():
+        style = next((s for pattern, s in patterns if pattern.fullmatch(name)), None)
+        if style is None or style in REPLICATED_STYLES:
+            continue
+        if style not in ("colwise", "rowwise") or type(module) is not torch.nn.Linear:
+            raise ModelLoadError(
+                f"{name} of {type(model).__name__} ({type(module).__name__}) is planned {style!r}, which this "
+                "engine does not shard: only plain Linear layers split by rows or columns"
+            )
+        _shard_linear(module, tp, rowwise=style == "rowwise")
+        sharded += 1
+    model._minedraft_tp = tp  # type: ignore[assignment]  # what the runner's collectives run over
+    log.info("rank %d of %d holds its shard of %d projections", tp.rank, tp.size, sharded)
+    return sharded
+
+
+def _shard_linear(linear: torch.nn.Linear, tp: TensorParallel, *, rowwise: bool) -> None:
+    dim = 1 if rowwise else 0
+    size = linear.weight.shape[dim]
+    if size % tp.size:
+        raise ModelLoadError(f"a projection of {size} features does not split over {tp.size} ranks")
+    linear.weight = torch.nn.Parameter(linear.weight.chunk(tp.size, dim)[tp.rank].contiguous(), requires_grad=False)
+    if rowwise:
+        linear.in_features = linear.weight.shape[1]
+        if linear.bias is not None and tp.rank != 0:
+            linear.bias = None  # type: ignore[assignment]  # (added once: the all-reduce sums the ranks' outputs)
+        group = tp.group
+
+        def all_reduce(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(output, group=group)
+            return output
+
+        linear.register_forward_hook(all_reduce)
+    else:
+        linear.out_features = linear.weight.shape[0]
+        if linear.bias is not None:
+            linear.bias = torch.nn.Parameter(linear.bias.chunk(tp.size)[tp.rank].contiguous(), requires_grad=False)
+
+
+def init_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float = 60.0) -> TensorParallel:
+    """Join the tensor-parallel group rendezvousing at `address` (host:port, rank 0's): NCCL on GPUs, gloo on CPUs.
+    A collective that waits longer than `timeout_s` for a rank fails rather than hangs."""
+    from datetime import timedelta
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of tensor-parallel rank `rank` when rank 0 runs on `device`: the next GPUs in order (cuda:K is
+    rank 0's, cuda:K+1 rank 1's ...); every rank on the CPU."""
+    if "," in device:
+        raise ModelLoadError(f"--device {device!r} lists several devices: with tensor parallelism give rank 0's alone")
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.partition(":")[2] or 0)
+    return f"cuda:{first + rank}"
+
+
+def same_on_every_rank(value: int, tp: TensorParallel | None, device: torch.device) -> int:
+    """The least of every rank's `value`: sizes the ranks must agree on (their KV blocks), whatever each one's free
+    memory says."""
+    if tp is None or tp.size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(tensor.item())

@@ -1,0 +1,127 @@
+"""A target sharded over two gloo ranks (real processes) decodes as Hugging Face `generate()` and one rank do."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from draft_service.proposer import Proposer
+from minedraft.app.offline import OfflineRequest, generate_offline
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.models import load_model
+from minedraft.engine.sampling import SamplingConfig
+from minedraft.engine.tensor_parallel import TensorParallel, rank_device, shard_model
+from minedraft.errors import ModelLoadError
+from target_service.verifier import Verifier
+
+# Llama and Qwen3 (grouped K/V heads, Qwen3's per-head norms), GPT-NeoX (one fused Q/K/V projection, interleaved by
+# head; biases; parallel residual).
+ARCHS = ("llama", "qwen3", "gpt_neox")
+K = 3
+CACHE_LEN = 96
+MAX_BATCH = 4
+
+# One rank: its shard of each target, then the drafts-and-verify loop of `generate_offline` over it (the draft whole,
+# on every rank, as the draft service would send the same drafts to rank 0 and rank 0 hands them on).
+RANK = """
+import json, sys, torch
+torch.set_num_threads(1)
+from draft_service.proposer import Proposer
+from minedraft.app.offline import OfflineRequest, generate_offline
+from minedraft.engine.model_runner import ModelRunner
+from minedraft.engine.models import load_model
+from minedraft.engine.sampling import SamplingConfig
+from minedraft.engine.tensor_parallel import init_group
+from target_service.verifier import Verifier
+rank, address, spec = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+tp = init_group(rank, 2, address, torch.device("cpu"))
+out = {}
+for arch, (target_dir, draft_dir) in spec["models"].items():
+    target = load_model(target_dir, dtype="float32", tensor_parallel=tp)
+    verifier = Verifier(ModelRunner(target, spec["batch"], spec["cache_len"]), ())
+    proposer = Proposer(ModelRunner(load_model(draft_dir, dtype="float32"), spec["batch"], spec["cache_len"]), True)
+    requests = [OfflineRequest(p, SamplingConfig(max_tokens=m), arrival_step=i // 2)
+                for i, (p, m) in enumerate(spec["prompts"])]
+    out[arch] = {
+        "tokens": [r.tokens for r in generate_offline(verifier, proposer, requests, spec["k"], spec["batch"])],
+        "kv_heads": verifier.runner.cache.kv_heads,
+    }
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _prompts() -> list[tuple[list[int], int]]:
+    gen = torch.Generator().manual_seed(42)
+    return [(torch.randint(0, 128, (n,), generator=gen).tolist(), m) for n, m in ((3, 12), (17, 20), (30, 8), (9, 16))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _offline(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[tuple[list[int], int]]) -> list[list[int]]:
+    verifier = Verifier(ModelRunner(target, MAX_BATCH, CACHE_LEN), ())
+    proposer = Proposer(ModelRunner(draft, MAX_BATCH, CACHE_LEN), True)
+    requests = [
+        OfflineRequest(p, SamplingConfig(max_tokens=m), arrival_step=i // 2) for i, (p, m) in enumerate(prompts)
+    ]
+    return [r.tokens for r in generate_offline(verifier, proposer, requests, K, MAX_BATCH)]
+
+
+def test_two_ranks_decode_as_hf_and_one_rank(tiny_models, hf_reference, tmp_path: Path) -> None:
+    prompts = _prompts()
+    models: dict[str, tuple[str, str]] = {}
+    for arch in ARCHS:
+        target_dir, draft_dir = tmp_path / f"{arch}-target", tmp_path / f"{arch}-draft"
+        tiny_models.target(arch).save_pretrained(target_dir)
+        tiny_models.noisy_draft(arch).save_pretrained(draft_dir)  # accepts some drafts, rejects others
+        models[arch] = (str(target_dir), str(draft_dir))
+    spec = json.dumps({"models": models, "prompts": prompts, "k": K, "batch": MAX_BATCH, "cache_len": CACHE_LEN})
+    address = f"127.0.0.1:{_free_port()}"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(rank), address, spec],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    for proc in ranks:
+        text, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, text[-3000:]
+        outputs.append(json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:]))
+    assert outputs[0] == outputs[1], "the ranks emitted different tokens"
+    for arch in ARCHS:
+        target = tiny_models.target(arch)
+        expected = [hf_reference(target, p, m) for p, m in prompts]
+        assert outputs[0][arch]["tokens"] == expected, arch
+        assert outputs[0][arch]["tokens"] == _offline(target, tiny_models.noisy_draft(arch), prompts), arch
+        heads = getattr(target.config, "num_key_value_heads", None) or target.config.num_attention_heads
+        assert outputs[0][arch]["kv_heads"] == heads // 2, "each rank's cache holds its half of the K/V heads"
+
+
+def test_heads_that_do_not_split_are_refused(tiny_models, tmp_path: Path) -> None:
+    tiny_models.target("llama", heads=4, kv_heads=1).save_pretrained(tmp_path / "m")
+    model = load_model(str(tmp_path / "m"), dtype="float32")
+    with pytest.raises(ModelLoadError, match="1 key/value heads, which 2 tensor-parallel ranks cannot split"):
+        shard_model(model, TensorParallel(rank=0, size=2))
+
+
+def test_each_rank_takes_the_next_device() -> None:
+    assert [rank_device("cuda:1", r) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:3"]
+    assert rank_device("cuda", 1) == "cuda:1" and rank_device("cpu", 3) == "cpu"
+    with pytest.raises(ModelLoadError, match="lists several devices"):
+        rank_device("cuda:0,cuda:1", 0)
