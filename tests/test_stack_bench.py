@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from stack import REPO, SERVICE_ENV, Service, TinyPairs, Workers, running_coordinator
 
-from minedraft.app.bench import RequestResult, _parse_modes, percentile, ratios, summarize
+from minedraft.app.bench import RequestResult, _parse_modes, http_base_url, percentile, ratios, summarize
+from minedraft.app.stack import free_port
 
 pytest_plugins = ["stack"]
 
@@ -73,22 +76,48 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_http_base_url() -> None:
+    for address in ("localhost:8000", "http://localhost:8000", "http://localhost:8000/", "http://localhost:8000/v1"):
+        assert http_base_url(address) == "http://localhost:8000"
+
+
 def test_bad_mode_is_an_error_without_traceback() -> None:
     run = _bench("--modes", "psd,fast")
     assert run.returncode != 0 and "unknown mode" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
+@dataclass
+class Served:
+    """A coordinator that also serves the OpenAI-compatible HTTP API."""
+
+    service: Service
+    http_port: int
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+
 @pytest.fixture(scope="module")
-def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Service]:
-    with running_coordinator(llama_workers, stack_logs, "psd", max_batch_size=2) as service:
-        yield service
+def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Served]:
+    with contextlib.ExitStack() as stop:
+        for attempt in range(3):  # a port picked here may be taken before the coordinator binds it
+            http_port = free_port()
+            extra = ["--http-port", str(http_port)]
+            try:
+                service = stop.enter_context(
+                    running_coordinator(llama_workers, stack_logs, "psd", max_batch_size=2, extra=extra)
+                )
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        yield Served(service, http_port)
 
 
-def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    run = _bench(
-        "--server",
-        coordinator.address,
+def _load_flags(out: Path) -> list[str]:
+    """A small load: 6 prompts of 16 tokens, 8 output tokens each, 4 in flight, its report to `out`."""
+    return [
         "--num-prompts",
         "6",
         "--concurrency",
@@ -101,7 +130,12 @@ def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
         "1",
         "--json-out",
         str(out),
-    )
+    ]
+
+
+def test_bench_a_running_server(coordinator: Served, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run = _bench("--server", coordinator.address, *_load_flags(out))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "TTFT (ms)" in run.stdout and "accepted length" in run.stdout
     report = json.loads(out.read_text())
@@ -113,6 +147,41 @@ def test_bench_a_running_server(coordinator: Service, tmp_path: Path) -> None:
     assert result["mean_accepted_length"] >= 1.0
     assert result["server"]["mode"] == "psd" and result["server"]["max_batch_size"] == 2
     assert set(result["ttft_ms"]) == set(result["tpot_ms"]) == {"p50", "p90", "p99", "mean"}
+
+
+def test_bench_a_running_server_over_http(coordinator: Served, tmp_path: Path) -> None:
+    """The same load through the OpenAI-compatible HTTP API (streamed completions): the same figures come back."""
+    out = tmp_path / "bench.json"
+    run = _bench("--api", "http", "--server", f"127.0.0.1:{coordinator.http_port}", *_load_flags(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "over the HTTP API" in run.stdout and "TTFT (ms)" in run.stdout, run.stdout
+    result = json.loads(out.read_text())["results"]["http"]
+    assert (result["completed"], result["failed"]) == (6, 0), result["errors"]
+    assert result["mean_output_tokens"] == 8 and result["mean_prompt_tokens"] > 0 and result["output_throughput"] > 0
+    assert result["ttft_ms"]["p50"] > 0 and result["tpot_ms"]["p50"] > 0  # every stream timed
+    assert result["latency_s"]["p50"] * 1e3 > result["ttft_ms"]["p50"]
+    assert result["mean_accepted_length"] >= 1.0 and result["drafted_share"] > 0  # usage.speculation was read
+    assert result["server"]["api"] == "http" and result["server"]["target_model"]
+
+
+def test_bench_a_dead_http_server_is_an_error_without_traceback() -> None:
+    run = _bench("--api", "http", "--server", f"127.0.0.1:{free_port()}", "--num-prompts", "1")
+    assert run.returncode == 1 and "not serving" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_modes_over_http_serve_it_on_a_port_of_their_own(tmp_path: Path) -> None:
+    from minedraft.app.bench import LocalStack
+    from minedraft.app.cli import build_parser
+    from minedraft.app.stack import stack_commands
+
+    def coordinator_http_port(*flags: str) -> int:
+        args = build_parser().parse_args(["bench", "--modes", "psd", *flags])
+        command = stack_commands(LocalStack(args, "psd", tmp_path).args, 0, 0)[-1]
+        return int(command[command.index("--http-port") + 1]) if "--http-port" in command else 0
+
+    assert coordinator_http_port() == 0  # over gRPC: no HTTP API
+    assert coordinator_http_port("--api", "http") > 0
+    assert coordinator_http_port("--api", "http", "--http-port", "8123") == 8123
 
 
 def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import glob
 import json
@@ -13,19 +14,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from minedraft.app.stack import start_stack, stop_processes
+from minedraft.app.stack import free_port, start_stack, stop_processes
 from minedraft.observability.metrics import mean_accepted_length
 from minedraft.rpc.security import ClientTls, aio_channel, bearer_metadata, client_tls, sync_channel
 
 MODES = ("psd", "sd", "sd2b", "ar")
 SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
+Send = Callable[[str, int], Awaitable["RequestResult"]]  # one request (prompt, index), measured
 
 
 # --------------------------------------------------------------------------------------------- prompts
@@ -137,20 +140,107 @@ async def _one(stub: Any, request: Any, timeout: float, metadata: Sequence[tuple
     return result
 
 
-async def run_load(
-    address: str, prompts: Sequence[str], args: argparse.Namespace, label: str
-) -> tuple[list[RequestResult], float]:
-    """Warm up, then send `prompts` with `args.concurrency` streams in flight; return the results and wall time."""
-    from tqdm import tqdm
+def _completion(prompt: str, index: int, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The /v1/completions arguments of `_request`'s request (the openai client's names; vLLM's extensions)."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": (args.seed + index) % 2**64,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"top_k": args.top_k, "ignore_eos": True},
+    }
 
+
+async def _one_http(client: Any, arguments: dict[str, Any]) -> RequestResult:
+    """One streamed completion: TTFT at the first chunk with text, token counts and drafts from its usage."""
+    import openai
+
+    start = time.perf_counter()
+    first: float | None = None
+    usage = None
+    try:
+        async for chunk in await client.completions.create(**arguments):
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except openai.APIError as exc:
+        status = getattr(exc, "status_code", None)
+        return RequestResult(False, time.perf_counter() - start, error=f"HTTP {status or '-'}: {exc.message}")
+    end = time.perf_counter()
+    if usage is None:
+        return RequestResult(False, end - start, error="the stream ended without usage")
+    tokens = usage.completion_tokens
+    spec = (usage.model_extra or {}).get("speculation") or {}  # MineDraft's extension of usage
+    result = RequestResult(
+        True,
+        end - start,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=tokens,
+        draft_tokens=spec.get("draft_tokens", 0),
+        accepted_tokens=spec.get("accepted_tokens", 0),
+        steps=spec.get("steps", 0),
+        drafted_steps=spec.get("drafted_steps", 0),
+    )
+    if first is not None:
+        result.ttft_s = first - start
+        if tokens > 1:
+            result.tpot_s = (end - first) / (tokens - 1)
+    return result
+
+
+@contextlib.asynccontextmanager
+async def _grpc_sender(address: str, args: argparse.Namespace) -> AsyncIterator[Send]:
     from minedraft.proto import generation_pb2_grpc
     from minedraft.rpc.server_utils import CHANNEL_OPTIONS
 
     metadata = bearer_metadata(args.api_key)
     async with aio_channel(address, _client_tls(args), CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        warm = [_request(prompts[i % len(prompts)], len(prompts) + i, args) for i in range(args.num_warmup)]
-        for result in await asyncio.gather(*(_one(stub, r, args.timeout, metadata) for r in warm)):
+
+        async def send(prompt: str, index: int) -> RequestResult:
+            return await _one(stub, _request(prompt, index, args), args.timeout, metadata)
+
+        yield send
+
+
+@contextlib.asynccontextmanager
+async def _http_sender(base_url: str, args: argparse.Namespace) -> AsyncIterator[Send]:
+    try:
+        import openai
+    except ImportError as exc:
+        raise RuntimeError("--api http drives the HTTP API with the openai client: pip install openai") from exc
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY", "none")
+    async with openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=args.timeout
+    ) as client:
+        try:
+            model = (await client.models.list()).data[0].id
+        except openai.APIError as exc:
+            raise RuntimeError(f"no model listed at {base_url}/v1/models: {exc}") from exc
+
+        async def send(prompt: str, index: int) -> RequestResult:
+            return await _one_http(client, _completion(prompt, index, model, args))
+
+        yield send
+
+
+async def run_load(
+    address: str, prompts: Sequence[str], args: argparse.Namespace, label: str
+) -> tuple[list[RequestResult], float]:
+    """Warm up, then send `prompts` with `args.concurrency` streams in flight; return the results and wall time.
+
+    `address`: the gRPC server's, or with `--api http` the HTTP API's base URL."""
+    from tqdm import tqdm
+
+    sender = _http_sender if args.api == "http" else _grpc_sender
+    async with sender(address, args) as send:
+        warm = [send(prompts[i % len(prompts)], len(prompts) + i) for i in range(args.num_warmup)]
+        for result in await asyncio.gather(*warm):
             if not result.ok:
                 raise RuntimeError(f"warm-up request failed: {result.error}")
         pending = iter(list(enumerate(prompts)))
@@ -159,7 +249,7 @@ async def run_load(
 
         async def client() -> None:
             for index, prompt in pending:
-                results.append(await _one(stub, _request(prompt, index, args), args.timeout, metadata))
+                results.append(await send(prompt, index))
                 bar.update(1)
 
         start = time.perf_counter()
@@ -243,11 +333,13 @@ def summarize(label: str, results: Sequence[RequestResult], wall: float, server:
 def format_summary(s: Summary) -> str:
     srv = s.server
     head = f"== {s.label} =="
-    if srv:
+    if "mode" in srv:
         head += (
             f"  mode {srv.get('mode')}, k={srv.get('num_speculative_tokens')}, max batch "
             f"{srv.get('max_batch_size')}, channel {srv.get('channel')}"
         )
+    if srv.get("api") == "http":
+        head += ("," if "mode" in srv else " ") + f" over the HTTP API (model {srv.get('target_model')})"
     lines = [
         head,
         f"  requests        {s.completed} ok, {s.failed} failed in {s.wall_s:.2f} s",
@@ -326,6 +418,30 @@ def _server_info(address: str, args: argparse.Namespace | None = None) -> dict[s
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def http_base_url(address: str) -> str:
+    """The HTTP API's base URL from `host:port` or a URL (with or without its /v1)."""
+    url = address if "://" in address else f"http://{address}"
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def _http_info(base_url: str, timeout: float = 60.0) -> dict[str, Any]:
+    """What the HTTP API says of itself (its model), once its /health answers 200 (within `timeout` seconds: a
+    stack's starts just after its gRPC server serves)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=10) as reply:
+                if reply.status == 200:
+                    break
+        except OSError as exc:  # refused, or 503 (HTTPError) while it starts
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP API at {base_url} is not serving: {exc}") from exc
+        time.sleep(0.1)
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as reply:
+        model = json.loads(reply.read())["data"][0]
+    return {"api": "http", "target_model": model["id"], "max_model_len": model.get("max_model_len")}
+
+
 class LocalStack:
     """target, draft (not in ar) and coordinator processes, as `minedraft serve` starts them; stopped by SIGINT."""
 
@@ -343,6 +459,8 @@ class LocalStack:
             "port": 0,
             "host": "127.0.0.1",
             "tls_ca": None,  # bench's --tls-ca checks --server's certificate; its own stacks are plaintext
+            # --api http: the load goes to the HTTP API, on a free port unless --http-port names one
+            "http_port": (args.http_port or free_port()) if args.api == "http" else args.http_port,
         }
         self.args = argparse.Namespace(**(vars(args) | for_mode))  # as `serve` would hold them
         self.env = dict(os.environ)
@@ -354,6 +472,10 @@ class LocalStack:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.args.http_port}"
 
     def start(self) -> None:
         with open(self.log_path, "w") as log:
@@ -448,11 +570,15 @@ def _no_nan(value: Any) -> Any:
 
 def _bench_server(args: argparse.Namespace, summaries: dict[str, Summary]) -> None:
     """The load against a running server; its summary goes into `summaries`."""
-    address = args.server or "localhost:50051"
-    info = _server_info(address, args)
+    if args.api == "http":
+        address = http_base_url(args.server or "localhost:8000")
+        info = _http_info(address, timeout=0.0)  # a running server: serving now, or an error
+    else:
+        address = args.server or "localhost:50051"
+        info = _server_info(address, args)
     tokenizer = _load_tokenizer(args.tokenizer or info.get("target_model"))
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
-    label = info.get("mode", "server")
+    label = info.get("mode", args.api)
     results, wall = asyncio.run(run_load(address, prompts, args, label))
     summaries[label] = summarize(label, results, wall, info)
     print(format_summary(summaries[label]), flush=True)
@@ -493,6 +619,12 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
             info = _server_info(stack.address, stack.args)
             plain = argparse.Namespace(**(vars(args) | {"tls_ca": None}))  # its own stack serves no TLS
             results, wall = asyncio.run(run_load(stack.address, prompts, plain, mode))
+            info = _server_info(stack.address) | {"api": args.api}
+            address = stack.address
+            if args.api == "http":
+                address = stack.http_url
+                _http_info(address)
+            results, wall = asyncio.run(run_load(address, prompts, args, mode))
             summaries[mode] = summarize(mode, results, wall, info)  # kept, even if stopping the stack is interrupted
         except (RuntimeError, TimeoutError, grpc.RpcError) as exc:
             raise RuntimeError(f"{mode}: {exc}\n--- {stack.log_path} ---\n{stack.log_tail()}") from exc

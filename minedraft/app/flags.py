@@ -783,6 +783,16 @@ FLAGS: tuple[Flag, ...] = (
         False,
         switch=True,
     ),
+    Flag(
+        "--api",
+        "the API the load goes through: grpc (Generate streams) or http (streamed /v1/completions of the "
+        "OpenAI-compatible API, through the openai client; --server is then its address, default localhost:8000, "
+        "and stacks of --modes serve it on a free port)",
+        ("bench",),
+        MEASUREMENT,
+        "grpc",
+        choices=("grpc", "http"),
+    ),
     Flag("--num-prompts", "requests measured", ("bench",), MEASUREMENT, 64, type=int),
     Flag(
         "--concurrency",
