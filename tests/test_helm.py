@@ -214,7 +214,9 @@ def check_secure(objs: dict) -> None:
             assert sc["capabilities"] == {"drop": ["ALL"]}
             assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 10001
             mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-            assert mounts["/tmp"] == "tmp" and mounts["/home/minedraft/.cache"] == "cache" and mounts["/dev/shm"] == "dshm"
+            assert (
+                mounts["/tmp"] == "tmp" and mounts["/home/minedraft/.cache"] == "cache" and mounts["/dev/shm"] == "dshm"
+            )
             e = {v["name"]: v.get("value", "") for v in c["env"]}
             for cache in ("HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"):
                 assert e[cache].startswith("/home/minedraft/.cache"), cache
@@ -287,7 +289,10 @@ def test_pair_layout_options() -> None:
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert env(objs, "pair")["MINEDRAFT_TARGET_DEVICE"] == env(objs, "pair")["MINEDRAFT_DRAFT_DEVICE"] == "cuda:0"
     monitor = objs[("ServiceMonitor", f"{PAIR}-metrics")]["spec"]
-    assert monitor["selector"]["matchLabels"] == {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "metrics"}
+    assert monitor["selector"]["matchLabels"] == {
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "metrics",
+    }
     assert monitor["endpoints"][0]["port"] == "metrics"
     assert ("HorizontalPodAutoscaler", PAIR) not in objs
 
@@ -329,7 +334,9 @@ def test_split_layout() -> None:
         assert e["MINEDRAFT_PORT"] == str(port)
         assert e["MINEDRAFT_HOST"] == "[::]"  # reachable from the other pods (the workers default to loopback)
         assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in e  # otel.endpoint is empty by default
-        assert deployment(objs, component)["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert (
+            deployment(objs, component)["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        )
 
     coordinator = env(objs, "coordinator")
     assert coordinator["MINEDRAFT_CHANNEL"] == "nccl"
@@ -365,7 +372,10 @@ def test_split_layout() -> None:
 @needs_helm
 def test_http_port() -> None:
     """The OpenAI-compatible HTTP API: a container port and a Service port named http, off with httpPort 0."""
-    for layout, component, service in (("pair", "pair", PAIR), ("split", "coordinator", f"{RELEASE}-minedraft-coordinator")):
+    for layout, component, service in (
+        ("pair", "pair", PAIR),
+        ("split", "coordinator", f"{RELEASE}-minedraft-coordinator"),
+    ):
         for sets, port in (((), 8000), (("coordinator.httpPort=8080",), 8080), (("coordinator.httpPort=0",), None)):
             objs = render(f"layout={layout}", *sets)
             http = [p for p in objs[("Service", service)]["spec"]["ports"] if p["name"] == "http"]
@@ -438,3 +448,20 @@ def test_the_chart_refuses_what_it_cannot_serve() -> None:
     # Equal values and the split layout's own draft values are fine.
     render("draft.maxModelLen=4096", "target.maxModelLen=4096")
     render("layout=split", "draft.maxModelLen=1024", "target.maxModelLen=4096")
+
+
+@needs_helm
+def test_renderings_are_valid_kubernetes_objects() -> None:
+    """The issue's four renderings against the API schemas of the oldest and newest Kubernetes we promise, strictly
+    (an unknown field fails); the ServiceMonitor is a CRD outside those schemas."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    renderings = [
+        render(),
+        render("replicas=3", "service.headless=true"),
+        render("layout=split", "tls.secretName=md-tls", "apiKey.secretName=md-token"),
+        render("pair.sharedGpu=true", "autoscaling.enabled=true"),
+    ]
+    for version in ("1.29.0", "1.37.0"):
+        for objs in renderings:
+            for obj in objs.values():
+                kubernetes_validate.validate(obj, version, strict=True)
