@@ -200,6 +200,7 @@ def check_secure(objs: dict) -> None:
     for d in deployments:
         spec = d["spec"]["template"]["spec"]
         assert spec["automountServiceAccountToken"] is False
+        assert spec["enableServiceLinks"] is False  # no MINEDRAFT_PORT=tcp://... from a Service named minedraft
         assert "hostIPC" not in spec and "hostNetwork" not in spec and "hostPID" not in spec
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["runAsUser"] == 10001
@@ -237,6 +238,16 @@ def test_helm_lint_strict() -> None:
     for sets in ((), ("layout=split",), ("autoscaling.enabled=true", "metrics.serviceMonitor.enabled=true")):
         out = helm("lint", "--strict", str(CHART), *set_args(sets))
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_helm
+def test_install_notes() -> None:
+    """What `helm install` prints: the Service to reach, per layout."""
+    for layout, service in (("pair", PAIR), ("split", f"{RELEASE}-minedraft-coordinator")):
+        out = helm("install", RELEASE, str(CHART), "--dry-run=client", "-n", "llm", "--set", f"layout={layout}")
+        assert out.returncode == 0, out.stderr
+        notes = out.stdout[out.stdout.index("NOTES:") :]
+        assert f"layout {layout}" in notes and f"port-forward svc/{service} 50051:50051" in notes, notes
 
 
 @needs_helm
@@ -445,6 +456,7 @@ def test_the_chart_refuses_what_it_cannot_serve() -> None:
     assert "layout: pair" in refused("layout=split", "autoscaling.enabled=true")
     assert "layout must be pair or split" in refused("layout=triple")
     assert "models.volume.type" in refused("models.volume.type=nfs")
+    assert "layout: pair" in refused("sameNode=true")  # an old value, not silently ignored
     # Equal values and the split layout's own draft values are fine.
     render("draft.maxModelLen=4096", "target.maxModelLen=4096")
     render("layout=split", "draft.maxModelLen=1024", "target.maxModelLen=4096")

@@ -153,6 +153,9 @@ hostPath:
 
 {{/* Checks of the values that no schema expresses; called once, from validate.yaml. */}}
 {{- define "minedraft.validate" -}}
+{{- if hasKey .Values "sameNode" }}
+{{- fail "sameNode is gone: cuda-ipc needs no hostIPC now, the default layout: pair runs target and draft in one pod (layout: split runs them in pods of their own, over nccl)" }}
+{{- end }}
 {{- if not (has .Values.layout (list "pair" "split")) }}
 {{- fail (printf "layout must be pair or split, not %q" (toString .Values.layout)) }}
 {{- end }}
@@ -215,7 +218,7 @@ seccompProfile:
 {{- end }}
 
 {{/* Where the services write with a read-only root filesystem: /tmp (serve's port files, compile scratch) and one
-     cache directory for Hugging Face, Triton, TorchInductor and CuPy. */}}
+     cache directory for Hugging Face, Triton, TorchInductor, CuPy and the CUDA driver's JIT cache. */}}
 {{- define "minedraft.cacheEnv" -}}
 {{- $cache := "/home/minedraft/.cache" }}
 - name: HOME
@@ -232,6 +235,8 @@ seccompProfile:
   value: {{ $cache }}/torchinductor
 - name: CUPY_CACHE_DIR
   value: {{ $cache }}/cupy
+- name: CUDA_CACHE_PATH
+  value: {{ $cache }}/nv
 {{- end }}
 
 {{/* TLS and API-token files from Secrets, set only when their values are given (the flags that read them are
@@ -309,6 +314,7 @@ seccompProfile:
 {{/* Pod-level settings every pod shares: no service-account token, the security context, pull secrets. */}}
 {{- define "minedraft.podCommon" -}}
 automountServiceAccountToken: false
+# No Service variables: a Service named minedraft would set MINEDRAFT_PORT=tcp://..., which --port reads.
 enableServiceLinks: false
 securityContext:
   {{- include "minedraft.podSecurityContext" . | trim | nindent 2 }}
