@@ -448,6 +448,7 @@ def test_the_chart_refuses_what_it_cannot_serve() -> None:
     error = refused("target.gpus=2")
     assert "target.gpus is 2" in error and "tensor parallel" in error and "Set target.gpus to 1" in error
     assert "draft.gpus is 4" in refused("layout=split", "draft.gpus=4")
+    assert "pair.sharedGpu: true" in refused("draft.gpus=0")  # a CUDA draft with no GPU of its own
     # The pair's serve gives both workers one value: a different draft value would be dropped silently.
     error = refused("draft.maxModelLen=1024", "target.maxModelLen=4096")
     assert "draft.maxModelLen" in error and "layout: split" in error

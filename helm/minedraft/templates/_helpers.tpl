@@ -167,6 +167,9 @@ hostPath:
 {{- if lt $gpus 0 }}
 {{- fail (printf "%s.gpus must be 0 or 1, not %d" $component $gpus) }}
 {{- end }}
+{{- if and (eq $gpus 0) (hasPrefix "cuda" (toString (index $.Values $component).device)) }}
+{{- fail (printf "%s.gpus is 0 but %s.device is %s: give it its GPU (gpus: 1), share the target's in the pair layout (pair.sharedGpu: true), or run it on the CPU (device: cpu)" $component $component (toString (index $.Values $component).device)) }}
+{{- end }}
 {{- end }}
 {{- if eq .Values.layout "pair" }}
 {{- /* serve gives both workers one value of these: the target's. */}}
