@@ -1,6 +1,6 @@
 # MineDraft serving image: one image for all three services; the Helm chart picks the subcommand
-# (`minedraft target`, `minedraft draft`, `minedraft coordinator`) and configures it through
-# MINEDRAFT_* environment variables.
+# (`minedraft serve` for a whole pair in one pod, or `minedraft target`, `draft`, `coordinator`) and
+# configures it through MINEDRAFT_* environment variables.
 #
 #   docker build -t minedraft:0.1.0 .
 #   docker run --gpus all -v /data/models:/models minedraft:0.1.0 target --model /models/target --port 50052 --device cuda
@@ -27,7 +27,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --create-home --uid 1000 minedraft
+    && groupadd --gid 10001 minedraft \
+    && useradd --create-home --uid 10001 --gid 10001 minedraft
 
 # Versions: TORCH above, the rest from the ranges in pyproject.toml.
 # hadolint ignore=DL3013
@@ -40,7 +41,8 @@ RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
     && rm -rf /tmp/minedraft
 
 WORKDIR /home/minedraft
-USER 1000
+# A UID above the host's users; the Helm chart runs as it (securityContext.runAsUser) with a read-only root.
+USER 10001:10001
 
 # Default ports: coordinator (public API), target, draft, Prometheus metrics.
 EXPOSE 50051 50052 50053 9090

@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GENERATOR = REPO_ROOT / "scripts" / "generate_cli_docs.py"
 CHART = REPO_ROOT / "helm" / "minedraft"
 TEMPLATE_COMPONENTS = {"model-services.yaml": ("target", "draft"), "coordinator.yaml": ("coordinator",)}
+PAIR_TEMPLATE = "pair.yaml"  # the pair layout's pod runs `minedraft serve`
 # Fields cli.worker_options derives from a flag of another name
 WORKER_FIELDS_FROM_SWITCHES = {
     "cuda_graphs": "--eager",
@@ -113,3 +114,19 @@ def test_the_chart_sets_the_variables_of_the_flags_it_names() -> None:
             if component in flag.helm:
                 assert flag.helm_key in values[component], f"values.yaml has no {component}.{flag.helm_key}"
                 assert flag.env in dict(env), f"the chart does not set {flag.env} in the {component} pod"
+
+
+def test_the_pair_pod_sets_only_variables_that_serve_reads() -> None:
+    """The pair layout's `minedraft serve` container: each MINEDRAFT_ variable it gets is one a serve flag reads (a
+    misspelt one would be ignored), and a worker setting comes from the target's value of that flag."""
+    text = (CHART / "templates" / PAIR_TEMPLATE).read_text(encoding="utf-8")
+    serve = {flag.env: flag for flag in flags_of("serve") if flag.reads_env("serve")}
+    found = re.findall(r'"(MINEDRAFT_[A-Z0-9_]+)"\s+(.*)', text)
+    assert len(found) > 20, "no variables found in the pair template"
+    for name, expression in found:
+        assert name in serve, f"the pair pod sets {name}: no serve flag reads it"
+        for component, key in re.findall(r"\$(t|d|c)\.(\w+)", expression):
+            owner = {"t": "target", "d": "draft", "c": "coordinator"}[component]
+            flag = serve[name]
+            if key != "model":  # serve's --target and --draft take the workers' model directories
+                assert key == flag.helm_key and owner in flag.helm, (name, key)

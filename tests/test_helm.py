@@ -1,9 +1,10 @@
 """Checks of the Helm chart in helm/minedraft.
 
-With a real helm (on PATH, or helm 4 taken from a PyPI package: `helm_binary.find_helm`): `helm lint`, then
-`helm template` with the default values and with the options that change the pod specs (sameNode, otel.endpoint),
-checking the rendered objects. Without one: values.yaml and Chart.yaml (PyYAML) hold the keys that the templates and
-the docs promise.
+With a real helm (on PATH, or helm 4 taken from a PyPI package: `helm_binary.find_helm`): `helm lint --strict`, then
+`helm template` of both layouts (pair, the default, and split) and of the options that change the objects (replicas,
+a shared GPU, ar mode, TLS and token Secrets, the HPA, the ServiceMonitor, the headless Service), checking the
+rendered objects, and the values the chart refuses. Without one: values.yaml and Chart.yaml (PyYAML) hold the keys
+that the templates and the docs promise.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ needs_helm = pytest.mark.skipif(HELM is None, reason="no helm on PATH, and none 
 
 RELEASE = "md"
 COMPONENTS = ("target", "draft", "coordinator")
+PAIR = f"{RELEASE}-minedraft"  # the pair layout's Deployment and public Service
 
 
 # ---------------------------------------------------------------- without helm: the values
@@ -86,15 +88,25 @@ def test_values_have_the_documented_keys() -> None:
         ],
         "otel": ["endpoint"],
         "models": ["mountPath", "volume"],
-        "metrics": ["port", "prometheusAnnotations"],
+        "metrics": ["port", "prometheusAnnotations", "serviceMonitor"],
+        "pair": ["sharedGpu", "strategy", "resources", "nodeSelector", "tolerations", "affinity", "extraEnv"],
+        "service": ["type", "headless"],
+        "securityContext": ["runAsUser", "runAsGroup"],
+        "tls": ["secretName", "ca"],
+        "apiKey": ["secretName", "key"],
+        "networkPolicy": ["enabled", "publicFrom", "metricsFrom"],
+        "podDisruptionBudget": ["enabled", "maxUnavailable"],
+        "autoscaling": ["enabled", "minReplicas", "maxReplicas", "metric", "averageValue"],
     }
     for section, keys in expected.items():
         for key in keys:
             assert key in values[section], f"{section}.{key} missing from values.yaml"
     assert values["coordinator"]["mode"] in ("psd", "sd", "ar")
     assert values["models"]["volume"]["type"] in ("pvc", "hostPath")
-    assert values["sameNode"] is False
-    assert values["target"]["gpus"] >= 1 and values["draft"]["gpus"] >= 1
+    assert values["layout"] == "pair" and values["replicas"] == 1
+    assert values["target"]["gpus"] == 1 and values["draft"]["gpus"] == 1
+    assert values["securityContext"]["runAsUser"] >= 10000  # above the host's users (checkov CKV_K8S_40)
+    assert not values["tls"]["secretName"] and not values["apiKey"]["secretName"]  # their variables: only when given
     assert "gpus" not in values["coordinator"]
 
 
@@ -120,10 +132,15 @@ def test_templates_name_the_env_vars_and_probes() -> None:
         "OTEL_SERVICE_NAME",
         "grpc:",
         "nvidia.com/gpu",
-        "hostIPC",
-        "podAffinity",
+        "readOnlyRootFilesystem",
+        "automountServiceAccountToken",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
     ):
         assert needle in text, needle
+    assert "hostIPC: true" not in text  # cuda-ipc runs inside the pair's pod
 
 
 # ---------------------------------------------------------------- with helm: lint and render
@@ -134,23 +151,36 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
 
 
+def set_args(sets: tuple[str, ...]) -> list[str]:
+    return [arg for s in sets for arg in ("--set", s)]
+
+
 def render(*sets: str) -> dict[tuple[str, str], dict]:
     """`helm template` with --set options; the objects by (kind, name)."""
-    args = ["template", RELEASE, str(CHART)]
-    for s in sets:
-        args += ["--set", s]
-    out = helm(*args)
+    out = helm("template", RELEASE, str(CHART), "--namespace", "llm", *set_args(sets))
     assert out.returncode == 0, out.stderr
     objs = [d for d in yaml.safe_load_all(out.stdout) if d]
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
+def refused(*sets: str) -> str:
+    """The error of a `helm template` that must fail."""
+    out = helm("template", RELEASE, str(CHART), *set_args(sets))
+    assert out.returncode != 0, f"helm rendered {sets}"
+    return out.stderr
+
+
 def deployment(objs: dict, component: str) -> dict:
-    return objs[("Deployment", f"{RELEASE}-minedraft-{component}")]
+    name = PAIR if component == "pair" else f"{RELEASE}-minedraft-{component}"
+    return objs[("Deployment", name)]
+
+
+def pod(objs: dict, component: str) -> dict:
+    return deployment(objs, component)["spec"]["template"]["spec"]
 
 
 def container(objs: dict, component: str) -> dict:
-    (c,) = deployment(objs, component)["spec"]["template"]["spec"]["containers"]
+    (c,) = pod(objs, component)["containers"]
     return c
 
 
@@ -158,78 +188,221 @@ def env(objs: dict, component: str) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container(objs, component)["env"]}
 
 
-@needs_helm
-def test_helm_lint() -> None:
-    out = helm("lint", str(CHART))
-    assert out.returncode == 0, out.stdout + out.stderr
+def kinds(objs: dict) -> list[str]:
+    return sorted(kind for kind, _ in objs)
+
+
+def check_secure(objs: dict) -> None:
+    """Every pod of a rendering: non-root with a fixed UID, no token, nothing to escalate to, a read-only root with
+    emptyDirs where the services write, resource requests."""
+    deployments = [o for (kind, _), o in objs.items() if kind == "Deployment"]
+    assert deployments
+    for d in deployments:
+        spec = d["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["enableServiceLinks"] is False  # no MINEDRAFT_PORT=tcp://... from a Service named minedraft
+        assert "hostIPC" not in spec and "hostNetwork" not in spec and "hostPID" not in spec
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == 10001
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for name in ("tmp", "cache", "dshm"):
+            assert "emptyDir" in volumes[name], name
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 10001
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert (
+                mounts["/tmp"] == "tmp" and mounts["/home/minedraft/.cache"] == "cache" and mounts["/dev/shm"] == "dshm"
+            )
+            e = {v["name"]: v.get("value", "") for v in c["env"]}
+            for cache in ("HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"):
+                assert e[cache].startswith("/home/minedraft/.cache"), cache
+            assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+            assert c["resources"]["limits"]["memory"]
+            assert c["image"] == "minedraft:0.1.0"
+        assert d["metadata"]["namespace"] == "llm"
+
+
+def check_probes(c: dict, port: int) -> None:
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert c[probe]["grpc"]["port"] == port, probe
+    assert c["livenessProbe"]["grpc"]["service"] == "liveness" and "service" not in c["readinessProbe"]["grpc"]
 
 
 @needs_helm
-def test_helm_template_defaults() -> None:
+def test_helm_lint_strict() -> None:
+    for sets in ((), ("layout=split",), ("autoscaling.enabled=true", "metrics.serviceMonitor.enabled=true")):
+        out = helm("lint", "--strict", str(CHART), *set_args(sets))
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_helm
+def test_install_notes() -> None:
+    """What `helm install` prints: the Service to reach, per layout."""
+    for layout, service in (("pair", PAIR), ("split", f"{RELEASE}-minedraft-coordinator")):
+        out = helm("install", RELEASE, str(CHART), "--dry-run=client", "-n", "llm", "--set", f"layout={layout}")
+        assert out.returncode == 0, out.stderr
+        notes = out.stdout[out.stdout.index("NOTES:") :]
+        assert f"layout {layout}" in notes and f"port-forward svc/{service} 50051:50051" in notes, notes
+
+
+@needs_helm
+def test_pair_layout_defaults() -> None:
+    """One pod runs serve with two GPUs (target cuda:0, draft cuda:1, cuda-ipc between them), behind one Service."""
     objs = render()
-    kinds = sorted(k for k, _ in objs)
-    assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3, kinds
+    assert kinds(objs) == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service", "Service"], kinds(objs)
+    check_secure(objs)
+    c = container(objs, "pair")
+    assert c["args"] == ["serve"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["resources"]["requests"]["nvidia.com/gpu"] == 2
+    check_probes(c, 50051)
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9090}
+    e = env(objs, "pair")
+    assert e["MINEDRAFT_TARGET"] == "/models/target" and e["MINEDRAFT_DRAFT"] == "/models/draft"
+    assert e["MINEDRAFT_TARGET_DEVICE"] == "cuda:0" and e["MINEDRAFT_DRAFT_DEVICE"] == "cuda:1"
+    assert e["MINEDRAFT_CHANNEL"] == "auto"  # cuda-ipc: both processes see both GPUs
+    assert e["MINEDRAFT_HOST"] == "[::]"  # the coordinator's; serve binds its workers to loopback
+    assert e["MINEDRAFT_MODE"] == "psd" and e["MINEDRAFT_NUM_SPECULATIVE_TOKENS"] == "4"
+    assert e["MINEDRAFT_METRICS_PORT"] == "9090" and e["MINEDRAFT_DRAIN_TIMEOUT"] == "30"
+    assert "OTEL_SERVICE_NAME" not in e  # each process names itself
+    assert not any(name.startswith(("MINEDRAFT_TLS", "MINEDRAFT_API_KEY")) for name in e)
+    assert pod(objs, "pair")["terminationGracePeriodSeconds"] == 60  # the drain, then the workers' stop
+    d = deployment(objs, "pair")["spec"]
+    assert d["replicas"] == 1
+    assert d["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}  # no spare GPUs needed
+    service = objs[("Service", PAIR)]["spec"]
+    assert service["selector"]["app.kubernetes.io/component"] == "pair"
+    assert {p["name"]: p["port"] for p in service["ports"]} == {"grpc": 50051, "http": 8000}
+    metrics = objs[("Service", f"{PAIR}-metrics")]["spec"]
+    assert metrics["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics"}]
+    assert "app.kubernetes.io/component" not in metrics["selector"]  # every pod of the release
+    pdb = objs[("PodDisruptionBudget", f"{PAIR}-pair")]["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"]["matchLabels"]["app.kubernetes.io/component"] == "pair"
+    policy = objs[("NetworkPolicy", f"{PAIR}-pair")]["spec"]
+    public, scrape = policy["ingress"]
+    assert "from" not in public and {p["port"] for p in public["ports"]} == {"grpc", "http"}
+    assert scrape["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert scrape["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+
+
+@needs_helm
+def test_pair_layout_options() -> None:
+    """Replicas behind a headless Service too, a shared GPU, the ServiceMonitor."""
+    objs = render("replicas=3", "service.headless=true", "pair.sharedGpu=true", "metrics.serviceMonitor.enabled=true")
+    assert deployment(objs, "pair")["spec"]["replicas"] == 3
+    headless = objs[("Service", f"{PAIR}-headless")]["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"]["app.kubernetes.io/component"] == "pair"
+    c = container(objs, "pair")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert env(objs, "pair")["MINEDRAFT_TARGET_DEVICE"] == env(objs, "pair")["MINEDRAFT_DRAFT_DEVICE"] == "cuda:0"
+    monitor = objs[("ServiceMonitor", f"{PAIR}-metrics")]["spec"]
+    assert monitor["selector"]["matchLabels"] == {
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "metrics",
+    }
+    assert monitor["endpoints"][0]["port"] == "metrics"
+    assert ("HorizontalPodAutoscaler", PAIR) not in objs
+
+    ar = render("coordinator.mode=ar")  # the target alone: no draft, no draft GPU
+    assert "MINEDRAFT_DRAFT" not in env(ar, "pair") and "MINEDRAFT_DRAFT_DEVICE" not in env(ar, "pair")
+    assert container(ar, "pair")["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+    cpu = render("target.device=cpu", "draft.device=cpu")
+    assert "nvidia.com/gpu" not in str(container(cpu, "pair")["resources"])
+    assert env(cpu, "pair")["MINEDRAFT_TARGET_DEVICE"] == env(cpu, "pair")["MINEDRAFT_DRAFT_DEVICE"] == "cpu"
+
+
+@needs_helm
+def test_pair_layout_autoscaling() -> None:
+    objs = render("autoscaling.enabled=true", "autoscaling.maxReplicas=6")
+    assert "replicas" not in deployment(objs, "pair")["spec"]  # the HPA owns it
+    hpa = objs[("HorizontalPodAutoscaler", PAIR)]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": PAIR}
+    assert hpa["minReplicas"] == 1 and hpa["maxReplicas"] == 6
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "minedraft_queue_length"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "8"}
+
+
+@needs_helm
+def test_split_layout() -> None:
+    objs = render("layout=split")
+    assert kinds(objs).count("Deployment") == 3 and kinds(objs).count("Service") == 4, kinds(objs)
+    assert kinds(objs).count("NetworkPolicy") == 3 and kinds(objs).count("PodDisruptionBudget") == 3
+    check_secure(objs)
     for component in COMPONENTS:
         assert ("Service", f"{RELEASE}-minedraft-{component}") in objs
         c = container(objs, component)
         assert c["args"] == [component]
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
-        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-            assert c[probe]["grpc"]["port"] == port, (component, probe)
-        assert c["livenessProbe"]["grpc"]["service"] == "liveness" and "service" not in c["readinessProbe"]["grpc"]
+        check_probes(c, port)
         e = env(objs, component)
         assert e["OTEL_SERVICE_NAME"] == f"minedraft-{component}"
         assert e["MINEDRAFT_PORT"] == str(port)
+        assert e["MINEDRAFT_HOST"] == "[::]"  # reachable from the other pods (the workers default to loopback)
         assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in e  # otel.endpoint is empty by default
-        annotations = deployment(objs, component)["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/scrape"] == "true"
+        assert (
+            deployment(objs, component)["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        )
 
     coordinator = env(objs, "coordinator")
-    assert coordinator["MINEDRAFT_NUM_SPECULATIVE_TOKENS"] == "4"
-    assert coordinator["MINEDRAFT_MODE"] == "psd"
     assert coordinator["MINEDRAFT_CHANNEL"] == "nccl"
     assert coordinator["MINEDRAFT_TARGET"] == f"{RELEASE}-minedraft-target:50052"
     assert coordinator["MINEDRAFT_DRAFT"] == f"{RELEASE}-minedraft-draft:50053"
-    assert "nvidia.com/gpu" not in str(container(objs, "coordinator").get("resources", {}))
+    assert "nvidia.com/gpu" not in str(container(objs, "coordinator")["resources"])
     assert coordinator["MINEDRAFT_TOKENIZER"] == "/models/target"  # text prompts need the tokenizer
     assert "MINEDRAFT_DRAFT_RETRY_INTERVAL" not in coordinator  # empty: the CLI's default
     assert coordinator["MINEDRAFT_DRAIN_TIMEOUT"] == "30"  # the pod outlives its drain before the SIGKILL
-    assert deployment(objs, "coordinator")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 45
-    (mount,) = container(objs, "coordinator")["volumeMounts"]
-    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
-
+    assert pod(objs, "coordinator")["terminationGracePeriodSeconds"] == 45
     for component in ("target", "draft"):
         assert container(objs, component)["resources"]["limits"]["nvidia.com/gpu"] == 1
         # The workers outlive the coordinator's drain (a whole release gets its SIGTERMs at once).
         assert env(objs, component)["MINEDRAFT_DRAIN_TIMEOUT"] == "40"
-        assert deployment(objs, component)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 55
+        assert pod(objs, component)["terminationGracePeriodSeconds"] == 55
         assert env(objs, component)["MINEDRAFT_MODEL"] == f"/models/{component}"
-        pod = deployment(objs, component)["spec"]["template"]["spec"]
-        assert "hostIPC" not in pod
-        models = next(v for v in pod["volumes"] if v["name"] == "models")
+        models = next(v for v in pod(objs, component)["volumes"] if v["name"] == "models")
         assert models["persistentVolumeClaim"]["claimName"] == "minedraft-models"
 
+        # The control RPCs from the coordinator only, nccl from the other worker, metrics from the scraper.
+        control, nccl, scrape = objs[("NetworkPolicy", f"{RELEASE}-minedraft-{component}")]["spec"]["ingress"]
+        (peer,) = control["from"]
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
+        assert control["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+        (peer,) = nccl["from"]
+        other = "draft" if component == "target" else "target"
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == other and "ports" not in nccl
+        assert scrape["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    public = objs[("NetworkPolicy", f"{RELEASE}-minedraft-coordinator")]["spec"]
+    assert public["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
+
 
 @needs_helm
-def test_helm_template_http_port() -> None:
+def test_http_port() -> None:
     """The OpenAI-compatible HTTP API: a container port and a Service port named http, off with httpPort 0."""
-    for sets, port in (((), 8000), (("coordinator.httpPort=8080",), 8080), (("coordinator.httpPort=0",), None)):
-        objs = render(*sets)
-        service = objs[("Service", f"{RELEASE}-minedraft-coordinator")]["spec"]["ports"]
-        http = [p for p in service if p["name"] == "http"]
-        container_ports = {p["name"]: p["containerPort"] for p in container(objs, "coordinator")["ports"]}
-        assert env(objs, "coordinator")["MINEDRAFT_HTTP_PORT"] == str(port or 0), sets
-        if port is None:
-            assert not http and "http" not in container_ports, sets
-        else:
-            assert http == [{"name": "http", "port": port, "targetPort": "http"}], sets
-            assert container_ports["http"] == port, sets
+    for layout, component, service in (
+        ("pair", "pair", PAIR),
+        ("split", "coordinator", f"{RELEASE}-minedraft-coordinator"),
+    ):
+        for sets, port in (((), 8000), (("coordinator.httpPort=8080",), 8080), (("coordinator.httpPort=0",), None)):
+            objs = render(f"layout={layout}", *sets)
+            http = [p for p in objs[("Service", service)]["spec"]["ports"] if p["name"] == "http"]
+            container_ports = {p["name"]: p["containerPort"] for p in container(objs, component)["ports"]}
+            assert env(objs, component)["MINEDRAFT_HTTP_PORT"] == str(port or 0), sets
+            if port is None:
+                assert not http and "http" not in container_ports, sets
+            else:
+                assert http == [{"name": "http", "port": port, "targetPort": "http"}], sets
+                assert container_ports["http"] == port, sets
 
 
 @needs_helm
-def test_helm_template_same_node_and_otel() -> None:
+def test_split_layout_settings_and_otel() -> None:
     objs = render(
-        "sameNode=true",
+        "layout=split",
         "otel.endpoint=http://collector:4317",
         "coordinator.numSpeculativeTokens=7",
         "target.dtype=bfloat16",
@@ -239,22 +412,69 @@ def test_helm_template_same_node_and_otel() -> None:
     for component in COMPONENTS:
         assert env(objs, component)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
     assert env(objs, "coordinator")["MINEDRAFT_NUM_SPECULATIVE_TOKENS"] == "7"
-    assert env(objs, "coordinator")["MINEDRAFT_CHANNEL"] == "cuda-ipc"
     assert env(objs, "target")["MINEDRAFT_DTYPE"] == "bfloat16"
+    assert "MINEDRAFT_DTYPE" not in env(objs, "draft")  # empty: the CLI's default
     for component in ("target", "draft"):
-        pod = deployment(objs, component)["spec"]["template"]["spec"]
-        assert pod["hostIPC"] is True
-        models = next(v for v in pod["volumes"] if v["name"] == "models")
+        models = next(v for v in pod(objs, component)["volumes"] if v["name"] == "models")
         assert models["hostPath"]["path"] == "/data/models"
-    draft_pod = deployment(objs, "draft")["spec"]["template"]["spec"]
-    (term,) = draft_pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "target"
-    assert "hostIPC" not in deployment(objs, "coordinator")["spec"]["template"]["spec"]
 
 
 @needs_helm
-def test_helm_template_rejects_unknown_volume_type() -> None:
-    out = helm("template", RELEASE, str(CHART), "--set", "models.volume.type=nfs")
-    assert out.returncode != 0
-    assert "models.volume.type" in out.stderr
+def test_tls_and_api_key_from_secrets() -> None:
+    """Given Secrets: mounted read-only, their files named by the variables, probes that open the port only."""
+    sets = ("tls.secretName=md-tls", "tls.ca=true", "apiKey.secretName=md-token")
+    for layout, public in (("pair", "pair"), ("split", "coordinator")):
+        objs = render(f"layout={layout}", *sets)
+        components = (public,) if layout == "pair" else COMPONENTS
+        for component in components:
+            c, e = container(objs, component), env(objs, component)
+            assert e["MINEDRAFT_TLS_CERT"] == "/etc/minedraft/tls/tls.crt"
+            assert e["MINEDRAFT_TLS_KEY"] == "/etc/minedraft/tls/tls.key"
+            assert e["MINEDRAFT_TLS_CA"] == "/etc/minedraft/tls/ca.crt"
+            assert ("MINEDRAFT_API_KEY_FILE" in e) == (component == public)  # the token guards the public port
+            mounts = {m["name"]: m for m in c["volumeMounts"]}
+            assert mounts["tls"]["readOnly"] is True and mounts["tls"]["mountPath"] == "/etc/minedraft/tls"
+            volumes = {v["name"]: v for v in pod(objs, component)["volumes"]}
+            assert volumes["tls"]["secret"]["secretName"] == "md-tls"
+            if component == public:
+                assert e["MINEDRAFT_API_KEY_FILE"] == "/etc/minedraft/api-key/api-key"
+                assert volumes["api-key"]["secret"]["secretName"] == "md-token"
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                assert "grpc" not in c[probe] and c[probe]["tcpSocket"]["port"] > 0, (component, probe)
+
+
+@needs_helm
+def test_the_chart_refuses_what_it_cannot_serve() -> None:
+    error = refused("target.gpus=2")
+    assert "target.gpus is 2" in error and "tensor parallel" in error and "Set target.gpus to 1" in error
+    assert "draft.gpus is 4" in refused("layout=split", "draft.gpus=4")
+    assert "pair.sharedGpu: true" in refused("draft.gpus=0")  # a CUDA draft with no GPU of its own
+    # The pair's serve gives both workers one value: a different draft value would be dropped silently.
+    error = refused("draft.maxModelLen=1024", "target.maxModelLen=4096")
+    assert "draft.maxModelLen" in error and "layout: split" in error
+    assert "coordinator.maxBatchSize" in refused("target.maxBatchSize=16")
+    assert "layout: pair" in refused("layout=split", "replicas=2")
+    assert "layout: pair" in refused("layout=split", "autoscaling.enabled=true")
+    assert "layout must be pair or split" in refused("layout=triple")
+    assert "models.volume.type" in refused("models.volume.type=nfs")
+    assert "layout: pair" in refused("sameNode=true")  # an old value, not silently ignored
+    # Equal values and the split layout's own draft values are fine.
+    render("draft.maxModelLen=4096", "target.maxModelLen=4096")
+    render("layout=split", "draft.maxModelLen=1024", "target.maxModelLen=4096")
+
+
+@needs_helm
+def test_renderings_are_valid_kubernetes_objects() -> None:
+    """The issue's four renderings against the API schemas of the oldest and newest Kubernetes we promise, strictly
+    (an unknown field fails); the ServiceMonitor is a CRD outside those schemas."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    renderings = [
+        render(),
+        render("replicas=3", "service.headless=true"),
+        render("layout=split", "tls.secretName=md-tls", "apiKey.secretName=md-token"),
+        render("pair.sharedGpu=true", "autoscaling.enabled=true"),
+    ]
+    for version in ("1.29.0", "1.37.0"):
+        for objs in renderings:
+            for obj in objs.values():
+                kubernetes_validate.validate(obj, version, strict=True)
