@@ -382,3 +382,18 @@ def test_a_batch_whose_sequences_come_and_go_steps_on_their_current_rows(tiny_mo
     assert rows == [table.rows_by_id[1], table.rows_by_id[2]] != first and host.tolist() == rows
     assert table.sampling_kind([1, 2], VOCAB) == SamplingKind(all_greedy=False, filtered=False)
     verifier.verify([1, 2], torch.tensor([[1, 2], [1, 2]]), None, batch_id=0).per_row()
+
+
+def test_a_prefill_gathers_however_few_tokens_follow_its_cached_blocks(tiny_models) -> None:
+    """Where short steps read K/V through the paged kernels (CUDA), a prefill still gathers its keys: a prompt's rest
+    after its cached blocks (20-60 tokens) would be a query count the kernel compiles anew at its first use, 0.6-0.9 s
+    in which a whole burst sharing a prefix waits. Decode-sized steps keep the paged reads."""
+    runner = ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2, 128)
+    runner._paged_queries = 64  # as on CUDA for a draft of 12 heads and 12 K/V heads (the Triton kernels take it)
+    rows = torch.tensor([0])
+    for tokens in (1, 20, 64):
+        inputs = (torch.zeros(1, tokens, dtype=torch.long), torch.tensor([tokens]))
+        prefill = runner.prepare(kind="prefill", rows=rows, inputs=inputs, needed=100, tokens=tokens, last_only=True)
+        step = runner.prepare(kind="verify", rows=rows, inputs=inputs, needed=100, tokens=tokens)
+        assert prefill.shape.kv_len is not None and prefill.shape.kv_len >= 100
+        assert step.shape.kv_len is None

@@ -403,15 +403,19 @@ class ModelRunner:
         first forward, the longest reaching `needed`: checks the length, picks the batch bucket (and a key-length
         bucket where attention gathers), and keys its graph. `inputs` are per-row tensors `[B, ...]`; `forwards`: the
         forwards its body runs (a draft's decode loop: one per token); `last_only`: a prefill's (logits at each row's
-        last token), which runs eagerly at its own batch size (a graph per prompt length would be captured mid-load,
-        and padding would only add work: 39 prompts ran as 64); `lane`: the coordinator's batch (`Step.lane`). The
-        rows' blocks must be reserved (`PagedKVCache.reserve`)."""
+        last token), which gathers its keys and runs eagerly at its own batch size (a graph per prompt length would be
+        captured mid-load, and padding would only add work: 39 prompts ran as 64); `lane`: the coordinator's batch
+        (`Step.lane`). The rows' blocks must be reserved (`PagedKVCache.reserve`)."""
         if needed > self.max_len:
             raise CapacityError(f"a sequence would reach {needed} tokens, beyond max_model_len {self.max_len}")
         short = graphable(tokens, last_only)
         padded, kv_len = self.step_shape(len(rows), needed, tokens)
         if not short:
             padded = len(rows)
+        if last_only and kv_len is None:
+            # A prefill gathers however few its tokens (a prompt's rest after cached blocks): the paged kernel would
+            # compile a new variant for its query count at first use, 0.6-0.9 s mid-load on an H200.
+            kv_len = self._key_length(needed)
         key = (kind, forwards, padded, kv_len, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
         shape = StepShape(padded=padded, kv_len=kv_len)
         return Step(rows=rows, inputs=inputs, shape=shape, graphable=short, key=key, lane=lane)
