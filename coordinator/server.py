@@ -181,6 +181,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         step loop, and follow the workers' health."""
         pair = self.workers.pair
         await pair.connect()
+        self.workers.keep_leases()
         if self.workers.has_draft:
             self._lay_out_batches()
         await pair.set_up(

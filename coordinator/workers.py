@@ -292,15 +292,18 @@ class Workers:
 
     # ----------------------------------------------------------------------------------------------- health
 
+    def keep_leases(self) -> None:
+        """Renew both workers' leases (`_renew_leases`) from now until `stop_failover`: once they are taken, before
+        the workers' start-up work (a Prepare can outlast a lease)."""
+        self._watches.append(asyncio.create_task(self._renew_leases()))
+
     def watch_health(self) -> None:
-        """Follow both workers' health (`follow_health`) and renew their leases (`_renew_leases`) until
-        `stop_failover`."""
-        self._watches = [
+        """Follow both workers' health (`follow_health`) until `stop_failover`."""
+        self._watches.append(
             asyncio.create_task(
                 follow_health(self._target_channel, "target", self.retry_interval, self._target_said, self._lose_target)
-            ),
-            asyncio.create_task(self._renew_leases()),
-        ]
+            )
+        )
         if self._draft_channel is not None:
             self._watches.append(
                 asyncio.create_task(follow_health(self._draft_channel, "draft", self.retry_interval, self._draft_said))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +57,13 @@ class Leases:
         self.owner: str | None = None
         self.epoch = 0
         self._renewed = 0.0
+        self._calls = 0  # internal calls running under the current lease
         self._lock = asyncio.Lock()
 
     @property
     def live(self) -> bool:
-        return self.owner is not None and self._clock() - self._renewed < self.ttl_s
+        """Held: renewed within `ttl_s`, or a call under it still running (a Prepare can outlast the lease)."""
+        return self.owner is not None and (self._calls > 0 or self._clock() - self._renewed < self.ttl_s)
 
     def _holder(self) -> str:
         left = self.ttl_s - (self._clock() - self._renewed)
@@ -80,6 +83,19 @@ class Leases:
             )
         self._renewed = self._clock()
 
+    @contextlib.contextmanager
+    def held(self, ticket: tuple[str, int] | None) -> Iterator[None]:
+        """Around an internal call: `check`ed, and the lease held until the call ends, then renewed."""
+        self.check(ticket)
+        epoch = self.epoch
+        self._calls += 1
+        try:
+            yield
+        finally:
+            if self.epoch == epoch:  # (a lease taken anew meanwhile counts its own calls)
+                self._calls -= 1
+                self._renewed = self._clock()
+
     async def take(self, owner: str, epoch: int, give_up: bool) -> common_pb2.Lease:
         """The Lease call: renew `owner`'s lease of `epoch`, give it up, or (epoch 0) grant a new one unless
         another owner's is live; what an earlier lease held is freed before the new one is granted."""
@@ -97,7 +113,7 @@ class Leases:
             else:
                 if self.owner is not None:
                     await self._end("taken again by its owner" if owner == self.owner else "expired")
-                self.owner, self.epoch, self._renewed = owner, self.epoch + 1, self._clock()
+                self.owner, self.epoch, self._renewed, self._calls = owner, self.epoch + 1, self._clock(), 0
                 log.info("lease %d taken by coordinator %s", self.epoch, owner)
             return common_pb2.Lease(owner=owner, epoch=self.epoch, ttl_s=self.ttl_s)
 
@@ -111,7 +127,7 @@ class Leases:
         while True:
             await asyncio.sleep(poll_s or max(self.ttl_s / 4, 0.05))
             if self.owner is not None and not self.live:
-                async with self._lock:
+                async with self._lock:  # (a take meanwhile may have renewed it)
                     if self.owner is not None and not self.live:
                         await self._end("expired")
 

@@ -35,8 +35,8 @@ def leased(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.leases.check(presented(context))
-        return await handler(self, request, context)
+        with self.leases.held(presented(context)):
+            return await handler(self, request, context)
 
     return wrapped  # type: ignore[return-value]
 
@@ -168,8 +168,8 @@ class WorkerServicer:
         ticket = presented(context)
 
         async def step(request: Any) -> Message:
-            self.leases.check(ticket)
-            return await self.step(request)
+            with self.leases.held(ticket):
+                return await self.step(request)
 
         async for reply in serve_step_stream(requests, step, self.StepStreamResponse):
             yield reply
