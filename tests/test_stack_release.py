@@ -14,6 +14,7 @@ import pytest
 from stack import TinyPairs, Workers, assert_all_slots_free, running_coordinator, text_prompts
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.rpc.lease import LEASE_METADATA
 
 pytest_plugins = ["stack"]
 
@@ -26,8 +27,8 @@ class Address:
 
 
 class DelayingProxy(grpc.GenericRpcHandler):
-    """Forwards every call to `upstream` as bytes (the step streams as streams), holding Release calls for
-    RELEASE_DELAY first."""
+    """Forwards every call to `upstream` as bytes (the step streams as streams) with the lease it presents, holding
+    Release calls for RELEASE_DELAY first."""
 
     def __init__(self, upstream: str) -> None:
         self.channel = grpc.insecure_channel(upstream)
@@ -36,15 +37,21 @@ class DelayingProxy(grpc.GenericRpcHandler):
         method = details.method
         if method.endswith("Stream"):
             forward_stream: grpc.StreamStreamMultiCallable[bytes, bytes] = self.channel.stream_stream(method)
-            return grpc.stream_stream_rpc_method_handler(lambda requests, context: forward_stream(requests))
+            return grpc.stream_stream_rpc_method_handler(
+                lambda requests, context: forward_stream(requests, metadata=_lease(context))
+            )
         forward: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self.channel.unary_unary(method)  # bytes through
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             if method.endswith("/Release"):
                 time.sleep(RELEASE_DELAY)
-            return forward(request, timeout=60)
+            return forward(request, timeout=60, metadata=_lease(context))
 
         return grpc.unary_unary_rpc_method_handler(handle)
+
+
+def _lease(context: grpc.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
+    return tuple((key, value) for key, value in context.invocation_metadata() if key == LEASE_METADATA)
 
 
 @pytest.fixture
