@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.request_state import RequestState
@@ -137,10 +137,18 @@ class BatchManager:
     def preempt_latest(self, batch: Batch) -> RequestState:
         """Take the batch's most recently admitted member (not in flight) out, to the front of the queue."""
         request = max(batch.members, key=lambda r: r.admitted)
-        batch.members.remove(request)
         request.preempt()
-        self.waiting.appendleft(request)
+        self.requeue([request])
         return request
+
+    def requeue(self, requests: Sequence[RequestState]) -> None:
+        """Take admitted requests out of the batches (members or joiners) and back to the front of the queue, in
+        their order, to be prefilled again: one preempted, or a group whose prefill found no room on a worker."""
+        leaving = {id(r) for r in requests}  # (requests compare by value)
+        for batch in self.batches:
+            batch.members[:] = [r for r in batch.members if id(r) not in leaving]
+            batch.joining[:] = [r for r in batch.joining if id(r) not in leaving]
+        self.waiting.extendleft(reversed(requests))
 
     def remove_finished(self, batch: Batch) -> list[RequestState]:
         """Drop finished or cancelled members of a batch not in flight; return them for release on the workers."""

@@ -83,6 +83,9 @@ class StepLoop:
         self._admissions = itertools.count(1)
         self.prefixes = PrefixMemory(workers.kv_blocks["target"])
         self.preemptions = 0
+        # After a prefill found no room on the target: admit nothing until fewer than this many sequences run (0:
+        # admit one request alone), `_wait_for_room`
+        self._room_awaited: int | None = None
 
     def wake(self) -> None:
         self._wake.set()
@@ -201,8 +204,12 @@ class StepLoop:
 
     async def _admit(self) -> bool:
         """Prefill what the batches and the workers' KV blocks have room for; False if the prefill failed (its
-        requests failed with it)."""
-        admissions = self.manager.take_admissions(self._memory_for(), self.prefixes.uncached_tokens)
+        requests failed with it, or wait again: `_wait_for_room`)."""
+        if self._room_awaited is not None and 0 < self._room_awaited <= self.manager.num_running:
+            return True  # a prefill found no room: nothing is admitted until a running sequence leaves
+        memory = self._memory_for(alone=self._room_awaited == 0)
+        self._room_awaited = None
+        admissions = self.manager.take_admissions(memory, self.prefixes.uncached_tokens)
         admitted = [r for _, requests in admissions for r in requests]
         if not admitted:
             return True
@@ -212,6 +219,12 @@ class StepLoop:
         target_reply, draft_reply = await asyncio.gather(
             self.workers.prefill_target(admitted), drafting, return_exceptions=True
         )
+        if isinstance(target_reply, grpc.aio.AioRpcError) and _out_of_room(target_reply):
+            if isinstance(draft_reply, BaseException) and not _out_of_room(draft_reply):
+                self._lose_draft(draft_reply)  # (while the group is in the batches: what the draft may hold)
+            if not self._wait_for_room(admitted, target_reply):
+                self._fail(admitted, _no_room_alone(target_reply))
+            return False
         if isinstance(target_reply, BaseException):
             if not self._lose_target(target_reply):
                 self._fail(admitted, target_reply)
@@ -230,15 +243,39 @@ class StepLoop:
             self.metrics.prefilled(admitted, target_reply.results)
         return True
 
-    def _memory_for(self) -> Callable[[RequestState], bool]:
+    def _wait_for_room(self, group: list[RequestState], exc: grpc.aio.AioRpcError) -> bool:
+        """The target had no room for the prefill of `group` (RESOURCE_EXHAUSTED: the KV blocks admission counted
+        are an estimate): whether the group waits for it. Freed on both workers (a draft that took them holds
+        them), it goes back to the front of the queue, as preempted requests do, and is admitted again once a
+        running sequence has left, or, with none running, one request at a time. A request that found no room alone
+        on an idle target never will: False, for it to fail."""
+        running = self.manager.num_running - len(group)
+        if not running and len(group) == 1:
+            return False
+        self.workers.release_later([r.seq_id for r in group])
+        self.manager.requeue(group)
+        self._room_awaited = running
+        log.info(
+            "no room on the target for a prefill of %d requests (%s): they wait for %s",
+            len(group),
+            exc.details(),
+            f"one of the {running} running sequences to end" if running else "admission one at a time",
+        )
+        return True
+
+    def _memory_for(self, alone: bool = False) -> Callable[[RequestState], bool]:
         """Whether the workers' free KV blocks (`Workers.free_blocks`) hold one more request's prompt, with a step's
-        growth for it and every running sequence to spare; counting those said yes to. With nothing running one is
-        always admitted: a prompt within max_model_len fits an empty pool."""
+        growth for it and every running sequence to spare; counting those said yes to (`alone`: yes to the first
+        request only). With nothing running one is always admitted: a prompt within max_model_len fits an empty
+        pool."""
         free = self.workers.free_blocks(self.k)
         running = self.manager.num_running
+        first = running
 
         def memory(request: RequestState) -> bool:
             nonlocal running
+            if alone and running > first:
+                return False
             tokens = len(request.prefill_ids)
             needs = {w: self.workers.kv_blocks[w].for_prompt(tokens) for w in free}
             if running and any(free[w][0] - needs[w] < (running + 1) * free[w][1] for w in free):
@@ -411,6 +448,21 @@ class StepLoop:
     def step_trace(self) -> str:
         """The recorded worker calls as JSON lines (for the overlap test and the timeline plot)."""
         return "\n".join(json.dumps(vars(e)) for e in self.workers.events)
+
+
+def _out_of_room(exc: BaseException) -> bool:
+    """Whether a worker refused a call for capacity (its KV blocks or rows: minedraft.errors.CapacityError)."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _no_room_alone(exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """The error of a request that found no room on the target with nothing else running."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        details=f"the target's KV cache cannot hold this request even with nothing else running ({exc.details()}): "
+        "send a shorter prompt or a lower max_tokens, or give the target more KV cache (--kv-cache-memory, "
+        "--gpu-memory-utilization)",
+    )
 
 
 def _way(k: int) -> str:

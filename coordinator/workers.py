@@ -210,6 +210,7 @@ class Workers:
         self._draft_stopping = False  # the draft's health says NOT_SERVING: not used, nor taken back, while it does
         self._draining = False  # the coordinator drains (`drain`)
         self._leave_reason: str | None = None  # why the draft is to be left at the next step (`leave_draft`)
+        self._draft_short_of_room = False  # the draft was left for want of room once (`lose_draft_on`)
         self._draft_probe: asyncio.Task[bool] | None = None
         self._next_probe = 0.0  # (time.monotonic)
         self._watches: list[asyncio.Task[None]] = []  # `follow_health` of each worker
@@ -390,9 +391,23 @@ class Workers:
     # ----------------------------------------------------------------------------------------------- the draft
 
     def lose_draft_on(self, exc: BaseException, held: Iterable[int]) -> bool:
-        """Whether `exc`, from a draft call, means the draft is unreachable or hung; if so it is left (`held`: what
-        it may hold, the batches' sequences): a lost draft costs speed, not requests."""
-        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in DRAFT_LOST_CODES):
+        """Whether `exc`, from a draft call, means the draft is unreachable, hung or out of room (RESOURCE_EXHAUSTED:
+        its KV cache or rows cannot take the call's sequences); if so it is left (`held`: what it may hold, the
+        batches' sequences): a draft lost, or short of memory, costs speed, not requests."""
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            return False
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # Routine when the draft's cache is the smaller: said at WARNING the first time, at INFO after.
+            level = logging.INFO if self._draft_short_of_room else logging.WARNING
+            self._draft_short_of_room = True
+            reason = (
+                f"the draft service has no room for the sequences the target holds ({exc.details()}); it takes them "
+                "back once its probe finds room for every running request (a larger --kv-cache-memory on the draft "
+                "keeps it drafting)"
+            )
+            self._drop_draft(reason, held, level)
+            return True
+        if exc.code() not in DRAFT_LOST_CODES:
             return False
         self._drop_draft(f"draft service unreachable ({exc.details()})", held)
         return True
@@ -408,11 +423,11 @@ class Workers:
             self._drop_draft(self._leave_reason, held)
             self._leave_reason = None
 
-    def _drop_draft(self, reason: str, held: Iterable[int]) -> None:
-        """Decode with the target alone from now on (`reason` says why, in the log) until the draft is back
-        (`probe_draft`); drafts already made are still verified."""
+    def _drop_draft(self, reason: str, held: Iterable[int], level: int = logging.ERROR) -> None:
+        """Decode with the target alone from now on (`reason` says why, in the log at `level`) until the draft is
+        back (`probe_draft`); drafts already made are still verified."""
         if self._draft_state is DraftState.CONNECTED:
-            log.error("%s: continuing with the target alone", reason)
+            log.log(level, "%s: continuing with the target alone", reason)
             self._draft_state = DraftState.LOST
             # Only what was admitted by now can be on the draft (at most its slots), whatever ends meanwhile.
             self._draft_backlog = [*held, *self._unreleased["draft"]]
