@@ -358,13 +358,23 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_streams(coordinator: Serv
     assert max(gaps) < max(0.5, took / 2), (max(gaps), took)
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
 def test_request_over_max_request_bytes_is_refused_unread(coordinator: Service) -> None:
-    """Beyond --max-request-bytes (4 MiB) gRPC itself refuses the message (RESOURCE_EXHAUSTED, its code for it)."""
-    request = generation_pb2.GenerateRequest(prompt="a" * (5 << 20), params=_params())
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        asyncio.run(generate(coordinator.address, request, timeout=30))
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
-    assert str(4 << 20) in (info.value.details() or ""), info.value.details()
+    """Beyond --max-request-bytes (4 MiB) gRPC itself refuses the message (RESOURCE_EXHAUSTED, its code for it),
+    unread: a 5 MiB and a 64 MiB prompt leave the coordinator's memory as it was (it once grew to 13 GB on one)."""
+    baseline = _rss_mib(coordinator.proc.pid)
+    for size in (5 << 20, 64 << 20):
+        request = generation_pb2.GenerateRequest(prompt="a" * size, params=_params())
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            asyncio.run(generate(coordinator.address, request, timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert str(4 << 20) in (info.value.details() or ""), info.value.details()
+    grown = _rss_mib(coordinator.proc.pid) - baseline
+    assert grown < 200, f"the coordinator grew by {grown:.0f} MiB"
     assert len(asyncio.run(generate(coordinator.address, _good(), timeout=60)).token_ids) == 4
 
 
