@@ -216,7 +216,8 @@ def follow(options: WorkerOptions, rank: int, address: str, calls: Connection) -
             name, args, pool.prefix_caching = pickle.loads(calls.recv_bytes())
         except EOFError:
             log.info("rank 0 is gone: rank %d stops", rank)
-            return
+            logging.shutdown()
+            os._exit(0)  # not through the interpreter's teardown: gloo's threads then may abort the process
         try:
             result = getattr(verifier, name)(*args)
             if isinstance(result, StepResult):

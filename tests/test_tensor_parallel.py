@@ -54,7 +54,11 @@ for arch, (target_dir, draft_dir) in spec["models"].items():
         "tokens": [r.tokens for r in generate_offline(verifier, proposer, requests, spec["k"], spec["batch"])],
         "kv_heads": verifier.runner.cache.kv_heads,
     }
-print("RESULT " + json.dumps(out))
+print("RESULT " + json.dumps(out), flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+import os
+os._exit(0)  # (gloo's threads torn down with the interpreter may abort: "terminate called without an active exception")
 """
 
 
