@@ -10,14 +10,17 @@ second collective to hand results back.
 
 The calls go over a pipe rather than a broadcast in the group: a rank idle between requests then waits on its pipe
 for as long as it likes, where a collective would time out, and it sees rank 0 go (end of file) at once.
-A rank that exits, or a call that fails midway on rank 0 (a collective timed out: a hung rank), makes rank 0 report
-NOT_SERVING and answer UNAVAILABLE, then exit, so that whatever supervises the service starts the whole group anew
-(a NCCL or gloo group takes no new member, and ranks out of step cannot be trusted).
+A rank that exits, or a call that fails midway on rank 0, makes rank 0 report NOT_SERVING and answer UNAVAILABLE,
+then exit, so that whatever supervises the service starts the whole group anew (a NCCL or gloo group takes no new
+member, and ranks out of step cannot be trusted). A hung rank counts as one that exited, within seconds rather than
+after the collective timeout: each rank reports on a pipe of its own back to rank 0, from a thread, the number of
+calls it has finished, every HEARTBEAT_S and after each call (`Liveness` says when silence or lag means hung).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -27,6 +30,8 @@ import signal
 import socket
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -46,12 +51,61 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 60.0
 # After a rank died: how long rank 0 reports NOT_SERVING and answers UNAVAILABLE before it exits.
 EXIT_AFTER_S = 2.0
+# How often each rank reports, and how long a silence (or a lag behind rank 0, beyond rank 0's own time) means hung.
+HEARTBEAT_S = 0.25
+HANG_S = 3.0
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class Liveness:
+    """Rank 0's view of whether ranks 1..N-1 still run: each one's last report (calls it has finished), the calls
+    rank 0 finished. A rank is hung once it has been silent for HANG_S (stopped: its reporting thread stopped too), or
+    once it is more than HANG_S plus twice rank 0's own time behind rank 0 in finishing a call (stuck in Python: the
+    call's last collective has met, what is left is the same work rank 0 did). A rank loading its shard is not
+    watched: the clock starts at its first report, or at rank 0's first call (a rank then has nothing long left)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.heard: list[float | None] = [None] * ranks  # (time.monotonic) of each rank's last report
+        self.done = [0] * ranks  # calls each rank has finished
+        self.sent = 0  # calls rank 0 handed on
+        self._due: deque[tuple[int, float]] = deque()  # (call, when every rank must have finished it)
+        self._lock = threading.Lock()
+
+    def report(self, rank: int, done: int, now: float) -> None:
+        """Rank `rank` (1..N-1) says it has finished `done` calls."""
+        with self._lock:
+            self.heard[rank - 1], self.done[rank - 1] = now, done
+
+    def send(self, now: float) -> int:
+        """Rank 0 hands on a call: its number (from 1)."""
+        with self._lock:
+            self.heard = [now if h is None else h for h in self.heard]
+            self.sent += 1
+            return self.sent
+
+    def finished(self, call: int, took: float, now: float) -> None:
+        """Rank 0 finished `call`, which took it `took` seconds."""
+        with self._lock:
+            self._due.append((call, now + HANG_S + 2 * took))
+
+    def hung(self, now: float) -> tuple[int, str] | None:
+        """A rank that is hung and why, or None."""
+        with self._lock:
+            for rank, heard in enumerate(self.heard, 1):
+                if heard is not None and now - heard > HANG_S:
+                    return rank, f"has not reported for {now - heard:.1f} s (stopped, or hung)"
+            while self._due and min(self.done) >= self._due[0][0]:
+                self._due.popleft()
+            if self._due and now > self._due[0][1]:
+                call = self._due[0][0]
+                rank = next(r for r, d in enumerate(self.done, 1) if d < call)
+                return rank, f"has not finished call {call} long after rank 0 did (stuck)"
+            return None
 
 
 class RankGroup:
@@ -63,7 +117,9 @@ class RankGroup:
         address = f"127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
         self.pipes: list[Connection] = []
+        self.reports: list[Connection] = []  # (each rank's `Liveness` reports)
         self.processes: list[BaseProcess] = []
+        self.liveness = Liveness(size - 1)
         self.lost: str | None = None
         self._lost = threading.Event()
         self._failing = threading.Lock()
@@ -71,10 +127,15 @@ class RankGroup:
         self.on_lost: list[Callable[[], object]] = []  # what the service does then (its health NOT_SERVING)
         for rank in range(1, size):
             reader, writer = context.Pipe(duplex=False)
-            process = context.Process(target=follow, args=(options, rank, address, reader), name=f"tp-rank-{rank}")
+            report_reader, report_writer = context.Pipe(duplex=False)
+            process = context.Process(
+                target=follow, args=(options, rank, address, reader, report_writer), name=f"tp-rank-{rank}"
+            )
             process.start()
             reader.close()
+            report_writer.close()
             self.pipes.append(writer)
+            self.reports.append(report_reader)
             self.processes.append(process)
             log.info("tensor-parallel rank %d of %d started as pid %d", rank, size, process.pid)
         atexit.register(self.close)  # (before multiprocessing's own exit handler, which would wait for the ranks)
@@ -83,17 +144,23 @@ class RankGroup:
         device = torch.device(rank_device(options.device, 0))
         self.tp: TensorParallel = init_group(0, size, address, device, COLLECTIVE_TIMEOUT_S)
 
-    def send(self, name: str, args: Sequence[object], prefix_caching: bool) -> None:
+    def send(self, name: str, args: Sequence[object], prefix_caching: bool) -> int:
         """Hand the call `name(*args)` to every other rank (tensors among `args` on the host), to run with prefix
-        caching as on rank 0 (whose warm-up prefills turn it off)."""
+        caching as on rank 0 (whose warm-up prefills turn it off); the call's number, for `finished`."""
         if self.lost is not None:
             raise RankLostError(self.lost)
         message = pickle.dumps((name, args, prefix_caching))
+        call = self.liveness.send(time.monotonic())
         try:
             for pipe in self.pipes:
                 pipe.send_bytes(message)
         except OSError as exc:
             raise RankLostError(self.wait_lost()) from exc
+        return call
+
+    def finished(self, call: int, took: float) -> None:
+        """Rank 0 has run `call` in `took` seconds: every other rank must finish it soon after."""
+        self.liveness.finished(call, took, time.monotonic())
 
     def wait_lost(self, timeout: float = 2.0) -> str:
         """Why the group is lost, once the watcher knows (a failed collective can come first)."""
@@ -102,12 +169,26 @@ class RankGroup:
 
     def _watch(self) -> None:
         by_sentinel = {p.sentinel: p for p in self.processes}
-        ready = wait(list(by_sentinel))
-        if self._closing:
-            return
-        process = by_sentinel[ready[0]]  # type: ignore[index]
-        process.join(timeout=1)  # (reaped: its exit code known)
-        self.fail(f"tensor-parallel {process.name} (pid {process.pid}) exited with code {process.exitcode}")
+        by_report = {c: rank for rank, c in enumerate(self.reports, 1)}
+        while not self._closing:
+            for ready in wait([*by_sentinel, *by_report], timeout=HEARTBEAT_S):
+                if ready in by_report:
+                    try:
+                        while ready.poll():  # type: ignore[union-attr]  # (every report waiting: the latest counts)
+                            done = int.from_bytes(ready.recv_bytes(), "little")  # type: ignore[union-attr]
+                            self.liveness.report(by_report[ready], done, time.monotonic())
+                    except (EOFError, OSError):
+                        del by_report[ready]  # (it exits: its sentinel says so)
+                elif not self._closing:
+                    process = by_sentinel[ready]  # type: ignore[index]
+                    process.join(timeout=1)  # (reaped: its exit code known)
+                    self.fail(f"tensor-parallel {process.name} (pid {process.pid}) exited with code {process.exitcode}")
+                    return
+            hung = self.liveness.hung(time.monotonic())
+            if hung is not None and not self._closing:
+                process = self.processes[hung[0] - 1]
+                self.fail(f"tensor-parallel {process.name} (pid {process.pid}) {hung[1]}")
+                return
 
     def fail(self, why: str) -> None:
         """The group is lost (`why`): NOT_SERVING and UNAVAILABLE from now on, the other ranks stopped, and rank 0
@@ -120,15 +201,17 @@ class RankGroup:
         self._lost.set()
         for callback in self.on_lost:
             callback()
-        self.close()
+        self.close(kill=True)  # (a hung rank reads no end of file; a collective waiting on it then fails at once)
         threading.Timer(EXIT_AFTER_S, _exit).start()
 
-    def close(self) -> None:
-        """Stop the other ranks (rank 0 is stopping)."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the other ranks (rank 0 is stopping); `kill`: at once, rather than when they read their pipe's end."""
         self._closing = True
         for pipe in self.pipes:
             pipe.close()  # (a rank reads the end of its pipe and exits)
         for process in self.processes:
+            if kill and process.is_alive():
+                process.kill()
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
@@ -152,10 +235,14 @@ class MirroredVerifier:
 
     def _call(self, name: str, *args: object) -> Any:
         pool = self.verifier.runner.cache.pool
-        self.ranks.send(name, _on_host(args), pool is not None and pool.prefix_caching)
+        call = self.ranks.send(name, _on_host(args), pool is not None and pool.prefix_caching)
+        start = time.monotonic()
         try:
-            return getattr(self.verifier, name)(*args)
+            result = getattr(self.verifier, name)(*args)
+            self.ranks.finished(call, time.monotonic() - start)
+            return result
         except (CapacityError, UnknownSequenceError, ValueError):
+            self.ranks.finished(call, time.monotonic() - start)
             raise  # (raised alike on every rank, before any collective: the ranks stay in step)
         except Exception as exc:
             # A rank gone, a collective timed out, or anything else midway: the ranks may be out of step.
@@ -195,9 +282,33 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def follow(options: WorkerOptions, rank: int, address: str, calls: Connection) -> None:
+class Reporter:
+    """A rank's side of `Liveness`: the calls it has finished, sent to rank 0 after each and every HEARTBEAT_S from
+    a thread of its own (which a stopped process stops too)."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self.pipe = pipe
+        self.done = 0
+        self._lock = threading.Lock()  # (two threads write the pipe)
+        threading.Thread(target=self._beat, name="tp-report", daemon=True).start()
+
+    def finished(self) -> None:
+        self.done += 1
+        self._send()
+
+    def _send(self) -> None:
+        with self._lock, contextlib.suppress(OSError):  # (rank 0 is gone: the calls' pipe says so)
+            self.pipe.send_bytes(self.done.to_bytes(8, "little"))
+
+    def _beat(self) -> None:
+        while True:
+            self._send()
+            time.sleep(HEARTBEAT_S)
+
+
+def follow(options: WorkerOptions, rank: int, address: str, calls: Connection, reports: Connection) -> None:
     """A rank other than 0: its shard loaded, then every verifier call rank 0 hands on, in order, until rank 0 is
-    gone."""
+    gone; what it has done reported on `reports`."""
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     device = torch.device(rank_device(options.device, rank))
@@ -211,6 +322,7 @@ def follow(options: WorkerOptions, rank: int, address: str, calls: Connection) -
     worker._on_device()  # (its stream current here, as on rank 0's compute thread)
     pool = worker.runner.cache.pool
     assert pool is not None
+    reporter = Reporter(reports)
     while True:
         try:
             name, args, pool.prefix_caching = pickle.loads(calls.recv_bytes())
@@ -224,3 +336,4 @@ def follow(options: WorkerOptions, rank: int, address: str, calls: Connection) -
                 result.per_row()  # what rank 0's reply reads of it, and the blocks given back on reading
         except Exception as exc:  # rank 0 raised the same, and its caller got it
             log.warning("%s failed, as on rank 0: %s", name, exc)
+        reporter.finished()

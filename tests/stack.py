@@ -502,6 +502,34 @@ async def collect(call: grpc.aio.UnaryStreamCall) -> Completion:
     return Completion(ids, text, finish, usage, messages)
 
 
+async def signal_while_streaming(
+    address: str, requests: Sequence[generation_pb2.GenerateRequest], pid: int, sig: int = signal.SIGKILL
+) -> tuple[list[str], float]:
+    """Send process `pid` (a worker, or a rank of one) `sig` once every request has streamed a message: how each
+    stream ended (its finish reason, or "CODE: details"), and the seconds from the signal to the last end."""
+    started = [asyncio.Event() for _ in requests]
+
+    async def stream(request: generation_pb2.GenerateRequest, first: asyncio.Event) -> str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
+            try:
+                async for message in call:
+                    first.set()
+                    if message.finish_reason:
+                        return generation_pb2.FinishReason.Name(message.finish_reason)
+            except grpc.aio.AioRpcError as exc:
+                first.set()
+                return f"{exc.code().name}: {exc.details()}"
+        return "no finish"
+
+    tasks = [asyncio.create_task(stream(r, e)) for r, e in zip(requests, started, strict=True)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    signalled = time.monotonic()
+    os.kill(pid, sig)
+    ended = list(await asyncio.gather(*tasks))
+    return ended, time.monotonic() - signalled
+
+
 def precapture_spans(log: str) -> list[tuple[float, float]]:
     """Wall-clock (start, end) of each step-shape run ahead of serving that a worker's log reports, in order."""
     spans = []

@@ -20,6 +20,7 @@ from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.engine.tensor_parallel import TensorParallel, rank_device, shard_model
 from minedraft.errors import ModelLoadError
+from target_service.tensor_parallel import HANG_S, Liveness
 from target_service.verifier import Verifier
 
 # Llama and Qwen3 (grouped K/V heads, Qwen3's per-head norms), GPT-NeoX (one fused Q/K/V projection, interleaved by
@@ -129,3 +130,32 @@ def test_each_rank_takes_the_next_device() -> None:
     assert rank_device("cuda", 1) == "cuda:1" and rank_device("cpu", 3) == "cpu"
     with pytest.raises(ModelLoadError, match="lists several devices"):
         rank_device("cuda:0,cuda:1", 0)
+
+
+def test_a_rank_silent_or_behind_is_hung_and_a_long_call_is_not() -> None:
+    """`Liveness` (rank 0's watch over ranks 1..N-1), on a clock of its own: silence beyond HANG_S is a stopped
+    rank; a call rank 0 finished that a rank has not is a stuck rank only HANG_S plus twice rank 0's time later;
+    a rank loading its shard, or running a long call rank 0 runs too, is not hung."""
+    live = Liveness(2)
+    assert live.hung(1000.0) is None  # loading: not watched until it reports or rank 0 hands on a call
+    live.report(1, 0, 0.0)
+    assert live.hung(HANG_S - 0.1) is None
+    assert live.hung(HANG_S + 0.1) == (1, f"has not reported for {HANG_S + 0.1:.1f} s (stopped, or hung)")
+    live.report(1, 0, 10.0)
+    call = live.send(10.0)  # rank 2, silent so far, is watched from here
+    assert call == 1 and live.hung(10.0 + HANG_S + 0.1) is not None
+    for now in (11.0, 12.0, 13.0, 40.0, 70.0):  # a 60 s call: both ranks report on, as rank 0 runs it too
+        live.report(1, 0, now)
+        live.report(2, 0, now)
+        assert live.hung(now) is None
+    live.finished(call, 60.0, 70.0)  # rank 0 done after 60 s: the others have until 70 + HANG_S + 120
+    live.report(1, 1, 71.0)
+    for now in (72.0, 130.0, 70.0 + HANG_S + 119):
+        live.report(1, 1, now)
+        live.report(2, 0, now)
+        assert live.hung(now) is None
+    live.report(1, 1, 70.0 + HANG_S + 121)
+    live.report(2, 0, 70.0 + HANG_S + 121)
+    assert live.hung(70.0 + HANG_S + 121) == (2, "has not finished call 1 long after rank 0 did (stuck)")
+    live.report(2, 1, 70.0 + HANG_S + 122)
+    assert live.hung(70.0 + HANG_S + 122) is None
