@@ -181,14 +181,18 @@ def passed_on(args: argparse.Namespace, service: str) -> dict[str, object]:
 
 
 def shares_a_gpu(args: argparse.Namespace) -> bool:
-    """Whether a stack's target and draft load on one GPU, each sizing its KV cache by --gpu-memory-utilization."""
+    """Whether a stack's draft loads on a GPU of the target's (its ranks' included), each sizing its KV cache by
+    --gpu-memory-utilization."""
+    from minedraft.engine.tensor_parallel import rank_device  # (torch: not for the stack's other users)
+
     target, draft = getattr(args, "target_device", None), getattr(args, "draft_device", None)
+    if not (isinstance(target, str) and isinstance(draft, str) and target.startswith("cuda") and "," not in target):
+        return False
+    ranks = int(getattr(args, "tensor_parallel_size", 1) or 1)
     return (
         getattr(args, "mode", None) != "ar"
         and getattr(args, "kv_cache_memory", None) is None
-        and isinstance(target, str)
-        and target.startswith("cuda")
-        and (target == draft or {target, draft} <= {"cuda", "cuda:0"})
+        and rank_device(draft, 0) in {rank_device(target, rank) for rank in range(ranks)}
     )
 
 
