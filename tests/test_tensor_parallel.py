@@ -159,3 +159,9 @@ def test_a_rank_silent_or_behind_is_hung_and_a_long_call_is_not() -> None:
     assert live.hung(70.0 + HANG_S + 121) == (2, "has not finished call 1 long after rank 0 did (stuck)")
     live.report(2, 1, 70.0 + HANG_S + 122)
     assert live.hung(70.0 + HANG_S + 122) is None
+
+
+def test_a_device_list_is_refused_for_tensor_parallel(tmp_path: Path) -> None:
+    """The layer-by-layer device map is gone: a list of devices names the flag that spreads a model over GPUs."""
+    with pytest.raises(ModelLoadError, match="runs tensor parallel, e.g. --device cuda:0 --tensor-parallel-size 2"):
+        load_model(str(tmp_path), "cuda:0,cuda:1")
