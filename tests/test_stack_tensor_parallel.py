@@ -1,8 +1,9 @@
-"""A target service over two gloo ranks (real processes) serves what one rank serves, and fails fast without one.
+"""Target and draft services over two gloo ranks each (real processes) serve what one rank serves, and a target
+fails fast without one.
 
-Greedy output through the stack equals Hugging Face `generate()` (Llama in psd, sd and ar; Qwen3 in psd and ar), and
-seeded sampled output equals the one-rank target's; a rank killed or hung mid-load ends every admitted request with
-UNAVAILABLE within seconds, and the group started again is taken back."""
+Greedy output through the stack equals Hugging Face `generate()` (Llama in psd, sd and ar; Qwen3 in psd and ar; the
+draft over two ranks too), and seeded sampled output equals that of one-rank services; a rank killed or hung mid-load
+ends every admitted request with UNAVAILABLE within seconds, and the group started again is taken back."""
 
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def _tp_target_args(tiny_pairs: TinyPairs, arch: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[dict[str, Workers]]:
-    """Llama and Qwen3 targets over two ranks each, and one draft (the Llama pair's, whole: both share its
+    """Llama and Qwen3 targets over two ranks each, and one draft over two ranks (the Llama pair's: both share its
     tokenizer), started at once."""
     targets = {arch: spawn(f"{arch}-target-tp2", _tp_target_args(tiny_pairs, arch), stack_logs) for arch in ARCHS}
-    draft = spawn("llama-draft-for-tp2", worker_args("draft", tiny_pairs["llama"].draft, BATCH), stack_logs)
+    draft_args = [*worker_args("draft", tiny_pairs["llama"].draft, BATCH), "--tensor-parallel-size", "2"]
+    draft = spawn("llama-draft-tp2", draft_args, stack_logs)
     wait_all([*targets.values(), draft])
     workers = {arch: Workers(tiny_pairs[arch], target, draft, BATCH) for arch, target in targets.items()}
     try:
@@ -151,7 +153,8 @@ def test_psd_then_a_killed_rank_then_a_hung_one(
     retry = ["--draft-retry-interval", "0.2"]  # (how often a lost target is tried again)
     with running_coordinator(workers, stack_logs, "psd", max_batch_size=BATCH, extra=retry) as coordinator:
         assert asyncio.run(generate_all(coordinator.address, requests)) == expected
-        assert asyncio.run(generate_all(coordinator.address, sampled)) == one_rank
+        assert asyncio.run(generate_all(coordinator.address, sampled)) == one_rank  # (the draft's q matter here)
+        assert "rank 1 of 2 started as pid" in workers.draft.log_tail(10**6)  # type: ignore[union-attr]
         assert_all_slots_free(workers)
         _lose_rank(coordinator, workers, long, signal.SIGKILL)
         assert "tensor-parallel tp-rank-1 (pid" in workers.target.log_tail(10**6)

@@ -20,7 +20,7 @@ from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.engine.tensor_parallel import TensorParallel, rank_device, shard_model
 from minedraft.errors import ModelLoadError
-from target_service.tensor_parallel import HANG_S, Liveness
+from minedraft.rpc.ranks import HANG_S, Liveness
 from target_service.verifier import Verifier
 
 # Llama and Qwen3 (grouped K/V heads, Qwen3's per-head norms), GPT-NeoX (one fused Q/K/V projection, interleaved by
