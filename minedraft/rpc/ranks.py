@@ -14,7 +14,8 @@ A rank that exits, or a call that fails midway on rank 0, makes rank 0 report NO
 then exit, so that whatever supervises the service starts the whole group anew (a NCCL or gloo group takes no new
 member, and ranks out of step cannot be trusted). A hung rank counts as one that exited, within seconds rather than
 after the collective timeout: each rank reports on a pipe of its own back to rank 0, from a thread, the number of
-calls it has finished, every HEARTBEAT_S and after each call (`Liveness` says when silence or lag means hung).
+calls it has finished and the all-reduces it has begun, every HEARTBEAT_S and after each call (`Liveness` says when
+silence or lag means hung).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 
-from minedraft.engine.tensor_parallel import TensorParallel, init_group, rank_device
+from minedraft.engine.tensor_parallel import Progress, TensorParallel, init_group, rank_device
 from minedraft.errors import CapacityError, ModelLoadError, RankLostError, UnknownSequenceError
 from minedraft.rpc.worker import ModelWorker, WorkerOptions
 
@@ -66,23 +68,26 @@ def _free_port() -> int:
 
 
 class Liveness:
-    """Rank 0's view of whether ranks 1..N-1 still run: each one's last report (calls it has finished), the calls
-    rank 0 finished. A rank is hung once it has been silent for HANG_S (stopped: its reporting thread stopped too), or
-    once it is more than HANG_S plus twice rank 0's own time behind rank 0 in finishing a call (stuck in Python: the
-    call's last collective has met, what is left is the same work rank 0 did). A rank loading its shard is not
-    watched: the clock starts at its first report, or at rank 0's first call (a rank then has nothing long left)."""
+    """Rank 0's view of whether ranks 1..N-1 still run: each one's last report (calls it has finished, all-reduces it
+    has begun), the calls rank 0 finished. A rank is hung once it has been silent for HANG_S (stopped: its reporting
+    thread stopped too), or once it is more than HANG_S plus twice rank 0's own time behind rank 0: in finishing a
+    call (the call's last collective has met, what is left is the same work rank 0 did), or in reaching the
+    all-reduce rank 0 waits in (since the one before, which they left together, or the call's start, rank 0 did the
+    same work). A rank loading its shard is not watched: the clock starts at its first report, or at rank 0's first
+    call (a rank then has nothing long left)."""
 
     def __init__(self, ranks: int) -> None:
         self.heard: list[float | None] = [None] * ranks  # (time.monotonic) of each rank's last report
         self.done = [0] * ranks  # calls each rank has finished
+        self.entered = [0] * ranks  # all-reduces each rank has begun (`Progress`: counted on gloo)
         self.sent = 0  # calls rank 0 handed on
         self._due: deque[tuple[int, float]] = deque()  # (call, when every rank must have finished it)
         self._lock = threading.Lock()
 
-    def report(self, rank: int, done: int, now: float) -> None:
-        """Rank `rank` (1..N-1) says it has finished `done` calls."""
+    def report(self, rank: int, done: int, entered: int, now: float) -> None:
+        """Rank `rank` (1..N-1) says it has finished `done` calls and begun `entered` all-reduces."""
         with self._lock:
-            self.heard[rank - 1], self.done[rank - 1] = now, done
+            self.heard[rank - 1], self.done[rank - 1], self.entered[rank - 1] = now, done, entered
 
     def send(self, now: float) -> int:
         """Rank 0 hands on a call: its number (from 1)."""
@@ -96,8 +101,8 @@ class Liveness:
         with self._lock:
             self._due.append((call, now + HANG_S + 2 * took))
 
-    def hung(self, now: float) -> tuple[int, str] | None:
-        """A rank that is hung and why, or None."""
+    def hung(self, now: float, waiting: Progress | None = None) -> tuple[int, str] | None:
+        """A rank that is hung and why, or None; `waiting`: rank 0's own progress in the all-reduces."""
         with self._lock:
             for rank, heard in enumerate(self.heard, 1):
                 if heard is not None and now - heard > HANG_S:
@@ -108,6 +113,12 @@ class Liveness:
                 call = self._due[0][0]
                 rank = next(r for r, d in enumerate(self.done, 1) if d < call)
                 return rank, f"has not finished call {call} long after rank 0 did (stuck)"
+            since = waiting.waiting_since if waiting is not None else None
+            if waiting is not None and since is not None and now - since > HANG_S + 2 * (since - waiting.synced):
+                behind = [r for r, e in enumerate(self.entered, 1) if e < waiting.entered]
+                if behind:
+                    late = now - since
+                    return behind[0], f"has not reached all-reduce {waiting.entered} {late:.1f} s after rank 0 (stuck)"
             return None
 
 
@@ -180,8 +191,8 @@ class RankGroup:
                 if ready in by_report:
                     try:
                         while ready.poll():  # type: ignore[union-attr]  # (every report waiting: the latest counts)
-                            done = int.from_bytes(ready.recv_bytes(), "little")  # type: ignore[union-attr]
-                            self.liveness.report(by_report[ready], done, time.monotonic())
+                            done, entered = struct.unpack("<qq", ready.recv_bytes())  # type: ignore[union-attr]
+                            self.liveness.report(by_report[ready], done, entered, time.monotonic())
                     except (EOFError, OSError):
                         del by_report[ready]  # (it exits: its sentinel says so)
                 elif not self._closing:
@@ -189,7 +200,8 @@ class RankGroup:
                     process.join(timeout=1)  # (reaped: its exit code known)
                     self.fail(f"tensor-parallel {process.name} (pid {process.pid}) exited with code {process.exitcode}")
                     return
-            hung = self.liveness.hung(time.monotonic())
+            tp: TensorParallel | None = getattr(self, "tp", None)  # (None: rank 0 is still joining the group)
+            hung = self.liveness.hung(time.monotonic(), tp.progress if tp is not None else None)
             if hung is not None and not self._closing:
                 process = self.processes[hung[0] - 1]
                 self.fail(f"tensor-parallel {process.name} (pid {process.pid}) {hung[1]}")
@@ -242,7 +254,7 @@ class Mirrored:
     def call(self, name: str, *args: object) -> Any:
         pool = self.engine.runner.cache.pool
         call = self.ranks.send(name, _on_host(args), pool is not None and pool.prefix_caching)
-        start = time.monotonic()
+        start = self.ranks.tp.progress.synced = time.monotonic()  # (the ranks start the call together)
         try:
             result = getattr(self.engine, name)(*args)
             self.ranks.finished(call, time.monotonic() - start)
@@ -275,11 +287,12 @@ def _die_with_parent() -> None:
 
 
 class Reporter:
-    """A rank's side of `Liveness`: the calls it has finished, sent to rank 0 after each and every HEARTBEAT_S from
-    a thread of its own (which a stopped process stops too)."""
+    """A rank's side of `Liveness`: the calls it has finished and the all-reduces it has begun, sent to rank 0 after
+    each call and every HEARTBEAT_S from a thread of its own (which a stopped process stops too)."""
 
-    def __init__(self, pipe: Connection) -> None:
+    def __init__(self, pipe: Connection, progress: Progress) -> None:
         self.pipe = pipe
+        self.progress = progress
         self.done = 0
         self._lock = threading.Lock()  # (two threads write the pipe)
         threading.Thread(target=self._beat, name="tp-report", daemon=True).start()
@@ -290,7 +303,7 @@ class Reporter:
 
     def _send(self) -> None:
         with self._lock, contextlib.suppress(OSError):  # (rank 0 is gone: the calls' pipe says so)
-            self.pipe.send_bytes(self.done.to_bytes(8, "little"))
+            self.pipe.send_bytes(struct.pack("<qq", self.done, self.progress.entered))
 
     def _beat(self) -> None:
         while True:
@@ -316,7 +329,7 @@ def follow(
     worker._on_device()  # (its stream current here, as on rank 0's compute thread)
     pool = worker.runner.cache.pool
     assert pool is not None
-    reporter = Reporter(reports)
+    reporter = Reporter(reports, tp.progress)
     while True:
         try:
             name, args, pool.prefix_caching = pickle.loads(calls.recv_bytes())
