@@ -44,7 +44,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
             raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel_size}: give 1 rank or more")
         # The other ranks first: rank 0's forwards (the cache's probe already) meet theirs in each all-reduce.
         calls = functools.partial(proposer_calls, greedy_drafts=greedy_drafts)
-        ranks = RankGroup(options, calls) if options.tensor_parallel_size > 1 else None
+        ranks = RankGroup(options, calls, "draft service") if options.tensor_parallel_size > 1 else None
         worker = ModelWorker(options, ranks.tp if ranks is not None else None)
         proposer = make_proposer(worker, greedy_drafts)
         self.proposer: Proposer | MirroredProposer = proposer if ranks is None else MirroredProposer(proposer, ranks)

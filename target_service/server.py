@@ -70,7 +70,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         if options.tensor_parallel_size < 1:
             raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel_size}: give 1 rank or more")
         # The other ranks first: rank 0's forwards (the cache's probe already) meet theirs in each all-reduce.
-        ranks = RankGroup(options, verifier_calls) if options.tensor_parallel_size > 1 else None
+        ranks = RankGroup(options, verifier_calls, "target service") if options.tensor_parallel_size > 1 else None
         worker = ModelWorker(options, ranks.tp if ranks is not None else None)
         if options.synthetic_acceptance is not None:
             log.warning(

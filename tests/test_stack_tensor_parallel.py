@@ -109,10 +109,10 @@ def test_two_ranks_greedy_match_generate(
     assert_all_slots_free(tp_workers[arch])
 
 
-def _rank_pid(target: Service) -> int:
-    """The pid of rank 1 of a target service over two ranks, as its log says."""
-    found = re.search(r"rank 1 of 2 started as pid (\d+)", target.log_tail(10**6))
-    assert found, target.log_tail()
+def _rank_pid(service: Service) -> int:
+    """The pid of rank 1 of a service over two ranks, as its log says."""
+    found = re.search(r"rank 1 of 2 started as pid (\d+)", service.log_tail(10**6))
+    assert found, service.log_tail()
     return int(found.group(1))
 
 
@@ -138,8 +138,8 @@ def test_psd_then_a_killed_rank_then_a_hung_one(
     """Llama in psd: greedy output as `generate()`'s, seeded sampled output (the draft's probabilities cross the
     channel to rank 0, which hands them on) as the one-rank target's; then rank 1 killed mid-load ends every request
     with UNAVAILABLE within 10 s; the group started again on its port is taken back and serves as before; then its
-    rank 1 stopped (SIGSTOP: it hangs, its sockets open) does the same, well before the collectives' 60 s timeout.
-    Last in this module: the target stops for good."""
+    rank 1 stopped (SIGSTOP: it hangs, its sockets open) does the same, well before the collectives' 60 s timeout,
+    once the draft's rank 1 stopped has cost the draft alone. Last in this module: both services stop for good."""
     sampled = mixed_requests(tiny_pairs.tokenizer)
     with running_coordinator(llama_workers, stack_logs, "psd", max_batch_size=BATCH) as coordinator:
         one_rank = asyncio.run(generate_all(coordinator.address, sampled))
@@ -164,6 +164,16 @@ def test_psd_then_a_killed_rank_then_a_hung_one(
         )
         wait_all([workers.target])
         wait_health(coordinator.address, health_pb2.HealthCheckResponse.SERVING)
+        assert asyncio.run(generate_all(coordinator.address, requests)) == expected
+
+        # The draft's rank 1 stopped: the draft service leaves (its rank 0 exits), the requests finish on the target
+        # alone, as generate() would.
+        draft = workers.draft
+        assert draft is not None
+        ended, _ = asyncio.run(signal_while_streaming(coordinator.address, long, _rank_pid(draft), signal.SIGSTOP))
+        assert ended == ["FINISH_REASON_LENGTH"] * len(long), ended
+        assert draft.proc.wait(timeout=15) == 1
+        assert "has not reported for" in draft.log_tail(10**6)
         assert asyncio.run(generate_all(coordinator.address, requests)) == expected
 
         _lose_rank(coordinator, workers, long, signal.SIGSTOP)

@@ -124,10 +124,12 @@ class Liveness:
 
 class RankGroup:
     """Rank 0's side of the group: the other ranks' processes and the pipes their calls go down, watched by a thread
-    that turns the service unavailable as soon as one of them exits."""
+    that turns the service (`service`: its name, in what the coordinator is told) unavailable as soon as one of them
+    exits or hangs."""
 
-    def __init__(self, options: WorkerOptions, make_engine: MakeEngine) -> None:
+    def __init__(self, options: WorkerOptions, make_engine: MakeEngine, service: str) -> None:
         size = options.tensor_parallel_size
+        self.service = service
         address = f"127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
         self.pipes: list[Connection] = []
@@ -181,7 +183,7 @@ class RankGroup:
     def wait_lost(self, timeout: float = 2.0) -> str:
         """Why the group is lost, once the watcher knows (a failed collective can come first)."""
         self._lost.wait(timeout)
-        return self.lost or "a tensor-parallel rank stopped answering: the target is unavailable"
+        return self.lost or f"a tensor-parallel rank stopped answering: the {self.service} is unavailable"
 
     def _watch(self) -> None:
         by_sentinel = {p.sentinel: p for p in self.processes}
@@ -213,7 +215,7 @@ class RankGroup:
         with self._failing:
             if self.lost is not None:
                 return
-            self.lost = f"{why}: the target is unavailable until it is started again"
+            self.lost = f"{why}: the {self.service} is unavailable until it is started again"
         log.error("%s; exiting in %.0f s", self.lost, EXIT_AFTER_S)
         self._lost.set()
         for callback in self.on_lost:
