@@ -56,15 +56,16 @@ def test_a_cold_burst_computes_its_common_prefix_once_and_decodes_the_same(tiny_
     """Ten prompts sharing 200 tokens (two of them the same prompt, as samples of one request are), prefilled in one
     call after an earlier prompt left the first 40 cached: one of them computes the shared blocks past those 40,
     the nine others share them and compute only their own rest. Each row's K/V equals a fresh prefill on both
-    workers, each row's first token comes from its own prompt, and greedy output equals the model's own generate()
-    with and without prefix caching."""
+    workers, each row's first token comes from its own prompt: output is the same with and without prefix caching,
+    seeded samples as greedy rows, and greedy rows' equal the model's own generate()."""
     target, draft = tiny_models.target("llama", vocab=VOCAB), tiny_models.draft("llama", vocab=VOCAB)
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(1, VOCAB, (200,), generator=gen).tolist()
     suffixes = [torch.randint(1, VOCAB, (int(n),), generator=gen).tolist() for n in torch.randint(3, 13, (8,))]
     prompts = [shared + s for s in suffixes] + [shared + suffixes[0]] * 2
     seq_ids = list(range(10, 20))
-    configs = [SamplingConfig(max_tokens=16)] * len(prompts)
+    greedy, sampled = SamplingConfig(max_tokens=16), SamplingConfig(max_tokens=16, temperature=1.0, seed=3)
+    configs = [greedy, sampled] * 5  # sampled rows: seeded, so a row's draws depend on its seed and positions only
     outputs = {}
     for caching in (True, False):
         verifier, proposer = Verifier(_runner(target, 12, caching), []), Proposer(_runner(draft, 12, caching))
@@ -91,4 +92,4 @@ def test_a_cold_burst_computes_its_common_prefix_once_and_decodes_the_same(tiny_
                 tokens[b] += emitted
         outputs[caching] = tokens
     assert outputs[True] == outputs[False]
-    assert outputs[True] == [hf_reference(target, prompt, 5) for prompt in prompts]
+    assert outputs[True][::2] == [hf_reference(target, prompt, 5) for prompt in prompts[::2]]
