@@ -52,9 +52,12 @@ def test_one_prompt_of_each_family_goes_first_and_only_where_it_pays() -> None:
     assert prefix_followers([[p, q], [p, q]], [2, 0], 1, 0) == set()  # the first's blocks are all cached already
 
 
-def test_a_cold_burst_computes_its_common_prefix_once_and_decodes_the_same(tiny_models, hf_reference) -> None:
+@pytest.mark.parametrize("earlier", [0, 40])
+def test_a_cold_burst_computes_its_common_prefix_once_and_decodes_the_same(
+    earlier: int, tiny_models, hf_reference
+) -> None:
     """Ten prompts sharing 200 tokens (two of them the same prompt, as samples of one request are), prefilled in one
-    call after an earlier prompt left the first 40 cached: one of them computes the shared blocks past those 40,
+    call after an earlier prompt left the first `earlier` cached: one of them computes the shared blocks past those,
     the nine others share them and compute only their own rest. Each row's K/V equals a fresh prefill on both
     workers, each row's first token comes from its own prompt: output is the same with and without prefix caching,
     seeded samples as greedy rows, and greedy rows' equal the model's own generate()."""
@@ -70,17 +73,20 @@ def test_a_cold_burst_computes_its_common_prefix_once_and_decodes_the_same(tiny_
     for caching in (True, False):
         verifier, proposer = Verifier(_runner(target, 12, caching), []), Proposer(_runner(draft, 12, caching))
         for worker in (verifier, proposer):
-            worker.prefill([1], [shared[:41] + [7]], configs[:1])  # caches 5 full blocks of the shared tokens
-            worker.release([1])
+            if earlier:
+                worker.prefill([1], [shared[: earlier + 1] + [7]], configs[:1])  # caches its full shared blocks
+                worker.release([1])
         first = verifier.prefill(seq_ids, prompts, configs)
         draft_cached = proposer.prefill(seq_ids, prompts, configs)
-        expected = [40] + [200] * 9 if caching else [0] * 10  # the 25 full shared blocks; the last token never
+        expected = [earlier] + [200] * 9 if caching else [0] * 10  # the 25 full shared blocks; the last token never
         assert first.cached_tokens == expected and draft_cached == expected
         for pool in (verifier.runner.cache.pool, proposer.runner.cache.pool):
             assert pool is not None
-            if caching:  # prompt tokens computed: the earlier prompt's 42, the shared 160 past them once, the rests
+            if caching:  # prompt tokens computed: the earlier prompt's, the shared ones past it once, the rests
                 rests = sum(len(s) for s in suffixes) + 2 * len(suffixes[0])
-                assert pool.stats.queried_tokens - pool.stats.hit_tokens == 42 + 160 + rests
+                before = earlier + 2 if earlier else 0
+                assert pool.stats.queried_tokens == before + sum(len(p) for p in prompts)  # each prompt looked up once
+                assert pool.stats.queried_tokens - pool.stats.hit_tokens == before + 200 - earlier + rests
         tokens = [t for t, _, _ in first.per_row()]
         for s, prompt in zip(seq_ids, prompts, strict=True):
             row = verifier.table.rows_by_id[s]

@@ -162,18 +162,20 @@ class PagedKVCache(Cache):
             self.trim(row, 0)
         self._set_tables(entries)
 
-    def share_prefix(self, row: int, prompt: Sequence[int], keys: Sequence[bytes] | None = None) -> int:
+    def share_prefix(
+        self, row: int, prompt: Sequence[int], keys: Sequence[bytes] | None = None, *, again: bool = False
+    ) -> int:
         """Give a row that holds only shared prompt blocks so far (none at first) the further cached blocks its prompt
         starts with; the tokens all its blocks hold. The last prompt token is never among them: its forward gives the
-        logits of the first new token. `keys`: the prompt's `prefix_keys`, where the caller has them. Called again
-        for the same row (a prefill's later round, `SequenceTable.prefill`), it counts the row's lookup once."""
+        logits of the first new token. `keys`: the prompt's `prefix_keys`, where the caller has them; `again`: a
+        later look of the same prefill (`SequenceTable.prefill`), whose prompt the stats counted as queried once."""
         assert self.pool is not None
         held = len(self.row_blocks[row])
         if not self.pool.prefix_caching:
             return held * self.block_size
         keys = self.prefix_keys(prompt) if keys is None else keys
         blocks = self.pool.share_prefix(keys[held:])
-        self.pool.record_lookup(0 if held else len(prompt), len(blocks) * self.block_size)
+        self.pool.record_lookup(0 if again else len(prompt), len(blocks) * self.block_size)
         self.row_blocks[row] += blocks
         self._set_tables([(row, held + column, block) for column, block in enumerate(blocks)])
         return (held + len(blocks)) * self.block_size

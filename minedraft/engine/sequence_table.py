@@ -210,7 +210,7 @@ class SequenceTable:
                     order += group
                     parts.append(part)
                 for i in pending:  # the blocks the round cached
-                    cached[i] = cache.share_prefix(host_rows[i], prompts[i], keys[i])
+                    cached[i] = cache.share_prefix(host_rows[i], prompts[i], keys[i], again=True)
             outputs = parts[0]
             if len(parts) > 1:  # back in the prompts' order
                 back = torch.tensor(order, device=device).argsort()
