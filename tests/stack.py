@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.server import CoordinatorOptions, GenerationServicer, serve
 from minedraft.app.stack import wait_healthy, wait_port_file
+from minedraft.observability.metrics import CoordinatorMetrics
 from minedraft.proto import (
     common_pb2,
     draft_pb2,
@@ -422,9 +423,12 @@ def running_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **op
 
 
 @contextlib.asynccontextmanager
-async def in_process_coordinator(workers: Workers, **options: Any) -> AsyncIterator[tuple[str, GenerationServicer]]:
+async def in_process_coordinator(
+    workers: Workers, metrics: CoordinatorMetrics | None = None, **options: Any
+) -> AsyncIterator[tuple[str, GenerationServicer]]:
     """A coordinator served in this process (`coordinator.server.serve`) in front of `workers`, over the grpc channel,
-    batches of 4 unless `options` say otherwise: (its address, its servicer), for tests that reach into it."""
+    batches of 4 unless `options` say otherwise, counting into `metrics` if given: (its address, its servicer), for
+    tests that reach into it."""
     assert workers.draft is not None
     settings: dict[str, Any] = dict(
         target=workers.target.address,
@@ -433,7 +437,7 @@ async def in_process_coordinator(workers: Workers, **options: Any) -> AsyncItera
         channel="grpc",
         tokenizer=str(workers.pair.target),
     )
-    server, port, servicer = await serve(CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1")
+    server, port, servicer = await serve(CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1", metrics=metrics)
     try:
         yield f"127.0.0.1:{port}", servicer
     finally:

@@ -215,6 +215,7 @@ class ModelWorker:
             block_size=self.runner.block_size,
             num_blocks=self.runner.num_blocks,
             free_blocks=self.runner.free_blocks,
+            prefix_caching=self.runner.cache.prefix_caching,
         )
 
     @functools.cached_property
