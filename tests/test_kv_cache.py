@@ -143,7 +143,7 @@ def test_a_verify_after_an_unread_result_asks_the_device(tiny_models) -> None:
         if read_first:
             first.per_row()
         rows = [verifier.table.rows_by_id[s] for s in (1, 2)]
-        assert all((row in verifier.cached) == read_first for row in rows)
+        assert all((verifier.cached[row] >= 0) == read_first for row in rows)
         outputs.append(verifier.verify([1, 2], drafts[1], None).per_row())
         assert [verifier.cached[row] for row in rows] == verifier.runner.cache.lengths[rows].tolist()
     assert outputs[0] == outputs[1]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -67,6 +68,7 @@ class PagedKVCache(Cache):
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.tables = torch.full((num_rows, self.max_blocks), TRASH_BLOCK, dtype=torch.int32, device=device)
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
+        self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -119,39 +121,52 @@ class PagedKVCache(Cache):
         return self.specs[0].kv_heads if self.specs else 0
 
     # -- rows' blocks (host) --------------------------------------------------------------------------------------
-    def reserve(self, rows: Sequence[int], ends: Sequence[int]) -> None:
-        """Blocks for positions `[0, ends[i])` of each row: all of them or, raising CapacityError, none."""
+    def reserve(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
+        """Blocks for positions `[0, ends[i])` of each row: all of them or, raising CapacityError, none. Vectorized on
+        the host: at batch 64 a step's rows are checked in a few microseconds, and only rows crossing into a new block
+        cost more (a per-row loop took 0.2 ms of a draft step that the GPU waited for)."""
         assert self.pool is not None
-        if ends and max(ends) > self.max_len:
-            raise CapacityError(f"a sequence would reach {max(ends)} tokens, beyond max_model_len {self.max_len}")
-        missing = [
-            (row, column)
-            for row, end in zip(rows, ends)
-            for column in range(len(self.row_blocks[row]), -(-end // self.block_size))
-        ]
-        if not missing:
+        rows, ends = np.asarray(rows, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        if not len(rows):
             return
-        if len(missing) > self.pool.available:
+        if ends.max() > self.max_len:
+            raise CapacityError(f"a sequence would reach {ends.max()} tokens, beyond max_model_len {self.max_len}")
+        want = -(-ends // self.block_size)
+        short = np.flatnonzero(want > self.held[rows])
+        if not len(short):
+            return
+        counts = want[short] - self.held[rows[short]]
+        total = int(counts.sum())
+        if total > self.pool.available:
             raise CapacityError(
-                f"the KV cache is out of blocks: this step needs {len(missing)} more, {self.pool.available} are free "
+                f"the KV cache is out of blocks: this step needs {total} more, {self.pool.available} are free "
                 f"of {self.pool.usable}"
             )
-        entries = [(row, column, block) for (row, column), block in zip(missing, self.pool.take(len(missing)))]
-        for row, _, block in entries:
-            self.row_blocks[row].append(block)  # (columns of a row come in order)
+        taken = self.pool.take(total)
+        entries, start = [], 0
+        for row, count in zip(rows[short].tolist(), counts.tolist()):
+            held = self.row_blocks[row]
+            blocks = taken[start : start + count]
+            entries += [(row, column, block) for column, block in enumerate(blocks, len(held))]
+            held += blocks
+            self.held[row] = len(held)
+            start += count
         self._set_tables(entries)
 
-    def trim(self, row: int, length: int) -> None:
-        """Give back the row's blocks past its first `length` positions (what a rollback left empty). Their table
-        entries stay as they are, a copy to the device saved per step: steps write only where their rows reserved
-        (padding rows write to the trash block), so a stale entry is never written through, and reads past a row's
-        length are masked."""
+    def trim(self, rows: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
+        """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty). Their
+        table entries stay as they are, a copy to the device saved per step: steps write only where their rows
+        reserved (padding rows write to the trash block), so a stale entry is never written through, and reads past
+        a row's length are masked."""
         assert self.pool is not None
-        held = self.row_blocks[row]
-        keep = -(-length // self.block_size)
-        if len(held) > keep:
-            self.pool.free(held[keep:])
-            del held[keep:]
+        rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        keep = -(-lengths // self.block_size)
+        over = np.flatnonzero(self.held[rows] > keep)
+        for row, kept in zip(rows[over].tolist(), keep[over].tolist()):
+            held = self.row_blocks[row]
+            self.pool.free(held[kept:])
+            del held[kept:]
+            self.held[row] = kept
 
     def release(self, rows: Sequence[int]) -> None:
         """Every block of `rows` back to the pool (cached ones stay cached), and their tables pointed at the trash
@@ -159,7 +174,7 @@ class PagedKVCache(Cache):
         entries = []
         for row in rows:
             entries += [(row, column, TRASH_BLOCK) for column in range(len(self.row_blocks[row]))]
-            self.trim(row, 0)
+        self.trim(rows, [0] * len(rows))
         self._set_tables(entries)
 
     def share_prefix(self, row: int, prompt: Sequence[int]) -> int:
@@ -172,6 +187,7 @@ class PagedKVCache(Cache):
         blocks = self.pool.share_prefix(keys)
         self.pool.record_lookup(len(prompt), len(blocks) * self.block_size)
         self.row_blocks[row] = list(blocks)
+        self.held[row] = len(blocks)
         self._set_tables([(row, column, block) for column, block in enumerate(blocks)])
         return len(blocks) * self.block_size
 
@@ -182,10 +198,16 @@ class PagedKVCache(Cache):
         self.pool.register(self.row_blocks[row][: len(keys)], keys)
 
     def _set_tables(self, entries: list[tuple[int, int, int]]) -> None:
-        """Write (row, column, block) entries to the device tables: one copy to the device, in stream order."""
-        if entries:
-            packed = torch.tensor(entries, dtype=torch.long).to(self.device, non_blocking=True)
-            self.tables[packed[:, 0], packed[:, 1]] = packed[:, 2].to(torch.int32)
+        """Write (row, column, block) entries to the device tables: one copy to the device of (flat index, block)
+        pairs from pinned memory, and one write, in stream order."""
+        if not entries:
+            return
+        packed = np.asarray(entries, dtype=np.int64)
+        staged = torch.empty((2, len(entries)), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        staged.numpy()[0] = packed[:, 0] * self.max_blocks + packed[:, 1]
+        staged.numpy()[1] = packed[:, 2]
+        on_device = staged.to(self.device, non_blocking=True)
+        self.tables.view(-1).index_put_((on_device[0],), on_device[1])
 
     # -- a forward --------------------------------------------------------------------------------------------------
     def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int | None) -> None:
