@@ -320,7 +320,7 @@ def test_paged_rows_keep_the_kv_of_a_fresh_prefill_through_growth_and_rollback(a
             crossed += (before + 4) // 4 != (before + keep) // 4
             tokens[row] += ids[b, :keep].tolist()
             runner.truncate(torch.tensor([row]), torch.tensor([len(tokens[row])]))
-            runner.cache.trim(row, len(tokens[row]))
+            runner.cache.trim([row], [len(tokens[row])])
             assert len(runner.cache.row_blocks[row]) == -(-len(tokens[row]) // 4), "blocks past the length held"
     assert crossed >= 10  # rollbacks did cross block boundaries
     for row, committed in tokens.items():
