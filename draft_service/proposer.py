@@ -86,16 +86,17 @@ class Proposer:
             self._catch_up(seq_ids, num_accepted.tolist(), missed)
         _, rows = self.table.batch_rows(seq_ids, batch_id)
         # The lengths the proposal's forwards reach, from the host copies: the first writes both tail positions of
-        # every row, valid or not, each later one appends one token. Blocks past what a row keeps go back, and those
-        # its writes reach are taken (all, or a CapacityError).
+        # every row, valid or not, each later one appends one token. The blocks its writes reach are taken (all, or
+        # a CapacityError), the rolled-back ones a row still holds reused; those past its reach go back once the
+        # step is launched, while the GPU runs it.
         index = rows.numpy()  # (a host tensor: no copy)
         kept, tail = self._kept_and_tail(index, num_accepted.numpy())
-        widest, longest = int(kept.max()) + TAIL_TOKENS, int((kept + tail).max())
-        self.runner.cache.trim(index, kept)
-        self.runner.cache.reserve(index, np.maximum(kept + TAIL_TOKENS, kept + tail + k - 1))
+        ends = np.maximum(kept + TAIL_TOKENS, kept + tail + k - 1)
+        self.runner.cache.reserve(index, ends)
         kind = self._drafting_kind(self.table.sampling_kind(seq_ids, self.runner.vocab_size))
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
-        outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=max(widest, longest + k - 1), lane=batch_id)
+        outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=int(ends.max()), lane=batch_id)
+        self.runner.cache.trim(index, ends)
         self.committed_host[index], self.last_k_host[index] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
