@@ -572,6 +572,8 @@ def services_comparison(
         shutil.copy(TARGET_DIR / "special_tokens_map.json", root / name)
         print(f"saved {name} checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
     results: dict[str, dict] = summary.setdefault("services", {})
+    summary["services_tensor_parallel_size"] = args.tensor_parallel_size
+    summary["services_draft_tensor_parallel_size"] = args.draft_tensor_parallel_size
     timelines: dict[str, list[dict]] = summary.setdefault("services_timelines", {})
     for i, run in enumerate(plan):
         label = run.label
@@ -633,6 +635,8 @@ def services_comparison(
         command += ["--compile"] if COMPILE else []
         command += ["--concurrency", str(args.services_concurrency)] if args.services_concurrency else []
         command += ["--precapture-graphs", args.services_precapture]
+        command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+        command += ["--draft-tensor-parallel-size", str(args.draft_tensor_parallel_size)]
         print(f"[services {i + 1}/{len(plan)}] {label}: {' '.join(command)}", flush=True)
         bench = subprocess.Popen(command, env=env)
         try:
@@ -798,6 +802,19 @@ def main() -> None:
         const="on",
         choices=PRECAPTURE_CHOICES,
         help="workers' --precapture-graphs: every step shape run when the coordinator connects",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the target's --tensor-parallel-size in the services runs (its ranks on the GPUs from --target-device "
+        "on; give a --draft-device past them); the step times measured in this process stay on one GPU",
+    )
+    parser.add_argument(
+        "--draft-tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the draft's --tensor-parallel-size in the services runs (its ranks on the GPUs from --draft-device on)",
     )
     parser.add_argument("--services-only", action="store_true", help="skip everything but the --services runs")
     parser.add_argument("--services-batch", type=int, default=32, help="max batch size of the services run")

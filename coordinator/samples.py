@@ -1,6 +1,5 @@
 """`n` completions of one prompt (GenerateRequest.n): each sample is its own sequence on both workers, admitted like
-any request; the target's prefix cache shares the prompt's full KV blocks with samples prefilled after the first
-(those prefilled in the same call each compute the prompt)."""
+any request; the target's prefix cache shares the prompt's full KV blocks among them (`SequenceTable.prefill`)."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ class StepLoop:
             return True  # a prefill found no room: nothing is admitted until a running sequence leaves
         memory = self._memory_for(alone=self._room_awaited == 0)
         self._room_awaited = None
-        admissions = self.manager.take_admissions(memory, self.prefixes.uncached_tokens)
+        admissions = self.manager.take_admissions(memory, self.prefixes.admission_cost())
         admitted = [r for _, requests in admissions for r in requests]
         if not admitted:
             return True

@@ -227,7 +227,7 @@ class Workers:
     def reset_kv_blocks(self) -> None:
         """What the workers reported of their KV blocks at the pair's set-up (again after a loss)."""
         for name, info in (("target", self.pair.target_info), ("draft", self.pair.draft_info)):
-            self.kv_blocks[name].reset(info.block_size, info.num_blocks, info.free_blocks)
+            self.kv_blocks[name].reset(info.block_size, info.num_blocks, info.free_blocks, info.prefix_caching)
 
     def free_blocks(self, k: int) -> dict[str, tuple[int, int]]:
         """Per worker in use that accounts blocks: (blocks free by the ledger, blocks one sequence's step of k drafts

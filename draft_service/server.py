@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -11,8 +12,11 @@ import grpc
 import torch
 
 from draft_service.proposer import Proposer
+from draft_service.tensor_parallel import MirroredProposer, make_proposer, proposer_calls
 from minedraft.engine.sampling import SamplingConfig
+from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
+from minedraft.rpc.ranks import RankGroup
 from minedraft.rpc.server_utils import grpc_errors, timings
 from minedraft.rpc.worker import Drain, ModelWorker, WorkerOptions, elapsed
 from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id, leased
@@ -36,9 +40,15 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
     ProposeStream = WorkerServicer.step_stream
 
     def __init__(self, options: WorkerOptions, greedy_drafts: bool = False) -> None:
-        worker = ModelWorker(options)
-        self.proposer = Proposer(worker.runner, greedy_drafts, worker.vocab.eos_token_ids)
-        super().__init__(worker, self.proposer)
+        if options.tensor_parallel_size < 1:
+            raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel_size}: give 1 rank or more")
+        # The other ranks first: rank 0's forwards (the cache's probe already) meet theirs in each all-reduce.
+        calls = functools.partial(proposer_calls, greedy_drafts=greedy_drafts)
+        ranks = RankGroup(options, calls, "draft service") if options.tensor_parallel_size > 1 else None
+        worker = ModelWorker(options, ranks.tp if ranks is not None else None)
+        proposer = make_proposer(worker, greedy_drafts)
+        self.proposer: Proposer | MirroredProposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
+        super().__init__(worker, self.proposer, ranks)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self, server)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -14,10 +13,11 @@ import torch
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.rpc.ranks import RankGroup
 from minedraft.rpc.server_utils import grpc_errors, timings
 from minedraft.rpc.worker import Drain, ModelWorker, WorkerOptions, elapsed
 from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id, leased
-from target_service.tensor_parallel import MirroredVerifier, RankGroup
+from target_service.tensor_parallel import MirroredVerifier, make_verifier, verifier_calls
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
 if TYPE_CHECKING:
@@ -70,36 +70,20 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         if options.tensor_parallel_size < 1:
             raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel_size}: give 1 rank or more")
         # The other ranks first: rank 0's forwards (the cache's probe already) meet theirs in each all-reduce.
-        self.ranks = RankGroup(options) if options.tensor_parallel_size > 1 else None
-        worker = ModelWorker(options, self.ranks.tp if self.ranks is not None else None)
+        ranks = RankGroup(options, verifier_calls, "target service") if options.tensor_parallel_size > 1 else None
+        worker = ModelWorker(options, ranks.tp if ranks is not None else None)
         if options.synthetic_acceptance is not None:
             log.warning(
                 "BENCHMARK ONLY: drafts are accepted with probability %s whatever the target says; output "
                 "is not the target's",
                 options.synthetic_acceptance,
             )
-        verifier = Verifier(worker.runner, worker.vocab.eos_token_ids, options.synthetic_acceptance)
-        self.verifier: Verifier | MirroredVerifier = (
-            verifier if self.ranks is None else MirroredVerifier(verifier, self.ranks)
-        )
-        super().__init__(worker, self.verifier)
+        verifier = make_verifier(worker)
+        self.verifier: Verifier | MirroredVerifier = verifier if ranks is None else MirroredVerifier(verifier, ranks)
+        super().__init__(worker, self.verifier, ranks)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, server)
-
-    async def serve(
-        self,
-        port: int,
-        host: str,
-        interceptors: Sequence[grpc.aio.ServerInterceptor],
-        metrics: WorkerMetrics | None,
-    ) -> tuple[grpc.aio.Server, int, Drain]:
-        served = await super().serve(port, host, interceptors, metrics)
-        if self.ranks is not None:  # a lost rank: NOT_SERVING at once (the watcher's thread hands it to the loop)
-            loop, health = asyncio.get_running_loop(), self.health
-            assert health is not None
-            self.ranks.on_lost.append(lambda: asyncio.run_coroutine_threadsafe(health.enter_graceful_shutdown(), loop))
-        return served
 
     async def prepare(self, k: int, max_batch_size: int) -> None:
         """The acceptance compiled (with --compile), then the step shapes run (with --precapture-graphs): each once."""

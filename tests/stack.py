@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.server import CoordinatorOptions, GenerationServicer, serve
 from minedraft.app.stack import wait_healthy, wait_port_file
+from minedraft.observability.metrics import CoordinatorMetrics
 from minedraft.proto import (
     common_pb2,
     draft_pb2,
@@ -422,9 +423,12 @@ def running_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **op
 
 
 @contextlib.asynccontextmanager
-async def in_process_coordinator(workers: Workers, **options: Any) -> AsyncIterator[tuple[str, GenerationServicer]]:
+async def in_process_coordinator(
+    workers: Workers, metrics: CoordinatorMetrics | None = None, **options: Any
+) -> AsyncIterator[tuple[str, GenerationServicer]]:
     """A coordinator served in this process (`coordinator.server.serve`) in front of `workers`, over the grpc channel,
-    batches of 4 unless `options` say otherwise: (its address, its servicer), for tests that reach into it."""
+    batches of 4 unless `options` say otherwise, counting into `metrics` if given: (its address, its servicer), for
+    tests that reach into it."""
     assert workers.draft is not None
     settings: dict[str, Any] = dict(
         target=workers.target.address,
@@ -433,7 +437,7 @@ async def in_process_coordinator(workers: Workers, **options: Any) -> AsyncItera
         channel="grpc",
         tokenizer=str(workers.pair.target),
     )
-    server, port, servicer = await serve(CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1")
+    server, port, servicer = await serve(CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1", metrics=metrics)
     try:
         yield f"127.0.0.1:{port}", servicer
     finally:
@@ -500,6 +504,34 @@ async def collect(call: grpc.aio.UnaryStreamCall) -> Completion:
         if message.finish_reason:
             finish, usage = message.finish_reason, message.usage
     return Completion(ids, text, finish, usage, messages)
+
+
+async def signal_while_streaming(
+    address: str, requests: Sequence[generation_pb2.GenerateRequest], pid: int, sig: int = signal.SIGKILL
+) -> tuple[list[str], float]:
+    """Send process `pid` (a worker, or a rank of one) `sig` once every request has streamed a message: how each
+    stream ended (its finish reason, or "CODE: details"), and the seconds from the signal to the last end."""
+    started = [asyncio.Event() for _ in requests]
+
+    async def stream(request: generation_pb2.GenerateRequest, first: asyncio.Event) -> str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
+            try:
+                async for message in call:
+                    first.set()
+                    if message.finish_reason:
+                        return generation_pb2.FinishReason.Name(message.finish_reason)
+            except grpc.aio.AioRpcError as exc:
+                first.set()
+                return f"{exc.code().name}: {exc.details()}"
+        return "no finish"
+
+    tasks = [asyncio.create_task(stream(r, e)) for r, e in zip(requests, started, strict=True)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    signalled = time.monotonic()
+    os.kill(pid, sig)
+    ended = list(await asyncio.gather(*tasks))
+    return ended, time.monotonic() - signalled
 
 
 def precapture_spans(log: str) -> list[tuple[float, float]]:

@@ -73,6 +73,28 @@ def test_the_prefill_budget_counts_what_the_prefix_cache_likely_holds_as_free() 
     assert len([r for _, rs in manager.take_admissions() for r in rs]) == 1  # full prompts: one a step
 
 
+def test_a_cold_burst_sharing_a_prompt_is_admitted_by_the_tokens_it_computes() -> None:
+    """64 requests sharing 2,000 tokens, nothing cached yet, against a target that reports its prefix caching on:
+    the first computes the shared blocks and the others share them in the same prefill (`SequenceTable.prefill`),
+    so all go in one step within 8,192 tokens where whole prompts would take four a step."""
+    ledger = BlockLedger()
+    ledger.reset(block_size=16, num_blocks=10_000, free=10_000, prefix_caching=True)
+    prefixes = PrefixMemory(ledger)
+    assert prefixes.active  # before any prefill: the target said it caches
+    shared = [1 + i % 300 for i in range(2000)]
+    burst = [RequestState(i, shared + [400 + i] * 20, SamplingConfig(), (), None) for i in range(64)]
+    cost = prefixes.admission_cost()
+    assert [cost(r) for r in burst[:2]] == [2020, 20]  # the 125 full shared blocks counted once
+    assert prefixes.uncached_tokens(burst[1]) == 2020  # alone, it finds nothing cached
+    manager = BatchManager(max_batch_size=32, max_queue_size=64, num_batches=2, max_prefill_tokens=8192)
+    for request in burst:
+        manager.submit(request)
+    assert sum(len(rs) for _, rs in manager.take_admissions(cost=prefixes.admission_cost())) == 64
+    off = BlockLedger()
+    off.reset(block_size=16, num_blocks=10_000, free=10_000, prefix_caching=False)
+    assert PrefixMemory(off).admission_cost()(burst[1]) == 2020  # a target without prefix caching computes all
+
+
 def test_queue_is_bounded() -> None:
     manager = BatchManager(max_batch_size=1, max_queue_size=2, num_batches=1)
     manager.submit(_request(0))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -47,6 +49,28 @@ def test_target_and_draft_on_one_gpu_share_its_memory() -> None:
         "0.9",
         "0.9",
     ]  # the caches sized by GiB: utilization does not bind
+    two_ranks = ("--target-device", "cuda:0", "--tensor-parallel-size", "2")
+    assert utilization(*two_ranks, "--draft-device", "cuda:1")[:2] == ["0.72", "0.18"]  # rank 1's GPU
+    assert utilization(*two_ranks, "--draft-device", "cuda:2")[:2] == ["0.9", "0.9"]
+    two_draft_ranks = ("--draft-device", "cuda:1", "--draft-tensor-parallel-size", "2")
+    assert utilization("--target-device", "cuda:2", *two_draft_ranks)[:2] == ["0.72", "0.18"]  # draft rank 1's
+    assert utilization("--target-device", "cuda:3", *two_draft_ranks)[:2] == ["0.9", "0.9"]
+
+
+def test_bench_and_serve_give_the_target_its_ranks(tmp_path: Path) -> None:
+    """`--tensor-parallel-size` of a `serve` stack, or of one `bench` starts, is the target's,
+    `--draft-tensor-parallel-size` the draft's `--tensor-parallel-size`; the coordinator takes neither."""
+    from minedraft.app.bench import LocalStack
+    from minedraft.app.stack import stack_commands
+
+    flags = ["--tensor-parallel-size", "2", "--draft-tensor-parallel-size", "4"]
+    serve = build_parser().parse_args(["serve", *flags])
+    bench = LocalStack(build_parser().parse_args(["bench", *flags]), "psd", tmp_path).args
+    for args in (serve, bench):
+        target, draft, coordinator = stack_commands(args, 1, 2)
+        assert target[target.index("--tensor-parallel-size") + 1] == "2", target
+        assert draft[draft.index("--tensor-parallel-size") + 1] == "4", draft
+        assert "tensor-parallel" not in " ".join(coordinator)
 
 
 def test_precapture_is_auto_by_default_and_on_where_cuda_graphs_are(monkeypatch: pytest.MonkeyPatch) -> None:

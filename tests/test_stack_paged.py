@@ -7,6 +7,7 @@ import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,12 +18,14 @@ from stack import (
     Workers,
     assert_all_slots_free,
     generate,
+    in_process_coordinator,
     running_coordinator,
     start_workers,
     text_prompts,
     worker_info,
 )
 
+from minedraft.observability.metrics import CoordinatorMetrics
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
@@ -117,6 +120,38 @@ def test_a_shared_prefix_is_prefilled_once_and_decodes_the_same(
     assert first.usage.cached_prompt_tokens in (0, 64)  # (an earlier test may have left the prefix cached)
     assert second.usage.cached_prompt_tokens == 64  # the 4 full blocks of the 70 shared tokens
     assert [first.token_ids, second.token_ids] == _reference(small_pool.pair.target, prompts, 8)
+
+
+def test_a_cold_burst_is_admitted_at_once_and_computes_its_prompt_once(
+    llama_workers: Workers, hf_reference: Any
+) -> None:
+    """Eight samples of one 200-token prompt nothing has cached yet, under --max-prefill-tokens 400: the target says
+    its prefix caching is on (GetInfo), so the coordinator counts the blocks the first sample computes as cached for
+    the others and admits all eight in one prefill (whole prompts would go one at a time); in it the target computes
+    the prompt's 12 full blocks once, for seven samples to share. Greedy: every sample is the target's output."""
+    prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(38)).tolist()
+    request = _greedy(prompt, 6)
+    request.n = 8
+    metrics = CoordinatorMetrics()
+
+    async def run() -> tuple[list[list[int]], list[int]]:
+        async with in_process_coordinator(llama_workers, metrics, max_prefill_tokens=400) as (address, _):
+            tokens: list[list[int]] = [[] for _ in range(8)]
+            cached = [-1] * 8
+            async with grpc.aio.insecure_channel(address) as channel:
+                async for message in generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60):
+                    tokens[message.index] += message.token_ids
+                    if message.finish_reason:
+                        cached[message.index] = message.usage.cached_prompt_tokens
+            return tokens, cached
+
+    tokens, cached = asyncio.run(run())
+    assert sorted(cached) == [0] + [192] * 7  # 12 full blocks of 16 of the 199 tokens before the last
+    assert metrics.registry.get_sample_value("minedraft_batch_size_count", {"kind": "prefill"}) == 1
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(llama_workers.pair.target, dtype=torch.float32).eval()
+    assert tokens == [hf_reference(target, prompt, 6)] * 8
 
 
 async def _load(address: str, prompts: list[list[int]]) -> list[str]:

@@ -23,6 +23,7 @@ from stack import (
     generate,
     health,
     running_coordinator,
+    signal_while_streaming,
     spawn,
     start_workers,
     text_prompts,
@@ -31,7 +32,7 @@ from stack import (
     worker_args,
 )
 
-from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.proto import generation_pb2
 
 pytest_plugins = ["stack"]
 
@@ -59,31 +60,6 @@ def _wave(address: str, requests: list[generation_pb2.GenerateRequest]) -> list[
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
     return asyncio.run(run_all())
-
-
-async def _signal_while_streaming(
-    address: str, requests: list[generation_pb2.GenerateRequest], target: Service, sig: signal.Signals = signal.SIGKILL
-) -> list[str]:
-    """Send the target `sig` once every request has streamed; how each stream ended."""
-    started = [asyncio.Event() for _ in requests]
-
-    async def stream(request: generation_pb2.GenerateRequest, first: asyncio.Event) -> str:
-        async with grpc.aio.insecure_channel(address) as channel:
-            call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
-            try:
-                async for message in call:
-                    first.set()
-                    if message.finish_reason:
-                        return generation_pb2.FinishReason.Name(message.finish_reason)
-            except grpc.aio.AioRpcError as exc:
-                first.set()
-                return f"{exc.code().name}: {exc.details()}"
-        return "no finish"
-
-    tasks = [asyncio.create_task(stream(r, e)) for r, e in zip(requests, started, strict=True)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    target.proc.send_signal(sig)
-    return list(await asyncio.gather(*tasks))
 
 
 def _until_served(
@@ -139,7 +115,7 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
         address = coordinator.address
         # Killed while serving: every request it held ends with UNAVAILABLE; while it is gone, the coordinator
         # says NOT_SERVING and refuses new requests at once.
-        ended = asyncio.run(_signal_while_streaming(address, requests, workers.target))
+        ended = asyncio.run(signal_while_streaming(address, requests, workers.target.proc.pid))[0]
         assert ended == [LOST] * len(requests), ended
         wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
         assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not to be restarted
@@ -176,7 +152,7 @@ def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs,
         address = coordinator.address
         target = workers.target.proc
         try:
-            ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGSTOP))
+            ended = asyncio.run(signal_while_streaming(address, requests, target.pid, signal.SIGSTOP))[0]
             assert ended == [LOST] * len(requests), ended
             wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
         finally:
@@ -196,7 +172,7 @@ def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPa
     )
     with stack as (workers, coordinator, requests, expected):
         address = coordinator.address
-        ended = asyncio.run(_signal_while_streaming(address, requests, workers.target, signal.SIGTERM))
+        ended = asyncio.run(signal_while_streaming(address, requests, workers.target.proc.pid, signal.SIGTERM))[0]
         assert ended == ["FINISH_REASON_LENGTH"] * len(requests), ended
         # The target serves on until no call has come for 5 s: meanwhile the coordinator refuses new requests.
         wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)

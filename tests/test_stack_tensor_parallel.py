@@ -1,30 +1,30 @@
-"""A target service over two gloo ranks (real processes) serves what one rank serves, and fails fast without one.
+"""Target and draft services over two gloo ranks each (real processes) serve what one rank serves, and a target
+fails fast without one.
 
-Greedy output through the stack equals Hugging Face `generate()` (Llama in psd, sd and ar; Qwen3 in psd and ar), and
-seeded sampled output equals the one-rank target's; a rank killed mid-load ends every admitted request with
-UNAVAILABLE within seconds."""
+Greedy output through the stack equals Hugging Face `generate()` (Llama in psd, sd and ar; Qwen3 in psd and ar; the
+draft over two ranks too), and seeded sampled output equals that of one-rank services; a rank killed or hung mid-load
+ends every admitted request with UNAVAILABLE within seconds, and the group started again is taken back."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
 from stack import (
+    Service,
     TinyPairs,
     Workers,
     assert_all_slots_free,
     generate_all,
     mixed_requests,
     running_coordinator,
+    signal_while_streaming,
     spawn,
     stop_all,
     text_prompts,
@@ -33,7 +33,7 @@ from stack import (
     worker_args,
 )
 
-from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.proto import generation_pb2
 
 pytest_plugins = ["stack"]
 
@@ -41,24 +41,23 @@ ARCHS = ("llama", "qwen3")
 BATCH = 4  # 8 requests over batches of 4: they queue, join and leave mid-flight
 
 
+def _tp_target_args(tiny_pairs: TinyPairs, arch: str) -> list[str]:
+    return [*worker_args("target", tiny_pairs[arch].target, BATCH), "--tensor-parallel-size", "2"]
+
+
 @pytest.fixture(scope="module")
 def tp_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[dict[str, Workers]]:
-    """Llama and Qwen3 targets over two ranks each, and one draft (the Llama pair's, whole: both share its
+    """Llama and Qwen3 targets over two ranks each, and one draft over two ranks (the Llama pair's: both share its
     tokenizer), started at once."""
-    targets = {
-        arch: spawn(
-            f"{arch}-target-tp2",
-            [*worker_args("target", tiny_pairs[arch].target, BATCH), "--tensor-parallel-size", "2"],
-            stack_logs,
-        )
-        for arch in ARCHS
-    }
-    draft = spawn("llama-draft-for-tp2", worker_args("draft", tiny_pairs["llama"].draft, BATCH), stack_logs)
+    targets = {arch: spawn(f"{arch}-target-tp2", _tp_target_args(tiny_pairs, arch), stack_logs) for arch in ARCHS}
+    draft_args = [*worker_args("draft", tiny_pairs["llama"].draft, BATCH), "--tensor-parallel-size", "2"]
+    draft = spawn("llama-draft-tp2", draft_args, stack_logs)
+    wait_all([*targets.values(), draft])
+    workers = {arch: Workers(tiny_pairs[arch], target, draft, BATCH) for arch, target in targets.items()}
     try:
-        wait_all([*targets.values(), draft])
-        yield {arch: Workers(tiny_pairs[arch], target, draft, BATCH) for arch, target in targets.items()}
+        yield workers
     finally:
-        stop_all([draft, *targets.values()])
+        stop_all([draft, *(w.target for w in workers.values())])  # (a target a test started again included)
 
 
 @pytest.fixture(scope="module")
@@ -110,34 +109,26 @@ def test_two_ranks_greedy_match_generate(
     assert_all_slots_free(tp_workers[arch])
 
 
-async def _kill_rank_while_streaming(
-    address: str, requests: list[generation_pb2.GenerateRequest], pid: int
-) -> list[str]:
-    """Kill rank `pid` once every request has streamed a message; how each stream ended and when."""
-    started = [asyncio.Event() for _ in requests]
-
-    async def stream(request: generation_pb2.GenerateRequest, first: asyncio.Event) -> str:
-        async with grpc.aio.insecure_channel(address) as channel:
-            call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
-            try:
-                async for message in call:
-                    first.set()
-                    if message.finish_reason:
-                        return generation_pb2.FinishReason.Name(message.finish_reason)
-            except grpc.aio.AioRpcError as exc:
-                first.set()
-                return exc.code().name
-        return "no finish"
-
-    tasks = [asyncio.create_task(stream(r, e)) for r, e in zip(requests, started, strict=True)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-    killed = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    ended = list(await asyncio.gather(*tasks))
-    return [*ended, f"{time.monotonic() - killed:.1f}"]
+def _rank_pid(service: Service) -> int:
+    """The pid of rank 1 of a service over two ranks, as its log says."""
+    found = re.search(r"rank 1 of 2 started as pid (\d+)", service.log_tail(10**6))
+    assert found, service.log_tail()
+    return int(found.group(1))
 
 
-def test_psd_then_a_killed_rank(
+def _lose_rank(
+    coordinator: Service, workers: Workers, requests: list[generation_pb2.GenerateRequest], sig: int
+) -> None:
+    """Rank 1 of the target sent `sig` mid-load: every request ends with UNAVAILABLE within 10 s, the coordinator
+    says NOT_SERVING, and rank 0 exits with 1 (for its supervisor to start the group anew)."""
+    ended, seconds = asyncio.run(signal_while_streaming(coordinator.address, requests, _rank_pid(workers.target), sig))
+    assert all(e.startswith("UNAVAILABLE: ") for e in ended), ended
+    assert seconds < 10, seconds
+    wait_health(coordinator.address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+    assert workers.target.proc.wait(timeout=15) == 1
+
+
+def test_psd_then_a_killed_rank_then_a_hung_one(
     tp_workers: dict[str, Workers],
     llama_workers: Workers,
     greedy: dict[str, tuple[list[generation_pb2.GenerateRequest], list[list[int]]]],
@@ -146,27 +137,44 @@ def test_psd_then_a_killed_rank(
 ) -> None:
     """Llama in psd: greedy output as `generate()`'s, seeded sampled output (the draft's probabilities cross the
     channel to rank 0, which hands them on) as the one-rank target's; then rank 1 killed mid-load ends every request
-    with UNAVAILABLE within 10 s. Last in this module: the target stops for good (rank 0 exits, for its supervisor to
-    start the group anew)."""
+    with UNAVAILABLE within 10 s; the group started again on its port is taken back and serves as before; then its
+    rank 1 stopped (SIGSTOP: it hangs, its sockets open) does the same, well before the collectives' 60 s timeout,
+    once the draft's rank 1 stopped has cost the draft alone. Last in this module: both services stop for good."""
     sampled = mixed_requests(tiny_pairs.tokenizer)
     with running_coordinator(llama_workers, stack_logs, "psd", max_batch_size=BATCH) as coordinator:
         one_rank = asyncio.run(generate_all(coordinator.address, sampled))
     workers = tp_workers["llama"]
-    found = re.search(r"rank 1 of 2 started as pid (\d+)", workers.target.log_tail(10**6))
-    assert found, workers.target.log_tail()
     params = generation_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
     long = [
         generation_pb2.GenerateRequest(prompt_token_ids=p, params=params)
         for p in text_prompts(tiny_pairs.tokenizer, 6, 4, 20, seed=5)
     ]
     requests, expected = greedy["llama"]
-    with running_coordinator(workers, stack_logs, "psd", max_batch_size=BATCH) as coordinator:
+    retry = ["--draft-retry-interval", "0.2"]  # (how often a lost target is tried again)
+    with running_coordinator(workers, stack_logs, "psd", max_batch_size=BATCH, extra=retry) as coordinator:
         assert asyncio.run(generate_all(coordinator.address, requests)) == expected
-        assert asyncio.run(generate_all(coordinator.address, sampled)) == one_rank
+        assert asyncio.run(generate_all(coordinator.address, sampled)) == one_rank  # (the draft's q matter here)
+        assert "rank 1 of 2 started as pid" in workers.draft.log_tail(10**6)  # type: ignore[union-attr]
         assert_all_slots_free(workers)
-        *ended, seconds = asyncio.run(_kill_rank_while_streaming(coordinator.address, long, int(found.group(1))))
-        assert ended == ["UNAVAILABLE"] * len(long), ended
-        assert float(seconds) < 10, seconds
-        wait_health(coordinator.address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
-    assert workers.target.proc.wait(timeout=15) == 1
-    assert "tensor-parallel tp-rank-1" in workers.target.log_tail(10**6)
+        _lose_rank(coordinator, workers, long, signal.SIGKILL)
+        assert "tensor-parallel tp-rank-1 (pid" in workers.target.log_tail(10**6)
+
+        workers.target = spawn(
+            "llama-target-tp2-restarted", _tp_target_args(tiny_pairs, "llama"), stack_logs, port=workers.target.port
+        )
+        wait_all([workers.target])
+        wait_health(coordinator.address, health_pb2.HealthCheckResponse.SERVING)
+        assert asyncio.run(generate_all(coordinator.address, requests)) == expected
+
+        # The draft's rank 1 stopped: the draft service leaves (its rank 0 exits), the requests finish on the target
+        # alone, as generate() would.
+        draft = workers.draft
+        assert draft is not None
+        ended, _ = asyncio.run(signal_while_streaming(coordinator.address, long, _rank_pid(draft), signal.SIGSTOP))
+        assert ended == ["FINISH_REASON_LENGTH"] * len(long), ended
+        assert draft.proc.wait(timeout=15) == 1
+        assert "has not reported for" in draft.log_tail(10**6)
+        assert asyncio.run(generate_all(coordinator.address, requests)) == expected
+
+        _lose_rank(coordinator, workers, long, signal.SIGSTOP)
+        assert "has not reported for" in workers.target.log_tail(10**6)

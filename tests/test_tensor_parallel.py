@@ -18,8 +18,9 @@ from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.engine.tensor_parallel import TensorParallel, rank_device, shard_model
+from minedraft.engine.tensor_parallel import Progress, TensorParallel, rank_device, shard_model
 from minedraft.errors import ModelLoadError
+from minedraft.rpc.ranks import HANG_S, Liveness
 from target_service.verifier import Verifier
 
 # Llama and Qwen3 (grouped K/V heads, Qwen3's per-head norms), GPT-NeoX (one fused Q/K/V projection, interleaved by
@@ -129,3 +130,58 @@ def test_each_rank_takes_the_next_device() -> None:
     assert rank_device("cuda", 1) == "cuda:1" and rank_device("cpu", 3) == "cpu"
     with pytest.raises(ModelLoadError, match="lists several devices"):
         rank_device("cuda:0,cuda:1", 0)
+
+
+def test_a_rank_silent_or_behind_is_hung_and_a_long_call_is_not() -> None:
+    """`Liveness` (rank 0's watch over ranks 1..N-1), on a clock of its own: silence beyond HANG_S is a stopped
+    rank; a call rank 0 finished that a rank has not is a stuck rank only HANG_S plus twice rank 0's time later;
+    a rank loading its shard, or running a long call rank 0 runs too, is not hung."""
+    live = Liveness(2)
+    assert live.hung(1000.0) is None  # loading: not watched until it reports or rank 0 hands on a call
+    live.report(1, 0, 0, 0.0)
+    assert live.hung(HANG_S - 0.1) is None
+    assert live.hung(HANG_S + 0.1) == (1, f"has not reported for {HANG_S + 0.1:.1f} s (stopped, or hung)")
+    live.report(1, 0, 0, 10.0)
+    call = live.send(10.0)  # rank 2, silent so far, is watched from here
+    assert call == 1 and live.hung(10.0 + HANG_S + 0.1) is not None
+    for now in (11.0, 12.0, 13.0, 40.0, 70.0):  # a 60 s call: both ranks report on, as rank 0 runs it too
+        live.report(1, 0, 0, now)
+        live.report(2, 0, 0, now)
+        assert live.hung(now) is None
+    live.finished(call, 60.0, 70.0)  # rank 0 done after 60 s: the others have until 70 + HANG_S + 120
+    end = 70.0 + HANG_S + 120
+    for now in (72.0, 130.0, end - 1):
+        live.report(1, 1, 0, now)
+        live.report(2, 0, 0, now)
+        assert live.hung(now) is None
+    live.report(1, 1, 0, end + 1)
+    live.report(2, 0, 0, end + 1)
+    assert live.hung(end + 1) == (2, "has not finished call 1 long after rank 0 did (stuck)")
+    live.report(2, 1, 0, end + 2)
+    assert live.hung(end + 2) is None
+
+
+def test_a_rank_that_does_not_reach_an_all_reduce_is_hung() -> None:
+    """Rank 0 waiting in an all-reduce that a rank, reporting on, has not begun: stuck once the wait is longer than
+    HANG_S plus twice what rank 0 took to get there from the last one; a rank that reaches it is not."""
+    live = Liveness(2)
+    rank0 = Progress(entered=5, waiting_since=100.0, synced=99.0)  # 1 s of work, then waiting in all-reduce 5
+    live.report(1, 0, 5, 100.0)
+    live.report(2, 0, 4, 100.0)
+    for now in (101.0, 100.0 + HANG_S + 2 - 0.1):
+        live.report(1, 0, 5, now)
+        live.report(2, 0, 4, now)
+        assert live.hung(now, rank0) is None
+    now = 100.0 + HANG_S + 2 + 0.1
+    live.report(1, 0, 5, now)
+    live.report(2, 0, 4, now)
+    assert live.hung(now, rank0) == (2, f"has not reached all-reduce 5 {now - 100:.1f} s after rank 0 (stuck)")
+    live.report(2, 0, 5, now)
+    assert live.hung(now, rank0) is None
+    assert live.hung(now, Progress(entered=5, waiting_since=None, synced=now)) is None  # (not waiting)
+
+
+def test_a_device_list_is_refused_for_tensor_parallel(tmp_path: Path) -> None:
+    """The layer-by-layer device map is gone: a list of devices names the flag that spreads a model over GPUs."""
+    with pytest.raises(ModelLoadError, match="runs tensor parallel, e.g. --device cuda:0 --tensor-parallel-size 2"):
+        load_model(str(tmp_path), "cuda:0,cuda:1")

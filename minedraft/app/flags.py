@@ -185,14 +185,23 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--tensor-parallel-size",
-        "shard the target over this many ranks, one process per device (the next GPUs after --device's; gloo on a "
+        "shard the model over this many ranks, one process per device (the next GPUs after --device's; gloo on a "
         "CPU): attention heads and MLP columns split, two all-reduces per layer; rank 0 serves",
-        ("target", "serve", "bench"),
+        ("target", "draft", "serve", "bench"),
         MODELS,
         1,
         type=int,
         helps={s: "the target's --tensor-parallel-size" for s in STACKS},
         passes_to=("target",),
+    ),
+    Flag(
+        "--draft-tensor-parallel-size",
+        "the draft's --tensor-parallel-size",
+        STACKS,
+        MODELS,
+        1,
+        type=int,
+        passes_to=("draft --tensor-parallel-size",),
     ),
     Flag("--greedy-drafts", "draft greedily even for sampled requests", ("draft",), MODELS, False, switch=True),
     Flag(

@@ -181,14 +181,23 @@ def passed_on(args: argparse.Namespace, service: str) -> dict[str, object]:
 
 
 def shares_a_gpu(args: argparse.Namespace) -> bool:
-    """Whether a stack's target and draft load on one GPU, each sizing its KV cache by --gpu-memory-utilization."""
+    """Whether a stack's draft loads on a GPU of the target's (their ranks' included), each sizing its KV cache by
+    --gpu-memory-utilization."""
+    from minedraft.engine.tensor_parallel import rank_device  # (torch: not for the stack's other users)
+
     target, draft = getattr(args, "target_device", None), getattr(args, "draft_device", None)
+    if not (isinstance(target, str) and isinstance(draft, str) and target.startswith("cuda")):
+        return False
+    if "," in target + draft:
+        return False  # (refused when the worker loads)
+
+    def gpus(device: str, flag: str) -> set[str]:
+        return {rank_device(device, rank) for rank in range(int(getattr(args, flag, 1) or 1))}
+
     return (
         getattr(args, "mode", None) != "ar"
         and getattr(args, "kv_cache_memory", None) is None
-        and isinstance(target, str)
-        and target.startswith("cuda")
-        and (target == draft or {target, draft} <= {"cuda", "cuda:0"})
+        and bool(gpus(draft, "draft_tensor_parallel_size") & gpus(target, "tensor_parallel_size"))
     )
 
 

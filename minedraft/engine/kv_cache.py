@@ -181,19 +181,28 @@ class PagedKVCache(Cache):
         self.trim(rows, [0] * len(rows))
         self._set_tables(entries)
 
-    def share_prefix(self, row: int, prompt: Sequence[int]) -> int:
-        """Give an empty row the cached blocks its prompt starts with; the tokens they hold. The last prompt token is
-        never among them: its forward gives the logits of the first new token."""
-        assert self.pool is not None and not self.row_blocks[row]
+    def share_prefix(
+        self, row: int, prompt: Sequence[int], keys: Sequence[bytes] | None = None, *, again: bool = False
+    ) -> int:
+        """Give a row that holds only shared prompt blocks so far (none at first) the further cached blocks its prompt
+        starts with; the tokens all its blocks hold. The last prompt token is never among them: its forward gives the
+        logits of the first new token. `keys`: the prompt's `prefix_keys`, where the caller has them; `again`: a
+        later look of the same prefill (`SequenceTable.prefill`), whose prompt the stats counted as queried once."""
+        assert self.pool is not None
+        held = len(self.row_blocks[row])
         if not self.pool.prefix_caching:
-            return 0
-        keys = block_hashes(prompt[: len(prompt) - 1], self.block_size)
-        blocks = self.pool.share_prefix(keys)
-        self.pool.record_lookup(len(prompt), len(blocks) * self.block_size)
-        self.row_blocks[row] = list(blocks)
-        self.held[row] = len(blocks)
-        self._set_tables([(row, column, block) for column, block in enumerate(blocks)])
-        return len(blocks) * self.block_size
+            return held * self.block_size
+        keys = self.prefix_keys(prompt) if keys is None else keys
+        blocks = self.pool.share_prefix(keys[held:])
+        self.pool.record_lookup(0 if again else len(prompt), len(blocks) * self.block_size)
+        self.row_blocks[row] += blocks
+        self.held[row] = len(self.row_blocks[row])
+        self._set_tables([(row, held + column, block) for column, block in enumerate(blocks)])
+        return (held + len(blocks)) * self.block_size
+
+    def prefix_keys(self, prompt: Sequence[int]) -> list[bytes]:
+        """The keys of the full blocks a prompt can share: all its tokens but the last (`share_prefix`)."""
+        return block_hashes(prompt[: len(prompt) - 1], self.block_size)
 
     def register_prompt(self, row: int, prompt: Sequence[int]) -> None:
         """Cache the full blocks of a row's prompt, once its prefill has written them."""

@@ -32,37 +32,26 @@ def load_model(
     """Load a causal LM from a local directory (safetensors) for inference on `device`; with `tensor_parallel`,
     this rank's shard of it (`minedraft.engine.tensor_parallel`), cut on the host before it moves to `device`.
 
-    `device` may list several GPUs ("cuda:0,cuda:1") for a model that does not fit on one: its layers are then
-    spread over them in order (transformers' device_map, which needs the accelerate package).
-    """
+    A model larger than one GPU runs tensor parallel (`--tensor-parallel-size`), not spread layer by layer over a
+    list of devices (transformers' device_map: one GPU working at a time, and `accelerate` needed)."""
     from transformers import AutoModelForCausalLM
 
+    if "," in device:
+        raise ModelLoadError(
+            f"--device {device!r} lists several devices: a model over several GPUs runs tensor parallel, e.g. "
+            "--device cuda:0 --tensor-parallel-size 2 (its ranks on cuda:0 and cuda:1)"
+        )
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory {path!r} does not exist")
-    devices = [d.strip() for d in device.split(",") if d.strip()]
-    placement: dict[str, Any] = {}
-    if len(devices) > 1:
-        if not all(d.startswith("cuda:") for d in devices):
-            raise ModelLoadError(f"several devices must all be numbered GPUs (cuda:N,cuda:M), got {device!r}")
-        gpus = [int(d.split(":")[1]) for d in devices]
-        free = {g: torch.cuda.mem_get_info(g)[0] for g in gpus}
-        placement = {"device_map": "auto", "max_memory": {g: int(free[g] * 0.85) for g in gpus}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=resolve_dtype(dtype, devices[0]),
-            attn_implementation="sdpa",
-            local_files_only=True,
-            **placement,
+            path, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa", local_files_only=True
         )
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
     if tensor_parallel is not None:
-        if placement:
-            raise ModelLoadError("a tensor-parallel rank runs on one device, not a list of them")
         shard_model(model, tensor_parallel)
-    if not placement:
-        model.to(devices[0])  # type: ignore[arg-type]
+    model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
     return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,33 @@ def prefill_groups(lengths: Sequence[int], forward_cost: int) -> list[list[int]]
         groups.append(sorted(order[start:end]))  # one group: the prompts as they came
         end = start
     return groups[::-1]
+
+
+def prefix_followers(
+    keys: Sequence[Sequence[bytes]], cached: Sequence[int], block_size: int, forward_cost: int
+) -> set[int]:
+    """Of prompts prefilled together (`keys`: the prefix cache keys of each one's full blocks, of which its first
+    `cached` are cached), the indices of those to prefill after the others: in each family of prompts whose first
+    uncached block is the same, all but the one with the most uncached blocks in common with the rest, which
+    computes them once for the others to share. None where that saves no more tokens than a forward costs."""
+    uncached = [k[c:] for k, c in zip(keys, cached)]
+    families: dict[bytes, list[int]] = collections.defaultdict(list)
+    for i, rest in enumerate(uncached):
+        if rest:
+            families[rest[0]].append(i)
+    holders = collections.Counter(key for rest in uncached for key in rest)
+    later: set[int] = set()
+    saved = 0
+    for members in families.values():
+        if len(members) < 2:
+            continue
+        leader = max(members, key=lambda i: sum(holders[key] - 1 for key in uncached[i]))  # (the first of equals)
+        computed = set(uncached[leader])
+        for i in members:
+            if i != leader:
+                later.add(i)
+                saved += sum(key in computed for key in uncached[i])  # (keys chain: a run from the start)
+    return later if saved * block_size > forward_cost else set()
 
 
 class SequenceTable:
@@ -152,53 +180,86 @@ class SequenceTable:
         """Take rows for new sequences and cache their prompts: each starts with the cached blocks its prompt begins
         with (prefix caching), then a step of `kind` per group of the rest of similar lengths (`prefill_groups`),
         padded to its longest, whose `body` runs the forward and makes what it will of the logits after each
-        prompt's last token (`ModelRunner.prepare`, `last_only`).
+        prompt's last token (`ModelRunner.prepare`, `last_only`). Prompts that share blocks not cached yet go in
+        rounds (`prefix_followers`): one of each such family first, then the others, sharing what it cached.
 
-        Returns (rows, prompt lengths, what the bodies made in the order of `prompts`, the prompt tokens each found
-        cached); on failure the rows and their blocks are freed.
+        Returns (rows, prompt lengths, what the bodies made in the order of `prompts`, the prompt tokens of each
+        found cached, not computed for it); on failure the rows and their blocks are freed.
         """
         if not prompts:
             raise ValueError("a prefill needs at least one prompt")
         rows = self.add(seq_ids, configs)
         try:
             cache, device = self.runner.cache, self.runner.device
+            assert cache.pool is not None
             host_rows = rows.tolist()
             starts = [len(p) - c.output_tokens for p, c in zip(prompts, configs)]
             self.output_start[rows] = torch.tensor(starts, dtype=torch.long, device=device)
             self.write_history(host_rows, [0] * len(prompts), prompts)
-            cached = [cache.share_prefix(row, prompt) for row, prompt in zip(host_rows, prompts)]
-            cache.reserve(host_rows, [len(p) for p in prompts])
-            cache.lengths[rows] = torch.tensor(cached, dtype=torch.long, device=device)
-            rests = [p[c:] for p, c in zip(prompts, cached)]
-            lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-            rest_lengths = torch.tensor([len(r) for r in rests], dtype=torch.long, device=device)
-            groups = prefill_groups([len(r) for r in rests], PREFILL_FORWARD_COST)
-            parts = []
-            for group in groups:
-                longest = max(len(rests[i]) for i in group)
-                ids = torch.zeros(len(group), longest, dtype=torch.long)
-                for row, i in enumerate(group):
-                    ids[row, : len(rests[i])] = torch.tensor(rests[i], dtype=torch.long)
-                index = torch.tensor(group, device=device)
-                step = self.runner.prepare(
-                    kind=kind,
-                    rows=rows[index],
-                    inputs=(ids.to(device), rest_lengths[index]),
-                    needed=max(len(prompts[i]) for i in group),
-                    tokens=longest,
-                    last_only=True,
+            keys = [cache.prefix_keys(p) if cache.pool.prefix_caching else [] for p in prompts]
+            cached = [cache.share_prefix(row, p, k) for row, p, k in zip(host_rows, prompts, keys)]
+            pending, order, parts = list(range(len(prompts))), [], []
+            while pending:
+                size = cache.block_size
+                later = prefix_followers(
+                    [keys[i] for i in pending], [cached[i] // size for i in pending], size, PREFILL_FORWARD_COST
                 )
-                parts.append(self.runner.run(step, body))
+                now = [i for j, i in enumerate(pending) if j not in later]
+                pending = [i for j, i in enumerate(pending) if j in later]
+                for group, part in self._prefill_round(rows, host_rows, prompts, cached, now, kind=kind, body=body):
+                    order += group
+                    parts.append(part)
+                for i in pending:  # the blocks the round cached
+                    cached[i] = cache.share_prefix(host_rows[i], prompts[i], keys[i], again=True)
             outputs = parts[0]
-            if len(groups) > 1:  # back in the prompts' order
-                back = torch.tensor([i for group in groups for i in group], device=device).argsort()
+            if len(parts) > 1:  # back in the prompts' order
+                back = torch.tensor(order, device=device).argsort()
                 outputs = [torch.cat(part)[back] for part in zip(*parts, strict=True)]
-            for row, prompt in zip(host_rows, prompts):
-                cache.register_prompt(row, prompt)
         except Exception:
             self.remove(seq_ids)
             raise
-        return rows, lengths, outputs, cached
+        return rows, torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device), outputs, cached
+
+    def _prefill_round(
+        self,
+        rows: torch.Tensor,
+        all_rows: list[int],
+        prompts: Sequence[Sequence[int]],
+        cached: Sequence[int],
+        now: list[int],
+        *,
+        kind: str,
+        body: StepBody,
+    ) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """Prefill prompts `now` (indices into `prompts`, on `rows`, `all_rows` on the host) past their `cached`
+        tokens, then cache their full blocks: per group of similar lengths the group's indices and what its body
+        made."""
+        cache, device = self.runner.cache, self.runner.device
+        host_rows = [all_rows[i] for i in now]
+        cache.reserve(host_rows, [len(prompts[i]) for i in now])
+        index = torch.tensor(now, device=device)
+        cache.lengths[rows[index]] = torch.tensor([cached[i] for i in now], dtype=torch.long, device=device)
+        rests = {i: prompts[i][cached[i] :] for i in now}
+        results = []
+        for positions in prefill_groups([len(rests[i]) for i in now], PREFILL_FORWARD_COST):
+            group = [now[p] for p in positions]
+            longest = max(len(rests[i]) for i in group)
+            ids = torch.zeros(len(group), longest, dtype=torch.long)
+            for b, i in enumerate(group):
+                ids[b, : len(rests[i])] = torch.tensor(rests[i], dtype=torch.long)
+            index = torch.tensor(group, device=device)
+            step = self.runner.prepare(
+                kind=kind,
+                rows=rows[index],
+                inputs=(ids.to(device), torch.tensor([len(rests[i]) for i in group], device=device)),
+                needed=max(len(prompts[i]) for i in group),
+                tokens=longest,
+                last_only=True,
+            )
+            results.append((group, self.runner.run(step, body)))
+        for row, i in zip(host_rows, now):
+            cache.register_prompt(row, prompts[i])
+        return results
 
     def row_list(self, seq_ids: Sequence[int]) -> list[int]:
         missing = [s for s in seq_ids if s not in self.rows_by_id]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +28,17 @@ log = logging.getLogger(__name__)
 REPLICATED_STYLES = {"replicated_with_grad_allreduce", "embedding_rowwise", "isolated"}
 
 
+@dataclass
+class Progress:
+    """How far this rank's forwards have come in the group's all-reduces, for a watcher to tell a rank that is stuck
+    from one that is slow (`minedraft.rpc.ranks`). Counted on gloo only: on GPUs a collective does not hold the host,
+    and the step replays as a CUDA graph, which runs no Python."""
+
+    entered: int = 0  # all-reduces begun
+    waiting_since: float | None = None  # (time.monotonic) when the one under way began; None: none is
+    synced: float = 0.0  # when the ranks were last in step: the last all-reduce ended (or rank 0 handed on a call)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group."""
@@ -34,6 +46,7 @@ class TensorParallel:
     rank: int
     size: int
     group: Any = None  # a torch.distributed ProcessGroup (None: the default group)
+    progress: Progress = field(default_factory=Progress)
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -99,13 +112,21 @@ def _shard_linear(linear: torch.nn.Linear, tp: TensorParallel, *, rowwise: bool)
         linear.in_features = linear.weight.shape[1]
         if linear.bias is not None and tp.rank != 0:
             linear.bias = None  # type: ignore[assignment]  # (added once: the all-reduce sums the ranks' outputs)
-        group = tp.group
+        group, progress = tp.group, tp.progress
 
         def all_reduce(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(output, group=group)
             return output
 
-        linear.register_forward_hook(all_reduce)
+        def counted_all_reduce(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+            progress.entered += 1
+            progress.waiting_since = time.monotonic()
+            dist.all_reduce(output, group=group)
+            progress.synced, progress.waiting_since = time.monotonic(), None
+            return output
+
+        gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"  # (sharded on the host, whatever its device)
+        linear.register_forward_hook(counted_all_reduce if gloo else all_reduce)
     else:
         linear.out_features = linear.weight.shape[0]
         if linear.bias is not None:

@@ -215,11 +215,12 @@ class ModelWorker:
             block_size=self.runner.block_size,
             num_blocks=self.runner.num_blocks,
             free_blocks=self.runner.free_blocks,
+            prefix_caching=self.runner.cache.prefix_caching,
         )
 
     @functools.cached_property
     def gpu_uuids(self) -> list[str]:
-        """The UUIDs of the GPUs the model's weights are on (a device map may leave a listed GPU unused)."""
+        """The UUIDs of the GPUs the model's weights are on (this rank's: one)."""
         gpus = sorted({p.device.index or 0 for p in self.runner.model.parameters() if p.device.type == "cuda"})
         return [str(torch.cuda.get_device_properties(gpu).uuid) for gpu in gpus]
 

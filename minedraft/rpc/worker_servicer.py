@@ -21,6 +21,7 @@ from minedraft.rpc.worker import NUM_BATCHES, Drain, ModelWorker
 
 if TYPE_CHECKING:
     from minedraft.observability.metrics import WorkerMetrics
+    from minedraft.rpc.ranks import RankGroup
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])
 
@@ -69,9 +70,11 @@ class WorkerServicer:
     LeaseResponse: ClassVar[Callable[..., Message]]
     StepStreamResponse: ClassVar[type[Message]]
 
-    def __init__(self, worker: ModelWorker, engine: SequenceEngine) -> None:
+    def __init__(self, worker: ModelWorker, engine: SequenceEngine, ranks: RankGroup | None = None) -> None:
+        """`ranks`: the other tensor-parallel ranks of this worker, which `engine` hands its calls to."""
         self.worker = worker
         self.engine = engine
+        self.ranks = ranks
         self.leases = Leases(worker.options.lease_timeout, self._free_all)
         self.health: Health | None = None  # once serving
 
@@ -218,6 +221,11 @@ class WorkerServicer:
             health_servicer,
             credentials=worker_credentials(tls.tls_cert, tls.tls_key, tls.tls_ca),
         )
+        if self.ranks is not None:  # a lost rank: NOT_SERVING at once (the watcher's thread hands it to the loop)
+            loop = asyncio.get_running_loop()
+            self.ranks.on_lost.append(
+                lambda: asyncio.run_coroutine_threadsafe(health_servicer.enter_graceful_shutdown(), loop)
+            )
         return server, bound, functools.partial(self.worker.drain, health_servicer)
 
 
