@@ -8,6 +8,8 @@ loop. The same tables twice: blocks of each row consecutive in the pool (as a sl
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -15,15 +17,41 @@ import triton.language as tl
 
 from minedraft.kernels import decode_attention
 
+# An attention over (query, key pool, value pool, block tables, rows, positions, scale)
+Attend = Callable[..., torch.Tensor]
 MASKED: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
 def _variant_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, pos_ptr, out_ptr,
-    sq_b, sq_h, sq_n, sk_blk, sk_h, sk_pos, st_row, sp_b, so_b, so_n, so_h,
-    kv_heads, groups, queries, folded, scale,
-    ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MODE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    rows_ptr,
+    pos_ptr,
+    out_ptr,
+    sq_b,
+    sq_h,
+    sq_n,
+    sk_blk,
+    sk_h,
+    sk_pos,
+    st_row,
+    sp_b,
+    so_b,
+    so_n,
+    so_h,
+    kv_heads,
+    groups,
+    queries,
+    folded,
+    scale,
+    ROWS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MODE: tl.constexpr,
 ):
     """MODE 0: a table entry per key (as the kernel); 1: the tile's blocks loaded once, K/V as [blocks, size, dim];
     2: as 0 with the next tile's entries loaded a tile ahead; 3: as 1, K/V loads unmasked (past the end: block 0)."""
@@ -82,33 +110,74 @@ def _variant_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     o_off = b * so_b + (r % queries) * so_n + (h * groups + r // queries) * so_h
-    tl.store(out_ptr + o_off[:, None] + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty),
-             mask=live[:, None])
+    out = (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=live[:, None])
 
 
-def variant(mode: int, block_n: int, stages: int):
-    def attend(query, keys, values, tables, rows, positions, scale):
+def variant(mode: int, block_n: int, stages: int) -> Attend:
+    def attend(
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tables: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         batch, heads, n, dim = query.shape
         _, kv_heads, block_size, _ = keys.shape
         groups = heads // kv_heads
         out = torch.empty(batch, n, heads, dim, dtype=query.dtype, device=query.device)
         _variant_kernel[(batch * kv_heads,)](
-            query, keys, values, tables, rows, positions, out,
-            query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-            tables.stride(0), positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-            kv_heads, groups, n, groups * n, scale,
-            ROWS=max(16, triton.next_power_of_2(groups * n)), DIM=dim, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-            MODE=mode, num_warps=4, num_stages=stages,
+            query,
+            keys,
+            values,
+            tables,
+            rows,
+            positions,
+            out,
+            query.stride(0),
+            query.stride(1),
+            query.stride(2),
+            keys.stride(0),
+            keys.stride(1),
+            keys.stride(2),
+            tables.stride(0),
+            positions.stride(0),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            kv_heads,
+            groups,
+            n,
+            groups * n,
+            scale,
+            ROWS=max(16, triton.next_power_of_2(groups * n)),
+            DIM=dim,
+            BLOCK_N=block_n,
+            BLOCK_SIZE=block_size,
+            MODE=mode,
+            num_warps=4,
+            num_stages=stages,
         )
         return out
+
     return attend
 
 
-def current(query, keys, values, tables, rows, positions, scale):
+def current(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     return decode_attention.paged_attention(query, keys, values, tables, rows, positions, scale, chunks=1)
 
 
-def graph_us(calls, repeat=20):
+def graph_us(calls: Sequence[Callable[[], object]], repeat: int = 20) -> float:
     for c in calls:
         c()
     torch.cuda.synchronize()
@@ -134,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     heads, kv_heads, dim, n, bs, width = 32, 8, 128, 5, 16, 64
-    variants = {"current": current}
+    variants: dict[str, Attend] = {"current": current}
     for mode in (0, 1, 2, 3):
         for block_n in (32, 64):
             for stages in (2, 3, 4):
@@ -158,15 +227,18 @@ def main() -> None:
                 try:
                     out = fn(query, pools[0, 0], pools[0, 1], tables, rows, positions, dim**-0.5).float()
                     err = (out - ref).abs().max().item()
-                    calls = [lambda p=p, fn=fn: fn(query, p[0], p[1], tables, rows, positions, dim**-0.5) for p in pools]
+                    rest = (tables, rows, positions, dim**-0.5)
+                    calls = [functools.partial(fn, query, p[0], p[1], *rest) for p in pools]
                     results[name] = (graph_us(calls), err)
                 except Exception as exc:  # a variant Triton cannot compile
                     print(f"B={batch} {layout} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             ranked = sorted(results.items(), key=lambda kv: kv[1][0])
             kv_mb = 2 * batch * kv_heads * int(lengths.float().mean()) * dim * 2 / 1e6
-            print(f"B={batch} {layout} ({kv_mb:.0f} MB K/V a layer): current {results['current'][0]:.1f} us; "
-                  + ", ".join(f"{k} {t:.1f}{'' if e < 0.05 else ' ERR%.2g' % e}" for k, (t, e) in ranked[:10]),
-                  flush=True)
+            print(
+                f"B={batch} {layout} ({kv_mb:.0f} MB K/V a layer): current {results['current'][0]:.1f} us; "
+                + ", ".join(f"{k} {t:.1f}{'' if e < 0.05 else f' ERR{e:.2g}'}" for k, (t, e) in ranked[:10]),
+                flush=True,
+            )
             del pools
 
 
