@@ -6,6 +6,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minedraft.engine.attention import fused_query_tokens
@@ -50,8 +51,8 @@ class Proposer:
         self.last_k = torch.zeros(slots, dtype=torch.long, device=device)
         self.final_draft = torch.zeros(slots, dtype=torch.long, device=device)
         # Host copies of `committed` and `last_k`: a proposal's key length without waiting for the device.
-        self.committed_host = [0] * slots
-        self.last_k_host = [0] * slots
+        self.committed_host = np.zeros(slots, dtype=np.int64)
+        self.last_k_host = np.zeros(slots, dtype=np.int64)
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
@@ -83,22 +84,20 @@ class Proposer:
             raise ValueError("a proposal drafts at least one token")
         if any(missed):
             self._catch_up(seq_ids, num_accepted.tolist(), missed)
-        host_rows, rows = self.table.batch_rows(seq_ids, batch_id)
+        _, rows = self.table.batch_rows(seq_ids, batch_id)
         # The lengths the proposal's forwards reach, from the host copies: the first writes both tail positions of
-        # every row, valid or not, each later one appends one token. Blocks past what a row keeps go back, and those
-        # its writes reach are taken (all, or a CapacityError).
-        kept_and_tail = [self._kept_and_tail(row, accepted) for row, accepted in zip(host_rows, num_accepted.tolist())]
-        widest = max(kept for kept, _ in kept_and_tail) + TAIL_TOKENS
-        longest = max(kept + tail for kept, tail in kept_and_tail)
-        cache = self.runner.cache
-        for row, (kept, _) in zip(host_rows, kept_and_tail):
-            cache.trim(row, kept)
-        cache.reserve(host_rows, [max(kept + TAIL_TOKENS, kept + tail + k - 1) for kept, tail in kept_and_tail])
+        # every row, valid or not, each later one appends one token. The blocks its writes reach are taken (all, or
+        # a CapacityError), the rolled-back ones a row still holds reused; those past its reach go back once the
+        # step is launched, while the GPU runs it.
+        index = rows.numpy()  # (a host tensor: no copy)
+        kept, tail = self._kept_and_tail(index, num_accepted.numpy())
+        ends = np.maximum(kept + TAIL_TOKENS, kept + tail + k - 1)
+        self.runner.cache.reserve(index, ends)
         kind = self._drafting_kind(self.table.sampling_kind(seq_ids, self.runner.vocab_size))
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
-        outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=max(widest, longest + k - 1), lane=batch_id)
-        for row, (kept, tail) in zip(host_rows, kept_and_tail):
-            self.committed_host[row], self.last_k_host[row] = kept + tail, k
+        outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=int(ends.max()), lane=batch_id)
+        self.runner.cache.trim(index, ends)
+        self.committed_host[index], self.last_k_host[index] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 
     def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
@@ -165,11 +164,12 @@ class Proposer:
         device = self.runner.device
         rows = torch.tensor(host_rows, dtype=torch.long, device=device)
         final_drafts = self.final_draft[rows].tolist()
-        kept, appended = [], []
-        for i, row, final_draft in zip(lagging, host_rows, final_drafts):
-            keep, tail = self._kept_and_tail(row, num_accepted[i])
-            kept.append(keep)
-            appended.append(([final_draft] if tail == 2 else []) + list(missed[i]))
+        kept_array, tails = self._kept_and_tail(np.asarray(host_rows), np.asarray([num_accepted[i] for i in lagging]))
+        kept = kept_array.tolist()
+        appended = [
+            ([final_draft] if tail == 2 else []) + list(missed[i])
+            for i, final_draft, tail in zip(lagging, final_drafts, tails.tolist())
+        ]
         width = max(len(t) for t in appended)
         if device.type == "cuda":  # wide enough for the prefills' attention (`fused_query_tokens`), within the rows
             width = max(width, min(fused_query_tokens(self.runner.model.config), self.runner.max_len - max(kept)))
@@ -179,8 +179,7 @@ class Proposer:
         ids = ids.clamp(max=self.runner.vocab_size - 1)  # (as `_reconcile`: a wider target vocabulary)
         self.table.write_history(host_rows, kept, [ids[b, : len(t)].tolist() for b, t in enumerate(appended)])
         lengths = [keep + len(tokens) for keep, tokens in zip(kept, appended)]
-        for row, keep in zip(host_rows, kept):
-            self.runner.cache.trim(row, keep)
+        self.runner.cache.trim(host_rows, kept)
         self.runner.cache.reserve(host_rows, [min(keep + width, self.runner.max_len) for keep in kept])  # padding too
         self.runner.truncate(rows, torch.tensor(kept, dtype=torch.long, device=device))
         step = self.runner.prepare(
@@ -194,8 +193,7 @@ class Proposer:
         self.runner.run(step, self._cache_only)
         self.committed[rows] = torch.tensor(lengths, dtype=torch.long, device=device)
         self.last_k[rows] = 0
-        for row, length in zip(host_rows, lengths):
-            self.committed_host[row], self.last_k_host[row] = length, 0
+        self.committed_host[host_rows], self.last_k_host[host_rows] = lengths, 0
 
     def precapture(self, k: int, max_batch: int) -> int:
         """Run every kind of proposal of k tokens in every shape serving can give it (`ModelRunner.precapture`)."""
@@ -213,10 +211,12 @@ class Proposer:
         verdicts = torch.zeros(len(rows), 2, dtype=torch.long, device=rows.device)
         self._run_proposal(rows, verdicts, k=k, kind=kind, needed=needed, lane=None)
 
-    def _kept_and_tail(self, row: int, accepted: int) -> tuple[int, int]:
-        """(tokens the row's cache keeps, tokens committed but not cached yet) after the target's verdict."""
-        last_k = self.last_k_host[row]
-        return self.committed_host[row] + min(accepted, max(last_k - 1, 0)), 2 if accepted == last_k > 0 else 1
+    def _kept_and_tail(self, rows: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: (tokens its cache keeps, tokens committed but not cached yet) after the target's verdict, from
+        the host copies (`_reconcile` does the same on the device)."""
+        last_k = self.last_k_host[rows]
+        kept = self.committed_host[rows] + np.minimum(accepted, np.maximum(last_k - 1, 0))
+        return kept, np.where((accepted == last_k) & (last_k > 0), 2, 1)
 
     def _reconcile(self, rows: torch.Tensor, verdicts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inside the proposal's graph: roll each row back to what the target kept; the first forward's tokens are

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minedraft.engine.model_runner import ModelRunner, StepShape
@@ -81,8 +82,8 @@ class Verifier:
         self.table = SequenceTable(runner, eos_token_ids)
         self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
         # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
-        # length without waiting for the device (a row missing here costs one host sync).
-        self.cached: dict[int, int] = {}
+        # length without waiting for the device (-1: unknown, which costs one host sync).
+        self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         # With compiled layers the acceptance and commit compile too: in a greedy verify's graph they were 55 small
         # kernels (99 with synthetic acceptance), ~0.1 ms of an 8B verify at batch 1. `warm_up` compiles them.
@@ -129,22 +130,21 @@ class Verifier:
         k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's rows in
         graph buffers of its own. The blocks the k + 1 positions need are taken first: all, or a CapacityError.
         """
-        host_rows, rows = self.table.batch_rows(seq_ids, batch_id)
+        _, rows = self.table.batch_rows(seq_ids, batch_id)
         k = draft_ids.shape[1]
-        if all(r in self.cached for r in host_rows):
-            before = [self.cached[r] for r in host_rows]
-        else:  # a row whose last result was not read (a failed call): ask the device
-            before = self.runner.cache.lengths[rows.to(self.runner.device)].tolist()
-        self.runner.cache.reserve(host_rows, [length + k + 1 for length in before])
+        index = rows.numpy()  # (a host tensor: no copy)
+        before = self.cached[index]
+        if (before < 0).any():  # a row whose last result was not read (a failed call): ask the device
+            before = self.runner.cache.lengths[rows.to(self.runner.device)].numpy(force=True)
+        self.runner.cache.reserve(index, before + k + 1)
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         probs = () if draft_probs is None else (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
         packed, *logprobs = self._run_verify(
-            rows, draft_ids, probs, kind=kind, needed=max(before) + k + 1, lane=batch_id
+            rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id
         )
-        for r in host_rows:  # unknown until the result is read
-            self.cached.pop(r, None)
+        self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
-        recorder = self._recorder(host_rows, before)
+        recorder = self._recorder(index, before)
         if not logprobs:
             return StepResult(packed, recorder)
         return StepResult(packed, recorder, logprobs=logprobs[0], top_n=top_n)
@@ -154,8 +154,7 @@ class Verifier:
         return list(self.table.rows_by_id)
 
     def release(self, seq_ids: Sequence[int]) -> None:
-        for row in self.table.remove(seq_ids):
-            self.cached.pop(row, None)
+        self.cached[self.table.remove(seq_ids)] = -1
 
     def _run_verify(
         self,
@@ -221,14 +220,16 @@ class Verifier:
             kind=kind,
         )
 
-    def _recorder(self, rows: list[int], starts: list[int]) -> Callable[[list[int]], None]:
+    def _recorder(
+        self, rows: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray
+    ) -> Callable[[list[int]], None]:
         """What a step's result tells the host once read: each row now caches its start plus what it emitted
         (`_commit`), and the blocks past that go back."""
 
         def record(emitted: list[int]) -> None:
-            for row, start, n in zip(rows, starts, emitted, strict=True):
-                self.cached[row] = start + n
-                self.runner.cache.trim(row, start + n)
+            lengths = np.asarray(starts, dtype=np.int64) + np.asarray(emitted, dtype=np.int64)
+            self.cached[rows] = lengths
+            self.runner.cache.trim(rows, lengths)
 
         return record
 

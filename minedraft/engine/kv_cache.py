@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -67,6 +68,10 @@ class PagedKVCache(Cache):
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
         self.tables = torch.full((num_rows, self.max_blocks), TRASH_BLOCK, dtype=torch.int32, device=device)
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
+        self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
+        # Table entries `reserve` made that the device has not yet: a step's graph writes its rows' own
+        # (`step_writes`), anything else writes them all first (`flush`). (row, column) -> block.
+        self._pending: dict[tuple[int, int], int] = {}
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -119,39 +124,51 @@ class PagedKVCache(Cache):
         return self.specs[0].kv_heads if self.specs else 0
 
     # -- rows' blocks (host) --------------------------------------------------------------------------------------
-    def reserve(self, rows: Sequence[int], ends: Sequence[int]) -> None:
-        """Blocks for positions `[0, ends[i])` of each row: all of them or, raising CapacityError, none."""
+    def reserve(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
+        """Blocks for positions `[0, ends[i])` of each row: all of them or, raising CapacityError, none. Vectorized on
+        the host: at batch 64 a step's rows are checked in a few microseconds, and only rows crossing into a new block
+        cost more (a per-row loop took 0.2 ms of a draft step that the GPU waited for)."""
         assert self.pool is not None
-        if ends and max(ends) > self.max_len:
-            raise CapacityError(f"a sequence would reach {max(ends)} tokens, beyond max_model_len {self.max_len}")
-        missing = [
-            (row, column)
-            for row, end in zip(rows, ends)
-            for column in range(len(self.row_blocks[row]), -(-end // self.block_size))
-        ]
-        if not missing:
+        rows, ends = np.asarray(rows, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        if not len(rows):
             return
-        if len(missing) > self.pool.available:
+        if ends.max() > self.max_len:
+            raise CapacityError(f"a sequence would reach {ends.max()} tokens, beyond max_model_len {self.max_len}")
+        want = -(-ends // self.block_size)
+        short = np.flatnonzero(want > self.held[rows])
+        if not len(short):
+            return
+        counts = want[short] - self.held[rows[short]]
+        total = int(counts.sum())
+        if total > self.pool.available:
             raise CapacityError(
-                f"the KV cache is out of blocks: this step needs {len(missing)} more, {self.pool.available} are free "
+                f"the KV cache is out of blocks: this step needs {total} more, {self.pool.available} are free "
                 f"of {self.pool.usable}"
             )
-        entries = [(row, column, block) for (row, column), block in zip(missing, self.pool.take(len(missing)))]
-        for row, _, block in entries:
-            self.row_blocks[row].append(block)  # (columns of a row come in order)
-        self._set_tables(entries)
+        taken = self.pool.take(total)
+        start = 0
+        for row, count in zip(rows[short].tolist(), counts.tolist()):
+            held = self.row_blocks[row]
+            blocks = taken[start : start + count]
+            self._pending.update(((row, column), block) for column, block in enumerate(blocks, len(held)))
+            held += blocks
+            self.held[row] = len(held)
+            start += count
 
-    def trim(self, row: int, length: int) -> None:
-        """Give back the row's blocks past its first `length` positions (what a rollback left empty). Their table
-        entries stay as they are, a copy to the device saved per step: steps write only where their rows reserved
-        (padding rows write to the trash block), so a stale entry is never written through, and reads past a row's
-        length are masked."""
+    def trim(self, rows: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
+        """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty). Their
+        table entries stay as they are, a copy to the device saved per step: steps write only where their rows
+        reserved (padding rows write to the trash block), so a stale entry is never written through, and reads past
+        a row's length are masked."""
         assert self.pool is not None
-        held = self.row_blocks[row]
-        keep = -(-length // self.block_size)
-        if len(held) > keep:
-            self.pool.free(held[keep:])
-            del held[keep:]
+        rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        keep = -(-lengths // self.block_size)
+        over = np.flatnonzero(self.held[rows] > keep)
+        for row, kept in zip(rows[over].tolist(), keep[over].tolist()):
+            held = self.row_blocks[row]
+            self.pool.free(held[kept:])
+            del held[kept:]
+            self.held[row] = kept
 
     def release(self, rows: Sequence[int]) -> None:
         """Every block of `rows` back to the pool (cached ones stay cached), and their tables pointed at the trash
@@ -159,7 +176,9 @@ class PagedKVCache(Cache):
         entries = []
         for row in rows:
             entries += [(row, column, TRASH_BLOCK) for column in range(len(self.row_blocks[row]))]
-            self.trim(row, 0)
+            for column in range(len(self.row_blocks[row])):
+                self._pending.pop((row, column), None)
+        self.trim(rows, [0] * len(rows))
         self._set_tables(entries)
 
     def share_prefix(
@@ -177,6 +196,7 @@ class PagedKVCache(Cache):
         blocks = self.pool.share_prefix(keys[held:])
         self.pool.record_lookup(0 if again else len(prompt), len(blocks) * self.block_size)
         self.row_blocks[row] += blocks
+        self.held[row] = len(self.row_blocks[row])
         self._set_tables([(row, held + column, block) for column, block in enumerate(blocks)])
         return (held + len(blocks)) * self.block_size
 
@@ -189,6 +209,35 @@ class PagedKVCache(Cache):
         assert self.pool is not None
         keys = block_hashes(prompt, self.block_size)
         self.pool.register(self.row_blocks[row][: len(keys)], keys)
+
+    def flush(self) -> None:
+        """Write every pending table entry to the device: before a step that does not write its own."""
+        if self._pending:
+            self._set_tables([(row, column, block) for (row, column), block in self._pending.items()])
+            self._pending.clear()
+
+    def step_writes(self, batch: int, per_row: int) -> torch.Tensor | None:
+        """The pending table entries, for a step's graph to write (`apply_writes`): a host tensor `[batch, per_row,
+        2]` of (flat index into the tables, block + 1), zeros past the last; None (nothing taken) where more are
+        pending. In the graph they cost a few small kernels; written from the host before the launch they cost 0.1 ms
+        (a copy and an index_put of a dozen entries at batch 64, on an H200's host) that the GPU waited for."""
+        writes = np.zeros((batch * per_row, 2), dtype=np.int32)
+        pending = len(self._pending)
+        # (An entry for column 0 would meet the empty ones, which rewrite entry 0: steps never take a row's first.)
+        if pending > len(writes) or any(column == 0 for _, column in self._pending):
+            return None
+        if pending:
+            entries = self._pending.items()
+            writes[:pending] = [(row * self.max_blocks + column, block + 1) for (row, column), block in entries]
+            self._pending.clear()
+        return torch.from_numpy(writes.reshape(batch, per_row, 2))
+
+    def apply_writes(self, writes: torch.Tensor) -> None:
+        """Inside a step's graph: the table entries of `step_writes`. An empty entry (zeros: also the padding
+        rows') rewrites what entry 0 holds."""
+        flat, blocks = writes.view(-1, 2).long().unbind(1)
+        table = self.tables.view(-1)
+        table[flat] = torch.where(blocks > 0, blocks - 1, table[flat]).to(table.dtype)
 
     def _set_tables(self, entries: list[tuple[int, int, int]]) -> None:
         """Write (row, column, block) entries to the device tables: one copy to the device, in stream order."""

@@ -86,6 +86,10 @@ class Step:
     lane: int | None = None  # the coordinator's batch: graphs keep its rows in a buffer of its own
 
 
+# Table entries a step's graph writes per row of its batch (`PagedKVCache.step_writes`): a step of up to a block's
+# positions takes at most one new block a row; more pending entries are written before the launch.
+TABLE_WRITES_PER_ROW = 2
+
 # (rows, per-row inputs, shape) -> outputs: what a step runs on its batch, padded and in cache-row order; on CUDA
 # inside the step's graph, so it may read only its arguments and tensors that outlive the call, make no tensor from a
 # Python value and never sync with the host. Its kind (`ModelRunner.prepare`) names what it does.
@@ -443,20 +447,30 @@ class ModelRunner:
         replayed where it has one, else eagerly."""
         shape = step.shape
         if self.device.type != "cuda":
+            self.cache.flush()
             # As a graph's buffers and a padded batch are: inference tensors, which compiled code guards on.
             inputs = [t if t.is_inference() else t.clone() for t in inputs]
             return body(inputs[0], inputs[1:], shape)
         if self.graphs is not None and step.graphable:
+            # The rows' new table entries, written by the graph: one more input copied, not a write before it.
+            writes = self.cache.step_writes(len(inputs[0]), TABLE_WRITES_PER_ROW)
+            if writes is None:
+                self.cache.flush()
+                writes = self.cache.step_writes(len(inputs[0]), TABLE_WRITES_PER_ROW)
+                assert writes is not None
 
             def graphed(rows: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 self.cache.lengths.narrow(0, self.scratch_row, 1).zero_()  # padding rows begin empty, in the graph
-                return body(rows, inputs, shape)
+                self.cache.apply_writes(inputs[-1])
+                return body(rows, inputs[:-1], shape)
 
             try:
-                return self.graphs.run(step.key, graphed, inputs, padded=shape.padded, lane=step.lane)
+                return self.graphs.run(step.key, graphed, [*inputs, writes], padded=shape.padded, lane=step.lane)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
+                self.cache.apply_writes(writes.to(self.device))
+        self.cache.flush()
         # Eagerly, with the very shapes a graph would have, so both give identical outputs (prefills unpadded).
         batch = len(inputs[0])
         on_device = [t.to(self.device, non_blocking=True) for t in inputs]
