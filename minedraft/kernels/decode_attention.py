@@ -212,15 +212,16 @@ def tiles(blocks: int, queries: int, device: torch.device) -> tuple[int, int, in
     """(keys per tile, programs per SM, pipeline stages) for a step of `blocks` (row, K/V head) blocks and `queries`
     tokens per row.
 
-    From a sweep on an H200 (us per layer at prefix 512, rows at 512-768 keys; measured on a slot cache, whose tiles
-    were contiguous): steps of several tokens take 64-key tiles, one program per SM (each reads its keys for all of
-    them) and three stages (8B verify at batch 1, 16, 32: 7.4, 25.3, 32.9; 128-key tiles 48.4 at 32); one-token
-    decodes take 64-key tiles while the blocks are fewer than the SMs, 128 beyond, two programs per SM and two stages
-    (68M decode at 1, 16, 32: 5.5, 15.0, 22.3; three stages 5.7, 18.2, 27.2).
+    From sweeps on an H200 (`benchmarks/attention_bench.py --sweep`; us per layer at prefix 512, rows at 512-768 keys,
+    paged, each tile's table entries loaded a tile ahead): steps of several tokens take 64-key tiles, one program per
+    SM (each reads its keys for all of them) and three stages (8B verify at batch 32, 64: 36.3, 67.0; 128-key tiles
+    47.4, 88.7); one-token decodes take three stages, two programs per SM and 64-key tiles while the blocks are fewer
+    than four per SM, 128 beyond (68M decode at 16, 32, 64: 18.0, 22.9, 41.7 against 19.6, 24.2, 42.8 with two
+    stages; 1B at 16 and 64: 13.7, 28.7 against 16.4, 39.1). At batch 1 either is within noise (68M 6.2 against 5.4).
     """
     several = queries > 1
-    block_keys = BLOCK_KEYS or (64 if several or blocks < _sm_count(device) else 128)
-    return block_keys, PROGRAMS_PER_SM or (1 if several else 2), NUM_STAGES or (3 if several else 2)
+    block_keys = BLOCK_KEYS or (64 if several or blocks < 4 * _sm_count(device) else 128)
+    return block_keys, PROGRAMS_PER_SM or (1 if several else 2), NUM_STAGES or 3
 
 
 def chunks_for(blocks: int, keys: int, block_keys: int, programs_per_sm: int, device: torch.device) -> int:
