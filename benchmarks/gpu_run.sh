@@ -29,7 +29,7 @@
 #                       (three stacks for all four); EXTRA: its flags (--requests 64, --target-kv-cache-memory 24 ...)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
-#                       this tree first)
+#                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2)
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
@@ -49,14 +49,24 @@ ab)
     shift
     [ -d .old ] || { echo "ab: put the files of the version to compare against in .old/" >&2; exit 2; }
     rm -rf /tmp/old && mkdir /tmp/old && cp -r . /tmp/old && cp -r .old/. /tmp/old/ || exit 1
-    # The half that runs second has met a warmer (or busier) GPU: AB_ORDER=new-first swaps them.
-    if [ "${AB_ORDER:-old-first}" = new-first ]; then
+    # The half that runs second has met a slower host (5-20% on host-bound steps): AB_ORDER=new-first swaps them,
+    # abba runs old, new, new again (in $OUT/new2), old again (in $OUT/old2), for a ratio free of the order.
+    case ${AB_ORDER:-old-first} in
+    new-first)
         bash benchmarks/gpu_run.sh "$@"
         (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
-    else
+        ;;
+    abba)
         (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
         bash benchmarks/gpu_run.sh "$@"
-    fi
+        OUT=$OUT/new2 bash benchmarks/gpu_run.sh "$@"
+        (cd /tmp/old && OUT=$OUT/old2 bash benchmarks/gpu_run.sh "$@")
+        ;;
+    *)
+        (cd /tmp/old && OUT=$OUT/old bash benchmarks/gpu_run.sh "$@")
+        bash benchmarks/gpu_run.sh "$@"
+        ;;
+    esac
     exit
     ;;
 check)
