@@ -152,6 +152,21 @@ def make_tiny_pair(root: Path, arch: str, tokenizer: object) -> TinyPair:
                 **special,
             )
             _save(transformers.AutoModelForCausalLM.from_config(cfg), tokenizer, directory)
+    elif arch == "gpt_neox":  # fused Q/K/V, partial rotary: another attention layout than Llama's
+        for directory, hidden, layers, seed in ((target_dir, 64, 2, 4), (draft_dir, 32, 1, 1)):
+            torch.manual_seed(seed)
+            cfg = transformers.GPTNeoXConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                max_position_embeddings=512,
+                initializer_range=0.2,
+                tie_word_embeddings=False,
+                **special,
+            )
+            _save(transformers.AutoModelForCausalLM.from_config(cfg), tokenizer, directory)
     elif arch == "gpt2":
         torch.manual_seed(2)
         cfg = transformers.GPT2Config(

@@ -1,9 +1,10 @@
 """Target and draft services over two gloo ranks each (real processes) serve what one rank serves, and a target
 fails fast without one.
 
-Greedy output through the stack equals Hugging Face `generate()` (Llama in psd, sd and ar; Qwen3 in psd and ar; the
-draft over two ranks too), and seeded sampled output equals that of one-rank services; a rank killed or hung mid-load
-ends every admitted request with UNAVAILABLE within seconds, and the group started again is taken back."""
+Greedy output through the stack equals Hugging Face `generate()` (Llama in psd, sd and ar; Qwen3 in psd and ar;
+GPT-NeoX in psd; the draft over two ranks too), and seeded sampled output equals that of one-rank services; a rank
+killed or hung mid-load ends every admitted request with UNAVAILABLE within seconds, and the group started again is
+taken back."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from minedraft.proto import generation_pb2
 
 pytest_plugins = ["stack"]
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "gpt_neox")
 BATCH = 4  # 8 requests over batches of 4: they queue, join and leave mid-flight
 
 
@@ -47,8 +48,8 @@ def _tp_target_args(tiny_pairs: TinyPairs, arch: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[dict[str, Workers]]:
-    """Llama and Qwen3 targets over two ranks each, and one draft over two ranks (the Llama pair's: both share its
-    tokenizer), started at once."""
+    """Llama, Qwen3 and GPT-NeoX targets over two ranks each, and one draft over two ranks (the Llama pair's: all
+    share its tokenizer), started at once."""
     targets = {arch: spawn(f"{arch}-target-tp2", _tp_target_args(tiny_pairs, arch), stack_logs) for arch in ARCHS}
     draft_args = [*worker_args("draft", tiny_pairs["llama"].draft, BATCH), "--tensor-parallel-size", "2"]
     draft = spawn("llama-draft-tp2", draft_args, stack_logs)
@@ -94,7 +95,9 @@ def greedy(tiny_pairs: TinyPairs) -> dict[str, tuple[list[generation_pb2.Generat
 
 # Llama's psd is in the last test, on the coordinator that then sees a rank killed; Qwen3's sd runs the very verify
 # its psd does (left out: each case costs a coordinator's start).
-@pytest.mark.parametrize(("arch", "mode"), [("llama", "sd"), ("llama", "ar"), ("qwen3", "psd"), ("qwen3", "ar")])
+@pytest.mark.parametrize(
+    ("arch", "mode"), [("llama", "sd"), ("llama", "ar"), ("qwen3", "psd"), ("qwen3", "ar"), ("gpt_neox", "psd")]
+)
 def test_two_ranks_greedy_match_generate(
     arch: str,
     mode: str,
