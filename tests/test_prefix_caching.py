@@ -64,7 +64,10 @@ def test_a_cold_burst_computes_its_common_prefix_once_and_decodes_the_same(
     target, draft = tiny_models.target("llama", vocab=VOCAB), tiny_models.draft("llama", vocab=VOCAB)
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(1, VOCAB, (200,), generator=gen).tolist()
-    suffixes = [torch.randint(1, VOCAB, (int(n),), generator=gen).tolist() for n in torch.randint(3, 13, (8,))]
+    # Rests of 3-8 tokens: none but the last token's block is full, so the two copies of the first prompt share
+    # with it exactly the 25 shared blocks.
+    lengths = torch.randint(3, BLOCK + 1, (8,), generator=gen)
+    suffixes = [torch.randint(1, VOCAB, (int(n),), generator=gen).tolist() for n in lengths]
     prompts = [shared + s for s in suffixes] + [shared + suffixes[0]] * 2
     seq_ids = list(range(10, 20))
     greedy, sampled = SamplingConfig(max_tokens=16), SamplingConfig(max_tokens=16, temperature=1.0, seed=3)
