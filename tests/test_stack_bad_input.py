@@ -12,7 +12,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, Workers, generate, running_coordinator
+from stack import (
+    MAX_MODEL_LEN,
+    REPO,
+    SERVICE_ENV,
+    Service,
+    Workers,
+    assert_all_slots_free,
+    generate,
+    running_coordinator,
+)
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
@@ -277,6 +286,7 @@ def test_internal_calls_without_the_lease_are_refused_and_change_nothing(
         lambda s: s.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(channel="grpc"), timeout=10),
     ]
     assert llama_workers.draft is not None
+    assert_all_slots_free(llama_workers)  # the tests before: their releases may still be on the way
     before = [
         worker_info(w.address, kind).free_blocks
         for w, kind in ((llama_workers.target, "target"), (llama_workers.draft, "draft"))
