@@ -96,7 +96,10 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
         workers = start_workers(tiny_pairs["llama"], stack_logs, extra=extra)
         try:
             for mode in ("sd", "psd", "psd"):  # psd and its reconnect find sd's shapes run
-                with running_coordinator(workers, stack_logs, mode, k=4, max_batch_size=4) as coordinator:
+                # (Drafting at every step: under `auto` the timing decides where drafts run, and the seeded samples
+                # follow the drafts they met.)
+                always = ["--speculation", "always"]
+                with running_coordinator(workers, stack_logs, mode, k=4, max_batch_size=4, extra=always) as coordinator:
                     outputs[mode].append(run_async(generate_all(coordinator.address, requests)))
             logs = [workers.target.log_tail(10**7), workers.draft.log_tail(10**7)]  # type: ignore[union-attr]
         finally:
