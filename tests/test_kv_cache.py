@@ -401,8 +401,8 @@ def test_a_prefill_gathers_however_few_tokens_follow_its_cached_blocks(tiny_mode
 
 def test_table_entries_written_by_a_step_equal_those_written_before_it() -> None:
     """A graphed step writes its rows' new table entries itself (`step_writes`, `apply_writes`, with padding rows of
-    zeros): the tables end as an eager write of the same entries leaves them, and too many pending entries are
-    left to the eager write."""
+    zeros): the tables end as an eager write of the same entries leaves them, entries past a row's blocks (a trim's)
+    name the trash block, and too many pending entries are left to the eager write."""
     from minedraft.engine.kv_cache import LayerSpec, PagedKVCache
 
     def cache() -> PagedKVCache:
@@ -425,6 +425,8 @@ def test_table_entries_written_by_a_step_equal_those_written_before_it() -> None
         graphed.apply_writes(padded)
         assert torch.equal(graphed.tables, eager.tables)
         assert [graphed.tables[r, : len(b)].tolist() for r, b in enumerate(graphed.row_blocks)] == graphed.row_blocks
+        # Past a row's blocks the trash block: where a prefill's padding writes land.
+        assert all(not graphed.tables[r, len(b) :].any() for r, b in enumerate(graphed.row_blocks))
     graphed.reserve([0, 1, 2, 3], [30, 30, 30, 30])
     assert graphed.step_writes(4, 2) is None  # more than two a row: written before the step
     graphed.flush()

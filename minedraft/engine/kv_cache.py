@@ -43,8 +43,9 @@ class PagedKVCache(Cache):
     scratch row, whose table points at the trash block only). Position p of row r lives at offset p % block_size of
     block `tables[r, p // block_size]`. The host keeps each row's blocks (`reserve` before a step takes what its
     writes need, `trim` gives back what a rollback left empty); the device keeps `tables` and `lengths`, which steps
-    and their graphs read and write. K/V at or beyond a row's length are garbage no read reaches; so may table
-    entries past its blocks be, which no write reaches (`trim`).
+    and their graphs read and write. K/V at or beyond a row's length are garbage no read reaches; table entries past
+    its blocks name the trash block, where padding writes land (`trim`). Every table change is pending on the host
+    until the next step writes it (`step_writes`, `flush`).
 
     Before each forward the runner calls `select(rows, positions, kv_len)`; every layer's `update` then writes its
     new keys/values and returns what attention reads: with a `kv_len`, the rows' K/V gathered into `[B, kv_heads,
@@ -69,8 +70,9 @@ class PagedKVCache(Cache):
         self.tables = torch.full((num_rows, self.max_blocks), TRASH_BLOCK, dtype=torch.int32, device=device)
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
         self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
-        # Table entries `reserve` made that the device has not yet: a step's graph writes its rows' own
-        # (`step_writes`), anything else writes them all first (`flush`). (row, column) -> block.
+        # Table entries the device has not yet (every change goes here first): a graphed step's graph writes them
+        # (`step_writes`), any other step writes them first (`flush`). (row, column) -> block. Entries past a row's
+        # blocks name the trash block.
         self._pending: dict[tuple[int, int], int] = {}
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
@@ -156,10 +158,9 @@ class PagedKVCache(Cache):
             start += count
 
     def trim(self, rows: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
-        """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty). Their
-        table entries stay as they are, a copy to the device saved per step: steps write only where their rows
-        reserved (padding rows write to the trash block), so a stale entry is never written through, and reads past
-        a row's length are masked."""
+        """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty), their table
+        entries pointed at the trash block with the next step's (`step_writes`): a prefill pads its shorter prompts
+        with writes past what they reserved, which a stale entry would send into a block another row now holds."""
         assert self.pool is not None
         rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         keep = -(-lengths // self.block_size)
@@ -167,19 +168,14 @@ class PagedKVCache(Cache):
         for row, kept in zip(rows[over].tolist(), keep[over].tolist()):
             held = self.row_blocks[row]
             self.pool.free(held[kept:])
+            self._pending.update(((row, column), TRASH_BLOCK) for column in range(kept, len(held)))
             del held[kept:]
             self.held[row] = kept
 
     def release(self, rows: Sequence[int]) -> None:
-        """Every block of `rows` back to the pool (cached ones stay cached), and their tables pointed at the trash
-        block: a new sequence's prefill pads its prompts with writes past what it reserved."""
-        entries = []
-        for row in rows:
-            entries += [(row, column, TRASH_BLOCK) for column in range(len(self.row_blocks[row]))]
-            for column in range(len(self.row_blocks[row])):
-                self._pending.pop((row, column), None)
+        """Every block of `rows` back to the pool (cached ones stay cached), their table entries pointed at the trash
+        block (`trim`)."""
         self.trim(rows, [0] * len(rows))
-        self._set_tables(entries)
 
     def share_prefix(
         self, row: int, prompt: Sequence[int], keys: Sequence[bytes] | None = None, *, again: bool = False
@@ -197,7 +193,7 @@ class PagedKVCache(Cache):
         self.pool.record_lookup(0 if again else len(prompt), len(blocks) * self.block_size)
         self.row_blocks[row] += blocks
         self.held[row] = len(self.row_blocks[row])
-        self._set_tables([(row, held + column, block) for column, block in enumerate(blocks)])
+        self._pending.update(((row, held + column), block) for column, block in enumerate(blocks))
         return (held + len(blocks)) * self.block_size
 
     def prefix_keys(self, prompt: Sequence[int]) -> list[bytes]:
@@ -223,8 +219,8 @@ class PagedKVCache(Cache):
         (a copy and an index_put of a dozen entries at batch 64, on an H200's host) that the GPU waited for."""
         writes = np.zeros((batch * per_row, 2), dtype=np.int32)
         pending = len(self._pending)
-        # (An entry for column 0 would meet the empty ones, which rewrite entry 0: steps never take a row's first.)
-        if pending > len(writes) or any(column == 0 for _, column in self._pending):
+        # (An entry for row 0's column 0 would meet the empty ones, which rewrite it: flat index 0.)
+        if pending > len(writes) or (0, 0) in self._pending:
             return None
         if pending:
             entries = self._pending.items()
