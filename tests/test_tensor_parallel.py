@@ -33,8 +33,9 @@ MAX_BATCH = 4
 # One rank: its shard of each target, then the drafts-and-verify loop of `generate_offline` over it (the draft whole,
 # on every rank, as the draft service would send the same drafts to rank 0 and rank 0 hands them on).
 RANK = """
-import json, sys, torch
+import json, logging, sys, torch
 torch.set_num_threads(1)
+logging.basicConfig(level=logging.INFO, format="%(message)s")  # (the test checks each rank read its shard alone)
 from draft_service.proposer import Proposer
 from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
@@ -108,6 +109,8 @@ def test_two_ranks_decode_as_hf_and_one_rank(tiny_models, hf_reference, tmp_path
         text, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, text[-3000:]
         outputs.append(json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:]))
+        for loaded, _ in models.values():
+            assert f"of 2 read its shard of {loaded} alone" in text, "the rank read its shard, not the whole model"
     assert outputs[0] == outputs[1], "the ranks emitted different tokens"
     for arch in ARCHS:
         target = tiny_models.target(arch)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,21 +72,19 @@ def _check_divisible(model: torch.nn.Module, size: int) -> None:
             )
 
 
-def shard_model(model: torch.nn.Module, tp: TensorParallel) -> int:
-    """Keep this rank's shard of every projection the model's plan splits, in place; row-parallel ones all-reduce
-    their output (their bias added once, by rank 0). Returns the projections sharded."""
-    if tp.size == 1:
-        return 0
+def planned_linears(model: torch.nn.Module, size: int) -> list[tuple[str, torch.nn.Linear, bool]]:
+    """The Linears the model's plan splits over `size` ranks: (name in `model`, module, row-parallel or not)."""
     plan = tp_plan(model)
     if not plan:
         raise ModelLoadError(
             f"{type(model).__name__} has no tensor-parallel plan in transformers (base_model_tp_plan): serve it "
             "with --tensor-parallel-size 1"
         )
-    _check_divisible(model, tp.size)
+    _check_divisible(model, size)
     patterns = [(re.compile(re.escape(k).replace(r"\*", r"\d+")), style) for k, style in plan.items()]
     base = getattr(model, "base_model", model)
-    sharded = 0
+    prefix = next(name for name, module in model.named_modules() if module is base)
+    linears = []
     for name, module in base.named_modules():
         style = next((s for pattern, s in patterns if pattern.fullmatch(name)), None)
         if style is None or style in REPLICATED_STYLES:
@@ -95,19 +94,61 @@ def shard_model(model: torch.nn.Module, tp: TensorParallel) -> int:
                 f"{name} of {type(model).__name__} ({type(module).__name__}) is planned {style!r}, which this "
                 "engine does not shard: only plain Linear layers split by rows or columns"
             )
-        _shard_linear(module, tp, rowwise=style == "rowwise")
-        sharded += 1
+        linears.append((f"{prefix}.{name}" if prefix else name, module, style == "rowwise"))
+    return linears
+
+
+def split_dim(parameter: str, rowwise: bool) -> int | None:
+    """The dimension along which `parameter` (weight or bias) of a planned Linear splits; None: it stays whole (a
+    row-parallel bias, which rank 0 alone adds)."""
+    if parameter == "weight":
+        return 1 if rowwise else 0
+    return None if rowwise else 0
+
+
+def shard_index(shape: Sequence[int], dim: int, tp: TensorParallel) -> tuple[slice, ...]:
+    """The index of rank `tp.rank`'s part of a tensor of `shape` split along `dim`: the rank-th of `tp.size` equal
+    contiguous ranges (heads split whole, as `_check_divisible` made sure). Indexes a tensor or a safetensors slice."""
+    size = shape[dim]
+    if size % tp.size:
+        raise ModelLoadError(f"a projection of {size} features does not split over {tp.size} ranks")
+    part = size // tp.size
+    return (slice(None),) * dim + (slice(tp.rank * part, (tp.rank + 1) * part),)
+
+
+def planned_splits(model: torch.nn.Module, tp: TensorParallel) -> dict[str, int | None]:
+    """Every parameter of the planned Linears by its name in `model`, with the dimension it splits along (None: kept
+    whole on rank 0, absent elsewhere), for a loader that reads only this rank's part (`minedraft.engine.models`)."""
+    splits: dict[str, int | None] = {}
+    for name, module, rowwise in planned_linears(model, tp.size):
+        for parameter in ("weight", "bias"):
+            if getattr(module, parameter, None) is not None:
+                splits[f"{name}.{parameter}"] = split_dim(parameter, rowwise)
+    return splits
+
+
+def shard_model(model: torch.nn.Module, tp: TensorParallel) -> int:
+    """Keep this rank's shard of every projection the model's plan splits, in place; row-parallel ones all-reduce
+    their output (their bias added once, by rank 0). Returns the projections sharded. On a model on the meta device
+    it cuts the shapes alone, for the parameters to be read in afterwards."""
+    if tp.size == 1:
+        return 0
+    linears = planned_linears(model, tp.size)
+    for _, module, rowwise in linears:
+        _shard_linear(module, tp, rowwise=rowwise)
     model._minedraft_tp = tp  # type: ignore[assignment]  # what the runner's collectives run over
-    log.info("rank %d of %d holds its shard of %d projections", tp.rank, tp.size, sharded)
-    return sharded
+    log.info("rank %d of %d holds its shard of %d projections", tp.rank, tp.size, len(linears))
+    return len(linears)
 
 
 def _shard_linear(linear: torch.nn.Linear, tp: TensorParallel, *, rowwise: bool) -> None:
-    dim = 1 if rowwise else 0
-    size = linear.weight.shape[dim]
-    if size % tp.size:
-        raise ModelLoadError(f"a projection of {size} features does not split over {tp.size} ranks")
-    linear.weight = torch.nn.Parameter(linear.weight.chunk(tp.size, dim)[tp.rank].contiguous(), requires_grad=False)
+    for parameter in ("weight", "bias"):
+        tensor = getattr(linear, parameter)
+        dim = split_dim(parameter, rowwise)
+        if tensor is None or dim is None:
+            continue
+        part = tensor[shard_index(tensor.shape, dim, tp)].contiguous()
+        setattr(linear, parameter, torch.nn.Parameter(part, requires_grad=False))
     if rowwise:
         linear.in_features = linear.weight.shape[1]
         if linear.bias is not None and tp.rank != 0:
@@ -129,8 +170,6 @@ def _shard_linear(linear: torch.nn.Linear, tp: TensorParallel, *, rowwise: bool)
         linear.register_forward_hook(counted_all_reduce if gloo else all_reduce)
     else:
         linear.out_features = linear.weight.shape[0]
-        if linear.bias is not None:
-            linear.bias = torch.nn.Parameter(linear.bias.chunk(tp.size)[tp.rank].contiguous(), requires_grad=False)
 
 
 def init_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float = 60.0) -> TensorParallel:
