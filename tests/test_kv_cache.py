@@ -431,3 +431,29 @@ def test_table_entries_written_by_a_step_equal_those_written_before_it() -> None
     assert graphed.step_writes(4, 2) is None  # more than two a row: written before the step
     graphed.flush()
     assert [graphed.tables[r, : len(b)].tolist() for r, b in enumerate(graphed.row_blocks)] == graphed.row_blocks
+
+
+def test_a_prefills_padding_lands_in_the_trash_block_not_in_another_rows(tiny_models) -> None:
+    """A row whose last block a rollback gave back (written to the device first, as a step does), released and
+    taken by a short prompt prefilled beside a longer one: the short one's padding must not reach the block the
+    rollback freed, which another sequence holds by then. Its K/V stays a fresh prefill's."""
+    model = tiny_models.target("llama", vocab=VOCAB)
+    probe = ModelRunner(model, 1, 16, block_size=4, kv_cache_memory=0.01, prefix_caching=False)
+    memory = 5 * probe.cache.bytes_per_block / 2**30  # blocks 1-4, and the trash block
+    verifier = Verifier(ModelRunner(model, 4, 16, block_size=4, kv_cache_memory=memory, prefix_caching=False), [])
+    cache, config = verifier.runner.cache, SamplingConfig(max_tokens=4)
+    verifier.prefill([1], [[5, 6]], [config]).per_row()  # A: block 1
+    verifier.prefill([2], [[7, 8, 9, 10, 11, 12, 13, 14]], [config]).per_row()  # E: blocks 2, 3
+    row_a = verifier.table.rows_by_id[1]
+    cache.reserve([row_a], [5])  # a verify's speculative positions: block 4, the last free one
+    cache.flush()
+    cache.trim([row_a], [3])  # rolled back: block 4 free again
+    verifier.prefill([3], [[20, 21]], [config]).per_row()  # B: block 4
+    row_b = verifier.table.rows_by_id[3]
+    assert cache.row_blocks[row_b] == [4]
+    verifier.release([2])
+    verifier.release([1])
+    # C takes A's row (the last freed), padded to D's 8 tokens: its second block's entry is where padding goes.
+    verifier.prefill([4, 5], [[30, 31], [40, 41, 42, 43, 44, 45, 46, 47]], [config] * 2).per_row()
+    assert verifier.table.rows_by_id[4] == row_a
+    assert_state_equal(cache.rows_state(row_b), fresh_state(model, [20, 21]), "B after C's padded prefill")
