@@ -87,8 +87,9 @@ class Step:
 
 
 # Table entries a step's graph writes per row of its batch (`PagedKVCache.step_writes`): a step of up to a block's
-# positions takes at most one new block a row; more pending entries are written before the launch.
-TABLE_WRITES_PER_ROW = 2
+# positions takes at most one new block a row, and the trims since a row's last step point at most one at the trash
+# block, in this batch and the other; more pending entries are written before the launch.
+TABLE_WRITES_PER_ROW = 4
 
 # (rows, per-row inputs, shape) -> outputs: what a step runs on its batch, padded and in cache-row order; on CUDA
 # inside the step's graph, so it may read only its arguments and tensors that outlive the call, make no tensor from a
