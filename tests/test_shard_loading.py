@@ -41,18 +41,24 @@ AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(s
 
 # One rank's load in a process of its own, its peak memory (max RSS) growth measured around it.
 MEASURE = """
-import json, resource, sys, torch
+import json, sys, torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM  # (model code imported before the measure)
 from minedraft.engine.models import load_model
 from minedraft.engine.tensor_parallel import TensorParallel, shard_model
 path, rank, size, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status_kib(field):
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
+    return int(line.split()[1])
+# The peak from here: imports may have peaked above what a load adds (seen in a fresh venv: growth 0).
+with open("/proc/self/clear_refs", "w") as refs:
+    refs.write("5")
+before = status_kib("VmHWM")
 if how == "whole":  # what every rank did before: the whole model, then its shard cut
     model = load_model(path, dtype="float32")
     shard_model(model, TensorParallel(rank, size))
 else:
     model = load_model(path, dtype="float32", tensor_parallel=TensorParallel(rank, size))
-grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+grown = status_kib("VmHWM") - before
 held = sum(p.numel() * p.element_size() for p in model.parameters())
 print("RESULT " + json.dumps({"grown_mib": grown / 1024, "held_mib": held / 2**20}), flush=True)
 """
