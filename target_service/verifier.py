@@ -142,9 +142,12 @@ class Verifier:
         packed, *logprobs = self._run_verify(
             rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id
         )
+        # While the GPU runs it: the blocks the next verify of k drafts may reach, taken and written now.
+        self.runner.cache.reserve_ahead(index, before + 2 * (k + 1))
+        self.runner.cache.flush()
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
-        recorder = self._recorder(index, before)
+        recorder = self._recorder(index, before, ahead=k + 1)
         if not logprobs:
             return StepResult(packed, recorder)
         return StepResult(packed, recorder, logprobs=logprobs[0], top_n=top_n)
@@ -221,15 +224,15 @@ class Verifier:
         )
 
     def _recorder(
-        self, rows: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray
+        self, rows: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray, ahead: int = 0
     ) -> Callable[[list[int]], None]:
         """What a step's result tells the host once read: each row now caches its start plus what it emitted
-        (`_commit`), and the blocks past that go back."""
+        (`_commit`), and the blocks past that and the `ahead` positions its next step may write go back."""
 
         def record(emitted: list[int]) -> None:
             lengths = np.asarray(starts, dtype=np.int64) + np.asarray(emitted, dtype=np.int64)
             self.cached[rows] = lengths
-            self.runner.cache.trim(rows, lengths)
+            self.runner.cache.trim(rows, lengths + ahead)
 
         return record
 

@@ -401,8 +401,9 @@ def test_a_prefill_gathers_however_few_tokens_follow_its_cached_blocks(tiny_mode
 
 def test_table_entries_written_by_a_step_equal_those_written_before_it() -> None:
     """A graphed step writes its rows' new table entries itself (`step_writes`, `apply_writes`, with padding rows of
-    zeros): the tables end as an eager write of the same entries leaves them, entries past a row's blocks (a trim's)
-    name the trash block, and too many pending entries are left to the eager write."""
+    zeros, which land outside the tables), a trim's trash entries follow once it is launched (`flush`): the tables
+    end as an eager write of the same entries leaves them, entries past a row's blocks name the trash block, and too
+    many pending entries are left to the eager write."""
     from minedraft.engine.kv_cache import LayerSpec, PagedKVCache
 
     def cache() -> PagedKVCache:
@@ -414,23 +415,48 @@ def test_table_entries_written_by_a_step_equal_those_written_before_it() -> None
         return made
 
     eager, graphed = cache(), cache()
-    for step in ([6, 9, 5, 4], [9, 13, 8, 9]):  # each row at most one new block a step
+    for step in ([6, 9, 5, 4], [9, 13, 8, 9], [3, 4, 2, 3]):  # each row at most one new block a step
         for made in (eager, graphed):
             made.trim([0, 1, 2, 3], [s - 2 for s in step])
             made.reserve([0, 1, 2, 3], step)
         eager.flush()
         writes = graphed.step_writes(4, 2)
-        assert writes is not None and int((writes[..., 1] > 0).sum()) > 0
+        assert writes is not None
         padded = torch.cat([writes, torch.zeros(4, 2, 2, dtype=torch.int32)])  # as a graph's padding rows
         graphed.apply_writes(padded)
+        for r, blocks in enumerate(graphed.row_blocks):  # what the step reads and writes is in place
+            assert graphed.tables[r, : len(blocks)].tolist() == blocks
+        graphed.flush()  # once it is launched
         assert torch.equal(graphed.tables, eager.tables)
-        assert [graphed.tables[r, : len(b)].tolist() for r, b in enumerate(graphed.row_blocks)] == graphed.row_blocks
         # Past a row's blocks the trash block: where a prefill's padding writes land.
         assert all(not graphed.tables[r, len(b) :].any() for r, b in enumerate(graphed.row_blocks))
+    nothing = graphed.step_writes(4, 2)
+    assert nothing is not None and not nothing.any() and graphed.step_writes(4, 2) is nothing  # (its copy skipped)
     graphed.reserve([0, 1, 2, 3], [30, 30, 30, 30])
     assert graphed.step_writes(4, 2) is None  # more than two a row: written before the step
     graphed.flush()
     assert [graphed.tables[r, : len(b)].tolist() for r, b in enumerate(graphed.row_blocks)] == graphed.row_blocks
+
+
+def test_blocks_taken_ahead_leave_the_next_step_nothing_to_write_and_never_fail() -> None:
+    """`reserve_ahead` takes the blocks a row's next step may reach, so that step's `reserve` takes none and has no
+    table entry to write; where the pool is short it takes none, and raises nothing."""
+    from minedraft.engine.kv_cache import LayerSpec, PagedKVCache
+
+    cache = PagedKVCache(num_rows=3, max_len=64, block_size=4, device="cpu")
+    cache.specs = [LayerSpec(1, 4, 4, torch.float32, torch.device("cpu"))]
+    cache.allocate(9)  # 8 usable
+    cache.reserve([0, 1], [5, 5])
+    cache.flush()
+    cache.reserve_ahead([0, 1], [10, 10])
+    cache.flush()
+    assert cache.held[:2].tolist() == [3, 3] and cache.pool is not None and cache.pool.available == 2
+    cache.reserve([0, 1], [9, 10])  # the next step: all there
+    nothing = cache.step_writes(2, 4)
+    assert nothing is not None and not nothing.any()
+    cache.reserve_ahead([0, 1], [64, 64])  # more than the pool has: none taken, no error
+    cache.reserve_ahead([2], [100])  # past max_len: up to it, where it fits
+    assert cache.held.tolist() == [3, 3, 0] and cache.pool.available == 2
 
 
 def test_a_prefills_padding_lands_in_the_trash_block_not_in_another_rows(tiny_models) -> None:

@@ -70,8 +70,9 @@ class CudaGraphs:
         self.capture_stream = torch.cuda.Stream(self.device)
         self.graphs: dict[tuple[object, ...], Captured] = {}
         self.buffers: dict[tuple[object, ...], torch.Tensor] = {}
-        # A rows buffer's address -> the host rows last copied into it (and its padding filled)
-        self.rows_held: dict[int, torch.Tensor] = {}
+        # A buffer's address -> the host tensor last copied into it (and its padding filled), for inputs that often
+        # repeat (`run`'s `repeating`)
+        self.held: dict[int, torch.Tensor] = {}
         # Called at the start of each decoder layer's forward while set (a capture splits there). The hooks hold
         # this object weakly: graphs of runners made and dropped over one model must not stay alive through them.
         self.before_layer: Callable[[], None] | None = None
@@ -92,10 +93,18 @@ class CudaGraphs:
         weakref.finalize(self, remove_hooks)
 
     def run(
-        self, key: tuple[object, ...], fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, lane: int | None
+        self,
+        key: tuple[object, ...],
+        fn: GraphFn,
+        inputs: list[torch.Tensor],
+        *,
+        padded: int,
+        lane: int | None,
+        repeating: Sequence[int] = (0,),
     ) -> list[torch.Tensor]:
         """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), padded to `padded`
-        rows; `lane`: the coordinator's batch (its rows' buffer is its own)."""
+        rows; `lane`: the coordinator's batch (its rows' buffer is its own); `repeating`: the positions of inputs
+        that often repeat from step to step (the rows: copied only when changed)."""
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.device):
@@ -105,7 +114,7 @@ class CudaGraphs:
                 self.graphs[key] = self._capture(fn, inputs, padded=padded, lane=lane)
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
             graphs, static, outputs = self.graphs[key]
-            self._copy_inputs(static, inputs, padded)
+            self._copy_inputs(static, inputs, padded, repeating)
             for graph in graphs:
                 graph.replay()
             return [t[:batch] for t in outputs]
@@ -114,22 +123,28 @@ class CudaGraphs:
         """What the padding rows of input `position` hold: the fill row for the rows, zeros for the rest."""
         return self.fill_row if position == 0 else 0
 
-    def _copy_inputs(self, static: list[torch.Tensor], inputs: list[torch.Tensor], padded: int) -> None:
-        """Into a graph's input buffers: `inputs`, then the fills in the padding rows up to `padded`."""
+    def _copy_inputs(
+        self, static: list[torch.Tensor], inputs: list[torch.Tensor], padded: int, repeating: Sequence[int]
+    ) -> None:
+        """Into a graph's input buffers: `inputs`, then the fills in the padding rows up to `padded`; the inputs at
+        `repeating` only where they differ from what their buffer holds."""
         batch = len(inputs[0])
-        rows, held = inputs[0], self.rows_held.get(static[0].data_ptr())
-        # (torch.equal of two host tensors of a few dozen rows: ~2 us)
-        unchanged = not rows.is_cuda and held is not None and held.shape == rows.shape and torch.equal(held, rows)
         for position, (buffer, value) in enumerate(zip(static, inputs, strict=True)):
-            if position == 0 and unchanged:
+            if position in repeating and self._holds(buffer, value):
                 continue
             buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
             if batch < padded:
                 buffer[batch:].fill_(self._fill(position))
-        if rows.is_cuda:
-            self.rows_held.pop(static[0].data_ptr(), None)
-        elif not unchanged:
-            self.rows_held[static[0].data_ptr()] = rows.clone()
+            if position in repeating and not value.is_cuda:
+                self.held[buffer.data_ptr()] = value.clone()
+            else:
+                self.held.pop(buffer.data_ptr(), None)
+
+    def _holds(self, buffer: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether `buffer` holds the host tensor `value` already (torch.equal of two host tensors of a few dozen
+        rows: ~2 us; a copy costs the host ~17 us while the GPU waits for the launch)."""
+        held = self.held.get(buffer.data_ptr())
+        return not value.is_cuda and held is not None and held.shape == value.shape and torch.equal(held, value)
 
     def _capture(self, fn: GraphFn, inputs: list[torch.Tensor], *, padded: int, lane: int | None) -> Captured:
         # GRAPH_BLAS's kernels go into the graph (and its workspace is allocated in the warm-up, before the capture).
@@ -152,7 +167,8 @@ class CudaGraphs:
             if buffer_key not in self.buffers:
                 self.buffers[buffer_key] = torch.empty(shape, dtype=value.dtype, device=self.device)
             static.append(self.buffers[buffer_key].fill_(self._fill(position)))  # every row the fill row's
-        self.rows_held.pop(static[0].data_ptr(), None)
+        for buffer in static:  # (filled above)
+            self.held.pop(buffer.data_ptr(), None)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require; fill row only

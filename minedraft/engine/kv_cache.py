@@ -15,6 +15,9 @@ from minedraft.engine.block_pool import TRASH_BLOCK, BlockPool, block_hashes
 from minedraft.errors import CapacityError
 from minedraft.kernels import triton_runs
 
+# Cells of table storage before the tables: cell 0 takes empty table writes; four keep the tables 16-byte aligned.
+TABLE_START = 4
+
 # Why not transformers' PagedAttentionCache: it is bound to its own continuous-batching manager (flattened varlen
 # batches, a scheduler that allocates its blocks itself) and has no per-row rollback. Speculative verify needs
 # rollback as one length write and static shapes for CUDA graphs: here a step's shape is its batch, and the block
@@ -67,13 +70,22 @@ class PagedKVCache(Cache):
         self.prefix_caching = prefix_caching
         self.max_blocks = -(-max_len // block_size)  # per row
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.tables = torch.full((num_rows, self.max_blocks), TRASH_BLOCK, dtype=torch.int32, device=device)
+        # The tables live in `_cells` after TABLE_START cells: a table write to cell 0 (an empty entry of
+        # `step_writes`, a padding row's) lands there and changes no table.
+        self._cells = torch.full(
+            (TABLE_START + num_rows * self.max_blocks,), TRASH_BLOCK, dtype=torch.int32, device=device
+        )
+        self.tables = self._cells[TABLE_START:].view(num_rows, self.max_blocks)
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
         self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
-        # Table entries the device has not yet (every change goes here first): a graphed step's graph writes them
-        # (`step_writes`), any other step writes them first (`flush`). (row, column) -> block. Entries past a row's
-        # blocks name the trash block.
+        # Table entries the device has not yet (every change goes here first), (row, column) -> block. `_pending`
+        # names blocks a row took: a step must have them before it runs (a graphed step's graph writes them,
+        # `step_writes`; any other step writes them first, `flush`). `_stale` points columns a row gave back at the
+        # trash block: only a prefill's padding writes past a row's blocks, and every prefill flushes first, so they
+        # may wait until the next step is launched (`flush`, while the GPU runs it).
         self._pending: dict[tuple[int, int], int] = {}
+        self._stale: dict[tuple[int, int], int] = {}
+        self._no_writes: dict[tuple[int, int], torch.Tensor] = {}  # step_writes' empty tensors, by shape
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -85,6 +97,9 @@ class PagedKVCache(Cache):
         self._positions: torch.Tensor | None = None
         self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (blocks, offsets) [B, n] of new tokens
         self._kv_len: int | None = None
+        # Whether every layer writes its new K/V itself (`rotate_and_write`, set by the runner): then `select` makes
+        # no write positions, four kernels a forward that a draft's proposal ran four times for nothing.
+        self.kernel_writes = False
 
     # -- allocation -----------------------------------------------------------------------------------------------
     def probe(self) -> None:
@@ -152,14 +167,26 @@ class PagedKVCache(Cache):
         for row, count in zip(rows[short].tolist(), counts.tolist()):
             held = self.row_blocks[row]
             blocks = taken[start : start + count]
-            self._pending.update(((row, column), block) for column, block in enumerate(blocks, len(held)))
+            for column, block in enumerate(blocks, len(held)):
+                self._pending[row, column] = block
+                self._stale.pop((row, column), None)
             held += blocks
             self.held[row] = len(held)
             start += count
 
+    def reserve_ahead(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
+        """`reserve` what the pool can spare, for a step not yet asked for (up to `max_len`; none where the pool is
+        short: never a CapacityError). Taken while the GPU runs a step and written then (`flush`), the next step of
+        these rows finds its blocks and table entries in place and costs the host a check before its launch."""
+        assert self.pool is not None
+        ends = np.minimum(np.asarray(ends, dtype=np.int64), self.max_len)
+        want = -(-ends // self.block_size) - self.held[np.asarray(rows, dtype=np.int64)]
+        if int(want.clip(min=0).sum()) <= self.pool.available:
+            self.reserve(rows, ends)
+
     def trim(self, rows: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
         """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty), their table
-        entries pointed at the trash block with the next step's (`step_writes`): a prefill pads its shorter prompts
+        entries pointed at the trash block before the next prefill (`_stale`): a prefill pads its shorter prompts
         with writes past what they reserved, which a stale entry would send into a block another row now holds."""
         assert self.pool is not None
         rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
@@ -168,7 +195,9 @@ class PagedKVCache(Cache):
         for row, kept in zip(rows[over].tolist(), keep[over].tolist()):
             held = self.row_blocks[row]
             self.pool.free(held[kept:])
-            self._pending.update(((row, column), TRASH_BLOCK) for column in range(kept, len(held)))
+            for column in range(kept, len(held)):
+                self._stale[row, column] = TRASH_BLOCK
+                self._pending.pop((row, column), None)
             del held[kept:]
             self.held[row] = kept
 
@@ -193,7 +222,9 @@ class PagedKVCache(Cache):
         self.pool.record_lookup(0 if again else len(prompt), len(blocks) * self.block_size)
         self.row_blocks[row] += blocks
         self.held[row] = len(self.row_blocks[row])
-        self._pending.update(((row, held + column), block) for column, block in enumerate(blocks))
+        for column, block in enumerate(blocks, held):
+            self._pending[row, column] = block
+            self._stale.pop((row, column), None)
         return (held + len(blocks)) * self.block_size
 
     def prefix_keys(self, prompt: Sequence[int]) -> list[bytes]:
@@ -207,47 +238,55 @@ class PagedKVCache(Cache):
         self.pool.register(self.row_blocks[row][: len(keys)], keys)
 
     def flush(self) -> None:
-        """Write every pending table entry to the device: before a step that does not write its own."""
-        if self._pending:
-            self._set_tables([(row, column, block) for (row, column), block in self._pending.items()])
+        """Write every table entry the device has not yet: before a step that does not write its own, or once a step
+        is launched (in stream order, after it)."""
+        entries = {**self._stale, **self._pending}
+        if entries:
+            writes = torch.tensor([(self._cell(row, column), block) for (row, column), block in entries.items()])
+            if self.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the step it follows
+                writes = writes.to(torch.int32).pin_memory()
+            self.apply_writes(writes.to(self.device, torch.int32, non_blocking=True))
             self._pending.clear()
+            self._stale.clear()
 
     def step_writes(self, batch: int, per_row: int) -> torch.Tensor | None:
-        """The pending table entries, for a step's graph to write (`apply_writes`): a host tensor `[batch, per_row,
-        2]` of (flat index into the tables, block + 1), zeros past the last; None (nothing taken) where more are
-        pending. In the graph they cost a few small kernels; written from the host before the launch they cost 0.1 ms
-        (a copy and an index_put of a dozen entries at batch 64, on an H200's host) that the GPU waited for."""
-        writes = np.zeros((batch * per_row, 2), dtype=np.int32)
+        """The pending entries of blocks rows took, for a step's graph to write (`apply_writes`): a host tensor
+        `[batch, per_row, 2]` of (cell, block), zeros past the last (cell 0 lies outside the tables); None where
+        more are pending. The same tensor each time none is (its graph buffer then needs no copy). In the graph they
+        cost two small kernels; written from the host before the launch they cost 0.1 ms (a copy and an index_put of
+        a dozen entries at batch 64, on an H200's host) that the GPU waited for."""
         pending = len(self._pending)
-        # (An entry for row 0's column 0 would meet the empty ones, which rewrite it: flat index 0.)
-        if pending > len(writes) or (0, 0) in self._pending:
+        if not pending:
+            shape = (batch, per_row)
+            if shape not in self._no_writes:
+                self._no_writes[shape] = torch.zeros(batch, per_row, 2, dtype=torch.int32)
+            return self._no_writes[shape]
+        if pending > batch * per_row:
             return None
-        if pending:
-            entries = self._pending.items()
-            writes[:pending] = [(row * self.max_blocks + column, block + 1) for (row, column), block in entries]
-            self._pending.clear()
+        writes = np.zeros((batch * per_row, 2), dtype=np.int32)
+        writes[:pending] = [(self._cell(row, column), block) for (row, column), block in self._pending.items()]
+        self._pending.clear()
         return torch.from_numpy(writes.reshape(batch, per_row, 2))
 
     def apply_writes(self, writes: torch.Tensor) -> None:
-        """Inside a step's graph: the table entries of `step_writes`. An empty entry (zeros: also the padding
-        rows') rewrites what entry 0 holds."""
-        flat, blocks = writes.view(-1, 2).long().unbind(1)
-        table = self.tables.view(-1)
-        table[flat] = torch.where(blocks > 0, blocks - 1, table[flat]).to(table.dtype)
+        """Table entries `[..., 2]` of (cell, block) (`step_writes`), on the device: inside a step's graph, or from
+        `flush`. An empty entry (zeros: also a graph's padding rows') writes cell 0, outside the tables."""
+        cells, blocks = writes.view(-1, 2).unbind(1)
+        self._cells[cells] = blocks
 
-    def _set_tables(self, entries: list[tuple[int, int, int]]) -> None:
-        """Write (row, column, block) entries to the device tables: one copy to the device, in stream order."""
-        if entries:
-            packed = torch.tensor(entries, dtype=torch.long).to(self.device, non_blocking=True)
-            self.tables[packed[:, 0], packed[:, 1]] = packed[:, 2].to(torch.int32)
+    def _cell(self, row: int, column: int) -> int:
+        """The cell of `_cells` holding table entry (row, column)."""
+        return TABLE_START + row * self.max_blocks + column
 
     # -- a forward --------------------------------------------------------------------------------------------------
     def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int | None) -> None:
         """Point the next forward at `rows` ([B]) writing at `positions` ([B, n]); attention reads `kv_len` keys
         gathered per row, or (None) the blocks through the tables."""
         self._rows, self._positions, self._kv_len = rows, positions, kv_len
-        blocks = self.tables[rows[:, None], torch.div(positions, self.block_size, rounding_mode="floor")]
-        self._write_at = (blocks.long(), positions % self.block_size)
+        self._write_at = None
+        if not self.kernel_writes:
+            blocks = self.tables[rows[:, None], torch.div(positions, self.block_size, rounding_mode="floor")]
+            self._write_at = (blocks.long(), positions % self.block_size)
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object

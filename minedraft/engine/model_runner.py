@@ -21,7 +21,7 @@ from minedraft.engine.attention import (
     paged_kernel,
 )
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
-from minedraft.engine.fused_projections import fuse_projections
+from minedraft.engine.fused_projections import FusedQKVAttention, fuse_projections
 from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.residual_fold import fold_residuals
 from minedraft.engine.tensor_parallel import TensorParallel, same_on_every_rank
@@ -87,8 +87,8 @@ class Step:
 
 
 # Table entries a step's graph writes per row of its batch (`PagedKVCache.step_writes`): a step of up to a block's
-# positions takes at most one new block a row, and the trims since a row's last step point at most one at the trash
-# block, in this batch and the other; more pending entries are written before the launch.
+# positions takes at most one new block a row, mostly none (the steps before took them, `reserve_ahead`); more
+# pending entries are written before the launch.
 TABLE_WRITES_PER_ROW = 4
 
 # (rows, per-row inputs, shape) -> outputs: what a step runs on its batch, padded and in cache-row order; on CUDA
@@ -217,6 +217,9 @@ class ModelRunner:
             # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self._allocate_cache(kv_cache_memory, gpu_memory_utilization)
+        layers = decoder_layers(model)
+        fused = [m for m in model.modules() if isinstance(m, FusedQKVAttention)]
+        self.cache.kernel_writes = self.cache.stacked and len(layers) > 0 and len(fused) == len(layers)
         # Short steps read K/V through the block tables where the Triton kernels take the model's attention: then
         # neither they nor their graphs depend on the key length.
         text = model.config.get_text_config()
@@ -466,7 +469,14 @@ class ModelRunner:
                 return body(rows, inputs[:-1], shape)
 
             try:
-                return self.graphs.run(step.key, graphed, [*inputs, writes], padded=shape.padded, lane=step.lane)
+                return self.graphs.run(
+                    step.key,
+                    graphed,
+                    [*inputs, writes],
+                    padded=shape.padded,
+                    lane=step.lane,
+                    repeating=(0, len(inputs)),  # the rows, and the table entries (mostly none)
+                )
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
