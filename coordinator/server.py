@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import logging
 import secrets
@@ -195,7 +196,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.reset_kv_blocks()
         tokenizer_dir = self.options.tokenizer or pair.target_info.model
         try:
-            self.tokenizer = load_tokenizer(tokenizer_dir)
+            # In a thread: loading it (and importing transformers first) took 14 s on a GPU host, long enough for the
+            # workers' leases, which this event loop renews, to expire.
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_dir)
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
@@ -437,7 +440,10 @@ async def serve(
         api_key=api_key,
     )
     if options.http_port:
-        from coordinator.http_api import start_http_server  # here: it imports this module (and FastAPI)
+        # Imported in a thread (it imports FastAPI), so that the leases' heartbeat goes on; here, as it imports this
+        # module.
+        await asyncio.to_thread(importlib.import_module, "coordinator.http_api")
+        from coordinator.http_api import start_http_server
 
         servicer.http = start_http_server(servicer, options.http_port, host, api_key)
     return server, bound, servicer

@@ -51,7 +51,10 @@ def test_gpu_channels_move_drafts_exactly(tiny_pairs: TinyPairs, gpu_workers: Wo
     channels = ["grpc", "cuda-ipc"] + (["nccl"] if torch.cuda.device_count() > 1 else [])
     outputs = {}
     for channel in channels:
-        with running_coordinator(gpu_workers, stack_logs, "psd", extra=["--channel", channel]) as coordinator:
+        # Drafting at every step: `--speculation auto` decodes without drafts while that measures faster, and a
+        # seeded sample of the target alone is another draw than one through acceptance.
+        extra = ["--channel", channel, "--speculation", "always"]
+        with running_coordinator(gpu_workers, stack_logs, "psd", extra=extra) as coordinator:
             outputs[channel] = run_async(generate_all(coordinator.address, requests))
     assert all(len(tokens) == MAX_TOKENS for tokens in outputs["grpc"])
     for channel in channels[1:]:
