@@ -142,7 +142,8 @@ class CudaGraphs:
 
     def _holds(self, buffer: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether `buffer` holds the host tensor `value` already (torch.equal of two host tensors of a few dozen
-        rows: ~2 us; a copy costs the host ~17 us while the GPU waits for the launch)."""
+        rows: ~2 us; a copy costs the host ~17 us while the GPU waits for the launch). (Not by identity and version:
+        the inputs are inference tensors, which keep no version.)"""
         held = self.held.get(buffer.data_ptr())
         return not value.is_cuda and held is not None and held.shape == value.shape and torch.equal(held, value)
 
