@@ -212,9 +212,9 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
         # Tokens streamed while the draft ran its step shapes: the steps did not wait for its channel set-up.
         spans = precapture_spans(restarted.log_tail(10**7))
         start, end = spans[0][0], spans[-1][1]
-        # The window and the token rate both scale with the CPU's speed (0.52-0.57 s and 468-615 tokens on this
-        # 2-core machine, 0.49 s in one clean-clone run, which failed a 0.5 s bound): what tells is the count.
-        assert end - start > 0.2, (start, end)
+        # The window and the token rate both scale with the CPU's speed (0.15-0.21 s on a 2-core machine, its log's
+        # times in hundredths; a 0.2 s bound on times in tenths failed one run): what tells is the count.
+        assert end - start > 0.1, (start, end)
         assert sum(start < t < end for t in arrivals) > 30, (start, end)  # 3 when steps waited
     finally:
         workers.stop()

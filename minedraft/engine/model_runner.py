@@ -381,7 +381,7 @@ class ModelRunner:
         self.cache.lengths[self.scratch_row] = 0
         reserved = torch.cuda.memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         log.info(
-            "ran %d step shapes (n=%d) ahead of serving in %.1f s; %.1f GiB of GPU memory reserved",
+            "ran %d step shapes (n=%d) ahead of serving in %.2f s; %.1f GiB of GPU memory reserved",
             shapes,
             n,
             time.perf_counter() - start,
