@@ -27,6 +27,9 @@
 #                       and 32768, 64 prompts sharing 2000 tokens with prefix caching on and off (TTFT, cached tokens),
 #                       the TTFT of a fresh stack's 1st and 10th requests. QUESTIONS: some of long,connect,prefix,first
 #                       (three stacks for all four); EXTRA: its flags (--requests 64, --target-kv-cache-memory 24 ...)
+#   served              the demo pair served on the GPUs in psd, sd and ar (MODES): output tokens/s of 128 requests
+#                       (64 at once, batches of 32, 64-token prompts, 96 tokens out); host-bound, so it shows what a
+#                       step costs the host
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2)
@@ -49,6 +52,8 @@ ab)
     shift
     [ -d .old ] || { echo "ab: put the files of the version to compare against in .old/" >&2; exit 2; }
     rm -rf /tmp/old && mkdir /tmp/old && cp -r . /tmp/old && cp -r .old/. /tmp/old/ || exit 1
+    # A stage the old tree's script lacks runs as this one's (its commands still run the old tree's code).
+    grep -q "^$1)" /tmp/old/benchmarks/gpu_run.sh || cp benchmarks/gpu_run.sh /tmp/old/benchmarks/gpu_run.sh
     # The half that runs second has met a slower host (5-20% on host-bound steps): AB_ORDER=new-first swaps them,
     # abba runs old, new, new again (in $OUT/new2), old again (in $OUT/old2), for a ratio free of the order.
     case ${AB_ORDER:-old-first} in
@@ -163,6 +168,12 @@ attention)
 kvgather)
     python3 benchmarks/kv_gather_bench.py 2>&1 | tee "$OUT/run/kv_gather.txt"
     python3 benchmarks/kv_gather_bench.py --batch 8 2>&1 | tee -a "$OUT/run/kv_gather.txt"
+    ;;
+served)
+    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m minedraft bench --modes "${MODES:-psd,sd,ar}" --target-device cuda:0 \
+        --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts 128 --concurrency 64 --prompt-len 64 \
+        --output-len 96 --no-progress --json-out "$OUT/run/served.json" > "$OUT/run/served.log" 2>&1
+    grep -E "^(psd|sd|ar) +[0-9]|ratio" "$OUT/run/served.log"
     ;;
 paged)
     # 500 s, and 30 more to stop its stack on the way out: the stage fits a 560 s call with the set-up and the tar.
