@@ -459,6 +459,49 @@ def test_blocks_taken_ahead_leave_the_next_step_nothing_to_write_and_never_fail(
     assert cache.held.tolist() == [3, 3, 0] and cache.pool.available == 2
 
 
+def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_reference) -> None:
+    """After its first step each verify and proposal finds every block its writes reach already taken and written
+    (the step before took them once launched, `reserve_ahead`), so nothing is left for its launch to write; a row
+    holds at most one block past what its next step may reach; and the tokens are `generate()`'s."""
+    import numpy as np
+
+    target, draft = tiny_models.target("llama", vocab=VOCAB), tiny_models.noisy_draft("llama", vocab=VOCAB)
+    k, size = 3, 4
+    verifier = Verifier(ModelRunner(target, 4, 96, block_size=size, kv_cache_memory=0.01), [])
+    proposer = Proposer(ModelRunner(draft, 4, 96, block_size=size, kv_cache_memory=0.01))
+    gen = torch.Generator().manual_seed(8)
+    seqs, prompts = [1, 2, 3], [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 14)]
+    configs = [SamplingConfig(max_tokens=40, ignore_eos=True)] * 3
+    first = verifier.prefill(seqs, prompts, configs).per_row()
+    proposer.prefill(seqs, prompts, configs)
+    tokens = [list(t) for t, _, _ in first]
+    accepted, last = torch.zeros(3, dtype=torch.long), torch.tensor([t[-1] for t in tokens])
+    v_rows, d_rows = np.array(verifier.table.row_list(seqs)), np.array(proposer.table.row_list(seqs))
+    v_cache, d_cache = verifier.runner.cache, proposer.runner.cache
+    for step in range(9):
+        kept, tail = proposer._kept_and_tail(d_rows, accepted.numpy())
+        reach = np.maximum(kept + 2, kept + tail + k - 1)
+        if step:
+            assert (reach <= d_cache.held[d_rows] * size).all(), "a proposal's blocks not taken ahead"
+        proposal = proposer.propose(seqs, accepted, last, k)
+        left = d_cache.step_writes(3, 4)
+        assert left is not None and not left.any(), "table entries left for the next proposal's launch"
+        assert (d_cache.held[d_rows] <= -(-(reach + k + 1) // size)).all()
+        before = verifier.cached[v_rows]
+        if step:
+            assert (before + k + 1 <= v_cache.held[v_rows] * size).all(), "a verify's blocks not taken ahead"
+        result = verifier.verify(seqs, proposal.draft_ids, None).per_row()
+        left = v_cache.step_writes(3, 4)
+        assert left is not None and not left.any(), "table entries left for the next verify's launch"
+        assert (v_cache.held[v_rows] <= -(-(verifier.cached[v_rows] + 2 * (k + 1)) // size)).all()
+        for row, (emitted, _, _) in zip(tokens, result):
+            row += emitted
+        accepted = torch.tensor([a for _, a, _ in result])
+        last = torch.tensor([t[-1] for t in tokens])
+    for prompt, row in zip(prompts, tokens):
+        assert row == hf_reference(target, prompt, len(row))
+
+
 def test_a_prefills_padding_lands_in_the_trash_block_not_in_another_rows(tiny_models) -> None:
     """A row whose last block a rollback gave back (written to the device first, as a step does), released and
     taken by a short prompt prefilled beside a longer one: the short one's padding must not reach the block the
