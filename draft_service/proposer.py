@@ -100,7 +100,7 @@ class Proposer:
         # The next reach: kept' <= kept + tail + k - 1, tail' <= 2, so ends' <= kept + tail + 2k <= ends + k + 1.
         self.runner.cache.trim(index, ends + k + 1)
         self.runner.cache.reserve_ahead(index, ends + k + 1)
-        self.runner.cache.flush()
+        self.runner.cache.flush(freed=False)
         self.committed_host[index], self.last_k_host[index] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 

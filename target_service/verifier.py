@@ -142,12 +142,14 @@ class Verifier:
         packed, *logprobs = self._run_verify(
             rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id
         )
-        # While the GPU runs it: the blocks the next verify of k drafts may reach, taken and written now.
+        # While the GPU runs it: the blocks the next verify of k drafts may reach, taken and written now; they stay
+        # taken once the result is read (its recorder trims past the same reach), so no block is freed and taken
+        # again from step to step.
         self.runner.cache.reserve_ahead(index, before + 2 * (k + 1))
-        self.runner.cache.flush()
+        self.runner.cache.flush(freed=False)
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
-        recorder = self._recorder(index, before, ahead=k + 1)
+        recorder = self._recorder(index, before, ahead=2 * (k + 1))
         if not logprobs:
             return StepResult(packed, recorder)
         return StepResult(packed, recorder, logprobs=logprobs[0], top_n=top_n)

@@ -142,47 +142,50 @@ class PagedKVCache(Cache):
 
     # -- rows' blocks (host) --------------------------------------------------------------------------------------
     def reserve(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
-        """Blocks for positions `[0, ends[i])` of each row: all of them or, raising CapacityError, none. Vectorized on
-        the host: at batch 64 a step's rows are checked in a few microseconds, and only rows crossing into a new block
-        cost more (a per-row loop took 0.2 ms of a draft step that the GPU waited for)."""
-        assert self.pool is not None
+        """Blocks for positions `[0, ends[i])` of each (distinct) row: all of them or, raising CapacityError, none.
+        Checked on arrays: mostly the steps before took them (`reserve_ahead`), and one comparison says so."""
         rows, ends = np.asarray(rows, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        if not len(rows) or (ends <= self.held[rows] * self.block_size).all():  # mostly, taken a step ahead
+        held = self.held[rows]
+        if (ends <= held * self.block_size).all():
             return
         if ends.max() > self.max_len:
             raise CapacityError(f"a sequence would reach {ends.max()} tokens, beyond max_model_len {self.max_len}")
-        want = -(-ends // self.block_size)
-        short = np.flatnonzero(want > self.held[rows])
-        if not len(short):
-            return
-        counts = want[short] - self.held[rows[short]]
+        counts = -(-ends // self.block_size) - held
+        short = counts > 0
+        self._take(rows[short], counts[short])
+
+    def reserve_ahead(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
+        """`reserve` what the pool can spare, for a step not yet asked for (up to `max_len`; none where the pool is
+        short: never a CapacityError). Taken while the GPU runs a step and written then (`flush`), the next step of
+        these rows finds its blocks and table entries in place and costs the host a check before its launch."""
+        rows = np.asarray(rows, dtype=np.int64)
+        counts = -(-np.minimum(ends, self.max_len) // self.block_size) - self.held[rows]
+        short = counts > 0
+        if short.any():
+            counts = counts[short]
+            assert self.pool is not None
+            if counts.sum() <= self.pool.available:
+                self._take(rows[short], counts)
+
+    def _take(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """`counts[i]` more blocks for each (distinct) row `rows[i]`, or a CapacityError and none."""
+        assert self.pool is not None
         total = int(counts.sum())
         if total > self.pool.available:
             raise CapacityError(
                 f"the KV cache is out of blocks: this step needs {total} more, {self.pool.available} are free "
                 f"of {self.pool.usable}"
             )
-        taken = self.pool.take(total)
-        start = 0
-        for row, count in zip(rows[short].tolist(), counts.tolist()):
+        taken, start, stale = self.pool.take(total), 0, self._stale
+        for row, count in zip(rows.tolist(), counts.tolist()):
             held = self.row_blocks[row]
-            blocks = taken[start : start + count]
-            for column, block in enumerate(blocks, len(held)):
+            for column, block in enumerate(taken[start : start + count], len(held)):
                 self._pending[row, column] = block
-                self._stale.pop((row, column), None)
-            held += blocks
+                if stale:
+                    stale.pop((row, column), None)
+            held += taken[start : start + count]
             self.held[row] = len(held)
             start += count
-
-    def reserve_ahead(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
-        """`reserve` what the pool can spare, for a step not yet asked for (up to `max_len`; none where the pool is
-        short: never a CapacityError). Taken while the GPU runs a step and written then (`flush`), the next step of
-        these rows finds its blocks and table entries in place and costs the host a check before its launch."""
-        assert self.pool is not None
-        ends = np.minimum(np.asarray(ends, dtype=np.int64), self.max_len)
-        want = -(-ends // self.block_size) - self.held[np.asarray(rows, dtype=np.int64)]
-        if int(want.clip(min=0).sum()) <= self.pool.available:
-            self.reserve(rows, ends)
 
     def trim(self, rows: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
         """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty), their table
@@ -237,17 +240,19 @@ class PagedKVCache(Cache):
         keys = block_hashes(prompt, self.block_size)
         self.pool.register(self.row_blocks[row][: len(keys)], keys)
 
-    def flush(self) -> None:
-        """Write every table entry the device has not yet: before a step that does not write its own, or once a step
-        is launched (in stream order, after it)."""
-        entries = {**self._stale, **self._pending}
+    def flush(self, freed: bool = True) -> None:
+        """Write the table entries the device has not yet: before a step that does not write its own, or once a step
+        is launched (in stream order, after it). `freed`: also those of freed columns (`_stale`), which only a step
+        that does not write its own needs."""
+        entries = {**self._stale, **self._pending} if freed else self._pending
         if entries:
             writes = torch.tensor([(self._cell(row, column), block) for (row, column), block in entries.items()])
             if self.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the step it follows
                 writes = writes.to(torch.int32).pin_memory()
             self.apply_writes(writes.to(self.device, torch.int32, non_blocking=True))
             self._pending.clear()
-            self._stale.clear()
+            if freed:
+                self._stale.clear()
 
     def step_writes(self, batch: int, per_row: int) -> torch.Tensor | None:
         """The pending entries of blocks rows took, for a step's graph to write (`apply_writes`): a host tensor
