@@ -68,6 +68,8 @@ def main() -> None:
         for _ in range(3):
             pair.propose(0)
             pair.verify(0)
+        if pair.verifier.runner.graphs is None or pair.proposer.runner.graphs is None:
+            raise RuntimeError("a CUDA graph capture failed (see the log): these steps run eagerly, not measured")
         for name in ("propose", "verify"):
             fn = pair.propose if name == "propose" else pair.verify
             times = []
