@@ -196,8 +196,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.workers.reset_kv_blocks()
         tokenizer_dir = self.options.tokenizer or pair.target_info.model
         try:
-            # In a thread: loading it (and importing transformers first) took 14 s on a GPU host, long enough for the
-            # workers' leases, which this event loop renews, to expire.
+            # In a thread: this start's synchronous work after SetUp (this load, with transformers' import, and the
+            # HTTP module's) took 14 s on a GPU host, long enough for the workers' leases, which this loop renews.
             self.tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_dir)
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)

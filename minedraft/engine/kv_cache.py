@@ -81,8 +81,8 @@ class PagedKVCache(Cache):
         # Table entries the device has not yet (every change goes here first), (row, column) -> block. `_pending`
         # names blocks a row took: a step must have them before it runs (a graphed step's graph writes them,
         # `step_writes`; any other step writes them first, `flush`). `_stale` points columns a row gave back at the
-        # trash block: only a prefill's padding writes past a row's blocks, and every prefill flushes first, so they
-        # may wait until the next step is launched (`flush`, while the GPU runs it).
+        # trash block: only a prefill's padding writes past a row's blocks, and a step that does not write its own
+        # entries (a prefill) flushes first, so they wait for one.
         self._pending: dict[tuple[int, int], int] = {}
         self._stale: dict[tuple[int, int], int] = {}
         self._no_writes: dict[tuple[int, int], torch.Tensor] = {}  # step_writes' empty tensors, by shape
