@@ -89,8 +89,7 @@ class Proposer:
         # The lengths the proposal's forwards reach, from the host copies: the first writes both tail positions of
         # every row, valid or not, each later one appends one token. The blocks its writes reach are taken (all, or
         # a CapacityError), the rolled-back ones a row still holds reused, mostly taken by the proposal before.
-        # Once the step is launched, while the GPU runs it: blocks past the next proposal's reach go back, and those
-        # up to it are taken and written.
+        # Once the step is launched, the blocks up to the next proposal's reach are kept (`keep_ahead`).
         index = rows.numpy()  # (a host tensor: no copy)
         kept, tail = self._kept_and_tail(index, num_accepted.numpy())
         ends = np.maximum(kept + TAIL_TOKENS, kept + tail + k - 1)
@@ -99,9 +98,7 @@ class Proposer:
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
         outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=int(ends.max()), lane=batch_id)
         # The next reach: kept' <= kept + tail + k - 1, tail' <= 2, so ends' <= kept + tail + 2k <= ends + k + 1.
-        self.runner.cache.trim(index, ends + k + 1)
-        self.runner.cache.reserve_ahead(index, ends + k + 1)
-        self.runner.cache.flush(freed=False)
+        self.runner.cache.keep_ahead(index, ends + k + 1)
         self.committed_host[index], self.last_k_host[index] = kept + tail, k
         return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
 

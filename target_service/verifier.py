@@ -142,11 +142,9 @@ class Verifier:
         packed, *logprobs = self._run_verify(
             rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id
         )
-        # While the GPU runs it: the blocks the next verify of k drafts may reach, taken and written now; they stay
-        # taken once the result is read (its recorder trims past the same reach), so no block is freed and taken
-        # again from step to step.
-        self.runner.cache.reserve_ahead(index, before + 2 * (k + 1))
-        self.runner.cache.flush(freed=False)
+        # The next verify of k drafts reaches 2(k + 1) past `before` at most; the recorder trims past the same reach,
+        # so no block is freed and taken again from step to step.
+        self.runner.cache.keep_ahead(index, before + 2 * (k + 1))
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
         recorder = self._recorder(index, before, ahead=2 * (k + 1))

@@ -438,9 +438,10 @@ def test_table_entries_written_by_a_step_equal_those_written_before_it() -> None
     assert [graphed.tables[r, : len(b)].tolist() for r, b in enumerate(graphed.row_blocks)] == graphed.row_blocks
 
 
-def test_blocks_taken_ahead_leave_the_next_step_nothing_to_write_and_never_fail() -> None:
-    """`reserve_ahead` takes the blocks a row's next step may reach, so that step's `reserve` takes none and has no
-    table entry to write; where the pool is short it takes none, and raises nothing."""
+def test_blocks_kept_ahead_leave_the_next_step_nothing_to_write_and_never_fail() -> None:
+    """`keep_ahead` takes the blocks a row's next step may reach and writes their entries, so that step's `reserve`
+    takes none and has none to write; it gives back blocks past that reach; where the pool is short it takes none,
+    and raises nothing."""
     from minedraft.engine.kv_cache import LayerSpec, PagedKVCache
 
     cache = PagedKVCache(num_rows=3, max_len=64, block_size=4, device="cpu")
@@ -448,20 +449,22 @@ def test_blocks_taken_ahead_leave_the_next_step_nothing_to_write_and_never_fail(
     cache.allocate(9)  # 8 usable
     cache.reserve([0, 1], [5, 5])
     cache.flush()
-    cache.reserve_ahead([0, 1], [10, 10])
-    cache.flush()
+    cache.keep_ahead([0, 1], [10, 10])
     assert cache.held[:2].tolist() == [3, 3] and cache.pool is not None and cache.pool.available == 2
+    assert [cache.tables[r, :3].tolist() for r in (0, 1)] == cache.row_blocks[:2]  # written already
     cache.reserve([0, 1], [9, 10])  # the next step: all there
     nothing = cache.step_writes(2, 4)
     assert nothing is not None and not nothing.any()
-    cache.reserve_ahead([0, 1], [64, 64])  # more than the pool has: none taken, no error
-    cache.reserve_ahead([2], [100])  # past max_len: up to it, where it fits
+    cache.keep_ahead([0, 1], [64, 64])  # more than the pool has: none taken, no error
+    cache.keep_ahead([2], [100])  # past max_len: up to it, where it fits
     assert cache.held.tolist() == [3, 3, 0] and cache.pool.available == 2
+    cache.keep_ahead([0], [5])  # past the reach: back
+    assert cache.held.tolist() == [2, 3, 0] and cache.pool.available == 3
 
 
 def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_reference) -> None:
     """After its first step each verify and proposal finds every block its writes reach already taken and written
-    (the step before took them once launched, `reserve_ahead`), so nothing is left for its launch to write; a row
+    (the step before took them once launched, `keep_ahead`), so nothing is left for its launch to write; a row
     holds at most one block past what its next step may reach; and the tokens are `generate()`'s."""
     import numpy as np
 

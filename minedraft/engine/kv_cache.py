@@ -78,13 +78,13 @@ class PagedKVCache(Cache):
         self.tables = self._cells[TABLE_START:].view(num_rows, self.max_blocks)
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
         self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
-        # Table entries the device has not yet (every change goes here first), (row, column) -> block. `_pending`
-        # names blocks a row took: a step must have them before it runs (a graphed step's graph writes them,
-        # `step_writes`; any other step writes them first, `flush`). `_stale` points columns a row gave back at the
-        # trash block: only a prefill's padding writes past a row's blocks, and a step that does not write its own
-        # entries (a prefill) flushes first, so they wait for one.
+        # Table entries the device has not yet (every change goes here first). `_pending`, (row, column) -> block:
+        # blocks a row took, which a step must have before it runs (a graphed step's graph writes them,
+        # `step_writes`; any other step writes them first, `flush`). `_freed`, (row, column): columns a row gave
+        # back, to point at the trash block: only a prefill's padding writes past a row's blocks, and a step that
+        # does not write its own entries (a prefill) flushes first, so they wait for one.
         self._pending: dict[tuple[int, int], int] = {}
-        self._stale: dict[tuple[int, int], int] = {}
+        self._freed: set[tuple[int, int]] = set()
         self._no_writes: dict[tuple[int, int], torch.Tensor] = {}  # step_writes' empty tensors, by shape
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
@@ -143,7 +143,7 @@ class PagedKVCache(Cache):
     # -- rows' blocks (host) --------------------------------------------------------------------------------------
     def reserve(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
         """Blocks for positions `[0, ends[i])` of each (distinct) row: all of them or, raising CapacityError, none.
-        Checked on arrays: mostly the steps before took them (`reserve_ahead`), and one comparison says so."""
+        Checked on arrays: mostly the steps before took them (`keep_ahead`), and one comparison says so."""
         rows, ends = np.asarray(rows, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         held = self.held[rows]
         if (ends <= held * self.block_size).all():
@@ -154,18 +154,23 @@ class PagedKVCache(Cache):
         short = counts > 0
         self._take(rows[short], counts[short])
 
-    def reserve_ahead(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
-        """`reserve` what the pool can spare, for a step not yet asked for (up to `max_len`; none where the pool is
-        short: never a CapacityError). Taken while the GPU runs a step and written then (`flush`), the next step of
-        these rows finds its blocks and table entries in place and costs the host a check before its launch."""
+    def keep_ahead(self, rows: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
+        """Once a step of `rows` is launched, while the GPU runs it: each row keeps blocks for positions `[0,
+        ends[i])`, the most its next step may reach, and no more (`trim`); those it lacks are taken where the pool
+        can spare them all (up to `max_len`; never a CapacityError) and their table entries written now, in stream
+        order. The next step then finds its blocks and entries in place and costs the host a check before its
+        launch."""
         rows = np.asarray(rows, dtype=np.int64)
-        counts = -(-np.minimum(ends, self.max_len) // self.block_size) - self.held[rows]
+        ends = np.minimum(ends, self.max_len)
+        self.trim(rows, ends)
+        counts = -(-ends // self.block_size) - self.held[rows]
         short = counts > 0
         if short.any():
             counts = counts[short]
             assert self.pool is not None
             if counts.sum() <= self.pool.available:
                 self._take(rows[short], counts)
+        self.flush(freed=False)
 
     def _take(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """`counts[i]` more blocks for each (distinct) row `rows[i]`, or a CapacityError and none."""
@@ -176,20 +181,19 @@ class PagedKVCache(Cache):
                 f"the KV cache is out of blocks: this step needs {total} more, {self.pool.available} are free "
                 f"of {self.pool.usable}"
             )
-        taken, start, stale = self.pool.take(total), 0, self._stale
+        taken, start, freed = self.pool.take(total), 0, self._freed
         for row, count in zip(rows.tolist(), counts.tolist()):
             held = self.row_blocks[row]
             for column, block in enumerate(taken[start : start + count], len(held)):
                 self._pending[row, column] = block
-                if stale:
-                    stale.pop((row, column), None)
+                freed.discard((row, column))
             held += taken[start : start + count]
             self.held[row] = len(held)
             start += count
 
     def trim(self, rows: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
         """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty), their table
-        entries pointed at the trash block before the next prefill (`_stale`): a prefill pads its shorter prompts
+        entries pointed at the trash block before the next prefill (`_freed`): a prefill pads its shorter prompts
         with writes past what they reserved, which a stale entry would send into a block another row now holds."""
         assert self.pool is not None
         rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
@@ -199,7 +203,7 @@ class PagedKVCache(Cache):
             held = self.row_blocks[row]
             self.pool.free(held[kept:])
             for column in range(kept, len(held)):
-                self._stale[row, column] = TRASH_BLOCK
+                self._freed.add((row, column))
                 self._pending.pop((row, column), None)
             del held[kept:]
             self.held[row] = kept
@@ -227,7 +231,7 @@ class PagedKVCache(Cache):
         self.held[row] = len(self.row_blocks[row])
         for column, block in enumerate(blocks, held):
             self._pending[row, column] = block
-            self._stale.pop((row, column), None)
+            self._freed.discard((row, column))
         return (held + len(blocks)) * self.block_size
 
     def prefix_keys(self, prompt: Sequence[int]) -> list[bytes]:
@@ -242,17 +246,18 @@ class PagedKVCache(Cache):
 
     def flush(self, freed: bool = True) -> None:
         """Write the table entries the device has not yet: before a step that does not write its own, or once a step
-        is launched (in stream order, after it). `freed`: also those of freed columns (`_stale`), which only a step
+        is launched (in stream order, after it). `freed`: also those of freed columns (`_freed`), which only a step
         that does not write its own needs."""
-        entries = {**self._stale, **self._pending} if freed else self._pending
+        entries = [(self._cell(row, column), block) for (row, column), block in self._pending.items()]
+        if freed:
+            entries += [(self._cell(row, column), TRASH_BLOCK) for row, column in self._freed]
+            self._freed.clear()
         if entries:
-            writes = torch.tensor([(self._cell(row, column), block) for (row, column), block in entries.items()])
+            writes = torch.tensor(entries, dtype=torch.int32)
             if self.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the step it follows
-                writes = writes.to(torch.int32).pin_memory()
-            self.apply_writes(writes.to(self.device, torch.int32, non_blocking=True))
+                writes = writes.pin_memory()
+            self.apply_writes(writes.to(self.device, non_blocking=True))
             self._pending.clear()
-            if freed:
-                self._stale.clear()
 
     def step_writes(self, batch: int, per_row: int) -> torch.Tensor | None:
         """The pending entries of blocks rows took, for a step's graph to write (`apply_writes`): a host tensor

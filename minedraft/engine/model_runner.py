@@ -87,7 +87,7 @@ class Step:
 
 
 # Table entries a step's graph writes per row of its batch (`PagedKVCache.step_writes`): a step of up to a block's
-# positions takes at most one new block a row, mostly none (the steps before took them, `reserve_ahead`); more
+# positions takes at most one new block a row, mostly none (the steps before took them, `keep_ahead`); more
 # pending entries are written before the launch.
 TABLE_WRITES_PER_ROW = 4
 
