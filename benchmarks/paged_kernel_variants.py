@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,7 +55,8 @@ def _variant_kernel(
     MODE: tl.constexpr,
 ):
     """MODE 0: a table entry per key (as the kernel); 1: the tile's blocks loaded once, K/V as [blocks, size, dim];
-    2: as 0 with the next tile's entries loaded a tile ahead; 3: as 1, K/V loads unmasked (past the end: block 0)."""
+    2: as 0 with the next tile's entries loaded a tile ahead; 3: as 1, K/V loads unmasked (past the end: block 0);
+    4: as 2 with offsets in int32 (a pool of under 2^31 elements a layer)."""
     bh = tl.program_id(0)
     b = bh // kv_heads
     h = bh % kv_heads
@@ -66,8 +68,12 @@ def _variant_kernel(
     own = tl.load(pos_ptr + b * sp_b + (r % queries), mask=live, other=0)
     end = tl.max(own, 0) + 1
     table = table_ptr + tl.load(rows_ptr + b) * st_row
-    k_head = k_ptr + h.to(tl.int64) * sk_h
-    v_head = v_ptr + h.to(tl.int64) * sk_h
+    if MODE == 4:
+        k_head = k_ptr + h * sk_h
+        v_head = v_ptr + h * sk_h
+    else:
+        k_head = k_ptr + h.to(tl.int64) * sk_h
+        v_head = v_ptr + h.to(tl.int64) * sk_h
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
@@ -75,7 +81,9 @@ def _variant_kernel(
     j = tl.arange(0, NB)
     s16 = tl.arange(0, BLOCK_SIZE)
     n0 = tl.arange(0, BLOCK_N)
-    ahead = tl.load(table + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(tl.int64)
+    ahead = tl.load(table + n0 // BLOCK_SIZE, mask=n0 < end, other=0)
+    if MODE != 4:
+        ahead = ahead.to(tl.int64)
     for start in range(0, end, BLOCK_N):
         n = start + n0
         inside = n < end
@@ -84,12 +92,14 @@ def _variant_kernel(
             off = block[:, None] * sk_blk + (n % BLOCK_SIZE)[:, None] * sk_pos + d[None, :]
             k = tl.load(k_head + off, mask=inside[:, None], other=0.0)
             v = tl.load(v_head + off, mask=inside[:, None], other=0.0)
-        elif MODE == 2:
+        elif MODE == 2 or MODE == 4:
             off = ahead[:, None] * sk_blk + (n % BLOCK_SIZE)[:, None] * sk_pos + d[None, :]
             k = tl.load(k_head + off, mask=inside[:, None], other=0.0)
             v = tl.load(v_head + off, mask=inside[:, None], other=0.0)
             nn = n + BLOCK_N
-            ahead = tl.load(table + nn // BLOCK_SIZE, mask=nn < end, other=0).to(tl.int64)
+            ahead = tl.load(table + nn // BLOCK_SIZE, mask=nn < end, other=0)
+            if MODE == 2:
+                ahead = ahead.to(tl.int64)
         else:
             col = start // BLOCK_SIZE + j
             blocks = tl.load(table + col, mask=col * BLOCK_SIZE < end, other=0).to(tl.int64)
@@ -200,11 +210,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", default="32,64")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--slot", help="the slot cache's decode_attention.py (607e410), timed on contiguous rows too")
     args = parser.parse_args()
     torch.manual_seed(0)
     heads, kv_heads, dim, n, bs, width = 32, 8, 128, 5, 16, 64
     variants: dict[str, Attend] = {"current": current}
-    for mode in (0, 1, 2, 3):
+    for mode in (2, 4):
         for block_n in (32, 64):
             for stages in (2, 3, 4):
                 variants[f"m{mode} n{block_n} s{stages}"] = variant(mode, block_n, stages)
@@ -240,6 +251,18 @@ def main() -> None:
                 flush=True,
             )
             del pools
+        if args.slot:
+            spec = importlib.util.spec_from_file_location("slot_attention", args.slot)
+            assert spec is not None and spec.loader is not None
+            slot = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(slot)
+            keys = torch.randn(args.layers, 2, batch, kv_heads, width * bs, dim, dtype=torch.bfloat16, device="cuda")
+            calls = [
+                functools.partial(slot.short_query_attention, query, kv[0], kv[1], None, dim**-0.5, positions, 1)
+                for kv in keys
+            ]
+            print(f"B={batch} slot cache's kernel, rows of {width * bs} keys: {graph_us(calls):.1f} us", flush=True)
+            del keys
 
 
 if __name__ == "__main__":

@@ -462,6 +462,36 @@ def test_blocks_kept_ahead_leave_the_next_step_nothing_to_write_and_never_fail()
     assert cache.held.tolist() == [2, 3, 0] and cache.pool.available == 3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flushes_through_the_table_writer_leave_the_tables_as_eager_writes() -> None:
+    """On CUDA `flush` writes through a captured graph from pinned buffers in turn: flushes after launches (more of
+    them than the writer has buffers, each behind a busy GPU so its copy waits), trims' trash entries, and one flush
+    of more entries than a graph takes (written eagerly) leave the tables as the CPU's eager writes do."""
+    from minedraft.engine.kv_cache import LayerSpec, PagedKVCache, TableWriter
+
+    def cache(device: str) -> PagedKVCache:
+        made = PagedKVCache(num_rows=9, max_len=4096, block_size=4, device=device)
+        made.specs = [LayerSpec(1, 4, 4, torch.float32, torch.device(device))]
+        made.allocate(2000)
+        return made
+
+    gpu, cpu = cache("cuda:0"), cache("cpu")
+    gpu.table_writer = TableWriter(gpu.apply_writes, gpu.device)
+    busy = torch.randn(2048, 2048, device="cuda:0")
+    rows = list(range(8))
+    for step in range(1, 12):
+        for made in (gpu, cpu):
+            made.trim(rows, [4 * step + r for r in rows])
+            made.keep_ahead(rows, [4 * step + 9 + 3 * r for r in rows])
+        busy = busy @ busy / 2048  # the GPU runs behind the host: each flush's copy waits its turn
+    for made in (gpu, cpu):
+        made.release([1, 3])
+        made.keep_ahead([0], [4000])  # ~1,000 entries: more than a graph takes
+        made.flush()
+    assert torch.equal(gpu.tables.cpu(), cpu.tables)
+    assert gpu.row_blocks == cpu.row_blocks
+
+
 def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_reference) -> None:
     """After its first step each verify and proposal finds every block its writes reach already taken and written
     (the step before took them once launched, `keep_ahead`), so nothing is left for its launch to write; a row

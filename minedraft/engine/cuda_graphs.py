@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -29,12 +30,49 @@ CHAIN_GROWTH = 2
 # few-row GEMMs (the 8B verify 2.6-3.5% faster at B=8 and 16, the same at B=1, on an H200) but slower ones for
 # prefills of thousands of rows (16 x 512 tokens 5% slower): eager forwards keep the process's choice.
 GRAPH_BLAS = "cublaslt"
-_CAPTURING = threading.Lock()  # held by the thread capturing a CUDA graph (`CudaGraphs._capture`)
+_CAPTURING = threading.Lock()  # held by the thread capturing a CUDA graph (`capturing`)
 
 # (rows, per-row inputs) -> outputs: what a graph captures, run on its static buffers
 GraphFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]]
 # A captured step: its chain of graphs, its input buffers, its outputs
 Captured = tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor], list[torch.Tensor]]
+
+
+@contextlib.contextmanager
+def capturing(device: torch.device) -> Iterator[None]:
+    """Around a capture: one at a time per process, the garbage collector off. A graph that the collector destroys
+    during a capture (one of a dropped runner's) invalidates that capture: seen on an H200. So collect first, and not
+    during. (Cheap in a service: its start-up objects are frozen, see server_utils.start_server.) The collector's
+    switch is process-wide, and two workers of one process (`serve --single-process`) prepare at once."""
+    with _CAPTURING:
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            torch.cuda.synchronize(device)
+            yield
+        finally:
+            if collecting:
+                gc.enable()
+
+
+def capture_graph(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """`fn`, a few kernels on static tensors of `device`, as one graph of its own: run once on a side stream, then
+    captured (thread-locally, `capturing`)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capturing(device), torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+    return graph
 
 
 def padded_batch(batch: int) -> int:
@@ -192,26 +230,13 @@ class CudaGraphs:
                 graphs.append(torch.cuda.CUDAGraph())
                 graphs[-1].capture_begin(self.pool, capture_error_mode="thread_local")
 
-        with _CAPTURING:
-            # A graph that the garbage collector destroys during a capture (one of a dropped runner's) invalidates
-            # that capture: seen on an H200. So collect first, and not during. (Cheap in a service: its start-up
-            # objects are frozen, see server_utils.start_server.) One capture at a time per process: the collector's
-            # switch is process-wide, and two workers of one process (`serve --single-process`) prepare at once.
-            gc.collect()
-            collecting = gc.isenabled()
-            gc.disable()
+        # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
+        with capturing(self.device), torch.cuda.stream(self.capture_stream):
+            graphs[0].capture_begin(self.pool, capture_error_mode="thread_local")
             try:
-                torch.cuda.synchronize(self.device)
-                # thread_local: another thread (the other model in a one-process PSD run) may use CUDA meanwhile.
-                with torch.cuda.stream(self.capture_stream):
-                    graphs[0].capture_begin(self.pool, capture_error_mode="thread_local")
-                    try:
-                        self.before_layer = next_graph_as_it_grows if SPLIT_LAUNCH else None
-                        outputs = fn(static[0], static[1:])
-                    finally:
-                        self.before_layer = None
-                        graphs[-1].capture_end()
+                self.before_layer = next_graph_as_it_grows if SPLIT_LAUNCH else None
+                outputs = fn(static[0], static[1:])
             finally:
-                if collecting:
-                    gc.enable()
+                self.before_layer = None
+                graphs[-1].capture_end()
         return graphs, static, outputs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -12,11 +12,47 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from minedraft.engine.block_pool import TRASH_BLOCK, BlockPool, block_hashes
+from minedraft.engine.cuda_graphs import capture_graph
 from minedraft.errors import CapacityError
 from minedraft.kernels import triton_runs
 
 # Cells of table storage before the tables: cell 0 takes empty table writes; four keep the tables 16-byte aligned.
 TABLE_START = 4
+
+
+class TableWriter:
+    """Table entries from the host written on CUDA by a copy and one graph's launch. Eagerly, a pinned tensor made,
+    moved and scattered cost an H200's host ~200 us a flush at batch 64 (benchmarks/profile_step.py). The entries go
+    into pinned buffers in turn; each is refilled only once the copy that read it last has run."""
+
+    ENTRIES = 256  # at most, a write (padded with empty entries: cell 0)
+    BUFFERS = 4
+
+    def __init__(self, apply_writes: Callable[[torch.Tensor], None], device: torch.device) -> None:
+        self.device = device
+        self._host = [torch.zeros(self.ENTRIES, 2, dtype=torch.int32, pin_memory=True) for _ in range(self.BUFFERS)]
+        self._views = [buffer.numpy() for buffer in self._host]
+        self._copied = [torch.cuda.Event() for _ in range(self.BUFFERS)]
+        self._turn = 0
+        self._staged = torch.zeros(self.ENTRIES, 2, dtype=torch.int32, device=device)
+        self._graph = capture_graph(lambda: apply_writes(self._staged), device)
+
+    def write(self, entries: list[tuple[int, int]]) -> bool:
+        """Write `entries` of (cell, block) in stream order; False (nothing written) where they are too many."""
+        if len(entries) > self.ENTRIES:
+            return False
+        turn = self._turn
+        self._turn = (turn + 1) % self.BUFFERS
+        self._copied[turn].synchronize()  # (long since, mostly: three writes ago)
+        view = self._views[turn]
+        view[: len(entries)] = entries
+        view[len(entries) :] = 0
+        with torch.cuda.device(self.device):
+            self._staged.copy_(self._host[turn], non_blocking=True)
+            self._copied[turn].record()
+            self._graph.replay()
+        return True
+
 
 # Why not transformers' PagedAttentionCache: it is bound to its own continuous-batching manager (flattened varlen
 # batches, a scheduler that allocates its blocks itself) and has no per-row rollback. Speculative verify needs
@@ -86,6 +122,7 @@ class PagedKVCache(Cache):
         self._pending: dict[tuple[int, int], int] = {}
         self._freed: set[tuple[int, int]] = set()
         self._no_writes: dict[tuple[int, int], torch.Tensor] = {}  # step_writes' empty tensors, by shape
+        self.table_writer: TableWriter | None = None  # `flush`'s way on CUDA, where the runner captures graphs
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -159,18 +196,23 @@ class PagedKVCache(Cache):
         ends[i])`, the most its next step may reach, and no more (`trim`); those it lacks are taken where the pool
         can spare them all (up to `max_len`; never a CapacityError) and their table entries written now, in stream
         order. The next step then finds its blocks and entries in place and costs the host a check before its
-        launch."""
+        launch. Mostly every row holds what it should already, which one comparison says."""
         rows = np.asarray(rows, dtype=np.int64)
-        ends = np.minimum(ends, self.max_len)
-        self.trim(rows, ends)
-        counts = -(-ends // self.block_size) - self.held[rows]
-        short = counts > 0
-        if short.any():
-            counts = counts[short]
-            assert self.pool is not None
-            if counts.sum() <= self.pool.available:
-                self._take(rows[short], counts)
-        self.flush(freed=False)
+        wanted = -(-np.minimum(ends, self.max_len) // self.block_size)
+        held = self.held[rows]
+        if (held != wanted).any():
+            over = held > wanted
+            if over.any():
+                self._drop(rows[over].tolist(), wanted[over].tolist())
+            counts = wanted - held
+            short = counts > 0
+            if short.any():
+                counts = counts[short]
+                assert self.pool is not None
+                if counts.sum() <= self.pool.available:
+                    self._take(rows[short], counts)
+        if self._pending:
+            self.flush(freed=False)
 
     def _take(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """`counts[i]` more blocks for each (distinct) row `rows[i]`, or a CapacityError and none."""
@@ -181,12 +223,13 @@ class PagedKVCache(Cache):
                 f"the KV cache is out of blocks: this step needs {total} more, {self.pool.available} are free "
                 f"of {self.pool.usable}"
             )
-        taken, start, freed = self.pool.take(total), 0, self._freed
+        taken, start, freed, pending = self.pool.take(total), 0, self._freed, self._pending
         for row, count in zip(rows.tolist(), counts.tolist()):
             held = self.row_blocks[row]
             for column, block in enumerate(taken[start : start + count], len(held)):
-                self._pending[row, column] = block
-                freed.discard((row, column))
+                pending[row, column] = block
+                if freed:
+                    freed.discard((row, column))
             held += taken[start : start + count]
             self.held[row] = len(held)
             start += count
@@ -195,11 +238,16 @@ class PagedKVCache(Cache):
         """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty), their table
         entries pointed at the trash block before the next prefill (`_freed`): a prefill pads its shorter prompts
         with writes past what they reserved, which a stale entry would send into a block another row now holds."""
+        rows = np.asarray(rows, dtype=np.int64)
+        keep = -(-np.asarray(lengths, dtype=np.int64) // self.block_size)
+        over = self.held[rows] > keep
+        if over.any():
+            self._drop(rows[over].tolist(), keep[over].tolist())
+
+    def _drop(self, rows: list[int], keep: list[int]) -> None:
+        """Each row `rows[i]` gives back its blocks past its first `keep[i]` (`trim`)."""
         assert self.pool is not None
-        rows, lengths = np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-        keep = -(-lengths // self.block_size)
-        over = np.flatnonzero(self.held[rows] > keep)
-        for row, kept in zip(rows[over].tolist(), keep[over].tolist()):
+        for row, kept in zip(rows, keep):
             held = self.row_blocks[row]
             self.pool.free(held[kept:])
             for column in range(kept, len(held)):
@@ -249,15 +297,17 @@ class PagedKVCache(Cache):
         is launched (in stream order, after it). `freed`: also those of freed columns (`_freed`), which only a step
         that does not write its own needs."""
         entries = [(self._cell(row, column), block) for (row, column), block in self._pending.items()]
-        if freed:
+        if freed and self._freed:
             entries += [(self._cell(row, column), TRASH_BLOCK) for row, column in self._freed]
             self._freed.clear()
-        if entries:
-            writes = torch.tensor(entries, dtype=torch.int32)
+        if not entries:
+            return
+        if self.table_writer is None or not self.table_writer.write(entries):
+            writes = torch.from_numpy(np.array(entries, dtype=np.int32))
             if self.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the step it follows
                 writes = writes.pin_memory()
             self.apply_writes(writes.to(self.device, non_blocking=True))
-            self._pending.clear()
+        self._pending.clear()
 
     def step_writes(self, batch: int, per_row: int) -> torch.Tensor | None:
         """The pending entries of blocks rows took, for a step's graph to write (`apply_writes`): a host tensor

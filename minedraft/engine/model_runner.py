@@ -22,7 +22,7 @@ from minedraft.engine.attention import (
 )
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
 from minedraft.engine.fused_projections import FusedQKVAttention, fuse_projections
-from minedraft.engine.kv_cache import PagedKVCache
+from minedraft.engine.kv_cache import PagedKVCache, TableWriter
 from minedraft.engine.residual_fold import fold_residuals
 from minedraft.engine.tensor_parallel import TensorParallel, same_on_every_rank
 from minedraft.errors import CapacityError
@@ -236,6 +236,7 @@ class ModelRunner:
         # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
         if self.device.type == "cuda" and cuda_graphs and not spread:
             self.graphs = CudaGraphs(model, decoder_layers(model), fill_row=self.scratch_row)
+            self.cache.table_writer = TableWriter(self.cache.apply_writes, self.device)
         if compile_layers:
             self.warm_up()
 
