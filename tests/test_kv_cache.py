@@ -399,45 +399,6 @@ def test_a_prefill_gathers_however_few_tokens_follow_its_cached_blocks(tiny_mode
         assert step.shape.kv_len is None
 
 
-def test_table_entries_written_by_a_step_equal_those_written_before_it() -> None:
-    """A graphed step writes its rows' new table entries itself (`step_writes`, `apply_writes`, with padding rows of
-    zeros, which land outside the tables), a trim's trash entries follow once it is launched (`flush`): the tables
-    end as an eager write of the same entries leaves them, entries past a row's blocks name the trash block, and too
-    many pending entries are left to the eager write."""
-    from minedraft.engine.kv_cache import LayerSpec, PagedKVCache
-
-    def cache() -> PagedKVCache:
-        made = PagedKVCache(num_rows=5, max_len=64, block_size=4, device="cpu")
-        made.specs = [LayerSpec(1, 4, 4, torch.float32, torch.device("cpu"))]
-        made.allocate(40)
-        made.reserve([0, 1, 2, 3], [5, 9, 2, 4])
-        made.flush()
-        return made
-
-    eager, graphed = cache(), cache()
-    for step in ([6, 9, 5, 4], [9, 13, 8, 9], [3, 4, 2, 3]):  # each row at most one new block a step
-        for made in (eager, graphed):
-            made.trim([0, 1, 2, 3], [s - 2 for s in step])
-            made.reserve([0, 1, 2, 3], step)
-        eager.flush()
-        writes = graphed.step_writes(4, 2)
-        assert writes is not None
-        padded = torch.cat([writes, torch.zeros(4, 2, 2, dtype=torch.int32)])  # as a graph's padding rows
-        graphed.apply_writes(padded)
-        for r, blocks in enumerate(graphed.row_blocks):  # what the step reads and writes is in place
-            assert graphed.tables[r, : len(blocks)].tolist() == blocks
-        graphed.flush()  # once it is launched
-        assert torch.equal(graphed.tables, eager.tables)
-        # Past a row's blocks the trash block: where a prefill's padding writes land.
-        assert all(not graphed.tables[r, len(b) :].any() for r, b in enumerate(graphed.row_blocks))
-    nothing = graphed.step_writes(4, 2)
-    assert nothing is not None and not nothing.any() and graphed.step_writes(4, 2) is nothing  # (its copy skipped)
-    graphed.reserve([0, 1, 2, 3], [30, 30, 30, 30])
-    assert graphed.step_writes(4, 2) is None  # more than two a row: written before the step
-    graphed.flush()
-    assert [graphed.tables[r, : len(b)].tolist() for r, b in enumerate(graphed.row_blocks)] == graphed.row_blocks
-
-
 def test_blocks_kept_ahead_leave_the_next_step_nothing_to_write_and_never_fail() -> None:
     """`keep_ahead` takes the blocks a row's next step may reach and writes their entries, so that step's `reserve`
     takes none and has none to write; it gives back blocks past that reach; where the pool is short it takes none,
@@ -453,8 +414,7 @@ def test_blocks_kept_ahead_leave_the_next_step_nothing_to_write_and_never_fail()
     assert cache.held[:2].tolist() == [3, 3] and cache.pool is not None and cache.pool.available == 2
     assert [cache.tables[r, :3].tolist() for r in (0, 1)] == cache.row_blocks[:2]  # written already
     cache.reserve([0, 1], [9, 10])  # the next step: all there
-    nothing = cache.step_writes(2, 4)
-    assert nothing is not None and not nothing.any()
+    assert not cache._pending
     cache.keep_ahead([0, 1], [64, 64])  # more than the pool has: none taken, no error
     cache.keep_ahead([2], [100])  # past max_len: up to it, where it fits
     assert cache.held.tolist() == [3, 3, 0] and cache.pool.available == 2
@@ -517,15 +477,13 @@ def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_refere
         if step:
             assert (reach <= d_cache.held[d_rows] * size).all(), "a proposal's blocks not taken ahead"
         proposal = proposer.propose(seqs, accepted, last, k)
-        left = d_cache.step_writes(3, 4)
-        assert left is not None and not left.any(), "table entries left for the next proposal's launch"
+        assert not d_cache._pending, "table entries left for the next proposal's launch"
         assert (d_cache.held[d_rows] <= -(-(reach + k + 1) // size)).all()
         before = verifier.cached[v_rows]
         if step:
             assert (before + k + 1 <= v_cache.held[v_rows] * size).all(), "a verify's blocks not taken ahead"
         result = verifier.verify(seqs, proposal.draft_ids, None).per_row()
-        left = v_cache.step_writes(3, 4)
-        assert left is not None and not left.any(), "table entries left for the next verify's launch"
+        assert not v_cache._pending, "table entries left for the next verify's launch"
         assert (v_cache.held[v_rows] <= -(-(verifier.cached[v_rows] + 2 * (k + 1)) // size)).all()
         for row, (emitted, _, _) in zip(tokens, result):
             row += emitted

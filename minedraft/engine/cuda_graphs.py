@@ -108,8 +108,8 @@ class CudaGraphs:
         self.capture_stream = torch.cuda.Stream(self.device)
         self.graphs: dict[tuple[object, ...], Captured] = {}
         self.buffers: dict[tuple[object, ...], torch.Tensor] = {}
-        # A buffer's address -> the host tensor last copied into it (and its padding filled), for inputs that often
-        # repeat (`run`'s `repeating`)
+        # A rows buffer's address -> the host rows last copied into it (and its padding filled): a batch's rows
+        # repeat from step to step
         self.held: dict[int, torch.Tensor] = {}
         # Called at the start of each decoder layer's forward while set (a capture splits there). The hooks hold
         # this object weakly: graphs of runners made and dropped over one model must not stay alive through them.
@@ -138,11 +138,9 @@ class CudaGraphs:
         *,
         padded: int,
         lane: int | None,
-        repeating: Sequence[int] = (0,),
     ) -> list[torch.Tensor]:
         """Replay (capturing first) the graph of `key` on `inputs` (rows, then per-row inputs), padded to `padded`
-        rows; `lane`: the coordinator's batch (its rows' buffer is its own); `repeating`: the positions of inputs
-        that often repeat from step to step (the rows: copied only when changed)."""
+        rows; `lane`: the coordinator's batch (its rows' buffer is its own, copied only when the rows changed)."""
         # Capture and replay happen on the runner's GPU whichever device is current in this thread (a graph
         # captured on another device's stream is empty: seen with target and draft on two GPUs of one process).
         with torch.cuda.device(self.device):
@@ -152,7 +150,7 @@ class CudaGraphs:
                 self.graphs[key] = self._capture(fn, inputs, padded=padded, lane=lane)
                 log.info("captured a CUDA graph for %s in %.2f s", key, time.perf_counter() - start)
             graphs, static, outputs = self.graphs[key]
-            self._copy_inputs(static, inputs, padded, repeating)
+            self._copy_inputs(static, inputs, padded)
             for graph in graphs:
                 graph.replay()
             return [t[:batch] for t in outputs]
@@ -161,19 +159,17 @@ class CudaGraphs:
         """What the padding rows of input `position` hold: the fill row for the rows, zeros for the rest."""
         return self.fill_row if position == 0 else 0
 
-    def _copy_inputs(
-        self, static: list[torch.Tensor], inputs: list[torch.Tensor], padded: int, repeating: Sequence[int]
-    ) -> None:
-        """Into a graph's input buffers: `inputs`, then the fills in the padding rows up to `padded`; the inputs at
-        `repeating` only where they differ from what their buffer holds."""
+    def _copy_inputs(self, static: list[torch.Tensor], inputs: list[torch.Tensor], padded: int) -> None:
+        """Into a graph's input buffers: `inputs`, then the fills in the padding rows up to `padded`; the rows only
+        where they differ from what their buffer holds."""
         batch = len(inputs[0])
         for position, (buffer, value) in enumerate(zip(static, inputs, strict=True)):
-            if position in repeating and self._holds(buffer, value):
+            if position == 0 and self._holds(buffer, value):
                 continue
             buffer[:batch].copy_(value, non_blocking=True)  # host inputs straight in: one copy, no sync
             if batch < padded:
                 buffer[batch:].fill_(self._fill(position))
-            if position in repeating and not value.is_cuda:
+            if position == 0 and not value.is_cuda:
                 self.held[buffer.data_ptr()] = value.clone()
             else:
                 self.held.pop(buffer.data_ptr(), None)

@@ -84,7 +84,7 @@ class PagedKVCache(Cache):
     writes need, `trim` gives back what a rollback left empty); the device keeps `tables` and `lengths`, which steps
     and their graphs read and write. K/V at or beyond a row's length are garbage no read reaches; table entries past
     its blocks name the trash block, where padding writes land (`trim`). Every table change is pending on the host
-    until the next step writes it (`step_writes`, `flush`).
+    until `flush` writes it: right after a step's launch (`keep_ahead`), or before the next step.
 
     Before each forward the runner calls `select(rows, positions, kv_len)`; every layer's `update` then writes its
     new keys/values and returns what attention reads: with a `kv_len`, the rows' K/V gathered into `[B, kv_heads,
@@ -106,8 +106,8 @@ class PagedKVCache(Cache):
         self.prefix_caching = prefix_caching
         self.max_blocks = -(-max_len // block_size)  # per row
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
-        # The tables live in `_cells` after TABLE_START cells: a table write to cell 0 (an empty entry of
-        # `step_writes`, a padding row's) lands there and changes no table.
+        # The tables live in `_cells` after TABLE_START cells: a table write to cell 0 (an empty entry, which pads a
+        # `TableWriter`'s) lands there and changes no table.
         self._cells = torch.full(
             (TABLE_START + num_rows * self.max_blocks,), TRASH_BLOCK, dtype=torch.int32, device=device
         )
@@ -115,13 +115,11 @@ class PagedKVCache(Cache):
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
         self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
         # Table entries the device has not yet (every change goes here first). `_pending`, (row, column) -> block:
-        # blocks a row took, which a step must have before it runs (a graphed step's graph writes them,
-        # `step_writes`; any other step writes them first, `flush`). `_freed`, (row, column): columns a row gave
-        # back, to point at the trash block: only a prefill's padding writes past a row's blocks, and a step that
-        # does not write its own entries (a prefill) flushes first, so they wait for one.
+        # blocks a row took, which a step must have before it runs. `_freed`, (row, column): columns a row gave
+        # back, to point at the trash block: only a prefill's padding writes past a row's blocks, so they wait
+        # for the flush before an eager step (`flush(freed=True)`).
         self._pending: dict[tuple[int, int], int] = {}
         self._freed: set[tuple[int, int]] = set()
-        self._no_writes: dict[tuple[int, int], torch.Tensor] = {}  # step_writes' empty tensors, by shape
         self.table_writer: TableWriter | None = None  # `flush`'s way on CUDA, where the runner captures graphs
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
@@ -293,9 +291,9 @@ class PagedKVCache(Cache):
         self.pool.register(self.row_blocks[row][: len(keys)], keys)
 
     def flush(self, freed: bool = True) -> None:
-        """Write the table entries the device has not yet: before a step that does not write its own, or once a step
-        is launched (in stream order, after it). `freed`: also those of freed columns (`_freed`), which only a step
-        that does not write its own needs."""
+        """Write the table entries the device has not yet, in stream order: before a step, or once a step is launched
+        (`keep_ahead`). `freed`: also those of freed columns (`_freed`), which only an eager step (a prefill, whose
+        padding writes past its rows' blocks) needs."""
         entries = [(self._cell(row, column), block) for (row, column), block in self._pending.items()]
         if freed and self._freed:
             entries += [(self._cell(row, column), TRASH_BLOCK) for row, column in self._freed]
@@ -309,28 +307,9 @@ class PagedKVCache(Cache):
             self.apply_writes(writes.to(self.device, non_blocking=True))
         self._pending.clear()
 
-    def step_writes(self, batch: int, per_row: int) -> torch.Tensor | None:
-        """The pending entries of blocks rows took, for a step's graph to write (`apply_writes`): a host tensor
-        `[batch, per_row, 2]` of (cell, block), zeros past the last (cell 0 lies outside the tables); None where
-        more are pending. The same tensor each time none is (its graph buffer then needs no copy). In the graph they
-        cost two small kernels; written from the host before the launch they cost 0.1 ms (a copy and an index_put of
-        a dozen entries at batch 64, on an H200's host) that the GPU waited for."""
-        pending = len(self._pending)
-        if not pending:
-            shape = (batch, per_row)
-            if shape not in self._no_writes:
-                self._no_writes[shape] = torch.zeros(batch, per_row, 2, dtype=torch.int32)
-            return self._no_writes[shape]
-        if pending > batch * per_row:
-            return None
-        writes = np.zeros((batch * per_row, 2), dtype=np.int32)
-        writes[:pending] = [(self._cell(row, column), block) for (row, column), block in self._pending.items()]
-        self._pending.clear()
-        return torch.from_numpy(writes.reshape(batch, per_row, 2))
-
     def apply_writes(self, writes: torch.Tensor) -> None:
-        """Table entries `[..., 2]` of (cell, block) (`step_writes`), on the device: inside a step's graph, or from
-        `flush`. An empty entry (zeros: also a graph's padding rows') writes cell 0, outside the tables."""
+        """Table entries `[..., 2]` of (cell, block) on the device (`flush`). An empty entry (zeros) writes cell 0,
+        outside the tables."""
         cells, blocks = writes.view(-1, 2).unbind(1)
         self._cells[cells] = blocks
 

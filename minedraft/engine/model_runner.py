@@ -86,11 +86,6 @@ class Step:
     lane: int | None = None  # the coordinator's batch: graphs keep its rows in a buffer of its own
 
 
-# Table entries a step's graph writes per row of its batch (`PagedKVCache.step_writes`): a step of up to a block's
-# positions takes at most one new block a row, mostly none (the steps before took them, `keep_ahead`); more
-# pending entries are written before the launch.
-TABLE_WRITES_PER_ROW = 4
-
 # (rows, per-row inputs, shape) -> outputs: what a step runs on its batch, padded and in cache-row order; on CUDA
 # inside the step's graph, so it may read only its arguments and tensors that outlive the call, make no tensor from a
 # Python value and never sync with the host. Its kind (`ModelRunner.prepare`) names what it does.
@@ -457,31 +452,18 @@ class ModelRunner:
             inputs = [t if t.is_inference() else t.clone() for t in inputs]
             return body(inputs[0], inputs[1:], shape)
         if self.graphs is not None and step.graphable:
-            # The rows' new table entries, written by the graph: one more input copied, not a write before it.
-            writes = self.cache.step_writes(len(inputs[0]), TABLE_WRITES_PER_ROW)
-            if writes is None:
-                self.cache.flush()
-                writes = self.cache.step_writes(len(inputs[0]), TABLE_WRITES_PER_ROW)
-                assert writes is not None
+            # Blocks the rows took for this step, where the step before did not take them ahead (`keep_ahead`).
+            self.cache.flush(freed=False)
 
             def graphed(rows: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 self.cache.lengths.narrow(0, self.scratch_row, 1).zero_()  # padding rows begin empty, in the graph
-                self.cache.apply_writes(inputs[-1])
-                return body(rows, inputs[:-1], shape)
+                return body(rows, inputs, shape)
 
             try:
-                return self.graphs.run(
-                    step.key,
-                    graphed,
-                    [*inputs, writes],
-                    padded=shape.padded,
-                    lane=step.lane,
-                    repeating=(0, len(inputs)),  # the rows, and the table entries (mostly none)
-                )
+                return self.graphs.run(step.key, graphed, inputs, padded=shape.padded, lane=step.lane)
             except RuntimeError as exc:  # a model whose forward cannot be captured still serves, eagerly
                 log.warning("CUDA graph capture failed, running eagerly from now on: %s", exc)
                 self.graphs = None
-                self.cache.apply_writes(writes.to(self.device))
         self.cache.flush()
         # Eagerly, with the very shapes a graph would have, so both give identical outputs (prefills unpadded).
         batch = len(inputs[0])

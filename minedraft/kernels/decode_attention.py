@@ -59,12 +59,9 @@ def _chunk_kernel(
     sq_b,
     sq_h,
     sq_n,
-    sk_blk,
-    sk_h,
-    sk_pos,
-    sv_blk,
-    sv_h,
-    sv_pos,
+    s_blk,
+    s_h,
+    s_pos,
     st_row,
     sr,
     sp_b,
@@ -113,7 +110,7 @@ def _chunk_kernel(
     chunk = tl.cdiv(tl.cdiv(end - begin, tl.num_programs(1)), BLOCK_N) * BLOCK_N
     first = begin + c * chunk
     table = table_ptr + tl.load(rows_ptr + b * sr) * st_row
-    k_head, v_head = k_ptr + h.to(tl.int64) * sk_h, v_ptr + h.to(tl.int64) * sv_h
+    k_head, v_head = k_ptr + h.to(tl.int64) * s_h, v_ptr + h.to(tl.int64) * s_h
     m_i = tl.full([ROWS], MASKED, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM], tl.float32)
@@ -131,8 +128,10 @@ def _chunk_kernel(
             seen = seen & (n[None, :] > own[:, None] - window)
         slot = n % BLOCK_SIZE
         kv_mask = inside[:, None] if HEAD == DIM else inside[:, None] & (d < HEAD)[None, :]
-        k = tl.load(k_head + block[:, None] * sk_blk + slot[:, None] * sk_pos + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + block[:, None] * sv_blk + slot[:, None] * sv_pos + d[None, :], mask=kv_mask, other=0.0)
+        # K and V pools share their strides: one offset for both (computing each its own: 10% slower at batch 64).
+        kv = block[:, None] * s_blk + slot[:, None] * s_pos + d[None, :]
+        k = tl.load(k_head + kv, mask=kv_mask, other=0.0)
+        v = tl.load(v_head + kv, mask=kv_mask, other=0.0)
         ahead = n + BLOCK_N
         block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0).to(tl.int64)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -191,12 +190,14 @@ def _merge_kernel(
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether the kernels take these shapes: queries `[B, heads, n, D]` and pools `[num_blocks, kv_heads,
-    block_size, D]` of one head size of 16 or more, contiguous along it, query heads a multiple of the K/V heads."""
+    block_size, D]` of one head size of 16 or more, contiguous along it and strided alike, query heads a multiple of the
+    K/V heads."""
     dim = query.shape[-1]
     return (
         query.dim() == key_cache.dim() == value_cache.dim() == 4
         and dim >= 16
         and key_cache.shape == value_cache.shape
+        and key_cache.stride() == value_cache.stride()
         and key_cache.shape[-1] == dim
         and query.shape[1] % key_cache.shape[1] == 0
         and query.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
@@ -246,7 +247,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for `query` `[B, heads, n, D]` (any strides with a unit last one: the query as the
     projections leave it, transposed, is read without a copy) over one layer's pools `key_cache`/`value_cache`
-    `[num_blocks, kv_heads, block_size, D]` (unit last stride); returns `[B, n, heads, D]`.
+    `[num_blocks, kv_heads, block_size, D]` (unit last stride, the same strides); returns `[B, n, heads, D]`.
 
     Entry b's keys are row `rows[b]` of `block_tables` `[R, M]` (int32, unit last stride): position p in block
     `block_tables[rows[b], p // block_size]` at `p % block_size`. Query i of entry b sees the keys at positions up to
@@ -271,6 +272,7 @@ def paged_attention(
     lse = torch.empty(batch * kv_heads * chunks * padded_rows if split else 1, dtype=torch.float32, device=query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     assert query.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == block_tables.stride(-1) == 1
+    assert key_cache.stride() == value_cache.stride()
     if tuple(positions.shape) != (batch, queries) or tuple(rows.shape) != (batch,):
         raise ValueError(
             f"paged attention needs rows as [{batch}] and positions as [{batch}, {queries}], got "
@@ -294,9 +296,6 @@ def paged_attention(
             key_cache.stride(0),
             key_cache.stride(1),
             key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
             block_tables.stride(0),
             rows.stride(0),
             positions.stride(0),
