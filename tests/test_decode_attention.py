@@ -80,10 +80,11 @@ def paged_inputs(case: Case, device: str, dtype: torch.dtype, generator: torch.G
         tables[row, : len(own)] = own
     if batch > 2:
         tables[rows[2], 0] = tables[rows[1], 0]  # a shared first block (both rows have more than one block's keys)
-    # Layer 1 of a stack of two; the keys' positions padded, the values' heads outermost.
+    # Layer 1 of a stack of two, keys and values strided alike (as the cache's stacks): heads outermost, positions
+    # padded.
     nan = float("nan")
-    key_cache = torch.full((2, num_blocks, kv_heads, size + 3, dim), nan, dtype=dtype, device=device)[1, :, :, :size]
-    value_cache = torch.full((2, kv_heads, num_blocks, size, dim), nan, dtype=dtype, device=device)[1].transpose(0, 1)
+    stack = torch.full((2, 2, kv_heads, num_blocks, size + 3, dim), nan, dtype=dtype, device=device)
+    key_cache, value_cache = stack[:, 1].transpose(1, 2)[:, :, :, :size].unbind(0)
     for b, row in enumerate(rows.tolist()):
         first = max(int(positions[b].min()) - case.window + 1, 0) if case.window else 0
         for position in range(first, int(lengths[b])):
