@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -452,11 +453,24 @@ def test_flushes_through_the_table_writer_leave_the_tables_as_eager_writes() -> 
     assert gpu.row_blocks == cpu.row_blocks
 
 
+def test_a_proposals_committed_count_equals_kept_plus_tail(tiny_models) -> None:
+    """The proposer's short form of what a verdict commits (`_committed_after`, before a proposal's launch) equals
+    kept + tail (`_kept_and_tail`, as the proposal's graph reconciles) for every verdict a row can get: up to its
+    last_k drafts accepted, and any after a catch-up or a prefill (nothing drafted)."""
+    proposer = Proposer(ModelRunner(tiny_models.draft("llama"), 32, 64))
+    rows = np.arange(32)
+    for last_k in range(6):
+        proposer.last_k_host[rows] = last_k
+        proposer.committed_host[rows] = 7 + rows
+        accepted = rows % (last_k + 1) if last_k else rows % 5
+        kept, tail = proposer._kept_and_tail(rows, accepted)
+        assert proposer._committed_after(rows, accepted).tolist() == (kept + tail).tolist()
+
+
 def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_reference) -> None:
     """After its first step each verify and proposal finds every block its writes reach already taken and written
     (the step before took them once launched, `keep_ahead`), so nothing is left for its launch to write; a row
     holds at most one block past what its next step may reach; and the tokens are `generate()`'s."""
-    import numpy as np
 
     target, draft = tiny_models.target("llama", vocab=VOCAB), tiny_models.noisy_draft("llama", vocab=VOCAB)
     k, size = 3, 4
