@@ -198,7 +198,8 @@ def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) ->
 
 
 def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: TinyPairs, tmp_path: Path) -> None:
-    """A comparison stopped in its second mode (a benchmark's time limit, Ctrl-C) still writes the first's figures."""
+    """A comparison stopped in its second mode (a benchmark's time limit, Ctrl-C) still writes the first's figures,
+    of a load sent once."""
     pair, out = tiny_pairs["llama"], tmp_path / "bench.json"
     bench = subprocess.Popen(
         [
@@ -225,6 +226,8 @@ def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: Tin
             str(out),
             "--log-dir",
             str(tmp_path / "logs"),
+            "--step-trace-dir",
+            str(tmp_path / "traces"),
         ],
         cwd=REPO,
         env=SERVICE_ENV,
@@ -246,3 +249,6 @@ def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: Tin
     report = json.loads(out.read_text())
     assert report["interrupted"] is True and set(report["results"]) == {"psd"}
     assert report["results"]["psd"]["completed"] == 4
+    # Each request sent once: the two warm-up requests and the four of the load, each prefilled once.
+    calls = [json.loads(line) for line in (tmp_path / "traces" / "psd.jsonl").read_text().splitlines()]
+    assert sum(c["batch_size"] for c in calls if c["kind"] == "prefill") == 2 + 4

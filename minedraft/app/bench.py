@@ -616,15 +616,13 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
             start = time.perf_counter()
             stack.start()
             print(f"{mode}: services up in {time.perf_counter() - start:.1f} s", flush=True)
-            info = _server_info(stack.address, stack.args)
-            plain = argparse.Namespace(**(vars(args) | {"tls_ca": None}))  # its own stack serves no TLS
-            results, wall = asyncio.run(run_load(stack.address, prompts, plain, mode))
-            info = _server_info(stack.address) | {"api": args.api}
+            info = _server_info(stack.address, stack.args) | {"api": args.api}
             address = stack.address
             if args.api == "http":
                 address = stack.http_url
                 _http_info(address)
-            results, wall = asyncio.run(run_load(address, prompts, args, mode))
+            plain = argparse.Namespace(**(vars(args) | {"tls_ca": None}))  # its own stack serves no TLS
+            results, wall = asyncio.run(run_load(address, prompts, plain, mode))
             summaries[mode] = summarize(mode, results, wall, info)  # kept, even if stopping the stack is interrupted
         except (RuntimeError, TimeoutError, grpc.RpcError) as exc:
             raise RuntimeError(f"{mode}: {exc}\n--- {stack.log_path} ---\n{stack.log_tail()}") from exc
