@@ -382,7 +382,9 @@ class PagedKVCache(Cache):
 
         def gathered(pool: torch.Tensor) -> torch.Tensor:
             batch, heads, dim = blocks.shape[0], pool.shape[1], pool.shape[-1]
-            rows = pool[blocks].transpose(1, 2).reshape(batch, heads, columns * self.block_size, dim)
+            # Indexed by (block, head) at once: `[B, heads, columns, block_size, D]` in one copy, no transpose's.
+            index = torch.arange(heads, device=pool.device)[None, :, None]
+            rows = pool[blocks[:, None, :], index].view(batch, heads, columns * self.block_size, dim)
             return rows[:, :, : self._kv_len]
 
         return gathered(keys), gathered(values)
