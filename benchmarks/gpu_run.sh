@@ -7,7 +7,8 @@
 #                       precapture, so AR rarely fits in the same call. On one GPU psd under the default
 #                       OVERLAP=auto runs one merged batch: OVERLAP=always measures its two batches
 #   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s,
-#                       and prompts of mixed lengths grouped by length against one forward (COMPILE=1: compiled)
+#                       and prompts of mixed lengths grouped by length against one forward (COMPILE=1: compiled;
+#                       EXTRA="--profile": then where one prefill's host time goes, and where it waits for the GPU)
 #   profile             one served 68m stack with worker profiles, and the same steps profiled in process
 #   kvgather            ways of reading a batch's keys out of the slot KV cache
 #   attention           the step attention's fused and two-matmul paths, compiled, at real steps' shapes
@@ -106,7 +107,7 @@ services)
     ;;
 prefill)
     timeout -k 10 ${BENCH_SECONDS:-200} python3 benchmarks/prefill_bench.py ${COMPILE:+--compile} \
-        --batches "${BATCHES:-1,8,16,24,32,39,48,64}" 2>&1 | tee "$OUT/run/prefill.txt"
+        --batches "${BATCHES:-1,8,16,24,32,39,48,64}" ${EXTRA:-} 2>&1 | tee "$OUT/run/prefill.txt"
     ;;
 profile)
     timeout -s USR1 -k 30 ${BENCH_SECONDS:-400} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \

@@ -5,9 +5,14 @@ Batches of prompts of one length; prompts of mixed lengths grouped by length aga
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
+import pstats
 import statistics
 import sys
 import time
+import warnings
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -61,6 +66,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile'd decoder layers (as --compile serves)")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument(
+        "--profile", action="store_true", help="then profile one prefill of one prompt: the host's costliest calls"
+    )
+    parser.add_argument(
         "--blas",
         default="",
         help="BLAS libraries to compare on the batches, alternating (e.g. "
@@ -95,14 +103,18 @@ def main() -> None:
         flush=True,
     )
     libraries = args.blas.split(",") if args.blas else [""]
+
+    def random_prompts(lengths: list[int]) -> list[list[int]]:
+        """New prompts for every prefill: the prefix cache holds those prefilled before."""
+        return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
     for batch in batches:
-        prompts = torch.randint(0, VOCAB, (batch, args.prompt_len), generator=generator).tolist()
         runs: dict[str, list[float]] = {library: [] for library in libraries}
         for repeat in range(args.repeats + 1):  # the first: allocations, and a compile of a new size
             for library in libraries if repeat % 2 else libraries[::-1]:
                 if library:
                     torch.backends.cuda.preferred_blas_library(library)
-                runs[library].append(prefill_seconds(prompts, grouped_cost))
+                runs[library].append(prefill_seconds(random_prompts([args.prompt_len] * batch), grouped_cost))
         for library, measured in runs.items():
             seconds, tokens = statistics.median(measured[1:]), batch * args.prompt_len
             print(
@@ -112,11 +124,10 @@ def main() -> None:
                 flush=True,
             )
     for lengths in mixed:
-        prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
         times: dict[int, list[float]] = {grouped_cost: [], ONE_FORWARD: []}
         for repeat in range(args.repeats + 1):
             for cost in (grouped_cost, ONE_FORWARD) if repeat % 2 else (ONE_FORWARD, grouped_cost):
-                times[cost].append(prefill_seconds(prompts, cost))
+                times[cost].append(prefill_seconds(random_prompts(lengths), cost))
         grouped, one = (statistics.median(times[c][1:]) for c in (grouped_cost, ONE_FORWARD))
         groups = sequence_table.prefill_groups(lengths, grouped_cost)
         padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
@@ -126,6 +137,38 @@ def main() -> None:
             f"tokens computed): {one / grouped:.2f}x",
             flush=True,
         )
+    if args.profile:
+        profile_one_prefill(lambda: prefill_seconds(random_prompts([args.prompt_len]), grouped_cost), device)
+
+
+def profile_one_prefill(prefill_seconds: Callable[[], float], device: str) -> None:
+    """Where one prefill's host time goes: the host's costliest operations (with CUDA's API calls on a GPU), the
+    Python functions under cProfile, and on a GPU each line that made the host wait for the device."""
+    prefill_seconds()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        seconds = prefill_seconds()
+    print(f"one prompt, profiled: {seconds * 1e3:.1f} ms; the host's costliest calls:")
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    functions = cProfile.Profile()
+    seconds = functions.runcall(prefill_seconds)
+    print(f"the same under cProfile: {seconds * 1e3:.1f} ms; by time in each function itself:")
+    pstats.Stats(functions).sort_stats("tottime").print_stats(20)
+    if not device.startswith("cuda"):
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            seconds = prefill_seconds()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    print(f"the same, the host waiting for the device ({seconds * 1e3:.1f} ms) {sum(waits.values())} times:")
+    for line, count in waits.most_common():
+        print(f"  {count:4d}  {line}")
 
 
 if __name__ == "__main__":

@@ -531,3 +531,24 @@ def test_a_prefills_padding_lands_in_the_trash_block_not_in_another_rows(tiny_mo
     verifier.prefill([4, 5], [[30, 31], [40, 41, 42, 43, 44, 45, 46, 47]], [config] * 2).per_row()
     assert verifier.table.rows_by_id[4] == row_a
     assert_state_equal(cache.rows_state(row_b), fresh_state(model, [20, 21]), "B after C's padded prefill")
+
+
+def test_an_eager_forward_runs_no_version_counter_hook(tiny_models, monkeypatch) -> None:
+    """The rotary write mutates the K/V stacks and takes the tables: were any of its tensors a normal (not inference)
+    tensor, each layer of an eager forward (a prefill; every step on a CPU) would pass through autograd's Python hook
+    that bumps version counters (`fill_defaults` first), ~35 us a layer on this CPU."""
+    import torch._library.utils as library_utils
+
+    calls = []
+    fill_defaults = library_utils.fill_defaults
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(args)
+        return fill_defaults(*args, **kwargs)
+
+    monkeypatch.setattr(library_utils, "fill_defaults", counted)
+    verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2, 64), [])
+    assert verifier.runner.cache.stacked, "the rotary write runs on stacked caches"
+    verifier.prefill([1], [list(range(20))], [SamplingConfig(max_tokens=4)]).per_row()
+    verifier.verify([1], torch.tensor([[3, 4]]), None).per_row()
+    assert not calls, f"{len(calls)} calls went through autograd's version-counter hook"

@@ -108,9 +108,12 @@ class PagedKVCache(Cache):
         self.lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
         # The tables live in `_cells` after TABLE_START cells: a table write to cell 0 (an empty entry, which pads a
         # `TableWriter`'s) lands there and changes no table.
-        self._cells = torch.full(
-            (TABLE_START + num_rows * self.max_blocks,), TRASH_BLOCK, dtype=torch.int32, device=device
-        )
+        # An inference tensor, as the K/V pools are: a mutating operator given a normal tensor (the rotary write
+        # takes the tables) goes through autograd's Python version-counter hook, ~35 us a layer of an eager forward.
+        with torch.inference_mode():
+            self._cells = torch.full(
+                (TABLE_START + num_rows * self.max_blocks,), TRASH_BLOCK, dtype=torch.int32, device=device
+            )
         self.tables = self._cells[TABLE_START:].view(num_rows, self.max_blocks)
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
         self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
@@ -311,7 +314,8 @@ class PagedKVCache(Cache):
         """Table entries `[..., 2]` of (cell, block) on the device (`flush`). An empty entry (zeros) writes cell 0,
         outside the tables."""
         cells, blocks = writes.view(-1, 2).unbind(1)
-        self._cells[cells] = blocks
+        with torch.inference_mode():  # (the tables are an inference tensor)
+            self._cells[cells] = blocks
 
     def _cell(self, row: int, column: int) -> int:
         """The cell of `_cells` holding table entry (row, column)."""
