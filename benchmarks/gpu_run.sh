@@ -5,7 +5,8 @@
 #   services DRAFTS     PSD and SD (MODES=psd,sd,ar adds AR) through the services (two GPUs when there are:
 #                       cuda-ipc and nccl, SD baselines); an 8B pair's PSD stack takes 132 s to start with its
 #                       precapture, so AR rarely fits in the same call. On one GPU psd under the default
-#                       OVERLAP=auto runs one merged batch: OVERLAP=always measures its two batches
+#                       OVERLAP=auto runs one merged batch: OVERLAP=always measures its two batches.
+#                       EXTRA=--services-profile: profiles of a few worker calls, summed up by call_profiles.py
 #   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s,
 #                       and prompts of mixed lengths grouped by length against one forward (COMPILE=1: compiled;
 #                       EXTRA="--profile": then where one prefill's host time goes, and where it waits for the GPU)
@@ -104,6 +105,9 @@ services)
     grep -c "captured a CUDA graph" "$OUT"/run/services/logs_*/*.log
     python3 -c "import json, sys; s = json.load(open(sys.argv[1]))['summary']; print(json.dumps(s.get('two_gpu'), indent=1))" \
         "$OUT/run/services/gpu_bench.json"
+    for profiles in "$OUT"/run/services/profiles_*.tar.gz; do  # EXTRA=--services-profile: the calls' host and GPU time
+        [ -f "$profiles" ] && python3 benchmarks/call_profiles.py "$profiles" --top 8
+    done
     ;;
 prefill)
     timeout -k 10 ${BENCH_SECONDS:-200} python3 benchmarks/prefill_bench.py ${COMPILE:+--compile} \
