@@ -135,6 +135,7 @@ class PagedKVCache(Cache):
         self._positions: torch.Tensor | None = None
         self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (blocks, offsets) [B, n] of new tokens
         self._kv_len: int | None = None
+        self._gathered_blocks: torch.Tensor | None = None  # the selected rows' blocks, as `_gather` reads them
         # Whether every layer writes its new K/V itself (`rotate_and_write`, set by the runner): then `select` makes
         # no write positions, four kernels a forward that a draft's proposal ran four times for nothing.
         self.kernel_writes = False
@@ -327,6 +328,7 @@ class PagedKVCache(Cache):
         gathered per row, or (None) the blocks through the tables."""
         self._rows, self._positions, self._kv_len = rows, positions, kv_len
         self._write_at = None
+        self._gathered_blocks = None
         if not self.kernel_writes:
             blocks = self.tables[rows[:, None], torch.div(positions, self.block_size, rounding_mode="floor")]
             self._write_at = (blocks.long(), positions % self.block_size)
@@ -382,7 +384,10 @@ class PagedKVCache(Cache):
         assert self._rows is not None and self._kv_len is not None
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         columns = -(-self._kv_len // self.block_size)
-        blocks = self.tables[self._rows.to(self.tables.device), :columns].to(keys.device).long()
+        blocks = self._gathered_blocks
+        if blocks is None or blocks.device != keys.device:  # once a forward (per device, for a model spread over GPUs)
+            blocks = self.tables[self._rows.to(self.tables.device), :columns].to(keys.device).long()
+            self._gathered_blocks = blocks
 
         def gathered(pool: torch.Tensor) -> torch.Tensor:
             batch, heads, dim = blocks.shape[0], pool.shape[1], pool.shape[-1]
