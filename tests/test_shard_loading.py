@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_tiny_model
 from transformers import PreTrainedModel
 
 from minedraft.engine.models import load_model
@@ -65,8 +66,8 @@ print("RESULT " + json.dumps({"grown_mib": grown / 1024, "held_mib": held / 2**2
 
 
 def _save(tiny_models, arch: str, layout: str, directory: Path) -> None:
-    if layout == "plain":
-        tiny_models.target(arch).save_pretrained(directory)
+    if layout == "plain":  # built anew: a runner fuses the projections of the shared models in place
+        build_tiny_model(arch, 0).save_pretrained(directory)
     elif layout == "tied-sharded":
         tiny_models.get(arch, 3, tie_word_embeddings=True).save_pretrained(directory, max_shard_size="40KB")
         assert (directory / "model.safetensors.index.json").is_file(), "the checkpoint is in several files"
@@ -112,11 +113,9 @@ def test_a_rank_reads_the_shard_cut_from_the_whole_model(
         _assert_same(direct, cut)
 
 
-def test_a_checkpoint_that_cannot_be_sliced_loads_whole(
-    tiny_models, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_checkpoint_that_cannot_be_sliced_loads_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A checkpoint that is not safetensors (pytorch_model.bin) loads whole and is cut, with the reason logged."""
-    model = tiny_models.target("llama")
+    model = build_tiny_model("llama", 0)  # (not a shared one: a runner fuses their projections in place)
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     tp = TensorParallel(1, 2)
