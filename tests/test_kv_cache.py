@@ -549,6 +549,7 @@ def test_an_eager_forward_runs_no_version_counter_hook(tiny_models, monkeypatch)
     monkeypatch.setattr(library_utils, "fill_defaults", counted)
     verifier = Verifier(ModelRunner(tiny_models.target("llama", vocab=VOCAB), 2, 64), [])
     assert verifier.runner.cache.stacked, "the rotary write runs on stacked caches"
+    verifier.runner.cache.kernel_writes = True  # as on a GPU: every layer through the operator (here its stand-in)
     verifier.prefill([1], [list(range(20))], [SamplingConfig(max_tokens=4)]).per_row()
     verifier.verify([1], torch.tensor([[3, 4]]), None).per_row()
     assert not calls, f"{len(calls)} calls went through autograd's version-counter hook"

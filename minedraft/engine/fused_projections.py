@@ -75,7 +75,7 @@ class FusedQKVAttention(torch.nn.Module):
         input_shape = hidden_states.shape[:-1]
         projections = self.qkv_proj(hidden_states)
         cos, sin = position_embeddings
-        if isinstance(cache, PagedKVCache) and cache.stacked:
+        if isinstance(cache, PagedKVCache) and cache.kernel_writes:
             # Rotated and written in one kernel, and read here: `read`'s graph break then falls in this frame.
             query = cache.rotate_and_write(
                 projections, cos, sin, self.splits[0] // self.head_dim, self.splits[1] // self.head_dim, self.layer_idx
