@@ -1,4 +1,4 @@
-"""Slot KV cache: after rollback a row holds exactly the K/V of its committed tokens; rows are reused; capacity."""
+"""Paged KV cache: after rollback a row holds exactly the K/V of its committed tokens; rows are reused; capacity."""
 
 from __future__ import annotations
 
