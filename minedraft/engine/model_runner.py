@@ -215,7 +215,7 @@ class ModelRunner:
         layers = decoder_layers(model)
         fused = [m for m in model.modules() if isinstance(m, FusedQKVAttention)]
         # On a CPU no kernel writes: each layer's rotary and write as transformers does them, at positions `select`
-        # looks up once a forward (the operator's stand-in looked them up in every layer: 30% more of its time).
+        # looks up once a forward (the operator's stand-in looked them up in every layer).
         self.cache.kernel_writes = (
             self.device.type == "cuda" and self.cache.stacked and len(layers) > 0 and len(fused) == len(layers)
         )
