@@ -34,7 +34,8 @@
 #                       step costs the host
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
-#                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2)
+#                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
+#                       AB_KEEP="benchmarks/gpu_run.sh benchmarks/prefill_bench.py": these files of this tree in both)
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
 OUT=${OUT:-out/gpu}
@@ -54,6 +55,7 @@ ab)
     shift
     [ -d .old ] || { echo "ab: put the files of the version to compare against in .old/" >&2; exit 2; }
     rm -rf /tmp/old && mkdir /tmp/old && cp -r . /tmp/old && cp -r .old/. /tmp/old/ || exit 1
+    for keep in ${AB_KEEP:-}; do cp "$keep" "/tmp/old/$keep" || exit 1; done  # this tree's scripts on the old code
     # A stage the old tree's script lacks runs as this one's (its commands still run the old tree's code).
     grep -q "^$1)" /tmp/old/benchmarks/gpu_run.sh || cp benchmarks/gpu_run.sh /tmp/old/benchmarks/gpu_run.sh
     # The half that runs second has met a slower host (5-20% on host-bound steps): AB_ORDER=new-first swaps them,
