@@ -115,8 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         runs = [load(run, Path(scratch)) for run in args.runs]
-    names = [str(run) for run in args.runs]
-    print("runs: " + "; ".join(f"[{i}] {name}" for i, name in enumerate(names)))
+    print("runs: " + "; ".join(f"[{i}] {run}" for i, run in enumerate(args.runs)))
     rows = (
         ("span on the host", "span"),
         ("host before the first launch", "before_launch"),
@@ -141,11 +140,12 @@ def main() -> None:
                 }
                 for ps in profiles
             ]
-            keys = set().union(*totals)
-            # The first run's costliest, then those that differ most from it in any other run.
-            order = sorted(keys, key=lambda k: -max(abs(t.get(k, 0.0) - totals[0].get(k, 0.0)) for t in totals))
-            if len(totals) == 1:
-                order = sorted(keys, key=lambda k: -totals[0].get(k, 0.0))
+            first, others = totals[0], totals[1:]
+            # Those that differ most from the first run in any other; of one run alone, the costliest.
+            order = sorted(
+                set().union(*totals),
+                key=lambda k: -max((abs(t.get(k, 0.0) - first.get(k, 0.0)) for t in others), default=first.get(k, 0.0)),
+            )
             print(f"  {'host operators' if what == 'ops' else 'CUDA API calls'}:")
             for key in order[: args.top]:
                 print(f"    {key[:60]:60s}" + "".join(f"{t.get(key, 0.0):10.1f}" for t in totals))
