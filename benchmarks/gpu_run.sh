@@ -36,8 +36,23 @@
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
 #                       AB_KEEP="benchmarks/gpu_run.sh benchmarks/prefill_bench.py": these files of this tree in both)
+#   trees STAGE [ARGS]  STAGE on several commits' code in one call, to find which commit a figure moved at: TREES
+#                       lists them ("607e410 2e85a32 HEAD"), each packed here first (`bash benchmarks/gpu_run.sh pack
+#                       COMMIT...` writes .trees/COMMIT.tar; carry .trees). It runs them in order, then back (a b c c
+#                       b a), so that a slower host late in the call weighs on every tree alike; one file out
+#   pack COMMIT...      (here, not on the device) .trees/COMMIT.tar: a commit's code for `trees`
 # Output goes to $OUT/STAGE.tgz (logs, JSON and plots in one file: the device tool brings back few files).
 set -u
+HERE=$(cd "$(dirname "$0")" && pwd)  # this tree's benchmarks, which `trees` runs on other trees' code
+if [ "${1:-}" = pack ]; then
+    shift
+    mkdir -p .trees
+    for commit in "$@"; do  # (the demo pair is the same in every tree: `trees` copies this one's)
+        git archive -o ".trees/$commit.tar" "$commit" minedraft target_service draft_service coordinator protos \
+            benchmarks pyproject.toml ':(exclude)minedraft/demo_models' || exit 1
+    done
+    exit 0
+fi
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT/run"
 export PYTHONUNBUFFERED=1
@@ -48,7 +63,8 @@ if [ -d .whl ]; then
     export PYTHONPATH=$PWD:/tmp/site
 fi
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-DRAFT_DEVICE=cuda:$((GPUS - 1))
+DRAFT_DEVICE=${DRAFT_DEVICE:-cuda:$((GPUS - 1))}
+TARGET_DEVICE=${TARGET_DEVICE:-cuda:0}
 stage=${1:-check}
 case $stage in
 ab)
@@ -78,6 +94,28 @@ ab)
     esac
     exit
     ;;
+trees)
+    shift
+    [ -n "${TREES:-}" ] || { echo "trees: name the commits in TREES (packed into .trees/ first)" >&2; exit 2; }
+    order="$TREES $(echo "$TREES" | tr ' ' '\n' | tac | tr '\n' ' ')"
+    declare -A runs
+    mkdir -p "$OUT/trees" && out=$(cd "$OUT/trees" && pwd)
+    for commit in $order; do
+        [ -f ".trees/$commit.tar" ] || { echo "trees: no .trees/$commit.tar (bash benchmarks/gpu_run.sh pack)" >&2; exit 2; }
+        runs[$commit]=$(( ${runs[$commit]:-0} + 1 ))
+        name=${commit}_${runs[$commit]}
+        tree=/tmp/trees/$commit
+        if [ ! -d "$tree" ]; then
+            mkdir -p "$tree" && tar -xf ".trees/$commit.tar" -C "$tree" && cp -r minedraft/demo_models "$tree/minedraft/" \
+                && { [ ! -d .whl ] || cp -r .whl "$tree/"; } || exit 1
+        fi
+        echo "== $name"
+        (cd "$tree" && OUT="$out/$name" bash "$HERE/gpu_run.sh" "$@") 2>&1 | tee "$out/$name.txt"
+    done
+    python3 "$HERE/tree_figures.py" "$OUT/trees" $TREES
+    tar czf "$OUT/trees.tgz" -C "$OUT" trees && rm -rf "$OUT/trees" "$OUT/run"
+    exit 0
+    ;;
 check)
     nvidia-smi topo -m > "$OUT/run/topology.txt" 2>&1
     timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py \
@@ -88,14 +126,14 @@ check)
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
     [ "${BATCHES-1,8,32,64}" = "" ] && { tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"; exit 0; }  # tests only
-    timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/gpu_bench.py --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes "${BATCHES:-1,8,32,64}" --ks "${KS:-2,4,6}" \
         --in-process-psd --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
     grep -A40 "^synthetic acceptance" "$OUT/run/inproc.log"
     ;;
 services)
     timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
-        --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --drafts "$(echo "${2:-68m}" | sed 's/:[a-z]*//g')" \
+        --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --drafts "$(echo "${2:-68m}" | sed 's/:[a-z]*//g')" \
         --services "${2:-68m}" \
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
         --services-speculation "${SPECULATION:-auto}" \
@@ -125,7 +163,7 @@ profile)
     tail -30 "$OUT/run/profile_step.txt"
     ;;
 compile)
-    timeout -s USR1 -k 20 ${BENCH_SECONDS:-330} python3 -X faulthandler benchmarks/gpu_bench.py --target-device cuda:0 \
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-330} python3 -X faulthandler benchmarks/gpu_bench.py --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --drafts "${DRAFTS:-68m,1b}" --batch-sizes "${BATCHES:-1,8,16,32}" \
         --ks "${KS:-4}" --compile-modes "${COMPILE_MODES:-off,on}" --out "$OUT/run/compile" > "$OUT/run/compile.log" 2>&1
     grep -E "warmed up|compile (on|off): measuring" "$OUT/run/compile.log" | cut -c1-160
@@ -141,7 +179,7 @@ for r in json.load(open(sys.argv[1]))['rows']:
     grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
     ;;
 calls)
-    timeout -k 10 ${BENCH_SECONDS:-150} python3 -m minedraft bench --modes "${MODES:-sd,ar}" --target-device cuda:0 \
+    timeout -k 10 ${BENCH_SECONDS:-150} python3 -m minedraft bench --modes "${MODES:-sd,ar}" --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts 64 --prompt-len 64 --output-len 96 \
         --no-progress --step-trace-dir "$OUT/run/traces" > "$OUT/run/bench.log" 2>&1
     tail -8 "$OUT/run/bench.log"
@@ -155,7 +193,7 @@ stepcalls)
                 if [ $load = c64 ]; then size="--modes ${CALLS_MODES:-sd,ar} --num-prompts ${CALLS_PROMPTS:-256} --concurrency 64"
                 else size="--modes sd --num-prompts 16 --concurrency 1"; fi
                 MINEDRAFT_STEP_CALLS=$calls timeout -k 10 ${BENCH_SECONDS:-100} python3 -m minedraft bench \
-                    --target-device cuda:0 --draft-device "$DRAFT_DEVICE" --max-batch-size 32 \
+                    --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --max-batch-size 32 \
                     --prompt-len 64 --output-len ${CALLS_OUTPUT:-128} $size --no-progress \
                     --step-trace-dir "$OUT/run/traces_$name" > "$OUT/run/bench_$name.log" 2>&1
                 echo "== $name"; grep -E "^(sd|ar) +[0-9]" "$OUT/run/bench_$name.log"
@@ -179,14 +217,16 @@ kvgather)
     python3 benchmarks/kv_gather_bench.py --batch 8 2>&1 | tee -a "$OUT/run/kv_gather.txt"
     ;;
 served)
-    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m minedraft bench --modes "${MODES:-psd,sd,ar}" --target-device cuda:0 \
+    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m minedraft bench --modes "${MODES:-psd,sd,ar}" --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts "${PROMPTS:-128}" --concurrency 64 --prompt-len 64 \
-        --output-len 96 --no-progress --json-out "$OUT/run/served.json" > "$OUT/run/served.log" 2>&1
+        --output-len 96 ${SPECULATION:+--speculation $SPECULATION} --no-progress --json-out "$OUT/run/served.json" \
+        --step-trace-dir "$OUT/run/traces" > "$OUT/run/served.log" 2>&1
     grep -E "^(psd|sd|ar) +[0-9]|ratio" "$OUT/run/served.log"
+    python3 "$HERE/call_overhead.py" "$OUT/run/traces" | grep -E "B=(1|2|32|64) "  # each call's worker time and the rest
     ;;
 paged)
     # 500 s, and 30 more to stop its stack on the way out: the stage fits a 560 s call with the set-up and the tar.
-    timeout -k 30 ${BENCH_SECONDS:-500} python3 -X faulthandler benchmarks/paged_bench.py --device cuda:0 \
+    timeout -k 30 ${BENCH_SECONDS:-500} python3 -X faulthandler benchmarks/paged_bench.py --device "$TARGET_DEVICE" \
         --questions "${QUESTIONS:-long,connect,prefix,first}" ${EXTRA:-} --out "$OUT/run/paged" \
         > "$OUT/run/paged.log" 2>&1
     grep -E "^\[|checkpoint|Error" "$OUT/run/paged.log" | cut -c1-220 | tail -30
