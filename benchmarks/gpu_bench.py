@@ -452,7 +452,9 @@ class ServicesRun:
 
 def services_plan(runs: list[str], args: argparse.Namespace, mps_available: bool) -> list[ServicesRun]:
     """On one GPU each draft shape time-sliced and under MPS (or as `SHAPE:timesliced` / `SHAPE:mps`); on two GPUs
-    PSD, SD and AR once per channel, and SD with the draft on the target's GPU (the paper's baseline)."""
+    PSD, SD and AR once per channel, SD with the draft on the target's GPU (the paper's baseline), and SD on two
+    independent stacks, one per GPU (`sddp`: data parallel, what a user with two GPUs would otherwise run; not with
+    tensor parallelism)."""
     suffix = "_compiled" if COMPILE else ""
     channels = args.services_channels.split(",")
     plan = []
@@ -471,6 +473,8 @@ def services_plan(runs: list[str], args: argparse.Namespace, mps_available: bool
                 )
             if not args.services_no_sd_on_target:
                 plan.append(ServicesRun(f"{name}_sd_draft_on_target_gpu{suffix}", name, "sd", args.target_device))
+            if max(args.tensor_parallel_size, args.draft_tensor_parallel_size) == 1 and not args.services_no_sd_dp:
+                plan.append(ServicesRun(f"{name}_sd_data_parallel{suffix}", name, "sddp", args.draft_device))
             continue
         for way in [sharing] if sharing else ["timesliced", "mps"]:
             if way == "mps" and not mps_available:
@@ -507,7 +511,8 @@ def steady_state(psd: dict, sd: dict) -> dict:
 
 def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
     """PSD on two GPUs over the whole load against SD with the draft on the target's GPU and on its own, SD at the
-    same total concurrency (`sd2b`: one batch of 2B) and AR; and the steady state."""
+    same total concurrency (`sd2b`: one batch of 2B), SD on two independent stacks (`sddp`) and AR; and the steady
+    state."""
     suffix = "_compiled" if COMPILE else ""
     label = f"{name}_2gpu_{channel}{suffix}"
     own, same = results.get(label), results.get(f"{name}_sd_draft_on_target_gpu{suffix}")
@@ -518,12 +523,13 @@ def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
         return {}
     tput = lambda run, mode: run["results"][mode]["output_throughput"] if run and mode in run["results"] else None  # noqa: E731
     psd, sd_own, sd_same, ar = tput(own, "psd"), tput(own, "sd"), tput(same, "sd"), tput(ar_run, "ar")
-    sd_2b = tput(own, "sd2b")
+    sd_2b, sd_dp = tput(own, "sd2b"), tput(results.get(f"{name}_sd_data_parallel{suffix}"), "sddp")
     out: dict = {
         "psd_tok_s": psd,
         "sd_draft_own_gpu_tok_s": sd_own,
         "sd_draft_on_target_gpu_tok_s": sd_same,
         "sd_same_concurrency_tok_s": sd_2b,
+        "sd_data_parallel_tok_s": sd_dp,
         "ar_tok_s": ar,
         "steady": results.get(f"{label}_steady"),
     }
@@ -531,6 +537,7 @@ def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
         ("psd_over_sd_draft_on_target_gpu", sd_same),
         ("psd_over_sd_draft_own_gpu", sd_own),
         ("psd_over_sd_same_concurrency", sd_2b),
+        ("psd_over_sd_data_parallel", sd_dp),
         ("psd_over_ar", ar),
     ):
         out[key] = psd / base if psd and base else None
@@ -794,6 +801,11 @@ def main() -> None:
         "--services-no-sd-on-target",
         action="store_true",
         help="on two GPUs, skip SD with the draft on the target's GPU (the paper's baseline)",
+    )
+    parser.add_argument(
+        "--services-no-sd-dp",
+        action="store_true",
+        help="on two GPUs, skip SD on two independent stacks, one per GPU (sddp, data parallel)",
     )
     parser.add_argument(
         "--services-precapture",

@@ -63,6 +63,14 @@ def test_modes_parsing() -> None:
     assert parse("psd,sd,ar", flag=True) == ["psd", "sd", "sd2b", "ar"]
     with pytest.raises(ValueError, match="unknown mode"):
         parse("psd,fast")
+    one_gpu = argparse.Namespace(
+        modes="psd,sddp", sd_batch_equal_concurrency=False, target_device="cuda:0", draft_device="cuda:0"
+    )
+    with pytest.raises(ValueError, match="name two GPUs"):
+        _parse_modes(one_gpu)
+    ranks = argparse.Namespace(**(vars(one_gpu) | {"draft_device": "cuda:1", "tensor_parallel_size": 2}))
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        _parse_modes(ranks)
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -252,3 +260,35 @@ def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: Tin
     # Each request sent once: the two warm-up requests and the four of the load, each prefilled once.
     calls = [json.loads(line) for line in (tmp_path / "traces" / "psd.jsonl").read_text().splitlines()]
     assert sum(c["batch_size"] for c in calls if c["kind"] == "prefill") == 2 + 4
+
+
+def test_data_parallel_sd_splits_the_load_over_two_stacks(tiny_pairs: TinyPairs, tmp_path: Path) -> None:
+    """sddp: two independent sd stacks (here both on the CPU), each warmed up and each given a share of the load,
+    reported as one mode."""
+    pair, out = tiny_pairs["llama"], tmp_path / "bench.json"
+    run = _bench(
+        "--modes",
+        "sddp",
+        "--target",
+        str(pair.target),
+        "--draft",
+        str(pair.draft),
+        "--max-batch-size",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--step-trace-dir",
+        str(tmp_path / "traces"),
+        *_load_flags(out),
+    )
+    assert run.returncode == 0, run.stderr
+    assert "2 stacks sharing the load" in run.stdout
+    result = json.loads(out.read_text())["results"]["sddp"]
+    assert (result["completed"], result["failed"]) == (6, 0) and result["server"]["mode"] == "sd"
+    prefilled = []
+    for stack in ("sddp0", "sddp1"):
+        calls = [json.loads(line) for line in (tmp_path / "traces" / f"{stack}.jsonl").read_text().splitlines()]
+        prefilled.append(sum(c["batch_size"] for c in calls if c["kind"] == "prefill"))
+        assert (tmp_path / "logs" / f"{stack}.log").exists()
+    # One warm-up each; of the four streams two go to each stack, and each stream takes one of the first four prompts.
+    assert sum(prefilled) == 2 + 6 and min(prefilled) >= 1 + 2, prefilled

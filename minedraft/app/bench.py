@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime
 import glob
@@ -26,8 +27,11 @@ from minedraft.app.stack import free_port, start_stack, stop_processes
 from minedraft.observability.metrics import mean_accepted_length
 from minedraft.rpc.security import ClientTls, aio_channel, bearer_metadata, client_tls, sync_channel
 
-MODES = ("psd", "sd", "sd2b", "ar")
+MODES = ("psd", "sd", "sd2b", "sddp", "ar")
 SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
+# sd on two independent stacks, one on each of psd's devices (--target-device, --draft-device), each holding target
+# and draft, the load's streams split evenly between them: what a user with two GPUs would run behind a load balancer
+SD_DP = "sddp"
 Send = Callable[[str, int], Awaitable["RequestResult"]]  # one request (prompt, index), measured
 
 
@@ -230,30 +234,34 @@ async def _http_sender(base_url: str, args: argparse.Namespace) -> AsyncIterator
 
 
 async def run_load(
-    address: str, prompts: Sequence[str], args: argparse.Namespace, label: str
+    address: str | Sequence[str], prompts: Sequence[str], args: argparse.Namespace, label: str
 ) -> tuple[list[RequestResult], float]:
     """Warm up, then send `prompts` with `args.concurrency` streams in flight; return the results and wall time.
 
-    `address`: the gRPC server's, or with `--api http` the HTTP API's base URL."""
+    `address`: the gRPC server's, or with `--api http` the HTTP API's base URL; several: the streams take them in
+    turn (each server warmed up alone first), and each stream sends its next request as its last one ends."""
     from tqdm import tqdm
 
+    addresses = [address] if isinstance(address, str) else list(address)
     sender = _http_sender if args.api == "http" else _grpc_sender
-    async with sender(address, args) as send:
-        warm = [send(prompts[i % len(prompts)], len(prompts) + i) for i in range(args.num_warmup)]
-        for result in await asyncio.gather(*warm):
-            if not result.ok:
-                raise RuntimeError(f"warm-up request failed: {result.error}")
+    async with contextlib.AsyncExitStack() as senders:
+        sends = [await senders.enter_async_context(sender(a, args)) for a in addresses]
+        for send in sends:
+            warm = [send(prompts[i % len(prompts)], len(prompts) + i) for i in range(args.num_warmup)]
+            for result in await asyncio.gather(*warm):
+                if not result.ok:
+                    raise RuntimeError(f"warm-up request failed: {result.error}")
         pending = iter(list(enumerate(prompts)))
         results: list[RequestResult] = []
         bar = tqdm(total=len(prompts), desc=label, unit="req", disable=args.no_progress, file=sys.stderr)
 
-        async def client() -> None:
+        async def client(send: Send) -> None:
             for index, prompt in pending:
                 results.append(await send(prompt, index))
                 bar.update(1)
 
         start = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(max(1, args.concurrency))))
+        await asyncio.gather(*(client(sends[i % len(sends)]) for i in range(max(1, args.concurrency))))
         wall = time.perf_counter() - start
         bar.close()
     return results, wall
@@ -338,6 +346,8 @@ def format_summary(s: Summary) -> str:
             f"  mode {srv.get('mode')}, k={srv.get('num_speculative_tokens')}, max batch "
             f"{srv.get('max_batch_size')}, channel {srv.get('channel')}"
         )
+    if srv.get("stacks", 1) > 1:
+        head += f", {srv['stacks']} stacks sharing the load"
     if srv.get("api") == "http":
         head += ("," if "mode" in srv else " ") + f" over the HTTP API (model {srv.get('target_model')})"
     lines = [
@@ -362,7 +372,7 @@ def _pcts(values: dict[str, float]) -> str:
 
 def ratios(summaries: dict[str, Summary]) -> dict[str, dict[str, float]]:
     """Throughput ratios of the pairs that were measured (request/s and output tokens/s)."""
-    pairs = [("psd", "sd"), ("psd", SD_2B), ("sd", "ar"), (SD_2B, "ar"), ("psd", "ar")]
+    pairs = [("psd", "sd"), ("psd", SD_2B), ("psd", SD_DP), ("sd", "ar"), (SD_2B, "ar"), ("psd", "ar")]
     out: dict[str, dict[str, float]] = {}
     for a, b in pairs:
         if a in summaries and b in summaries and summaries[b].output_throughput > 0:
@@ -443,10 +453,14 @@ def _http_info(base_url: str, timeout: float = 60.0) -> dict[str, Any]:
 
 
 class LocalStack:
-    """target, draft (not in ar) and coordinator processes, as `minedraft serve` starts them; stopped by SIGINT."""
+    """target, draft (not in ar) and coordinator processes, as `minedraft serve` starts them; stopped by SIGINT.
+    `device`: target and draft both on it (one stack of `sddp`), `name` then tells its log and trace apart."""
 
-    def __init__(self, args: argparse.Namespace, mode: str, log_dir: Path) -> None:
-        self.mode = "sd" if mode == SD_2B else mode
+    def __init__(
+        self, args: argparse.Namespace, mode: str, log_dir: Path, device: str | None = None, name: str | None = None
+    ) -> None:
+        self.mode = "sd" if mode in (SD_2B, SD_DP) else mode
+        name = name or mode
         batch = args.max_batch_size * (2 if mode == SD_2B else 1)
         max_len = args.max_model_len or _default_max_len(args)
         self.port = 0  # the coordinator's, known once started
@@ -455,18 +469,23 @@ class LocalStack:
             "max_batch_size": batch,
             "max_model_len": max_len,
             "max_queue_size": max(256, args.num_prompts + args.num_warmup),
-            "step_trace": str(Path(args.step_trace_dir) / f"{mode}.jsonl") if args.step_trace_dir else None,
+            "step_trace": str(Path(args.step_trace_dir) / f"{name}.jsonl") if args.step_trace_dir else None,
             "port": 0,
             "host": "127.0.0.1",
             "tls_ca": None,  # bench's --tls-ca checks --server's certificate; its own stacks are plaintext
-            # --api http: the load goes to the HTTP API, on a free port unless --http-port names one
-            "http_port": (args.http_port or free_port()) if args.api == "http" else args.http_port,
+            # --api http: the load goes to the HTTP API, on a free port unless --http-port names one (sddp's two
+            # stacks: free ports)
+            "http_port": ((args.http_port if name == mode else None) or free_port())
+            if args.api == "http"
+            else args.http_port,
         }
+        if device is not None:
+            for_mode |= {"target_device": device, "draft_device": device}
         self.args = argparse.Namespace(**(vars(args) | for_mode))  # as `serve` would hold them
         self.env = dict(os.environ)
         if args.threads:
             self.env["OMP_NUM_THREADS"] = self.env["MKL_NUM_THREADS"] = str(args.threads)
-        self.log_path = log_dir / f"{mode}.log"
+        self.log_path = log_dir / f"{name}.log"
         self.processes: list[subprocess.Popen] = []
 
     @property
@@ -510,7 +529,21 @@ def _parse_modes(args: argparse.Namespace) -> list[str]:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {', '.join(bad) or '(none)'}: choose among {', '.join(MODES)}")
+    if SD_DP in modes:
+        target, draft = getattr(args, "target_device", "cpu"), getattr(args, "draft_device", "cpu")
+        if target == draft and target != "cpu":
+            raise ValueError(f"{SD_DP} runs a stack on each of --target-device and --draft-device: name two GPUs")
+        if max(getattr(args, "tensor_parallel_size", 1) or 1, getattr(args, "draft_tensor_parallel_size", 1) or 1) > 1:
+            raise ValueError(f"{SD_DP} runs each stack on one device: it takes no tensor parallelism")
     return list(dict.fromkeys(modes))
+
+
+def mode_stacks(args: argparse.Namespace, mode: str, log_dir: Path) -> list[LocalStack]:
+    """The stacks a mode runs on: one, or for `sddp` one per device of psd's pair."""
+    if mode != SD_DP:
+        return [LocalStack(args, mode, log_dir)]
+    devices = (args.target_device, args.draft_device)
+    return [LocalStack(args, mode, log_dir, device, f"{mode}{i}") for i, device in enumerate(devices)]
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -611,23 +644,28 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
             flush=True,
         )
     for mode in modes:
-        stack = LocalStack(args, mode, log_dir)
+        stacks = mode_stacks(args, mode, log_dir)
         try:
             start = time.perf_counter()
-            stack.start()
+            with concurrent.futures.ThreadPoolExecutor(len(stacks)) as starting:  # (their models load at once)
+                for started in [starting.submit(stack.start) for stack in stacks]:
+                    started.result()
             print(f"{mode}: services up in {time.perf_counter() - start:.1f} s", flush=True)
-            info = _server_info(stack.address, stack.args) | {"api": args.api}
-            address = stack.address
+            info = _server_info(stacks[0].address, stacks[0].args) | {"api": args.api, "stacks": len(stacks)}
+            addresses = [stack.address for stack in stacks]
             if args.api == "http":
-                address = stack.http_url
-                _http_info(address)
+                addresses = [stack.http_url for stack in stacks]
+                for address in addresses:
+                    _http_info(address)
             plain = argparse.Namespace(**(vars(args) | {"tls_ca": None}))  # its own stack serves no TLS
-            results, wall = asyncio.run(run_load(address, prompts, plain, mode))
+            results, wall = asyncio.run(run_load(addresses, prompts, plain, mode))
             summaries[mode] = summarize(mode, results, wall, info)  # kept, even if stopping the stack is interrupted
         except (RuntimeError, TimeoutError, grpc.RpcError) as exc:
-            raise RuntimeError(f"{mode}: {exc}\n--- {stack.log_path} ---\n{stack.log_tail()}") from exc
+            logs = "".join(f"\n--- {stack.log_path} ---\n{stack.log_tail()}" for stack in stacks)
+            raise RuntimeError(f"{mode}: {exc}{logs}") from exc
         finally:
             start = time.perf_counter()
-            stack.stop()
+            for stack in stacks:
+                stack.stop()
             print(f"{mode}: services stopped in {time.perf_counter() - start:.1f} s", flush=True)
         print(format_summary(summaries[mode]), flush=True)

@@ -779,8 +779,9 @@ FLAGS: tuple[Flag, ...] = (
     # ---------------------------------------------------------------- what bench measures, and how
     Flag(
         "--modes",
-        "comma-separated modes among psd, sd, ar and sd2b (sd with one batch of 2 x --max-batch-size): start a "
-        "local stack per mode, one after the other, on the same load",
+        "comma-separated modes among psd, sd, ar, sd2b (sd with one batch of 2 x --max-batch-size) and sddp (sd on "
+        "two independent stacks, one on --target-device and one on --draft-device, the load's streams split between "
+        "them: data parallel): start a local stack per mode, one after the other, on the same load",
         ("bench",),
         MEASUREMENT,
     ),
