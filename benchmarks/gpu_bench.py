@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
 from draft_service.proposer import Proposer
 from minedraft.app.flags import PRECAPTURE_CHOICES
@@ -42,35 +42,16 @@ from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
-VOCAB = 128256
+sys.path.insert(0, ".")
+from benchmarks.shaped_checkpoint import SHAPES, VOCAB, shaped_checkpoint, shaped_config  # noqa: E402
+
 EAGER = False  # --eager: no CUDA graphs
 COMPILE = False  # the mode of --compile-modes being measured: torch.compile'd decoder layers
-SHAPES: dict[str, dict[str, Any]] = {
-    "8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
-    ),
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "68m": dict(
-        hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=12
-    ),
-}
 
 
 def build(shape: str, device: str) -> PreTrainedModel:
-    # transformers 5 still takes rope_theta (into rope_parameters), but LlamaConfig's typed signature lacks it.
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,  # type: ignore[call-arg]
-        **SHAPES[shape],
-    )
+    """A `shape`-shaped model (`SHAPES`) with random bf16 weights, in memory on `device`."""
+    config = shaped_config(shape)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -553,31 +534,21 @@ def two_gpu_summary(results: dict[str, dict], name: str, channel: str) -> dict:
     return out
 
 
-def services_comparison(
-    target: PreTrainedModel,
-    drafts: dict[str, PreTrainedModel],
-    runs: list[str],
-    args: argparse.Namespace,
-    summary: dict,
-    save: Callable[[], None],
-) -> None:
-    """PSD, SD and AR through the real services (separate processes): `minedraft bench --modes ...` on random-weight
-    checkpoints, as `services_plan` lays out (`runs` are draft shapes, on one GPU optionally `SHAPE:timesliced` or
-    `SHAPE:mps`)."""
-    from minedraft.demo_models import TARGET_DIR
-
+def services_comparison(runs: list[str], args: argparse.Namespace, summary: dict, save: Callable[[], None]) -> None:
+    """PSD, SD and AR through the real services (separate processes): `minedraft bench --modes ...` as
+    `services_plan` lays out (`runs` are draft shapes or --draft directories' names, on one GPU optionally
+    `SHAPE:timesliced` or `SHAPE:mps`), on the --target and --draft checkpoints, else on shaped ones with random
+    weights written for the run (`shaped_checkpoint`: prompts come from the demo tokenizer, whose ids are valid in
+    the 128k vocabulary)."""
     mps = shutil.which("nvidia-cuda-mps-control")
     plan = services_plan(runs, args, mps is not None)
     root = Path(tempfile.mkdtemp(prefix="minedraft-ckpt-"))
-    for name, model in [("target", target), *((n, drafts[n]) for n in sorted({r.draft for r in plan}))]:
-        start = time.perf_counter()
-        model.save_pretrained(root / name)
-        # Prompts come from the demo tokenizer (ids < 4096 are valid in the 128k vocabulary; the random target's
-        # ids beyond it decode to nothing, which throughput does not care about).
-        for f in TARGET_DIR.glob("tokenizer*"):
-            shutil.copy(f, root / name)
-        shutil.copy(TARGET_DIR / "special_tokens_map.json", root / name)
-        print(f"saved {name} checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
+    target_dir = args.target or shaped_checkpoint(args.target_shape, root / "target", args.target_device)
+    given = {Path(d).name: d for d in args.draft or []}
+    draft_dirs = {
+        name: given.get(name) or shaped_checkpoint(name, root / name, args.draft_device)
+        for name in sorted({r.draft for r in plan})
+    }
     results: dict[str, dict] = summary.setdefault("services", {})
     summary["services_tensor_parallel_size"] = args.tensor_parallel_size
     summary["services_draft_tensor_parallel_size"] = args.draft_tensor_parallel_size
@@ -602,9 +573,9 @@ def services_comparison(
             "--modes",
             run.modes,
             "--target",
-            str(root / "target"),
+            str(target_dir),
             "--draft",
-            str(root / run.draft),
+            str(draft_dirs[run.draft]),
             "--target-device",
             args.target_device,
             "--draft-device",
@@ -763,7 +734,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target-device", default="cuda:0")
     parser.add_argument("--draft-device", default="cuda:0")
-    parser.add_argument("--target", help="real target checkpoint directory (default: random 8B-shaped)")
+    parser.add_argument("--target", help="real target checkpoint directory (default: random, --target-shape)")
+    parser.add_argument("--target-shape", default="8b", choices=sorted(SHAPES), help="the random target's shape")
     parser.add_argument("--draft", action="append", help="real draft checkpoint directories")
     parser.add_argument("--drafts", default="1b,68m", help="draft shapes when no --draft is given")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
@@ -903,12 +875,18 @@ def main() -> None:
     bandwidth = hbm_bandwidth(args.target_device)
     summary["hbm_bandwidth_GBps"] = bandwidth / 1e9
     print(f"HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    target = load_model(args.target, args.target_device) if args.target else build("8b", args.target_device)
-    drafts = (
-        {Path(d).name: load_model(d, args.draft_device) for d in args.draft}
-        if args.draft
-        else {s: build(s, args.draft_device) for s in args.drafts.split(",")}
-    )
+    # In memory only for the steps measured here: the services load checkpoints (a 70B-shaped one fits no GPU whole).
+    in_process = not args.services_only
+    target: PreTrainedModel | None = None
+    drafts: dict[str, PreTrainedModel] = {}
+    if in_process:
+        device = args.target_device
+        target = load_model(args.target, device) if args.target else build(args.target_shape, device)
+        drafts = (
+            {Path(d).name: load_model(d, args.draft_device) for d in args.draft}
+            if args.draft
+            else {s: build(s, args.draft_device) for s in args.drafts.split(",")}
+        )
     rows: list[Row] = []
     timeline: list[dict] = []
 
@@ -925,7 +903,7 @@ def main() -> None:
     global COMPILE
     for mode in modes:
         COMPILE = mode == "on"
-        if args.services_only:
+        if target is None:  # --services-only
             continue
         graphs_match_eager(next(iter(drafts.values())), args.draft_device, summary)
         print(json.dumps(summary), flush=True)
@@ -947,7 +925,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in summary.items() if k.startswith(("hf_", "ours_"))}), flush=True)
         save()
     if args.services:
-        services_comparison(target, drafts, args.services.split(","), args, summary, save)
+        services_comparison(args.services.split(","), args, summary, save)
     plot(rows, {"one process": timeline} if timeline else summary.get("services_timelines", {}), out_dir)
     save()
     header = (

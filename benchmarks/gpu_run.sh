@@ -7,6 +7,8 @@
 #                       precapture, so AR rarely fits in the same call. On one GPU psd under the default
 #                       OVERLAP=auto runs one merged batch: OVERLAP=always measures its two batches.
 #                       EXTRA=--services-profile: profiles of a few worker calls, summed up by call_profiles.py
+#                       TARGET_SHAPE=70b (32b): a larger random target, written a tensor at a time
+#                       (shaped_checkpoint.py), for EXTRA="--tensor-parallel-size 4"; MODES may add sd2b and sddp
 #   prefill             prefills of the 8B target: batches of 512-token prompts (BATCHES), tokens/s and TFLOP/s,
 #                       and prompts of mixed lengths grouped by length against one forward (COMPILE=1: compiled;
 #                       EXTRA="--profile": then where one prefill's host time goes, and where it waits for the GPU)
@@ -137,7 +139,8 @@ services)
         --services "${2:-68m}" \
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
         --services-speculation "${SPECULATION:-auto}" \
-        --services-modes "${MODES:-psd,sd}" --services-timeout "${SERVICES_TIMEOUT:-330}" ${EXTRA:-} \
+        --services-modes "${MODES:-psd,sd}" --services-timeout "${SERVICES_TIMEOUT:-330}" \
+        ${TARGET_SHAPE:+--target-shape $TARGET_SHAPE} ${EXTRA:-} \
         --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|: \{'psd|timed out|Error|services up" "$OUT/run/services.log" | tail -30
     grep -E " trace: " "$OUT/run/services.log" | cut -c1-600  # call, compute, queue and worker-handler times

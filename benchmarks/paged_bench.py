@@ -23,12 +23,11 @@ Stacks are shared where a question allows it: the stack of the last connect leng
 half (after `--warmup` requests on a stack that has not served yet, so that both halves are warm); "off" gets a stack
 of its own. So a full run starts three stacks, not six. TTFT is the time to the first streamed message with tokens.
 
-Models: `--target`/`--draft` directories; by default on CUDA an 8B-shaped target and a 68M-shaped draft with random
-bf16 weights, built as `benchmarks/gpu_bench.py` builds them (its `build`, in a child process so that this one holds
-no GPU memory) with the context raised to the longest length asked for, saved once under `--checkpoint-dir` and
-reused by later runs; on a CPU the shipped demo pair (`minedraft/demo_models`). Random weights accept no drafts, so
-with `--speculation auto` (the default) the target mostly decodes alone; `--synthetic-acceptance P` changes that
-(benchmark only, not lossless).
+Models: `--target`/`--draft` directories; by default on CUDA an 8B-shaped target and a 68M-shaped draft with random bf16
+weights written by `benchmarks/shaped_checkpoint.py` (in a child process, so that this one holds no GPU memory) with the
+context raised to the longest length asked for, once under `--checkpoint-dir` and reused by later runs; on a CPU the
+shipped demo pair (`minedraft/demo_models`). Random weights accept no drafts, so with `--speculation auto` (the default)
+the target mostly decodes alone; `--synthetic-acceptance P` changes that (benchmark only, not lossless).
 
 KV cache memory: `serve`/`bench` stacks pass one `--kv-cache-memory` to both workers (without it, on one GPU they
 split `--gpu-memory-utilization` 80/20). For fixed, comparable pools each worker gets its own value here:
@@ -50,7 +49,6 @@ import json
 import multiprocessing
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -73,7 +71,6 @@ from minedraft.demo_models import DRAFT_DIR, TARGET_DIR  # noqa: E402
 QUESTIONS = ("connect", "first", "long", "prefix")  # the order they run in: a stack passes from one to the next
 WORKERS = ("target", "draft")
 GPU_KV_GIB = {"target": 80.0, "draft": 12.0}  # the default on CUDA: see the module's docstring
-BUILT = "built"  # written into a checkpoint directory once it is complete
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -81,32 +78,10 @@ BUILT = "built"  # written into a checkpoint directory once it is complete
 
 def _build_pair(root: str, device: str, context: int) -> None:
     """The 8B- and 68M-shaped random-weight checkpoints under `root` (target/, draft/), unless there already."""
-    import torch
-
-    from benchmarks.gpu_bench import build
+    from benchmarks.shaped_checkpoint import shaped_checkpoint
 
     for name, shape in (("target", "8b"), ("draft", "68m")):
-        path = Path(root) / name
-        if (path / BUILT).exists() and json.loads((path / "config.json").read_text())["max_position_embeddings"] >= (
-            context
-        ):
-            print(f"{name}: {shape}-shaped checkpoint in {path}", flush=True)
-            continue
-        start = time.perf_counter()
-        shutil.rmtree(path, ignore_errors=True)
-        model = build(shape, device)
-        # build's context (8192) would cap --max-model-len; default RoPE does not depend on it.
-        model.config.max_position_embeddings = context
-        model.save_pretrained(path)
-        # Prompts are random ids below the demo tokenizer's 4096, valid in the 128k vocabulary (as in gpu_bench).
-        for f in TARGET_DIR.glob("tokenizer*"):
-            shutil.copy(f, path)
-        shutil.copy(TARGET_DIR / "special_tokens_map.json", path)
-        (path / BUILT).write_text("")
-        del model
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        print(f"{name}: saved a {shape}-shaped checkpoint in {time.perf_counter() - start:.0f} s", flush=True)
+        shaped_checkpoint(shape, Path(root) / name, device, context)
 
 
 def model_dirs(args: argparse.Namespace) -> tuple[str, str]:
