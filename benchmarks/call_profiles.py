@@ -1,11 +1,12 @@
 """Where served worker calls spend their time, from the workers' PyTorch profiles, side by side for several runs.
 
-A worker started with `--profile-dir` (`MINEDRAFT_PROFILE_DIR`; `gpu_bench.py --services-profile` sets it) writes
-Chrome traces of a few calls after its first 100: `<call>_<pid>_<n>.json.gz`. Per kind of call this prints the
-medians over its traces of: the call's span on the host, the host time before its first launch (graph or kernel;
-the GPU idles meanwhile unless other work is queued), the host's operators and CUDA API calls, what made the host
-wait for the device, and the GPU's kernel and copy time. Then the host operators that differ most between the
-first run and each other one. An A/B of two trees (`gpu_run.sh ab services ...` with `EXTRA=--services-profile`):
+A worker started with `--profile-dir` (`MINEDRAFT_PROFILE_DIR`; `gpu_bench.py --services-profile` sets it) writes Chrome
+traces of a few calls after its first 100: `<call>_<pid>_<n>.json.gz`. Per kind of call this prints the medians over its
+traces of: the call's span on the host, the host time before its first launch (graph or kernel; the GPU idles meanwhile
+unless other work is queued), the host's operators and CUDA API calls, what made the host wait for the device, and the
+GPU's kernel and copy time, of which the all-reduces' (NCCL kernels: a tensor-parallel rank's share of a step spent
+reducing). Then the host operators that differ most between the first run and each other one.
+An A/B of two trees (`gpu_run.sh ab services ...` with `EXTRA=--services-profile`):
 
     python benchmarks/call_profiles.py old/run/services/profiles_68m_timesliced_cuda-ipc.tar.gz \\
         run/services/profiles_68m_timesliced_cuda-ipc.tar.gz
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LAUNCHES = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+ALL_REDUCE = re.compile(r"nccl|all_?reduce", re.IGNORECASE)  # the kernels of a tensor-parallel all-reduce
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
 
 
@@ -41,6 +43,7 @@ class CallProfile:
     launches: int
     waits: float
     kernels: float
+    all_reduce: float  # of `kernels`
     copies: float
     ops: dict[str, float] = field(default_factory=dict)  # top-level operator -> total time
     api: dict[str, float] = field(default_factory=dict)  # CUDA API call -> total time
@@ -83,6 +86,7 @@ def profile_of(path: Path) -> CallProfile | None:
         launches=len(launches),
         waits=sum(e.get("dur", 0) for e in api if e["name"].startswith(WAITS)),
         kernels=sum(e.get("dur", 0) for e in events if e.get("cat") == "kernel"),
+        all_reduce=sum(e.get("dur", 0) for e in events if e.get("cat") == "kernel" and ALL_REDUCE.search(e["name"])),
         copies=sum(e.get("dur", 0) for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")),
         ops=dict(ops),
         api=dict(calls),
@@ -122,6 +126,7 @@ def main() -> None:
         ("top-level host operators", "host_ops"),
         ("host waiting for the device", "waits"),
         ("GPU kernels", "kernels"),
+        ("  of which all-reduces", "all_reduce"),
         ("GPU copies and sets", "copies"),
         ("operators (count)", "op_count"),
         ("launches (count)", "launches"),

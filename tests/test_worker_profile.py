@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,13 +42,7 @@ def test_call_profiles_sums_up_the_traces(tmp_path: Path, monkeypatch: pytest.Mo
     worker = ModelWorker(WorkerOptions(str(TARGET_DIR), profile_dir=str(traces), profile_after=0))
     for _ in range(PROFILED_CALLS):
         worker._on_stream(lambda ids: worker.model(ids).logits, torch.tensor([[1, 2, 3]]))
-    spec = importlib.util.spec_from_file_location(
-        "call_profiles", Path(__file__).parents[1] / "benchmarks" / "call_profiles.py"
-    )
-    assert spec is not None and spec.loader is not None
-    call_profiles = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "call_profiles", call_profiles)  # (its dataclass looks itself up there)
-    spec.loader.exec_module(call_profiles)
+    call_profiles = _call_profiles(monkeypatch)
 
     calls = call_profiles.load(traces, scratch)
 
@@ -55,3 +50,37 @@ def test_call_profiles_sums_up_the_traces(tmp_path: Path, monkeypatch: pytest.Mo
     for profile in calls["<lambda>"]:
         assert profile.ops.get("aten::linear", 0) > 0, sorted(profile.ops)
         assert 0 < profile.host_ops <= profile.span and profile.op_count > 0
+
+
+def _call_profiles(monkeypatch: pytest.MonkeyPatch) -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "call_profiles", Path(__file__).parents[1] / "benchmarks" / "call_profiles.py"
+    )
+    assert spec is not None and spec.loader is not None
+    call_profiles = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "call_profiles", call_profiles)  # (its dataclass looks itself up there)
+    spec.loader.exec_module(call_profiles)
+    return call_profiles
+
+
+def test_call_profiles_count_a_ranks_all_reduces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU time of a call's NCCL kernels (a tensor-parallel rank's all-reduces) is told apart from the rest, as
+    the kernels of a CUDA trace name them (written here: no GPU runs the test)."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 20, "dur": 10, "tid": 1},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64_64x4", "ts": 40, "dur": 300, "tid": 7},
+        {
+            "ph": "X",
+            "cat": "kernel",
+            "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgs)",
+            "ts": 340,
+            "dur": 60,
+            "tid": 7,
+        },
+    ]
+    path = tmp_path / "verify_1_1.json.gz"
+    with gzip.open(path, "wt") as trace:
+        json.dump({"traceEvents": events}, trace)
+    profile = _call_profiles(monkeypatch).profile_of(path)
+    assert (profile.kernels, profile.all_reduce, profile.before_launch) == (360, 60, 20)
