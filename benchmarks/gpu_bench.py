@@ -542,11 +542,13 @@ def services_comparison(runs: list[str], args: argparse.Namespace, summary: dict
     the 128k vocabulary)."""
     mps = shutil.which("nvidia-cuda-mps-control")
     plan = services_plan(runs, args, mps is not None)
-    root = Path(tempfile.mkdtemp(prefix="minedraft-ckpt-"))
-    target_dir = args.target or shaped_checkpoint(args.target_shape, root / "target", args.target_device)
+    root = Path(tempfile.mkdtemp(prefix="minedraft-services-"))
+    # Kept for later calls on the same machine: a 70B-shaped target takes minutes to write.
+    kept = Path(args.checkpoint_dir)
+    target_dir = args.target or shaped_checkpoint(args.target_shape, kept / args.target_shape, args.target_device)
     given = {Path(d).name: d for d in args.draft or []}
     draft_dirs = {
-        name: given.get(name) or shaped_checkpoint(name, root / name, args.draft_device)
+        name: given.get(name) or shaped_checkpoint(name, kept / name, args.draft_device)
         for name in sorted({r.draft for r in plan})
     }
     results: dict[str, dict] = summary.setdefault("services", {})
@@ -627,7 +629,8 @@ def services_comparison(runs: list[str], args: argparse.Namespace, summary: dict
             except subprocess.TimeoutExpired:
                 bench.kill()
                 # Its services (sessions of their own) would keep the GPU's memory: each names a checkpoint here.
-                subprocess.run(["pkill", "-f", str(root)], check=False)
+                for model in {str(target_dir), str(draft_dirs[run.draft])}:
+                    subprocess.run(["pkill", "-f", model], check=False)
         finally:
             if run.mps:
                 subprocess.run([mps], input=b"quit\n", env=env, check=False)  # type: ignore[list-item]
@@ -736,6 +739,11 @@ def main() -> None:
     parser.add_argument("--draft-device", default="cuda:0")
     parser.add_argument("--target", help="real target checkpoint directory (default: random, --target-shape)")
     parser.add_argument("--target-shape", default="8b", choices=sorted(SHAPES), help="the random target's shape")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default="/tmp/minedraft-shaped-ckpt",
+        help="where the services' random checkpoints are written once per shape, and found by later runs",
+    )
     parser.add_argument("--draft", action="append", help="real draft checkpoint directories")
     parser.add_argument("--drafts", default="1b,68m", help="draft shapes when no --draft is given")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
