@@ -56,6 +56,8 @@ MakeEngine = Callable[[ModelWorker], RunCall]
 COLLECTIVE_TIMEOUT_S = 60.0
 # After a rank died: how long rank 0 reports NOT_SERVING and answers UNAVAILABLE before it exits.
 EXIT_AFTER_S = 2.0
+# After a call failed on rank 0: how long the watcher may take to name a rank that died (then the call's error is why).
+NAMED_WITHIN_S = 1.0
 # How often each rank reports, and how long a silence (or a lag behind rank 0, beyond rank 0's own time) means hung.
 HEARTBEAT_S = 0.25
 HANG_S = 3.0
@@ -265,9 +267,11 @@ class Mirrored:
             self.ranks.finished(call, time.monotonic() - start)
             raise  # (raised alike on every rank, before any collective: the ranks stay in step)
         except Exception as exc:
-            # A rank gone, a collective timed out, or anything else midway: the ranks may be out of step.
-            if all(p.is_alive() for p in self.ranks.processes):
-                self.ranks.fail(f"{name} failed on rank 0 ({exc})")
+            # A rank gone, a collective timed out, or anything else midway: the ranks may be out of step. A killed
+            # rank's sockets close before it can be reaped, so the collective can fail first: the watcher, which
+            # names the rank, gets a moment.
+            self.ranks.wait_lost(NAMED_WITHIN_S)
+            self.ranks.fail(f"{name} failed on rank 0 ({exc})")  # (nothing, where the watcher failed the group)
             raise RankLostError(self.ranks.wait_lost()) from exc
 
     def held_seq_ids(self) -> list[int]:
