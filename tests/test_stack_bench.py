@@ -64,7 +64,7 @@ def test_modes_parsing() -> None:
     with pytest.raises(ValueError, match="unknown mode"):
         parse("psd,fast")
     one_gpu = argparse.Namespace(
-        modes="psd,sddp", sd_batch_equal_concurrency=False, target_device="cuda:0", draft_device="cuda:0"
+        modes="psd,sddp", sd_batch_equal_concurrency=False, target_device="cuda", draft_device="cuda:0"
     )
     with pytest.raises(ValueError, match="name two GPUs"):
         _parse_modes(one_gpu)

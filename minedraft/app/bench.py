@@ -530,7 +530,10 @@ def _parse_modes(args: argparse.Namespace) -> list[str]:
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {', '.join(bad) or '(none)'}: choose among {', '.join(MODES)}")
     if SD_DP in modes:
-        target, draft = getattr(args, "target_device", "cpu"), getattr(args, "draft_device", "cpu")
+        target, draft = (
+            "cuda:0" if d == "cuda" else d
+            for d in (getattr(args, "target_device", "cpu"), getattr(args, "draft_device", "cpu"))
+        )
         if target == draft and target != "cpu":
             raise ValueError(f"{SD_DP} runs a stack on each of --target-device and --draft-device: name two GPUs")
         if max(getattr(args, "tensor_parallel_size", 1) or 1, getattr(args, "draft_tensor_parallel_size", 1) or 1) > 1:
