@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import datetime
 import glob
@@ -650,9 +649,8 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
         stacks = mode_stacks(args, mode, log_dir)
         try:
             start = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(len(stacks)) as starting:  # (their models load at once)
-                for started in [starting.submit(stack.start) for stack in stacks]:
-                    started.result()
+            for stack in stacks:  # (here, not on threads: a Ctrl-C in a thread's start left its stack running)
+                stack.start()
             print(f"{mode}: services up in {time.perf_counter() - start:.1f} s", flush=True)
             info = _server_info(stacks[0].address, stacks[0].args) | {"api": args.api, "stacks": len(stacks)}
             addresses = [stack.address for stack in stacks]
