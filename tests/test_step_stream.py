@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -161,6 +163,56 @@ def test_a_worker_without_step_streams_gets_unary_calls() -> None:
             await fake.server.stop(None)
 
     run_async(main())
+
+
+class _SendRacedUnimplemented:
+    """A step stream's call as grpc leaves it when an older worker's UNIMPLEMENTED closes the stream while our first
+    message is being sent: the send fails and the call ends INTERNAL (a race seen once in CI; written here, since it
+    cannot be made to happen on demand). `replies`: envelopes read before that."""
+
+    def __init__(self, replies: list[target_pb2.VerifyStreamResponse]) -> None:
+        self.replies = replies
+
+    async def _responses(self) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
+        for reply in self.replies:
+            yield reply
+        debug = 'Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation object at 0x7f>,)'
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "Internal error from Core", debug
+        )
+
+    def __aiter__(self) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
+        return self._responses()
+
+    def cancel(self) -> bool:
+        return True
+
+
+def test_a_first_send_that_lost_the_race_to_unimplemented_means_no_step_streams() -> None:
+    """The first stream closed before any reply by a failed send: an older worker (the call goes again, unary);
+    after a reply, or on a later stream, the same error is the worker's failure, and the caller gets it."""
+
+    async def main() -> None:
+        for replies, opened_before, unimplemented in (([], 0, True), ([], 1, False), ([_verified(1)], 0, False)):
+            call = cast(grpc.aio.StreamStreamCall, _SendRacedUnimplemented(replies))
+            stream = StepStream(functools.partial(_opened, call), target_pb2.VerifyStreamRequest)
+            stream.opened = opened_before
+            calls = [stream.call(_decode(1, step), 5) for step in range(len(replies) + 1)]
+            with pytest.raises(grpc.aio.AioRpcError):
+                await calls[-1]
+            assert stream.unimplemented is unimplemented, (replies, opened_before)
+            await stream.close()
+
+    run_async(main())
+
+
+def _opened(call: grpc.aio.StreamStreamCall, requests: AsyncIterator[object]) -> grpc.aio.StreamStreamCall:
+    return call
+
+
+def _verified(seq_id: int) -> target_pb2.VerifyStreamResponse:
+    result = target_pb2.SequenceResult(seq_id=seq_id)
+    return target_pb2.VerifyStreamResponse(verify=target_pb2.VerifyResponse(results=[result]))
 
 
 def test_unary_step_calls_give_the_same_output(llama_workers: Workers, stack_logs: Path) -> None:

@@ -87,6 +87,14 @@ async def serve_step_stream(
         reader.cancel()
 
 
+def _unanswered_send(stream: _OpenStream, exc: grpc.aio.AioRpcError) -> bool:
+    """Whether our first message on `stream` failed to send, before any reply. A worker without the method answers
+    UNIMPLEMENTED at once and closes the stream; where that races the send, grpc reports the failed send (INTERNAL)
+    in its place. Nothing reached the worker, so the call may go again, unary."""
+    failed_send = exc.code() == grpc.StatusCode.INTERNAL and "SendMessageOperation" in (exc.debug_error_string() or "")
+    return failed_send and not stream.answered
+
+
 @dataclass
 class _OpenStream:
     """One stream's call, the requests still to write on it, and the replies its calls wait for, in order."""
@@ -95,6 +103,7 @@ class _OpenStream:
     outgoing: asyncio.Queue[Any]
     waiting: collections.deque[asyncio.Future[Any]] = field(default_factory=collections.deque)
     ended: bool = False
+    answered: bool = False  # a reply came on it
 
 
 class StepStream:
@@ -155,6 +164,7 @@ class StepStream:
                 if not stream.waiting:
                     raise call_error(grpc.StatusCode.INTERNAL, "the worker replied to a call not made")
                 reply = stream.waiting.popleft()
+                stream.answered = True
                 if reply.done():
                     continue
                 if envelope.status.code:
@@ -164,7 +174,7 @@ class StepStream:
             error = call_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream")
         except grpc.aio.AioRpcError as exc:
             error = exc
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED or (self.opened == 1 and _unanswered_send(stream, exc)):
                 self.unimplemented = True
             elif exc.code() == grpc.StatusCode.CANCELLED:  # by the worker: it is stopping, as a unary call would see
                 error = call_error(grpc.StatusCode.UNAVAILABLE, f"the worker closed the step stream ({exc.details()})")
