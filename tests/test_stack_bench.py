@@ -15,8 +15,17 @@ from pathlib import Path
 import pytest
 from stack import REPO, SERVICE_ENV, Service, TinyPairs, Workers, running_coordinator
 
-from minedraft.app.bench import RequestResult, _parse_modes, http_base_url, percentile, ratios, summarize
-from minedraft.app.stack import free_port
+from minedraft.app.bench import (
+    LocalStack,
+    RequestResult,
+    _parse_modes,
+    http_base_url,
+    percentile,
+    ratios,
+    summarize,
+)
+from minedraft.app.cli import build_parser
+from minedraft.app.stack import free_port, stack_commands
 
 pytest_plugins = ["stack"]
 
@@ -63,12 +72,15 @@ def test_modes_parsing() -> None:
     assert parse("psd,sd,ar", flag=True) == ["psd", "sd", "sd2b", "ar"]
     with pytest.raises(ValueError, match="unknown mode"):
         parse("psd,fast")
-    one_gpu = argparse.Namespace(
-        modes="psd,sddp", sd_batch_equal_concurrency=False, target_device="cuda", draft_device="cuda:0"
+    two_gpus = build_parser().parse_args(
+        ["bench", "--modes", "psd,sddp", "--target-device", "cuda", "--draft-device", "cuda:1"]
     )
+    assert _parse_modes(two_gpus) == ["psd", "sddp"]
+    assert _parse_modes(argparse.Namespace(**(vars(two_gpus) | {"target_device": "cpu", "draft_device": "cpu"})))
+    one_gpu = argparse.Namespace(**(vars(two_gpus) | {"draft_device": "cuda:0"}))
     with pytest.raises(ValueError, match="name two GPUs"):
         _parse_modes(one_gpu)
-    ranks = argparse.Namespace(**(vars(one_gpu) | {"draft_device": "cuda:1", "tensor_parallel_size": 2}))
+    ranks = argparse.Namespace(**(vars(two_gpus) | {"tensor_parallel_size": 2}))
     with pytest.raises(ValueError, match="no tensor parallelism"):
         _parse_modes(ranks)
 
@@ -178,10 +190,6 @@ def test_bench_a_dead_http_server_is_an_error_without_traceback() -> None:
 
 
 def test_modes_over_http_serve_it_on_a_port_of_their_own(tmp_path: Path) -> None:
-    from minedraft.app.bench import LocalStack
-    from minedraft.app.cli import build_parser
-    from minedraft.app.stack import stack_commands
-
     def coordinator_http_port(*flags: str) -> int:
         args = build_parser().parse_args(["bench", "--modes", "psd", *flags])
         command = stack_commands(LocalStack(args, "psd", tmp_path).args, 0, 0)[-1]
@@ -193,10 +201,6 @@ def test_modes_over_http_serve_it_on_a_port_of_their_own(tmp_path: Path) -> None
 
 
 def test_synthetic_acceptance_reaches_only_the_target_service(tmp_path: Path) -> None:
-    from minedraft.app.bench import LocalStack
-    from minedraft.app.cli import build_parser
-    from minedraft.app.stack import stack_commands
-
     for extra, expected in (([], None), (["--synthetic-acceptance", "0.7"], "0.7")):
         args = build_parser().parse_args(["bench", "--modes", "psd", *extra])
         target, draft, coordinator = stack_commands(LocalStack(args, "psd", tmp_path).args, 0, 0)

@@ -529,13 +529,10 @@ def _parse_modes(args: argparse.Namespace) -> list[str]:
     if bad or not modes:
         raise ValueError(f"unknown mode(s) {', '.join(bad) or '(none)'}: choose among {', '.join(MODES)}")
     if SD_DP in modes:
-        target, draft = (
-            "cuda:0" if d == "cuda" else d
-            for d in (getattr(args, "target_device", "cpu"), getattr(args, "draft_device", "cpu"))
-        )
-        if target == draft and target != "cpu":
+        devices = {"cuda:0" if d == "cuda" else d for d in (args.target_device, args.draft_device)}
+        if len(devices) == 1 and devices != {"cpu"}:
             raise ValueError(f"{SD_DP} runs a stack on each of --target-device and --draft-device: name two GPUs")
-        if max(getattr(args, "tensor_parallel_size", 1) or 1, getattr(args, "draft_tensor_parallel_size", 1) or 1) > 1:
+        if max(args.tensor_parallel_size or 1, args.draft_tensor_parallel_size or 1) > 1:
             raise ValueError(f"{SD_DP} runs each stack on one device: it takes no tensor parallelism")
     return list(dict.fromkeys(modes))
 
