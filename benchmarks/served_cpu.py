@@ -28,17 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minedraft.demo_models import TARGET_DIR  # noqa: E402
+
 SERVICES = ("coordinator", "target", "draft")
 
 
 def tiny_pair(root: Path) -> tuple[Path, Path]:
     """A 2-layer target and a 1-layer draft of 64 hidden units with random weights, and the demo tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from minedraft.demo_models import TARGET_DIR
-
     dirs = []
     for name, layers in (("target", 2), ("draft", 1)):
         torch.manual_seed(layers)
@@ -90,9 +90,12 @@ def one_run(tree: str, target: Path, draft: Path, args: argparse.Namespace) -> d
         ]  # fmt: skip
         bench = subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         samples: list[tuple[float, dict[str, dict[str, float]]]] = []
+        pids: dict[str, int] = {}
         while bench.poll() is None:
+            if len(pids) < len(SERVICES):  # (looked up until all three run: `ps` costs the services' CPU)
+                pids = service_pids(bench.pid)
             snapshot = {}
-            for service, pid in service_pids(bench.pid).items():
+            for service, pid in pids.items():
                 with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # (it ended meanwhile)
                     snapshot[service] = cpu_by_thread(pid)
             if snapshot:
