@@ -423,6 +423,40 @@ def test_blocks_kept_ahead_leave_the_next_step_nothing_to_write_and_never_fail()
     assert cache.held.tolist() == [2, 3, 0] and cache.pool.available == 3
 
 
+def test_host_written_tables_equal_the_devices_eager_writes() -> None:
+    """A CPU cache writes table entries into the tensor's memory from the host; a device's flush scatters them
+    (`apply_writes`, CUDA's way where its graph takes too few): takes, trims, trash entries for a prefill and
+    releases leave the same tables either way."""
+    from minedraft.engine.kv_cache import LayerSpec, PagedKVCache
+
+    def cache(host_writes: bool) -> PagedKVCache:
+        made = PagedKVCache(num_rows=9, max_len=512, block_size=4, device="cpu")
+        made.specs = [LayerSpec(1, 4, 4, torch.float32, torch.device("cpu"))]
+        made.allocate(600)
+        if not host_writes:
+            made._host_cells = None
+        return made
+
+    host, device = cache(True), cache(False)
+    rows = list(range(8))
+    for step in range(1, 12):
+        for made in (host, device):
+            made.trim(rows, [4 * step + r for r in rows])
+            made.keep_ahead(rows, [4 * step + 9 + 3 * r for r in rows])
+            if step % 4 == 0:
+                made.trim([2, 5], [1, 3])
+                made.flush()  # with the trash entries, as before a prefill
+    for made in (host, device):
+        made.release([1, 3])
+        made.flush()
+    assert torch.equal(host.tables, device.tables)
+    assert host.row_blocks == device.row_blocks
+    for row in range(8):
+        blocks = host.row_blocks[row]
+        assert host.tables[row, : len(blocks)].tolist() == blocks
+        assert (host.tables[row, len(blocks) :] == 0).all(), "a column given back still names its block"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flushes_through_the_table_writer_leave_the_tables_as_eager_writes() -> None:
     """On CUDA `flush` writes through a captured graph from pinned buffers in turn: flushes after launches (more of

@@ -115,14 +115,16 @@ class PagedKVCache(Cache):
                 (TABLE_START + num_rows * self.max_blocks,), TRASH_BLOCK, dtype=torch.int32, device=device
             )
         self.tables = self._cells[TABLE_START:].view(num_rows, self.max_blocks)
+        # On a CPU the host writes table entries straight into the tensor's memory: one numpy assignment a flush.
+        self._host_cells = self._cells.numpy() if self.device.type == "cpu" else None
         self.row_blocks: list[list[int]] = [[] for _ in range(num_rows)]
         self.held = np.zeros(num_rows, dtype=np.int64)  # len(row_blocks[r]), for vectorized checks
-        # Table entries the device has not yet (every change goes here first). `_pending`, (row, column) -> block:
-        # blocks a row took, which a step must have before it runs. `_freed`, (row, column): columns a row gave
-        # back, to point at the trash block: only a prefill's padding writes past a row's blocks, so they wait
-        # for the flush before an eager step (`flush(freed=True)`).
-        self._pending: dict[tuple[int, int], int] = {}
-        self._freed: set[tuple[int, int]] = set()
+        # Table entries the device has not yet (every change goes here first), by their cell of `_cells`
+        # (`_cell`). `_pending`, cell -> block: blocks a row took, which a step must have before it runs. `_freed`:
+        # cells of columns a row gave back, to point at the trash block: only a prefill's padding writes past a
+        # row's blocks, so they wait for the flush before an eager step (`flush(freed=True)`).
+        self._pending: dict[int, int] = {}
+        self._freed: set[int] = set()
         self.table_writer: TableWriter | None = None  # `flush`'s way on CUDA, where the runner captures graphs
         self.pool: BlockPool | None = None
         self.keys: list[torch.Tensor] = []
@@ -200,7 +202,7 @@ class PagedKVCache(Cache):
         order. The next step then finds its blocks and entries in place and costs the host a check before its
         launch. Mostly every row holds what it should already, which one comparison says."""
         rows = np.asarray(rows, dtype=np.int64)
-        wanted = -(-np.minimum(ends, self.max_len) // self.block_size)
+        wanted = (np.minimum(ends, self.max_len) + (self.block_size - 1)) // self.block_size
         held = self.held[rows]
         if (held != wanted).any():
             over = held > wanted
@@ -228,13 +230,14 @@ class PagedKVCache(Cache):
         taken, start, freed, pending = self.pool.take(total), 0, self._freed, self._pending
         for row, count in zip(rows.tolist(), counts.tolist()):
             held = self.row_blocks[row]
-            for column, block in enumerate(taken[start : start + count], len(held)):
-                pending[row, column] = block
-                if freed:
-                    freed.discard((row, column))
-            held += taken[start : start + count]
-            self.held[row] = len(held)
+            first = self._cell(row, len(held))
+            blocks = taken[start : start + count]
+            pending.update(zip(range(first, first + count), blocks))
+            if freed:
+                freed.difference_update(range(first, first + count))
+            held += blocks
             start += count
+        self.held[rows] += counts
 
     def trim(self, rows: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> None:
         """Give back each row's blocks past its first `lengths[i]` positions (what a rollback left empty), their table
@@ -252,9 +255,9 @@ class PagedKVCache(Cache):
         for row, kept in zip(rows, keep):
             held = self.row_blocks[row]
             self.pool.free(held[kept:])
-            for column in range(kept, len(held)):
-                self._freed.add((row, column))
-                self._pending.pop((row, column), None)
+            for cell in range(self._cell(row, kept), self._cell(row, len(held))):
+                self._freed.add(cell)
+                self._pending.pop(cell, None)
             del held[kept:]
             self.held[row] = kept
 
@@ -279,9 +282,9 @@ class PagedKVCache(Cache):
         self.pool.record_lookup(0 if again else len(prompt), len(blocks) * self.block_size)
         self.row_blocks[row] += blocks
         self.held[row] = len(self.row_blocks[row])
-        for column, block in enumerate(blocks, held):
-            self._pending[row, column] = block
-            self._freed.discard((row, column))
+        for cell, block in enumerate(blocks, self._cell(row, held)):
+            self._pending[cell] = block
+            self._freed.discard(cell)
         return (held + len(blocks)) * self.block_size
 
     def prefix_keys(self, prompt: Sequence[int]) -> list[bytes]:
@@ -298,12 +301,16 @@ class PagedKVCache(Cache):
         """Write the table entries the device has not yet, in stream order: before a step, or once a step is launched
         (`keep_ahead`). `freed`: also those of freed columns (`_freed`), which only an eager step (a prefill, whose
         padding writes past its rows' blocks) needs."""
-        entries = [(self._cell(row, column), block) for (row, column), block in self._pending.items()]
         if freed and self._freed:
-            entries += [(self._cell(row, column), TRASH_BLOCK) for row, column in self._freed]
+            self._pending.update(dict.fromkeys(self._freed, TRASH_BLOCK))  # (no cell is in both)
             self._freed.clear()
-        if not entries:
+        if not self._pending:
             return
+        if self._host_cells is not None:
+            self._host_cells[list(self._pending)] = list(self._pending.values())
+            self._pending.clear()
+            return
+        entries = list(self._pending.items())
         if self.table_writer is None or not self.table_writer.write(entries):
             writes = torch.from_numpy(np.array(entries, dtype=np.int32))
             if self.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the step it follows
