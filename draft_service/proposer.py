@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,9 @@ TAIL_TOKENS = 2
 class Proposal:
     draft_ids: torch.Tensor  # [B, k]
     draft_probs: torch.Tensor | None  # [B, k, V] processed q, or None when every row drafted greedily
+    # With `defer_upkeep`: host work the proposal left, for the caller to run after replying and before the
+    # proposer's next call (`Proposer.propose`).
+    upkeep: Callable[[], None] | None = None
 
 
 class Proposer:
@@ -74,13 +77,18 @@ class Proposer:
         k: int,
         batch_id: int | None = None,
         missed: Sequence[Sequence[int]] = (),
+        defer_upkeep: bool = False,
     ) -> Proposal:
         """Reconcile every row with the target's last verdict, then draft k tokens for each (`batch_id`: as in
         `Verifier.verify`), all in the proposal's CUDA graph (`_proposal_step`). `num_accepted` and `next_tokens`
         are host tensors.
 
         `missed` (per row, or empty): tokens the target emitted before `next_tokens` that this draft was not given,
-        since the coordinator decoded without drafts meanwhile (`_catch_up`)."""
+        since the coordinator decoded without drafts meanwhile (`_catch_up`).
+
+        `defer_upkeep`: the blocks the next proposal needs are kept (`keep_ahead`) by the returned proposal's
+        `upkeep`, which the caller runs once it has replied and before any other call of this proposer, rather
+        than here: on a GPU a proposal's reply goes once its graph is launched, and the target waits for it."""
         if k < 1:
             raise ValueError("a proposal drafts at least one token")
         if any(missed):
@@ -101,9 +109,11 @@ class Proposer:
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
         outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=int(ends.max()), lane=batch_id)
         # The next reach: kept' <= kept + tail + k - 1, tail' <= 2, so ends' <= kept + tail + 2k <= ends + k + 1.
-        self.runner.cache.keep_ahead(index, ends + k + 1)
+        upkeep = functools.partial(self.runner.cache.keep_ahead, index, ends + k + 1)
         self.committed_host[index], self.last_k_host[index] = committed, k
-        return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None)
+        if not defer_upkeep:
+            upkeep()
+        return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None, upkeep if defer_upkeep else None)
 
     def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
         """How a batch of this kind drafts: greedily for every row with `greedy_drafts`; never with logprobs (the

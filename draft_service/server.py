@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import time
@@ -61,7 +62,10 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
-        return await self.step(request)
+        try:
+            return await self.step(request)
+        finally:  # on the loop's next turn: grpc has begun sending the reply by then
+            asyncio.get_running_loop().call_soon(self.worker.replied, request)
 
     async def step(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         start_unix = time.time()
@@ -102,9 +106,12 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
             request.num_draft_tokens,
             request.batch_id,
             missed,
+            defer_upkeep=True,
         )
         start = time.perf_counter()
         payload = channel.send(request.step_id, proposal.draft_ids, proposal.draft_probs)
+        if proposal.upkeep is not None:
+            self.worker.after_reply(request, proposal.upkeep)
         return payload, elapsed(start)
 
 

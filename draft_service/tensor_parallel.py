@@ -24,7 +24,9 @@ def proposer_calls(worker: ModelWorker, greedy_drafts: bool) -> RunCall:
     proposer = make_proposer(worker, greedy_drafts)
 
     def run(name: str, args: Sequence[object]) -> None:
-        getattr(proposer, name)(*args)
+        result = getattr(proposer, name)(*args)
+        if isinstance(result, Proposal) and result.upkeep is not None:
+            result.upkeep()  # at once: no reply waits here
 
     return run
 
@@ -46,8 +48,9 @@ class MirroredProposer(Mirrored):
         k: int,
         batch_id: int | None = None,
         missed: Sequence[Sequence[int]] = (),
+        defer_upkeep: bool = False,
     ) -> Proposal:
         proposal: Proposal = self.call(
-            "propose", list(seq_ids), num_accepted, next_tokens, k, batch_id, [list(m) for m in missed]
+            "propose", list(seq_ids), num_accepted, next_tokens, k, batch_id, [list(m) for m in missed], defer_upkeep
         )
         return proposal

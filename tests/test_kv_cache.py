@@ -501,10 +501,12 @@ def test_a_proposals_committed_count_equals_kept_plus_tail(tiny_models) -> None:
         assert proposer._committed_after(rows, accepted).tolist() == (kept + tail).tolist()
 
 
-def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_reference) -> None:
+@pytest.mark.parametrize("deferred", [False, True], ids=["upkeep-in-the-call", "upkeep-after-it"])
+def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_reference, deferred: bool) -> None:
     """After its first step each verify and proposal finds every block its writes reach already taken and written
-    (the step before took them once launched, `keep_ahead`), so nothing is left for its launch to write; a row
-    holds at most one block past what its next step may reach; and the tokens are `generate()`'s."""
+    (the step before took them once launched, `keep_ahead`; a served proposal leaves that to its `upkeep`, after
+    its reply), so nothing is left for its launch to write; a row holds at most one block past what its next step
+    may reach; and the tokens are `generate()`'s."""
 
     target, draft = tiny_models.target("llama", vocab=VOCAB), tiny_models.noisy_draft("llama", vocab=VOCAB)
     k, size = 3, 4
@@ -524,7 +526,10 @@ def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_refere
         reach = np.maximum(kept + 2, kept + tail + k - 1)
         if step:
             assert (reach <= d_cache.held[d_rows] * size).all(), "a proposal's blocks not taken ahead"
-        proposal = proposer.propose(seqs, accepted, last, k)
+        proposal = proposer.propose(seqs, accepted, last, k, defer_upkeep=deferred)
+        if deferred:
+            assert proposal.upkeep is not None
+            proposal.upkeep()
         assert not d_cache._pending, "table entries left for the next proposal's launch"
         assert (d_cache.held[d_rows] <= -(-(reach + k + 1) // size)).all()
         before = verifier.cached[v_rows]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import cast
 
@@ -15,9 +16,12 @@ from stack import Workers, generate, in_process_coordinator, leased_channel, run
 
 from coordinator.request_state import RequestState
 from coordinator.workers import Workers as WorkerClients
+from minedraft.demo_models import TARGET_DIR
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
-from minedraft.rpc.step_stream import StepStream
+from minedraft.rpc import worker as worker_module
+from minedraft.rpc.step_stream import StepStream, serve_step_stream
+from minedraft.rpc.worker import ModelWorker, WorkerOptions
 
 pytest_plugins = ["stack"]
 
@@ -255,5 +259,92 @@ def test_closing_a_stream_fails_the_calls_still_waiting() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await waiting
             assert error.value.code() == grpc.StatusCode.CANCELLED
+
+    run_async(main())
+
+
+def test_the_worker_is_told_of_each_reply_once_it_has_gone_out() -> None:
+    """`serve_step_stream` hands `sent` each request after its reply is written, an answer or a failure, in order."""
+    sent: list[int] = []
+
+    async def handle(request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        if request.step_id == 2:
+            raise ValueError("a bad call")
+        return _FakeTarget._reply(request)
+
+    async def verify_stream(
+        requests: AsyncIterator[target_pb2.VerifyStreamRequest], context: object
+    ) -> AsyncIterator[target_pb2.VerifyStreamResponse]:
+        told = lambda request: sent.append(request.step_id)  # noqa: E731
+        async for reply in serve_step_stream(requests, handle, target_pb2.VerifyStreamResponse, told):
+            yield reply
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(
+            verify_stream,
+            request_deserializer=target_pb2.VerifyStreamRequest.FromString,  # type: ignore[arg-type]
+            response_serializer=target_pb2.VerifyStreamResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"VerifyStream": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                stream = StepStream(stub.VerifyStream, target_pb2.VerifyStreamRequest)
+                try:
+                    calls = [stream.call(_decode(1, step), 10) for step in (1, 2, 3)]
+                    assert sent == []  # nothing has gone out before the calls are read
+                    results = await asyncio.gather(*calls, return_exceptions=True)
+                    assert isinstance(results[1], grpc.aio.AioRpcError)
+                    for _ in range(500):  # (the worker's side moves on once grpc has written the last reply)
+                        if len(sent) == 3:
+                            break
+                        await asyncio.sleep(0.01)
+                finally:
+                    await stream.close()
+        finally:
+            await server.stop(None)
+
+    run_async(main())
+    assert sent == [1, 2, 3]
+
+
+def test_work_left_for_after_a_reply_runs_once_it_went_out_or_before_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call's work left for after its reply (`ModelWorker.after_reply`, a proposal's upkeep) waits for the reply,
+    runs on the compute thread before any later call's work, holds up no call that comes first, and runs after
+    AFTER_REPLY_WAIT_S where no reply is reported."""
+    worker = ModelWorker(WorkerOptions(str(TARGET_DIR), kv_cache_memory=0.01))
+    done: list[str] = []
+
+    async def until(condition: Callable[[], bool]) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        monkeypatch.setattr(worker_module, "AFTER_REPLY_WAIT_S", 60.0)
+        first, second = object(), object()
+        await worker.run(worker.after_reply, first, lambda: done.append("first's upkeep"))
+        await asyncio.sleep(0.2)
+        assert done == []  # its reply is not out yet
+        worker.replied(first)
+        await until(lambda: bool(done))
+        assert done == ["first's upkeep"]
+
+        await worker.run(worker.after_reply, second, lambda: done.append("second's upkeep"))
+        start = time.monotonic()
+        await worker.run(done.append, "the next call")  # before the second's reply went out
+        assert done[1:] == ["second's upkeep", "the next call"]
+        assert time.monotonic() - start < 30  # it did not wait for the reply
+
+        monkeypatch.setattr(worker_module, "AFTER_REPLY_WAIT_S", 0.05)
+        await worker.run(worker.after_reply, object(), lambda: done.append("unreported upkeep"))
+        await until(lambda: len(done) == 4)
+        assert done[3:] == ["unreported upkeep"]
 
     run_async(main())

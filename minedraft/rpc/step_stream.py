@@ -57,11 +57,13 @@ async def serve_step_stream(
     envelopes: AsyncIterator[Any],
     handle: Callable[[Any], Awaitable[Any]],
     reply_type: type,
+    sent: Callable[[Any], None] = lambda request: None,
 ) -> AsyncIterator[Any]:
     """The worker's side: each request handled by `handle` as soon as it arrives, as a unary call would be, and
-    answered in turn as a `reply_type` (the reply, or the status the unary call would have ended with)."""
+    answered in turn as a `reply_type` (the reply, or the status the unary call would have ended with); `sent` is
+    told each request once its reply has gone out."""
     name = call_field(reply_type())
-    calls: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+    calls: asyncio.Queue[tuple[Any, asyncio.Task[Any]] | None] = asyncio.Queue()
 
     async def one(request: Any) -> Any:
         try:
@@ -73,7 +75,8 @@ async def serve_step_stream(
     async def read() -> None:
         try:
             async for envelope in envelopes:
-                calls.put_nowait(asyncio.create_task(one(getattr(envelope, name))))
+                request = getattr(envelope, name)
+                calls.put_nowait((request, asyncio.create_task(one(request))))
         except (grpc.RpcError, grpc.aio.AbortError) as exc:  # the caller went away: its calls still run, unread
             log.debug("step stream ended: %s", exc)
         finally:
@@ -82,7 +85,9 @@ async def serve_step_stream(
     reader = asyncio.create_task(read())
     try:
         while (call := await calls.get()) is not None:
-            yield await call
+            request, reply = call
+            yield await reply
+            sent(request)  # (grpc asks for the next reply once it has written this one)
     finally:
         reader.cancel()
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,8 @@ PROFILED_CALLS = 5
 NUM_BATCHES = 2  # the coordinator's alternating batches: each keeps its rows in graph buffers of its own
 # A draining worker stops once no model call has come for this long: its coordinator has drained, or is gone.
 QUIET_S = 5.0
+# Work a call left for after its reply (`ModelWorker.after_reply`) waits at most this long for the reply to go out.
+AFTER_REPLY_WAIT_S = 0.005
 
 
 @dataclass
@@ -107,6 +111,11 @@ class ModelWorker:
         # kernels then overlap on the GPU instead of queueing on the default stream.
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=self._on_device)
+        # Work calls left for after their replies (`after_reply`), numbered in order; only the compute thread
+        # touches it.
+        self._later: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        self._left = 0  # works left so far
+        self._unsent: dict[int, tuple[object, threading.Event]] = {}  # id(call) -> (call, set once it replied)
         self._calls = 0
         self._in_flight = 0
         self._last_call = time.monotonic()
@@ -136,15 +145,50 @@ class ModelWorker:
 
         def timed() -> tuple[T, float, float]:
             started = time.perf_counter()
+            self._run_later()
             result = self._on_stream(fn, *args)
             return result, started - submitted, elapsed(started)
 
         self._in_flight += 1
+        for _, replied in list(self._unsent.values()):  # work left waits for no reply once another call comes
+            replied.set()
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
         finally:
             self._in_flight -= 1
             self._last_call = time.monotonic()
+
+    def after_reply(self, call: object, work: Callable[[], None]) -> None:
+        """On the compute thread, in the work of `call` (a request): `work` runs there once the call's reply has gone
+        out (`replied`), another call comes, or AFTER_REPLY_WAIT_S pass, and in any case before the next call's
+        work: host work the reply need not wait for. Waiting, the compute thread leaves the GIL to the event loop
+        that sends the reply."""
+        replied = threading.Event()
+        self._unsent[id(call)] = (call, replied)
+        self._left += 1
+        number = self._left
+        self._later.append((number, work))
+
+        def after() -> None:
+            replied.wait(AFTER_REPLY_WAIT_S)
+            self._unsent.pop(id(call), None)
+            self._run_later(number)  # (what later calls left waits for their replies)
+
+        self._executor.submit(after)
+
+    def replied(self, call: object) -> None:
+        """On the event loop: the reply to `call` has gone out (its `after_reply` work may run)."""
+        unsent = self._unsent.pop(id(call), None)
+        if unsent is not None:
+            unsent[1].set()
+
+    def _run_later(self, up_to: int | None = None) -> None:
+        """Run the work calls left (`after_reply`), in order: all, or those left up to the `up_to`-th."""
+        while self._later and (up_to is None or self._later[0][0] <= up_to):
+            try:
+                self._later.popleft()[1]()
+            except Exception:  # (its call has replied: nothing to fail but a log line)
+                log.exception("work left after a reply failed")
 
     async def drain(self, health_servicer: Health, cut_short: asyncio.Event) -> None:
         """After a SIGTERM, before the server stops: report NOT_SERVING (but to liveness probes: `Health.drain`) so

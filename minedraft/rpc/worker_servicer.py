@@ -174,7 +174,7 @@ class WorkerServicer:
             with self.leases.held(ticket):
                 return await self.step(request)
 
-        async for reply in serve_step_stream(requests, step, self.StepStreamResponse):
+        async for reply in serve_step_stream(requests, step, self.StepStreamResponse, self.worker.replied):
             yield reply
 
     async def release_first(self, seq_ids: Sequence[int]) -> None:
