@@ -202,7 +202,7 @@ class PagedKVCache(Cache):
         order. The next step then finds its blocks and entries in place and costs the host a check before its
         launch. Mostly every row holds what it should already, which one comparison says."""
         rows = np.asarray(rows, dtype=np.int64)
-        wanted = (np.minimum(ends, self.max_len) + (self.block_size - 1)) // self.block_size
+        wanted = -(-np.minimum(ends, self.max_len) // self.block_size)
         held = self.held[rows]
         if (held != wanted).any():
             over = held > wanted
@@ -308,14 +308,13 @@ class PagedKVCache(Cache):
             return
         if self._host_cells is not None:
             self._host_cells[list(self._pending)] = list(self._pending.values())
-            self._pending.clear()
-            return
-        entries = list(self._pending.items())
-        if self.table_writer is None or not self.table_writer.write(entries):
-            writes = torch.from_numpy(np.array(entries, dtype=np.int32))
-            if self.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the step it follows
-                writes = writes.pin_memory()
-            self.apply_writes(writes.to(self.device, non_blocking=True))
+        else:
+            entries = list(self._pending.items())
+            if self.table_writer is None or not self.table_writer.write(entries):
+                writes = torch.from_numpy(np.array(entries, dtype=np.int32))
+                if self.device.type == "cuda":  # pinned: a copy from pageable memory may wait for the step it follows
+                    writes = writes.pin_memory()
+                self.apply_writes(writes.to(self.device, non_blocking=True))
         self._pending.clear()
 
     def apply_writes(self, writes: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import socket
@@ -114,7 +115,7 @@ class ModelWorker:
         # Work calls left for after their replies (`after_reply`), numbered in order; only the compute thread
         # touches it.
         self._later: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
-        self._left = 0  # works left so far
+        self._numbers = itertools.count(1)
         self._unsent: dict[int, tuple[object, threading.Event]] = {}  # id(call) -> (call, set once it replied)
         self._calls = 0
         self._in_flight = 0
@@ -165,8 +166,7 @@ class ModelWorker:
         that sends the reply."""
         replied = threading.Event()
         self._unsent[id(call)] = (call, replied)
-        self._left += 1
-        number = self._left
+        number = next(self._numbers)
         self._later.append((number, work))
 
         def after() -> None:
