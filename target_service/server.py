@@ -32,25 +32,29 @@ _FINISH = {
 
 
 def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.SequenceResult]:
-    cached = result.cached_tokens or [0] * len(seq_ids)
-    rows = result.per_row()
-    logprobs = result.logprobs_per_row()
-    return [
+    results = [
         target_pb2.SequenceResult(
             seq_id=seq_id,
             token_ids=tokens,
             num_accepted=accepted,
             finish_reason=_FINISH.get(finish, generation_pb2.FINISH_REASON_UNSPECIFIED),
-            cached_prompt_tokens=hits,
-            logprobs=[
+        )
+        for seq_id, (tokens, accepted, finish) in zip(seq_ids, result.per_row(), strict=True)
+    ]
+    # Set only where there is something to say: a verify (most calls) has no cached tokens and mostly no logprobs,
+    # and an empty field given to the constructor costs a 32-row reply ~40% more.
+    if result.cached_tokens is not None:
+        for message, hits in zip(results, result.cached_tokens, strict=True):
+            message.cached_prompt_tokens = hits
+    if result.logprobs is not None:
+        for message, reported in zip(results, result.logprobs_per_row(), strict=True):
+            message.logprobs.extend(
                 generation_pb2.TokenLogprob(
                     logprob=lp, top=[generation_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top]
                 )
                 for lp, top in reported or ()
-            ],
-        )
-        for seq_id, (tokens, accepted, finish), hits, reported in zip(seq_ids, rows, cached, logprobs, strict=True)
-    ]
+            )
+    return results
 
 
 class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
