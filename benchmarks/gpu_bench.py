@@ -134,6 +134,10 @@ class Pair:
         self.verifier.warm_up(k)
         self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE))
         self.k, self.batch = k, batch
+        # As the draft service: a proposal's upkeep (`defer_upkeep`) left for after its reply, run by `settle` or
+        # the next proposal.
+        self.defer_upkeep = False
+        self.upkeep: Callable[[], None] | None = None
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
         self.d_stream = torch.cuda.Stream(self.proposer.runner.device)
         generator = torch.Generator().manual_seed(1)
@@ -152,14 +156,23 @@ class Pair:
             self.verdict.update({s: (0, tokens[-1]) for s, (tokens, _, _) in zip(seqs, first)})
 
     def propose(self, b: int) -> None:
+        self.settle()
         with torch.cuda.stream(self.d_stream):
             seqs = self.ids[b]
             accepted = torch.tensor([self.verdict[s][0] for s in seqs])
             last = torch.tensor([self.verdict[s][1] for s in seqs])
-            proposal = self.proposer.propose(seqs, accepted, last, self.k, b)
+            proposal = self.proposer.propose(seqs, accepted, last, self.k, b, defer_upkeep=self.defer_upkeep)
+            self.upkeep = proposal.upkeep
             self.drafts[b] = (proposal.draft_ids, proposal.draft_probs)
             self.ready[b] = torch.cuda.Event()
             self.ready[b].record()
+
+    def settle(self) -> None:
+        """Run the upkeep the last proposal left (`defer_upkeep`), as the draft service does after its reply."""
+        if self.upkeep is not None:
+            with torch.cuda.stream(self.d_stream):
+                self.upkeep()
+            self.upkeep = None
 
     def verify(self, b: int, k: int | None = None) -> None:
         with torch.cuda.stream(self.t_stream):
