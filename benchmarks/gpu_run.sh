@@ -58,6 +58,7 @@ fi
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT/run"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD  # this tree's packages: the GPU machine runs them uninstalled
 # grpcio-health-checking and grpcio-reflection (carried as wheels in .whl/) are missing on the GPU machine.
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
