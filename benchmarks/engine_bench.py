@@ -3,7 +3,7 @@
     python benchmarks/engine_bench.py                      # demo pair if shipped, else random tiny models
     python benchmarks/engine_bench.py --models minedraft/demo_models --k 4 --new-tokens 64 --repeats 3
 
-Runs `minedraft.app.offline.generate_offline` (in-process continuous batching, greedy) at batch 1 and 8 for every
+Runs `minedraft_app.offline.generate_offline` (in-process continuous batching, greedy) at batch 1 and 8 for every
 draft setting and for AR, alternating the modes within each repeat so that machine noise hits all of them alike,
 and prints the median tokens/s, the SD/AR ratio and the mean accepted length (accepted drafts per verify step + 1).
 
@@ -39,10 +39,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, OfflineResult, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import load_model, load_tokenizer
 from minedraft.engine.sampling import SamplingConfig
+from minedraft_app.offline import OfflineRequest, OfflineResult, generate_offline
 from target_service.verifier import Verifier
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

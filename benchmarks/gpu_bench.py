@@ -36,10 +36,10 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.app.flags import PRECAPTURE_CHOICES
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig
+from minedraft_app.flags import PRECAPTURE_CHOICES
 from target_service.verifier import Verifier
 
 sys.path.insert(0, ".")
@@ -378,7 +378,7 @@ def graphs_match_eager(model: PreTrainedModel, device: str, out: dict) -> None:
 
 def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, args: argparse.Namespace, out: dict) -> None:
     """Tokens/s at batch 1: Hugging Face assisted generation against our SD loop, same models, real acceptance."""
-    from minedraft.app.offline import OfflineRequest, generate_offline
+    from minedraft_app.offline import OfflineRequest, generate_offline
 
     prompt = torch.randint(0, VOCAB, (1, args.prefix), generator=torch.Generator().manual_seed(2))
     new = 64
@@ -584,7 +584,7 @@ def services_comparison(runs: list[str], args: argparse.Namespace, summary: dict
         command = [
             sys.executable,
             "-m",
-            "minedraft",
+            "minedraft_app",
             "bench",
             "--modes",
             run.modes,

@@ -183,7 +183,7 @@ for r in json.load(open(sys.argv[1]))['rows']:
     grep -E "kernels|ms:|launch" "$OUT/run/profile_step_compiled.txt" | head -40
     ;;
 calls)
-    timeout -k 10 ${BENCH_SECONDS:-150} python3 -m minedraft bench --modes "${MODES:-sd,ar}" --target-device "$TARGET_DEVICE" \
+    timeout -k 10 ${BENCH_SECONDS:-150} python3 -m minedraft_app bench --modes "${MODES:-sd,ar}" --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts 64 --prompt-len 64 --output-len 96 \
         --no-progress --step-trace-dir "$OUT/run/traces" > "$OUT/run/bench.log" 2>&1
     tail -8 "$OUT/run/bench.log"
@@ -196,7 +196,7 @@ stepcalls)
                 name=${calls}_${load}_${order%%,*}_first
                 if [ $load = c64 ]; then size="--modes ${CALLS_MODES:-sd,ar} --num-prompts ${CALLS_PROMPTS:-256} --concurrency 64"
                 else size="--modes sd --num-prompts 16 --concurrency 1"; fi
-                MINEDRAFT_STEP_CALLS=$calls timeout -k 10 ${BENCH_SECONDS:-100} python3 -m minedraft bench \
+                MINEDRAFT_STEP_CALLS=$calls timeout -k 10 ${BENCH_SECONDS:-100} python3 -m minedraft_app bench \
                     --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --max-batch-size 32 \
                     --prompt-len 64 --output-len ${CALLS_OUTPUT:-128} $size --no-progress \
                     --step-trace-dir "$OUT/run/traces_$name" > "$OUT/run/bench_$name.log" 2>&1
@@ -221,7 +221,7 @@ kvgather)
     python3 benchmarks/kv_gather_bench.py --batch 8 2>&1 | tee -a "$OUT/run/kv_gather.txt"
     ;;
 served)
-    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m minedraft bench --modes "${MODES:-psd,sd,ar}" --target-device "$TARGET_DEVICE" \
+    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m minedraft_app bench --modes "${MODES:-psd,sd,ar}" --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts "${PROMPTS:-128}" --concurrency 64 --prompt-len 64 \
         --output-len 96 ${SPECULATION:+--speculation $SPECULATION} --no-progress --json-out "$OUT/run/served.json" \
         --step-trace-dir "$OUT/run/traces" > "$OUT/run/served.log" 2>&1
@@ -243,5 +243,5 @@ paged)
 esac
 # A stack whose bench ran past its time leaves its services running, holding GPU memory: the next stage's ran out
 # of it.
-pkill -9 -f "[m]inedraft(\.cli)? (bench|target|draft|coordinator)" 2>/dev/null
+pkill -9 -f "[m]inedraft(_app)?(\.cli)? (bench|target|draft|coordinator)" 2>/dev/null
 tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"  # stages can run one after another in one call

@@ -3,7 +3,7 @@
     python benchmarks/paged_bench.py --device cuda --out out/paged
 
 Four questions (`--questions`), each on real services (target, draft and coordinator processes, started as
-`minedraft bench --modes` starts them: `minedraft.app.bench.LocalStack`), all on one device:
+`minedraft bench --modes` starts them: `minedraft_app.bench.LocalStack`), all on one device:
 
 - long: `--requests` requests sent at once, prompts of random token ids and random lengths in
   [`--prompt-min`, `--prompt-max`], `--output-len` tokens each (EOS ignored), at `--max-model-len`: completed and
@@ -63,10 +63,10 @@ from typing import Any
 import grpc
 
 sys.path.insert(0, ".")
-from minedraft.app.bench import LocalStack, _no_nan, _server_info, percentile  # noqa: E402
-from minedraft.app.cli import build_parser  # noqa: E402
-from minedraft.app.stack import LOOPBACK, METRICS_PORT_OFFSET, start_stack  # noqa: E402
 from minedraft.demo_models import DRAFT_DIR, TARGET_DIR  # noqa: E402
+from minedraft_app.bench import LocalStack, _no_nan, _server_info, percentile  # noqa: E402
+from minedraft_app.cli import build_parser  # noqa: E402
+from minedraft_app.stack import LOOPBACK, METRICS_PORT_OFFSET, start_stack  # noqa: E402
 
 QUESTIONS = ("connect", "first", "long", "prefix")  # the order they run in: a stack passes from one to the next
 WORKERS = ("target", "draft")

@@ -83,7 +83,7 @@ def one_run(tree: str, target: Path, draft: Path, args: argparse.Namespace) -> d
     """CPU ms per verify step of each service (per thread name) in one served load run from `tree`."""
     with tempfile.TemporaryDirectory() as traces:
         command = [
-            sys.executable, "-m", "minedraft", "bench", "--modes", "sd", "--target", str(target), "--draft",
+            sys.executable, "-m", "minedraft_app", "bench", "--modes", "sd", "--target", str(target), "--draft",
             str(draft), "--num-prompts", str(args.prompts), "--concurrency", "64", "--max-batch-size", "32",
             "--output-len", "96", "--synthetic-acceptance", "0.7", "--speculation", "always", "--threads", "1",
             "--step-trace-dir", traces, "--no-progress",

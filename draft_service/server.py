@@ -17,9 +17,10 @@ from draft_service.tensor_parallel import MirroredProposer, make_proposer, propo
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
+from minedraft.rpc.options import WorkerOptions
 from minedraft.rpc.ranks import RankGroup
 from minedraft.rpc.server_utils import grpc_errors, timings
-from minedraft.rpc.worker import Drain, ModelWorker, WorkerOptions, elapsed
+from minedraft.rpc.worker import Drain, ModelWorker, elapsed
 from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id, leased
 
 if TYPE_CHECKING:

@@ -13,9 +13,10 @@ import torch
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.rpc.options import WorkerOptions
 from minedraft.rpc.ranks import RankGroup
 from minedraft.rpc.server_utils import grpc_errors, timings
-from minedraft.rpc.worker import Drain, ModelWorker, WorkerOptions, elapsed
+from minedraft.rpc.worker import Drain, ModelWorker, elapsed
 from minedraft.rpc.worker_servicer import WorkerServicer, check_batch_id, leased
 from target_service.tensor_parallel import MirroredVerifier, make_verifier, verifier_calls
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier

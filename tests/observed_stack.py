@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from stack import SERVICE_ENV, Service, TinyPairs, spawn, wait_all
 
-from minedraft.app.stack import free_port
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft_app.stack import free_port
 
 try:  # without opentelemetry-proto (as on the GPU machines) the stack runs untraced and trace tests skip
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc

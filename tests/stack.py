@@ -2,7 +2,7 @@
 
 Test modules load this as a plugin (``pytest_plugins = ["stack"]``) so that its session-scoped fixtures exist once
 per test session (a fixture imported into several modules would be built once per module). Every process started
-here runs ``python -m minedraft ...`` with ``OMP_NUM_THREADS=1`` and is stopped (SIGINT, then SIGKILL) in
+here runs ``python -m minedraft_app ...`` with ``OMP_NUM_THREADS=1`` and is stopped (SIGINT, then SIGKILL) in
 fixture teardown. Starting a process costs seconds (it imports torch and transformers), so the worker pair of each
 architecture is started once per session and the coordinators, cheaper to replace, come and go around it: a
 coordinator must release every sequence it admitted before it stops, so the next one finds the workers clean.
@@ -35,7 +35,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.server import CoordinatorOptions, GenerationServicer, serve
-from minedraft.app.stack import wait_healthy, wait_port_file
 from minedraft.observability.metrics import CoordinatorMetrics
 from minedraft.proto import (
     common_pb2,
@@ -47,6 +46,7 @@ from minedraft.proto import (
     target_pb2_grpc,
 )
 from minedraft.rpc.lease import Ticket, presenting
+from minedraft_app.stack import wait_healthy, wait_port_file
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ class TinyPairs:
 
 @dataclass
 class Service:
-    """One `python -m minedraft ...` process listening on a loopback port."""
+    """One `python -m minedraft_app ...` process listening on a loopback port."""
 
     name: str
     proc: subprocess.Popen
@@ -297,7 +297,7 @@ def _kill_leftovers() -> None:
 
 
 def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dict[str, str] | None = None) -> Service:
-    """Start `python -m minedraft <args> --port <port>`, output to a log file; returns at once.
+    """Start `python -m minedraft_app <args> --port <port>`, output to a log file; returns at once.
 
     Port 0 (the default) lets the service bind a free port itself: a port picked here and handed over could be taken
     by another socket in between (seen in CI)."""
@@ -306,7 +306,7 @@ def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dic
     port_file = ["--port-file", str(log_path.with_suffix(".port"))] if port == 0 else []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "minedraft", *args, "--port", str(port), *port_file],
+            [sys.executable, "-m", "minedraft_app", *args, "--port", str(port), *port_file],
             cwd=REPO,
             env=env or SERVICE_ENV,
             stdout=log,

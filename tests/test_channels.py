@@ -76,7 +76,7 @@ def test_single_process_serve_over_the_local_channel_matches_the_services(
     import subprocess
     import sys
 
-    from minedraft.app.stack import free_port, wait_healthy
+    from minedraft_app.stack import free_port, wait_healthy
 
     requests = mixed_requests(tiny_pairs.tokenizer)
     with running_coordinator(llama_workers, stack_logs, "psd") as coordinator:
@@ -86,7 +86,7 @@ def test_single_process_serve_over_the_local_channel_matches_the_services(
         [
             sys.executable,
             "-m",
-            "minedraft",
+            "minedraft_app",
             "serve",
             "--single-process",
             "--target",

@@ -11,9 +11,9 @@ from types import ModuleType
 
 import pytest
 
-from coordinator.server import CoordinatorOptions
-from minedraft.app.flags import COMMANDS, FLAGS, HELM_COMPONENTS, STACK_SERVICES, STACKS, flags_of
-from minedraft.rpc.worker import WorkerOptions
+from coordinator.options import CoordinatorOptions
+from minedraft.rpc.options import WorkerOptions
+from minedraft_app.flags import COMMANDS, FLAGS, HELM_COMPONENTS, STACK_SERVICES, STACKS, flags_of
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GENERATOR = REPO_ROOT / "scripts" / "generate_cli_docs.py"
@@ -39,7 +39,7 @@ def load_generator() -> ModuleType:
 def test_the_committed_reference_is_current() -> None:
     committed = (REPO_ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     assert committed == load_generator().reference(), (
-        "docs/cli.md differs from the flag table in minedraft/app/flags.py; run `python scripts/generate_cli_docs.py`"
+        "docs/cli.md differs from the flag table in minedraft_app/flags.py; run `python scripts/generate_cli_docs.py`"
     )
 
 
@@ -47,7 +47,7 @@ def test_a_flag_is_declared_once_per_command_and_only_in_the_table() -> None:
     for command in COMMANDS:
         names = [flag.name for flag in flags_of(command)]
         assert len(names) == len(set(names)), command
-    for path in (REPO_ROOT / "minedraft" / "app").glob("*.py"):
+    for path in (REPO_ROOT / "minedraft_app").glob("*.py"):
         if path.name == "flags.py":
             continue
         calls = [
@@ -55,7 +55,7 @@ def test_a_flag_is_declared_once_per_command_and_only_in_the_table() -> None:
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
             if isinstance(node, ast.Attribute) and node.attr == "add_argument"
         ]
-        assert not calls, f"{path.name} declares flags (lines {calls}): declare them in minedraft/app/flags.py"
+        assert not calls, f"{path.name} declares flags (lines {calls}): declare them in minedraft_app/flags.py"
 
 
 def test_what_a_stack_passes_on_reaches_a_flag_of_that_service() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minedraft.app.cli import build_parser
+from minedraft_app.cli import build_parser
 
 
 def test_environment_sets_flags_and_switches_read_true_or_false(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,7 +24,7 @@ def test_environment_sets_flags_and_switches_read_true_or_false(monkeypatch: pyt
 
 
 def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
-    from minedraft.app.stack import stack_commands
+    from minedraft_app.stack import stack_commands
 
     target, *_ = stack_commands(build_parser().parse_args(["serve", "--eager", "--precapture-graphs"]), 1, 2)
     assert "--eager" in target and target[target.index("--precapture-graphs") + 1] == "on"
@@ -34,7 +34,7 @@ def test_serve_passes_its_model_switches_to_the_workers_it_starts() -> None:
 
 def test_target_and_draft_on_one_gpu_share_its_memory() -> None:
     """Each worker sizes its KV cache by --gpu-memory-utilization of the whole GPU: on one GPU they split it."""
-    from minedraft.app.stack import stack_commands
+    from minedraft_app.stack import stack_commands
 
     def utilization(*flags: str) -> list[str | None]:
         commands = stack_commands(build_parser().parse_args(["serve", *flags]), 1, 2)
@@ -60,8 +60,8 @@ def test_target_and_draft_on_one_gpu_share_its_memory() -> None:
 def test_bench_and_serve_give_the_target_its_ranks(tmp_path: Path) -> None:
     """`--tensor-parallel-size` of a `serve` stack, or of one `bench` starts, is the target's,
     `--draft-tensor-parallel-size` the draft's `--tensor-parallel-size`; the coordinator takes neither."""
-    from minedraft.app.bench import LocalStack
-    from minedraft.app.stack import stack_commands
+    from minedraft_app.bench import LocalStack
+    from minedraft_app.stack import stack_commands
 
     flags = ["--tensor-parallel-size", "2", "--draft-tensor-parallel-size", "4"]
     serve = build_parser().parse_args(["serve", *flags])

@@ -10,9 +10,9 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import SamplingConfig
+from minedraft_app.offline import OfflineRequest, generate_offline
 from target_service.verifier import Verifier
 
 

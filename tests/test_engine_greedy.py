@@ -10,10 +10,10 @@ import torch
 from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, OfflineResult, generate_offline
 from minedraft.engine import sequence_table
 from minedraft.engine.model_runner import ModelRunner, Step
 from minedraft.engine.sampling import SamplingConfig
+from minedraft_app.offline import OfflineRequest, OfflineResult, generate_offline
 from target_service.verifier import FINISHED_LENGTH, FINISHED_STOP, StepResult, Verifier
 
 pytestmark = pytest.mark.usefixtures("single_thread")

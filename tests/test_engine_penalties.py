@@ -11,9 +11,9 @@ from conftest import hf_processed_greedy
 from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import SamplingConfig
+from minedraft_app.offline import OfflineRequest, generate_offline
 from target_service.verifier import StepResult, Verifier
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -24,7 +24,6 @@ from transformers.generation.logits_process import (
 
 import target_service.verifier as verifier_module
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, OfflineResult, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import (
     STREAM_ACCEPT,
@@ -36,6 +35,7 @@ from minedraft.engine.sampling import (
     seed_key,
     seeded_uniform,
 )
+from minedraft_app.offline import OfflineRequest, OfflineResult, generate_offline
 from target_service import rejection_sampler
 from target_service.rejection_sampler import RowParams, SamplerOutput
 from target_service.verifier import Verifier

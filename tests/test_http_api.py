@@ -47,10 +47,10 @@ from stack import (
 
 from coordinator.http_api import ApiError, BodyLimit
 from coordinator.validation import chat_prompt_ids
-from minedraft.app.stack import free_port
 from minedraft.engine.models import load_tokenizer
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft_app.stack import free_port
 
 pytest_plugins = ["stack"]
 
@@ -628,7 +628,7 @@ def test_generate_cli_chat(stack: Stack, tmp_path: Path) -> None:
         ["--chat", str(path)],
     ):
         run = subprocess.run(
-            [sys.executable, "-m", "minedraft", *common, *args],
+            [sys.executable, "-m", "minedraft_app", *common, *args],
             cwd=REPO,
             env=SERVICE_ENV,
             capture_output=True,
@@ -638,7 +638,7 @@ def test_generate_cli_chat(stack: Stack, tmp_path: Path) -> None:
         assert run.returncode == 0, run.stderr
         assert json.loads(run.stdout)["token_ids"] == expected.token_ids
     bad = subprocess.run(
-        [sys.executable, "-m", "minedraft", *common, "--chat", "--message", "no colon"],
+        [sys.executable, "-m", "minedraft_app", *common, "--chat", "--message", "no colon"],
         cwd=REPO,
         env=SERVICE_ENV,
         capture_output=True,
@@ -653,7 +653,7 @@ def test_generate_cli_n(stack: Stack) -> None:
     expected = _grpc(stack, prompt=PROMPT)
     args = ["generate", "--server", stack.coordinator.address, "--prompt", PROMPT, "--max-tokens", "12"]
     run = subprocess.run(
-        [sys.executable, "-m", "minedraft", *args, "--ignore-eos", "--json", "--n", "3"],
+        [sys.executable, "-m", "minedraft_app", *args, "--ignore-eos", "--json", "--n", "3"],
         cwd=REPO,
         env=SERVICE_ENV,
         capture_output=True,

@@ -8,9 +8,9 @@ import torch
 from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import CapacityError, ModelRunner
 from minedraft.engine.sampling import SamplingConfig, SamplingKind
+from minedraft_app.offline import OfflineRequest, generate_offline
 from target_service.verifier import FINISHED_LENGTH, RUNNING, Verifier
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -20,11 +20,10 @@ RANKS: dict[str, int] = {
     "target_service": 5,
     "draft_service": 5,
     "coordinator": 5,
-    "minedraft.app": 6,
-    "minedraft.__main__": 6,
+    "minedraft_app": 6,
 }
 SERVICES = ("target_service", "draft_service", "coordinator")
-PACKAGES = ("minedraft", *SERVICES)
+PACKAGES = ("minedraft", *SERVICES, "minedraft_app")
 
 
 def layer_of(module: str) -> str:

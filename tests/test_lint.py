@@ -31,7 +31,7 @@ def test_ruff_format() -> None:
 @pytest.mark.parametrize(
     ("args", "env"),
     [
-        (["minedraft", "coordinator", "target_service", "draft_service"], {}),
+        (["minedraft", "minedraft_app", "coordinator", "target_service", "draft_service"], {}),
         (["--explicit-package-bases", "benchmarks", "scripts"], {}),
         (["--explicit-package-bases", "tests"], {"MYPYPATH": "tests"}),  # the tests import their helpers by name
     ],

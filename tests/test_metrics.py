@@ -13,10 +13,10 @@ from observed_stack import MAX_BATCH, K, ObservedRun  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from coordinator.request_state import RequestState  # noqa: E402
-from minedraft.app.stack import free_port  # noqa: E402
 from minedraft.engine.sampling import SamplingConfig  # noqa: E402
 from minedraft.observability.metrics import CoordinatorMetrics, WorkerMetrics, start_metrics_server  # noqa: E402
 from minedraft.proto import common_pb2, generation_pb2, target_pb2  # noqa: E402
+from minedraft_app.stack import free_port  # noqa: E402
 
 pytest_plugins = ["stack", "observed_stack"]
 

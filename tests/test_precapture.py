@@ -32,10 +32,10 @@ from stack import (
 
 from coordinator.server import prepare_worker
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import generation_pb2, target_pb2, target_pb2_grpc
+from minedraft_app.offline import OfflineRequest, generate_offline
 from target_service.verifier import Verifier
 
 pytest_plugins = ["stack"]

@@ -30,9 +30,9 @@ from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, TinyPairs, collect,
 from transformers import AutoModelForCausalLM
 
 from coordinator.server import CoordinatorOptions, serve
-from minedraft.app.stack import free_port, wait_healthy
 from minedraft.proto import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from minedraft.rpc.security import ClientTls, client_tls
+from minedraft_app.stack import free_port, wait_healthy
 
 pytest_plugins = ["stack"]
 
@@ -384,7 +384,7 @@ def test_minedraft_generate_reaches_the_secured_stack_with_its_flags(secured: Se
         line = ["generate", "--server", f"localhost:{secured.coordinator.port}", "--prompt-ids", "5,17,42"]
         env = {k: v for k, v in SERVICE_ENV.items() if k != "MINEDRAFT_API_KEY"}
         return subprocess.run(
-            [sys.executable, "-m", "minedraft", *line, "--max-tokens", "4", "--json", *flags],
+            [sys.executable, "-m", "minedraft_app", *line, "--max-tokens", "4", "--json", *flags],
             cwd=REPO,
             env=env,
             capture_output=True,

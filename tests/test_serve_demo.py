@@ -14,9 +14,9 @@ import time
 import grpc
 import pytest
 
-from minedraft.app.stack import free_port, wait_healthy
 from minedraft.demo_models import available
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft_app.stack import free_port, wait_healthy
 
 pytestmark = pytest.mark.skipif(not available(), reason="the demo pair is not in minedraft/demo_models")
 
@@ -29,7 +29,7 @@ def test_serve_demo_pair_and_generate_json() -> None:
         [
             sys.executable,
             "-m",
-            "minedraft",
+            "minedraft_app",
             "serve",
             "--port",
             "0",
@@ -68,7 +68,7 @@ def test_serve_demo_pair_and_generate_json() -> None:
             [
                 sys.executable,
                 "-m",
-                "minedraft",
+                "minedraft_app",
                 "generate",
                 "--server",
                 f"127.0.0.1:{port}",
@@ -146,7 +146,7 @@ def test_a_second_ctrl_c_stops_every_service_at_once() -> None:
         [
             sys.executable,
             "-m",
-            "minedraft",
+            "minedraft_app",
             "serve",
             "--port",
             str(port),

@@ -204,7 +204,7 @@ def test_queue_bound_gives_resource_exhausted(coordinator: Service) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "minedraft", "generate", *args],
+        [sys.executable, "-m", "minedraft_app", "generate", *args],
         cwd=REPO,
         env=SERVICE_ENV,
         capture_output=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from stack import REPO, SERVICE_ENV, Service, TinyPairs, Workers, running_coordinator
 
-from minedraft.app.bench import (
+from minedraft_app.bench import (
     LocalStack,
     RequestResult,
     _parse_modes,
@@ -24,8 +24,8 @@ from minedraft.app.bench import (
     ratios,
     summarize,
 )
-from minedraft.app.cli import build_parser
-from minedraft.app.stack import free_port, stack_commands
+from minedraft_app.cli import build_parser
+from minedraft_app.stack import free_port, stack_commands
 
 pytest_plugins = ["stack"]
 
@@ -87,7 +87,7 @@ def test_modes_parsing() -> None:
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "minedraft", "bench", "--no-progress", *args],
+        [sys.executable, "-m", "minedraft_app", "bench", "--no-progress", *args],
         cwd=REPO,
         env=SERVICE_ENV,
         capture_output=True,
@@ -217,7 +217,7 @@ def test_an_interrupted_comparison_reports_the_modes_it_finished(tiny_pairs: Tin
         [
             sys.executable,
             "-m",
-            "minedraft",
+            "minedraft_app",
             "bench",
             "--no-progress",
             "--modes",

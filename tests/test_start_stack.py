@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from minedraft.app.cli import build_parser
-from minedraft.app.stack import start_stack, stop_processes
+from minedraft_app.cli import build_parser
+from minedraft_app.stack import start_stack, stop_processes
 
 
 def test_an_interrupt_inside_popen_still_tracks_the_child() -> None:

@@ -20,8 +20,9 @@ from minedraft.demo_models import TARGET_DIR
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.rpc import worker as worker_module
+from minedraft.rpc.options import WorkerOptions
 from minedraft.rpc.step_stream import StepStream, serve_step_stream
-from minedraft.rpc.worker import ModelWorker, WorkerOptions
+from minedraft.rpc.worker import ModelWorker
 
 pytest_plugins = ["stack"]
 

@@ -118,7 +118,7 @@ def test_services_run_without_opentelemetry() -> None:
     script = """
 import sys
 sys.modules["opentelemetry"] = None  # any `import opentelemetry...` now fails
-import coordinator.server, draft_service.server, minedraft.app.cli, target_service.server
+import coordinator.server, draft_service.server, minedraft_app.cli, target_service.server
 from minedraft.observability import telemetry
 assert not telemetry.HAVE_OTEL
 tracing = telemetry.setup_tracing("minedraft-target")

@@ -14,13 +14,13 @@ import torch
 from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.engine.tensor_parallel import Progress, TensorParallel, rank_device, shard_model
 from minedraft.errors import ModelLoadError
 from minedraft.rpc.ranks import HANG_S, Liveness
+from minedraft_app.offline import OfflineRequest, generate_offline
 from target_service.verifier import Verifier
 
 # Llama and Qwen3 (grouped K/V heads, Qwen3's per-head norms), GPT-NeoX (one fused Q/K/V projection, interleaved by
@@ -37,7 +37,7 @@ import json, logging, sys, torch
 torch.set_num_threads(1)
 logging.basicConfig(level=logging.INFO, format="%(message)s")  # (the test checks each rank read its shard alone)
 from draft_service.proposer import Proposer
-from minedraft.app.offline import OfflineRequest, generate_offline
+from minedraft_app.offline import OfflineRequest, generate_offline
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.models import load_model
 from minedraft.engine.sampling import SamplingConfig

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from minedraft.demo_models import TARGET_DIR
-from minedraft.rpc.worker import PROFILED_CALLS, ModelWorker, WorkerOptions
+from minedraft.rpc.options import WorkerOptions
+from minedraft.rpc.worker import PROFILED_CALLS, ModelWorker
 
 
 def test_profiled_calls_are_written_as_chrome_traces(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The channel interface every transport implements, and the factory the services set one up with."""
+"""The channel interface every transport implements (`registry.make_channel` picks one by name)."""
 
 from __future__ import annotations
 
@@ -37,20 +37,3 @@ class Channel(ABC):
 
     def close(self) -> None:
         """Release transport resources."""
-
-
-def make_channel(name: str, device: torch.device) -> Channel:
-    from minedraft.channels.grpc_bytes import GrpcBytesChannel
-    from minedraft.channels.local import LocalChannel
-
-    kinds: dict[str, type[Channel]] = {c.name: c for c in (LocalChannel, GrpcBytesChannel)}
-    try:
-        from minedraft.channels.cuda_ipc import CudaIpcChannel
-        from minedraft.channels.nccl import NcclChannel
-
-        kinds.update({CudaIpcChannel.name: CudaIpcChannel, NcclChannel.name: NcclChannel})
-    except ImportError:
-        pass
-    if name not in kinds:
-        raise ValueError(f"unknown channel {name!r}; this build has {', '.join(sorted(kinds))}")
-    return kinds[name](device)

@@ -43,7 +43,8 @@ import torch
 
 from minedraft.engine.tensor_parallel import Progress, TensorParallel, init_group, rank_device
 from minedraft.errors import CapacityError, ModelLoadError, RankLostError, UnknownSequenceError
-from minedraft.rpc.worker import ModelWorker, WorkerOptions
+from minedraft.rpc.options import WorkerOptions
+from minedraft.rpc.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 # What a rank runs its calls with, made from its loaded worker (the verifier, the proposer): a call's name and

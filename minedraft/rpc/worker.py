@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,6 +25,7 @@ from minedraft.engine.models import VocabInfo, load_model, load_tokenizer
 from minedraft.engine.tensor_parallel import TensorParallel, rank_device
 from minedraft.errors import ChannelNotSetUpError
 from minedraft.proto import common_pb2
+from minedraft.rpc.options import WorkerOptions
 from minedraft.rpc.server_utils import Health
 
 T = TypeVar("T")
@@ -38,32 +38,6 @@ NUM_BATCHES = 2  # the coordinator's alternating batches: each keeps its rows in
 QUIET_S = 5.0
 # Work a call left for after its reply (`ModelWorker.after_reply`) waits at most this long for the reply to go out.
 AFTER_REPLY_WAIT_S = 0.005
-
-
-@dataclass
-class WorkerOptions:
-    model: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_batch_size: int = 32
-    max_model_len: int | None = None  # None: the model's context, lowered where one sequence would not fit the cache
-    block_size: int = 16  # --block-size: tokens per KV cache block
-    kv_cache_memory: float | None = None  # --kv-cache-memory GiB (None: by --gpu-memory-utilization, or 1 on CPUs)
-    gpu_memory_utilization: float = 0.9  # the fraction of the GPU's memory the worker may use, weights included
-    prefix_caching: bool = True  # --enable-prefix-caching
-    cuda_graphs: bool = True  # off with --eager, for debugging
-    compile_layers: bool = False  # --compile
-    profile_dir: str | None = None  # --profile-dir: Chrome traces of a few calls, for diagnosis
-    profile_after: int = 100  # calls to skip first (warm-up, graph captures)
-    synthetic_acceptance: float | None = None  # target only, benchmarks only: not lossless
-    precapture_graphs: str = "auto"  # --precapture-graphs: every step shape run when the coordinator connects
-    drain_timeout: float = 30.0  # --drain-timeout: after a SIGTERM, the most seconds it keeps serving (`drain`)
-    # mTLS (`security.worker_credentials`): its certificate and key, and the CA its client's certificate must be of
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    lease_timeout: float = 5.0  # --lease-timeout: seconds a coordinator's lease lasts without a renewal
-    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the target is sharded over, one process each
 
 
 def precaptures(mode: str, device: torch.device, cuda_graphs: bool) -> bool:

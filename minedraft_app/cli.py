@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from minedraft.app.flags import COMMANDS, LOOPBACK, SERVICE_COMMANDS, add_flags
-from minedraft.app.stack import check_stack_tls, drain_process, service_args, start_stack, stop_processes
 from minedraft.rpc.security import bearer_metadata, client_tls, read_api_key, sync_channel, worker_credentials
+from minedraft_app.flags import COMMANDS, LOOPBACK, SERVICE_COMMANDS, add_flags
+from minedraft_app.stack import check_stack_tls, drain_process, service_args, start_stack, stop_processes
 
 if TYPE_CHECKING:
-    from coordinator.server import CoordinatorOptions
+    from coordinator.options import CoordinatorOptions
     from minedraft.proto import generation_pb2
-    from minedraft.rpc.worker import WorkerOptions
+    from minedraft.rpc.options import WorkerOptions
 
 Options = TypeVar("Options")
 ENV_EPILOG = (
@@ -66,7 +66,7 @@ def _from_args(cls: Callable[..., Options], args: argparse.Namespace, **derived:
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
     """A target's or draft's options, from its arguments (serve --single-process gives it what serve passes on;
     what it lacks keeps its default)."""
-    from minedraft.rpc.worker import WorkerOptions
+    from minedraft.rpc.options import WorkerOptions
 
     caching = getattr(args, "enable_prefix_caching", "on") == "on"
     return _from_args(
@@ -76,7 +76,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
 
 def coordinator_options(args: argparse.Namespace) -> CoordinatorOptions:
     """The coordinator's options, from its arguments (as for `worker_options`)."""
-    from coordinator.server import CoordinatorOptions
+    from coordinator.options import CoordinatorOptions
 
     return _from_args(CoordinatorOptions, args)
 
@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "generate":
         return generate_main(args)
     if args.command == "bench":
-        from minedraft.app.bench import bench_main
+        from minedraft_app.bench import bench_main
 
         return bench_main(args)
     try:

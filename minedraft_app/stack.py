@@ -16,8 +16,8 @@ from pathlib import Path
 
 import grpc
 
-from minedraft.app.flags import FLAGS, LOOPBACK, STACK_SERVICES, dest
 from minedraft.rpc.security import ClientTls, client_tls, sync_channel
+from minedraft_app.flags import FLAGS, LOOPBACK, STACK_SERVICES, dest
 
 METRICS_PORT_OFFSET = {"coordinator": 0, "target": 1, "draft": 2}
 
@@ -156,7 +156,7 @@ def stack_commands(args: argparse.Namespace, target_port: int, draft_port: int) 
     if metrics_port:
         for service in services:
             wiring[service]["--metrics-port"] = metrics_port + METRICS_PORT_OFFSET[service]
-    py = [sys.executable, "-m", "minedraft"]
+    py = [sys.executable, "-m", "minedraft_app"]
     return [py + [service, *command_line(passed_on(args, service) | wiring[service])] for service in services]
 
 

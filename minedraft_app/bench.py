@@ -22,9 +22,9 @@ from typing import Any
 
 import grpc
 
-from minedraft.app.stack import free_port, start_stack, stop_processes
 from minedraft.observability.metrics import mean_accepted_length
 from minedraft.rpc.security import ClientTls, aio_channel, bearer_metadata, client_tls, sync_channel
+from minedraft_app.stack import free_port, start_stack, stop_processes
 
 MODES = ("psd", "sd", "sd2b", "sddp", "ar")
 SD_2B = "sd2b"  # sd at the same total concurrency as psd: one batch of 2 x max_batch_size
