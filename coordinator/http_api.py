@@ -1,5 +1,4 @@
-"""The OpenAI-compatible HTTP API: FastAPI on uvicorn in the coordinator's event loop, over the gRPC servicer's
-admission and step loop (`GenerationServicer.admit`, `responses`, `close`)."""
+"""The OpenAI-compatible HTTP API: FastAPI on uvicorn in the coordinator's event loop, over the front door."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
+from coordinator.front_door import FrontDoor, Generation, RequestRefused
 from coordinator.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,7 +29,6 @@ from coordinator.openai_schema import (
     error_body,
     finish_reason,
 )
-from coordinator.server import Generation, GenerationServicer, RequestRefused
 from coordinator.validation import DEFAULT_MAX_TOKENS
 from minedraft.engine.sampling import MAX_LOGPROBS
 from minedraft.proto import generation_pb2
@@ -67,13 +66,13 @@ def _invalid(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, "invalid_argument")
 
 
-def create_app(servicer: GenerationServicer) -> FastAPI:
-    """The routes, over `servicer`; its target model is the one model served."""
+def create_app(front: FrontDoor) -> FastAPI:
+    """The routes, over `front`; its target model is the one model served."""
     app = FastAPI(title="MineDraft", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
 
     def model_name() -> str:
-        return servicer.workers.pair.target_info.model
+        return front.model
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -101,7 +100,7 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        serving = servicer.health.serving()
+        serving = front.health.serving()
         return JSONResponse({"status": "serving" if serving else "not_serving"}, 200 if serving else 503)
 
     @app.get("/v1/models")
@@ -111,7 +110,7 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
             "object": "model",
             "created": started,
             "owned_by": "minedraft",
-            "max_model_len": servicer.context_length,
+            "max_model_len": front.context_length,
         }
         return {"object": "list", "data": [model]}
 
@@ -130,7 +129,7 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
         if body.logprobs is not None:
             generate.params.logprobs = body.logprobs
         reply = Reply(chat=False, model=model_name(), include_usage=body.include_usage)
-        return await _answer(servicer, request, body, generate, reply, DEFAULT_MAX_TOKENS, "/v1/completions")
+        return await _answer(front, request, body, generate, reply, DEFAULT_MAX_TOKENS, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -150,7 +149,7 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
             generate.params.logprobs = body.top_logprobs or 0
         reply = Reply(chat=True, model=model_name(), include_usage=body.include_usage)
         # As OpenAI's chat completions: without max_tokens, up to the end of the context.
-        return await _answer(servicer, request, body, generate, reply, None, "/v1/chat/completions")
+        return await _answer(front, request, body, generate, reply, None, "/v1/chat/completions")
 
     return app
 
@@ -189,7 +188,7 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
 
 
 async def _answer(
-    servicer: GenerationServicer,
+    front: FrontDoor,
     request: Request,
     body: SamplingBody,
     generate: generation_pb2.GenerateRequest,
@@ -198,14 +197,14 @@ async def _answer(
     route: str,
 ) -> Response:
     """Admit `generate` and answer it, whole or streamed; the request is cancelled if its client goes away."""
-    generation = await servicer.admit(generate, request.headers.items(), default_max_tokens, route)
-    entries = _entries(generate, servicer.tokenizer)
+    generation = await front.admit(generate, request.headers.items(), default_max_tokens, route)
+    entries = _entries(generate, front.tokenizer)
     if body.stream:
-        return EventStream(_events(servicer, generation, reply, entries), lambda: servicer.close(generation))
+        return EventStream(_events(front, generation, reply, entries), lambda: front.close(generation))
     try:
-        whole = await _while_connected(request.receive, _collect(servicer, generation, entries))
+        whole = await _while_connected(request.receive, _collect(front, generation, entries))
     finally:
-        servicer.close(generation)
+        front.close(generation)
     if whole is None:
         return Response(status_code=CLIENT_GONE)
     return JSONResponse(reply.whole(whole, generation.usage))
@@ -233,7 +232,7 @@ def _entries(generate: generation_pb2.GenerateRequest, tokenizer: object | None)
 
 
 async def _collect(
-    servicer: GenerationServicer,
+    front: FrontDoor,
     generation: Generation,
     logprobs: Entries | None,
 ) -> list[tuple[str, str | None, list[TokenEntry] | None]]:
@@ -242,7 +241,7 @@ async def _collect(
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     entries: list[list[TokenEntry] | None] = [[] if logprobs else None for _ in range(n)]
-    async for message in servicer.responses(generation):
+    async for message in front.responses(generation):
         texts[message.index].append(message.text)
         reasons[message.index] = finish_reason(message.finish_reason)
         if logprobs is not None:
@@ -255,7 +254,7 @@ def _sse(body: dict[str, Any] | str) -> str:
 
 
 async def _events(
-    servicer: GenerationServicer,
+    front: FrontDoor,
     generation: Generation,
     reply: Reply,
     logprobs: Entries | None,
@@ -269,7 +268,7 @@ async def _events(
         if opening is not None:
             yield _sse(opening)
     try:
-        async for message in servicer.responses(generation):
+        async for message in front.responses(generation):
             entries = logprobs(message) if logprobs is not None and message.token_ids else None
             if message.text or entries:
                 i = message.index
@@ -383,9 +382,9 @@ class HttpServer:
     """The HTTP API serving as a task of the coordinator's event loop, on a socket bound before it starts (so that
     a port in use fails the start-up at once)."""
 
-    def __init__(self, servicer: GenerationServicer, sock: socket.socket, api_key: str | None = None) -> None:
-        app = BodyLimit(create_app(servicer), servicer.options.max_request_bytes)
-        options = servicer.options
+    def __init__(self, front: FrontDoor, sock: socket.socket, api_key: str | None = None) -> None:
+        app = BodyLimit(create_app(front), front.options.max_request_bytes)
+        options = front.options
         config = uvicorn.Config(
             app if api_key is None else ApiKeyAuth(app, api_key),
             # TLS only, with the gRPC port's certificate (uvicorn reads the files at its start)
@@ -430,13 +429,13 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
 
 
-def start_http_server(servicer: GenerationServicer, port: int, host: str, api_key: str | None = None) -> HttpServer:
-    """The HTTP API on `port`, started in this event loop beside the gRPC server (HTTPS with the servicer's
+def start_http_server(front: FrontDoor, port: int, host: str, api_key: str | None = None) -> HttpServer:
+    """The HTTP API on `port`, started in this event loop beside the gRPC server (HTTPS with the front's
     --tls-cert, the bearer token `api_key` wanted where given); OSError if it cannot listen."""
     try:
         sock = listen(host, port)
     except OSError as exc:
         raise OSError(f"the HTTP API cannot listen on {host} port {port} (--http-port; 0 turns it off): {exc}") from exc
-    http = HttpServer(servicer, sock, api_key)
+    http = HttpServer(front, sock, api_key)
     log.info("OpenAI-compatible HTTP API on port %d (/v1/completions, /v1/chat/completions, /v1/models)", http.port)
     return http

@@ -145,7 +145,7 @@ async def _worker_main(args: argparse.Namespace, kind: str) -> None:
 
 
 async def _coordinator_main(args: argparse.Namespace) -> None:
-    from coordinator.server import serve
+    from coordinator.main import serve
     from minedraft.observability.metrics import CoordinatorMetrics, start_metrics_server
     from minedraft.observability.telemetry import setup_tracing
 
@@ -155,15 +155,15 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
     if metrics is not None:  # on loopback unless asked: --host is the public port's
         start_metrics_server(args.metrics_port, args.metrics_host or LOOPBACK, metrics.registry)
     try:
-        server, port, servicer = await serve(options, args.port, args.host, tracing, metrics)
-        await _serve_forever(server, "coordinator", port, servicer.stop(), args.port_file, servicer.drain)
+        server, port, coordinator = await serve(options, args.port, args.host, tracing, metrics)
+        await _serve_forever(server, "coordinator", port, coordinator.stop(), args.port_file, coordinator.drain)
     finally:
         tracing.shutdown()  # export the spans still queued
 
 
 async def _single_process_main(args: argparse.Namespace) -> None:
     """The whole stack in one process: each worker on its own thread and CUDA stream, drafts over `local`."""
-    from coordinator.server import serve as serve_coordinator
+    from coordinator.main import serve as serve_coordinator
     from draft_service.server import serve as serve_draft
     from target_service.server import serve as serve_target
 
@@ -182,7 +182,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     )
     if coordinator_args.channel == "auto":
         coordinator_args.channel = "local"
-    server, port, servicer = await serve_coordinator(coordinator_options(coordinator_args), args.port, args.host)
+    server, port, coordinator = await serve_coordinator(coordinator_options(coordinator_args), args.port, args.host)
     print(
         f"minedraft serving {args.mode} on localhost:{port} in one process (target {args.target}, draft {args.draft})",
         flush=True,
@@ -190,7 +190,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     if args.generate:
         request = _generate_args(args, f"localhost:{port}", read_api_key(args.api_key, args.api_key_file))
         await asyncio.to_thread(generate_main, build_parser().parse_args(request))
-    await _serve_forever(server, "coordinator", port, servicer.stop(), drain=servicer.drain)
+    await _serve_forever(server, "coordinator", port, coordinator.stop(), drain=coordinator.drain)
     for worker_server in servers:
         await worker_server.stop(grace=2)
 

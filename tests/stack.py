@@ -34,7 +34,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.server import CoordinatorOptions, GenerationServicer, serve
+from coordinator.main import Coordinator, serve
+from coordinator.options import CoordinatorOptions
 from minedraft.observability.metrics import CoordinatorMetrics
 from minedraft.proto import (
     common_pb2,
@@ -440,9 +441,9 @@ def running_coordinator(workers: Workers, log_dir: Path, mode: str = "psd", **op
 @contextlib.asynccontextmanager
 async def in_process_coordinator(
     workers: Workers, metrics: CoordinatorMetrics | None = None, **options: Any
-) -> AsyncIterator[tuple[str, GenerationServicer]]:
-    """A coordinator served in this process (`coordinator.server.serve`) in front of `workers`, over the grpc channel,
-    batches of 4 unless `options` say otherwise, counting into `metrics` if given: (its address, its servicer), for
+) -> AsyncIterator[tuple[str, Coordinator]]:
+    """A coordinator served in this process (`coordinator.main.serve`) in front of `workers`, over the grpc channel,
+    batches of 4 unless `options` say otherwise, counting into `metrics` if given: (its address, the `Coordinator`), for
     tests that reach into it."""
     assert workers.draft is not None
     settings: dict[str, Any] = dict(
@@ -452,12 +453,14 @@ async def in_process_coordinator(
         channel="grpc",
         tokenizer=str(workers.pair.target),
     )
-    server, port, servicer = await serve(CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1", metrics=metrics)
+    server, port, coordinator = await serve(
+        CoordinatorOptions(**{**settings, **options}), 0, "127.0.0.1", metrics=metrics
+    )
     try:
-        yield f"127.0.0.1:{port}", servicer
+        yield f"127.0.0.1:{port}", coordinator
     finally:
         await server.stop(None)
-        await servicer.stop()
+        await coordinator.stop()
 
 
 # --------------------------------------------------------------------------------------------- clients

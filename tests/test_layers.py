@@ -75,7 +75,68 @@ def test_every_module_has_a_layer() -> None:
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("from coordinator.server import serve\nimport minedraft.engine.sampling\n", encoding="utf-8")
+    module.write_text("from coordinator.main import serve\nimport minedraft.engine.sampling\n", encoding="utf-8")
     names = [name for _, name in imported_modules(module)]
-    assert names == ["coordinator.server.serve", "minedraft.engine.sampling"]
+    assert names == ["coordinator.main.serve", "minedraft.engine.sampling"]
     assert RANKS[layer_of(names[0])] > RANKS[layer_of("minedraft.engine.kv_cache")]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a `from package import name` counts as the module `name` where it
+    is one, else as `package`), imports inside functions and TYPE_CHECKING blocks included."""
+    paths = {module_name(p): p for p in production_modules()}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        targets = set()
+        for _, name in imported_modules(path):
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_import_circle() -> None:
+    circles = import_circles(import_graph())
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_check_sees_a_circle() -> None:
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []

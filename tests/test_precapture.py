@@ -30,7 +30,7 @@ from stack import (
     worker_args,
 )
 
-from coordinator.server import prepare_worker
+from coordinator.pairing import prepare_worker
 from draft_service.proposer import Proposer
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import SamplingConfig

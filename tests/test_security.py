@@ -29,7 +29,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, TinyPairs, collect, spawn, stop_all
 from transformers import AutoModelForCausalLM
 
-from coordinator.server import CoordinatorOptions, serve
+from coordinator.main import serve
+from coordinator.options import CoordinatorOptions
 from minedraft.proto import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from minedraft.rpc.security import ClientTls, client_tls
 from minedraft_app.stack import free_port, wait_healthy

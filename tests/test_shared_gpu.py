@@ -2,7 +2,7 @@
 verified in turn: the coordinator's choice, the workers' cache layout, and the same tokens as two batches.
 
 A GPU's UUID cannot be had here: the stack test makes the coordinator see one shared GPU by replacing
-`coordinator.server.shared_gpus`; everything else (workers, their layout, the steps) is real."""
+`coordinator.main.shared_gpus`; everything else (workers, their layout, the steps) is real."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import grpc
 import pytest
 from stack import TinyPairs, Workers, assert_all_slots_free, generate, in_process_coordinator, run_async, text_prompts
 
-import coordinator.server
+import coordinator.main as coordinator_main
 from coordinator.batch_manager import BatchManager
+from coordinator.main import shared_gpus
 from coordinator.request_state import RequestState
-from coordinator.server import shared_gpus
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -66,15 +66,15 @@ def test_psd_on_a_shared_gpu_serves_one_batch_of_twice_the_size(
     ]
 
     async def serve_all(shared: bool) -> tuple[generation_pb2.GetServerInfoResponse, list[list[int]], int]:
-        monkeypatch.setattr(coordinator.server, "shared_gpus", lambda target, draft: ["GPU-test"] if shared else [])
-        async with in_process_coordinator(workers, max_batch_size=BATCH) as (address, servicer):
+        monkeypatch.setattr(coordinator_main, "shared_gpus", lambda target, draft: ["GPU-test"] if shared else [])
+        async with in_process_coordinator(workers, max_batch_size=BATCH) as (address, coordinator):
             async with grpc.aio.insecure_channel(address) as channel:
                 info = await generation_pb2_grpc.GenerationServiceStub(channel).GetServerInfo(
                     generation_pb2.GetServerInfoRequest()
                 )
             completions = await asyncio.gather(*(generate(address, r) for r in requests))
             assert all(c.usage.draft_tokens > 0 for c in completions)  # drafted, not decoded alone
-            return info, [c.token_ids for c in completions], len(servicer.manager.batches)
+            return info, [c.token_ids for c in completions], len(coordinator.manager.batches)
 
     caplog.set_level(logging.INFO, logger="coordinator")
     two_info, two, two_batches = run_async(serve_all(False))  # type: ignore[misc]

@@ -22,8 +22,8 @@ from stack import (
 )
 
 from coordinator import workers as coordinator_workers
+from coordinator.main import Coordinator
 from coordinator.request_state import RequestState
-from coordinator.server import GenerationServicer
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
@@ -51,10 +51,10 @@ def _expected(
     return [hf_reference(target, list(r.prompt_token_ids), r.params.max_tokens) for r in requests]
 
 
-async def _when_decoding(servicer: GenerationServicer, count: int) -> None:
+async def _when_decoding(coordinator: Coordinator, count: int) -> None:
     """Until `count` admitted requests have emitted a token (they run: their sequences hold the workers' blocks)."""
     for _ in range(600):
-        if sum(1 for r in servicer.manager.running() if r.output_ids) >= count:
+        if sum(1 for r in coordinator.manager.running() if r.output_ids) >= count:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the first requests never started decoding")
@@ -87,12 +87,12 @@ def test_a_target_prefill_without_room_waits_and_completes_losslessly(
     later = _requests(tiny_pairs, 4, 12, seed=32)
     expected = _expected(llama_workers, [first, first, *later], hf_reference)
     refused: list[tuple[int, int]] = []  # (group size, sequences running besides it) of each refusal
-    servicer: GenerationServicer | None = None
+    coordinator: Coordinator | None = None
     prefill_target = coordinator_workers.Workers.prefill_target
 
     async def refused_twice(self: coordinator_workers.Workers, requests: Sequence[RequestState]) -> Any:
-        assert servicer is not None
-        others = servicer.manager.num_running - len(requests)
+        assert coordinator is not None
+        others = coordinator.manager.num_running - len(requests)
         if (not refused and not others and len(requests) > 1) or (len(refused) == 1 and others >= 2):
             refused.append((len(requests), others))
             raise _no_room()
@@ -101,10 +101,10 @@ def test_a_target_prefill_without_room_waits_and_completes_losslessly(
     monkeypatch.setattr(coordinator_workers.Workers, "prefill_target", refused_twice)
 
     async def run() -> list[list[int]]:
-        nonlocal servicer
-        async with in_process_coordinator(llama_workers, speculation="always") as (address, servicer):
+        nonlocal coordinator
+        async with in_process_coordinator(llama_workers, speculation="always") as (address, coordinator):
             samples = asyncio.ensure_future(_samples(address, first))
-            await _when_decoding(servicer, 2)
+            await _when_decoding(coordinator, 2)
             done = await asyncio.gather(*(generate(address, r) for r in later))
             return [*await samples, *(c.token_ids for c in done)]
 
@@ -161,14 +161,14 @@ def test_a_draft_prefill_without_room_leaves_the_draft_until_it_has_room(
     first, later = _requests(tiny_pairs, 2, 40, seed=34), _requests(tiny_pairs, 4, 30, seed=35)
     expected = _expected(llama_workers, first + later, hf_reference)
     refused: list[int] = []
-    servicer: GenerationServicer | None = None
+    coordinator: Coordinator | None = None
     prefill_draft = coordinator_workers.Workers.prefill_draft
 
     async def refused_once(
         self: coordinator_workers.Workers, requests: Sequence[RequestState], resume: bool = False
     ) -> None:
-        assert servicer is not None
-        if not refused and not resume and servicer.manager.num_running > len(requests):
+        assert coordinator is not None
+        if not refused and not resume and coordinator.manager.num_running > len(requests):
             refused.append(len(requests))
             raise _no_room()
         await prefill_draft(self, requests, resume)
@@ -176,20 +176,20 @@ def test_a_draft_prefill_without_room_leaves_the_draft_until_it_has_room(
     monkeypatch.setattr(coordinator_workers.Workers, "prefill_draft", refused_once)
 
     async def run() -> tuple[list[Completion], bool]:
-        nonlocal servicer
+        nonlocal coordinator
         async with in_process_coordinator(llama_workers, speculation="always", draft_retry_interval=0.5) as (
             address,
-            servicer,
+            coordinator,
         ):
             started = [asyncio.ensure_future(generate(address, r)) for r in first]
-            await _when_decoding(servicer, 2)
+            await _when_decoding(coordinator, 2)
             done = await asyncio.gather(*(generate(address, r) for r in later))
             done = [*await asyncio.gather(*started), *done]
             for _ in range(600):  # taken back during steps: a short request or two gives it the chance
-                if servicer.workers.draft_connected:
+                if coordinator.workers.draft_connected:
                     break
                 await generate(address, later[0])
-            return done, servicer.workers.draft_connected
+            return done, coordinator.workers.draft_connected
 
     caplog.set_level(logging.INFO, logger="coordinator")
     done, drafting_again = run_async(run())

@@ -367,16 +367,16 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
         nonlocal armed
         async with in_process_coordinator(workers, draft_retry_interval=1.0, speculation="always") as (
             address,
-            servicer,
+            coordinator,
         ):
             expected = await asyncio.gather(*(generate(address, r) for r in requests))
             armed = True
             left = await asyncio.gather(*(generate(address, r) for r in requests))
             deadline = time.monotonic() + 30
-            while not servicer.workers.draft_connected:  # taken back (tried during steps): what it held is released
+            while not coordinator.workers.draft_connected:  # taken back (tried during steps): what it held is released
                 assert time.monotonic() < deadline, "the draft was not taken back"
                 await generate(address, requests[0])
-            return expected, left, len(servicer.workers.draft_backlog)
+            return expected, left, len(coordinator.workers.draft_backlog)
 
     caplog.set_level(logging.INFO, logger="coordinator")
     try:

@@ -94,8 +94,8 @@ def test_a_proposal_made_alone_does_not_wake_the_streams(
     calls: list[str] = []  # worker calls as they are made, and "flush" where held messages went out
 
     async def serve() -> None:
-        async with in_process_coordinator(llama_workers, mode="sd", speculation="always") as (address, servicer):
-            workers, outbox = servicer.workers, servicer.loop.outbox
+        async with in_process_coordinator(llama_workers, mode="sd", speculation="always") as (address, coordinator):
+            workers, outbox = coordinator.workers, coordinator.loop.outbox
             for name in ("propose", "verify", "prefill_target"):
 
                 def noting(call: Callable[..., Awaitable[Any]], name: str = name) -> Callable[..., Awaitable[Any]]:

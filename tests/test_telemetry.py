@@ -20,7 +20,8 @@ from observed_stack import CLIENT_SPAN_ID, CLIENT_TRACE_ID, ObservedRun, Receive
 from opentelemetry import trace  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from coordinator.server import CoordinatorOptions, GenerationServicer  # noqa: E402
+from coordinator.main import Coordinator  # noqa: E402
+from coordinator.options import CoordinatorOptions  # noqa: E402
 from coordinator.step_loop import StepLoop  # noqa: E402
 from coordinator.tracing import TracedStepLoop, TracedWorkers  # noqa: E402
 from coordinator.workers import Workers  # noqa: E402
@@ -118,7 +119,7 @@ def test_services_run_without_opentelemetry() -> None:
     script = """
 import sys
 sys.modules["opentelemetry"] = None  # any `import opentelemetry...` now fails
-import coordinator.server, draft_service.server, minedraft_app.cli, target_service.server
+import coordinator.main, draft_service.server, minedraft_app.cli, target_service.server
 from minedraft.observability import telemetry
 assert not telemetry.HAVE_OTEL
 tracing = telemetry.setup_tracing("minedraft-target")
@@ -137,13 +138,13 @@ print("ok")
 
 
 def test_step_loop_is_plain_when_tracing_is_off(memory_tracing: tuple[telemetry.Tracing, Any]) -> None:
-    async def build(tracing: telemetry.Tracing | None) -> GenerationServicer:
-        servicer = GenerationServicer(CoordinatorOptions(target="127.0.0.1:9", draft="127.0.0.1:9"), tracing)
-        await servicer.workers.close()
-        return servicer
+    async def build(tracing: telemetry.Tracing | None) -> Coordinator:
+        coordinator = Coordinator(CoordinatorOptions(target="127.0.0.1:9", draft="127.0.0.1:9"), tracing)
+        await coordinator.workers.close()
+        return coordinator
 
     plain = asyncio.run(build(telemetry.setup_tracing("minedraft-coordinator")))
-    assert type(plain.loop) is StepLoop and type(plain.workers) is Workers and plain.tracer is None
+    assert type(plain.loop) is StepLoop and type(plain.workers) is Workers and plain.front_door.tracer is None
     traced = asyncio.run(build(memory_tracing[0]))
     assert isinstance(traced.loop, TracedStepLoop) and isinstance(traced.workers, TracedWorkers)
 

@@ -1,0 +1,208 @@
+"""The coordinator put together: its parts built in one place, started and stopped in order, and served."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from functools import partial
+from typing import TYPE_CHECKING
+
+import grpc
+
+from coordinator.batch_manager import BatchManager
+from coordinator.front_door import FrontDoor
+from coordinator.grpc_api import GenerationServicer
+from coordinator.options import CoordinatorOptions
+from coordinator.pairing import Layout, shared_gpus
+from coordinator.step_loop import StepLoop
+from coordinator.stream_outbox import StreamOutbox
+from coordinator.tracing import TracedStepLoop, TracedWorkers
+from coordinator.workers import GENERATION_SERVICE, Workers
+from minedraft.engine.models import load_tokenizer
+from minedraft.errors import ModelLoadError
+from minedraft.observability.metrics import CoordinatorMetrics
+from minedraft.observability.telemetry import Tracing
+from minedraft.proto import generation_pb2_grpc
+from minedraft.rpc.security import coordinator_worker_tls, read_api_key, server_credentials
+from minedraft.rpc.server_utils import Health, start_server
+
+if TYPE_CHECKING:
+    from coordinator.http_api import HttpServer
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """The workers, the batch manager, the step loop and the front door, wired once; `start` brings them up in the
+    order the pair needs, `drain` and `stop` take them down (with the HTTP API, where `serve` started one)."""
+
+    def __init__(
+        self, options: CoordinatorOptions, tracing: Tracing | None = None, metrics: CoordinatorMetrics | None = None
+    ) -> None:
+        self.options = options
+        self.front_door: FrontDoor  # made last: it fronts the parts below
+        # Tracing is decided here, once: when it is off, the plain classes run and no span object is ever made.
+        tracer = tracing.tracer if tracing is not None else None
+        self.health = Health()  # follows the target's (`Workers`); NOT_SERVING from the start of a drain
+        wake = asyncio.Event()  # the step loop's: new work, a stop, or news from the workers
+        outbox = StreamOutbox()  # what a step emits, until the next worker calls are sent
+        workers_class = Workers if tracer is None else partial(TracedWorkers, tracer=tracer)
+        self.workers = workers_class(
+            options.target,
+            options.draft if options.mode != "ar" else None,
+            step_streams=options.step_calls == "stream",
+            channel=options.channel,
+            draft_timeout=options.draft_timeout,
+            target_timeout=options.target_timeout or None,
+            retry_interval=options.draft_retry_interval,
+            metrics=metrics,
+            record_events=options.step_trace is not None,
+            call_started=outbox.call_started,
+            health=self.health,
+            wake=wake,
+            open_requests=lambda: self.front_door.open_streams,
+            tls=coordinator_worker_tls(options.tls_ca, options.tls_cert, options.tls_key, options.tls_server_name),
+        )
+        num_batches = 2 if options.mode == "psd" else 1
+        self.manager = BatchManager(
+            options.max_batch_size, options.max_queue_size, num_batches, options.max_prefill_tokens
+        )
+        loop_class = StepLoop if tracer is None else partial(TracedStepLoop, tracer=tracer)
+        self.loop = loop_class(
+            self.workers,
+            self.manager,
+            options.mode,
+            options.num_speculative_tokens,
+            outbox=outbox,
+            wake=wake,
+            metrics=metrics,
+            overlap=options.overlap,
+            speculation=options.speculation,
+            min_k=options.min_speculative_tokens,
+        )
+        self.front_door = FrontDoor(options, self.workers, self.manager, self.loop, self.health, tracer, metrics)
+        if metrics is not None:
+            metrics.track_state(
+                lambda: self.manager.queue_length,
+                lambda: self.manager.num_running,
+                lambda: float(self.workers.draft_connected),
+                lambda: len(self.manager.batches),
+                lambda: float(self.loop.drafting),
+                lambda: float(self.loop.draft_length),
+            )
+        self.http: HttpServer | None = None  # the HTTP API, when `serve` started it
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Check the pair, lay the batches out, set up the channel through both workers' control RPCs, start the
+        step loop, and follow the workers' health."""
+        pair = self.workers.pair
+        await pair.connect()
+        self.workers.keep_leases()
+        if self.workers.has_draft:
+            self._lay_out_batches()
+        await pair.set_up(
+            Layout(
+                self.manager.max_batch_size,
+                len(self.manager.batches),
+                self.options.num_speculative_tokens,
+                self.loop.draft_lengths,
+            )
+        )
+        self.workers.reset_kv_blocks()
+        tokenizer_dir = self.options.tokenizer or pair.target_info.model
+        try:
+            # In a thread: this start's synchronous work after SetUp (this load, with transformers' import) took
+            # seconds on a GPU host, long enough for the workers' leases, which this loop renews.
+            self.front_door.tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_dir)
+        except ModelLoadError:
+            log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
+        self._task = asyncio.create_task(self.loop.run())
+        self.workers.watch_health()
+
+    def _lay_out_batches(self) -> None:
+        """psd with `--overlap auto` on a GPU that target and draft share: one batch of both batches' room, drafted and
+        verified one after the other (sd). There a verify of 2B rows costs little more than one of B, and the two
+        processes' kernels hardly overlap: on one H200 (8B and 1B shapes, compiled, B=32) one batch of 64 served
+        1.14x the tokens of two alternating batches of 32 time-sliced, 1.04x under MPS, at a lower TPOT.
+        `--overlap always` keeps the two batches."""
+        if self.options.mode != "psd" or self.options.overlap != "auto":
+            return
+        shared = shared_gpus(self.workers.pair.target_info, self.workers.pair.draft_info)
+        if shared:
+            self.manager.merge_batches()
+            self.loop.mode = "sd"
+            log.info(
+                "target and draft share GPU %s: one batch of up to %d sequences, drafted and verified in turn "
+                "(overlapping two batches does not pay on one GPU; --overlap always keeps them)",
+                ", ".join(shared),
+                self.manager.max_batch_size,
+            )
+
+    async def drain(self, cut_short: asyncio.Event) -> None:
+        """Stop taking requests and let the admitted ones finish, for up to `drain_timeout` seconds or until
+        `cut_short` is set (a SIGTERM's graceful shutdown, before `stop`): health reports NOT_SERVING, so a load
+        balancer or Kubernetes sends new requests elsewhere, and a new request gets UNAVAILABLE."""
+        await self.workers.drain()
+        front, timeout = self.front_door, self.options.drain_timeout
+        log.info("draining: %d requests to finish, for up to %.0f s", front.open_streams, timeout)
+        deadline = time.monotonic() + timeout
+        while front.open_streams and time.monotonic() < deadline and not cut_short.is_set():
+            await asyncio.sleep(0.05)
+        if front.open_streams:
+            log.warning("drain ended with %d requests unfinished: their clients get UNAVAILABLE", front.open_streams)
+
+    async def stop(self) -> None:
+        """Refuse new requests, stop the step loop, end every open stream (UNAVAILABLE), close the HTTP API and
+        give the workers up."""
+        self.front_door.stopping = True
+        if self.http is not None:
+            self.http.begin_stop()  # no new connections; open streams end with the step loop's shutdown below
+        self.workers.stop_failover()
+        self.loop.stop()
+        if self._task is not None:
+            await self._task
+        await self.loop.shutdown()
+        if self.http is not None:
+            await self.http.stopped()
+        if self.options.step_trace:
+            with open(self.options.step_trace, "w") as f:
+                f.write(self.loop.step_trace())
+        await self.workers.close()
+
+
+async def serve(
+    options: CoordinatorOptions,
+    port: int,
+    host: str = "[::]",
+    tracing: Tracing | None = None,
+    metrics: CoordinatorMetrics | None = None,
+) -> tuple[grpc.aio.Server, int, Coordinator]:
+    """The coordinator started, its gRPC server on `port` and, with `options.http_port`, the OpenAI-compatible HTTP
+    API beside it in this event loop (`Coordinator.stop` stops it); both serve TLS only with `options.tls_cert`, and
+    want the bearer token with an API key."""
+    # Checked before the workers are dialled: a wrong file fails the start-up at once, with its flag named.
+    credentials = server_credentials(options.tls_cert, options.tls_key)
+    api_key = read_api_key(options.api_key, options.api_key_file)
+    coordinator = Coordinator(options, tracing, metrics)
+    await coordinator.start()
+    servicer = GenerationServicer(coordinator.front_door)
+    server, bound = await start_server(
+        port,
+        [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
+        [GENERATION_SERVICE],
+        host,
+        health_servicer=coordinator.health,
+        max_receive_bytes=options.max_request_bytes,
+        credentials=credentials,
+        api_key=api_key,
+    )
+    if options.http_port:
+        # Imported only here (FastAPI: not on every machine), in a thread, so that the leases' heartbeat goes on.
+        await asyncio.to_thread(importlib.import_module, "coordinator.http_api")
+        from coordinator.http_api import start_http_server
+
+        coordinator.http = start_http_server(coordinator.front_door, options.http_port, host, api_key)
+    return server, bound, coordinator
