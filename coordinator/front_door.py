@@ -13,13 +13,14 @@ from typing import Any
 import grpc
 
 from coordinator.batch_manager import BatchManager, QueueFullError
+from coordinator.failover import Refusal
 from coordinator.options import CoordinatorOptions
 from coordinator.pairing import call_detail
 from coordinator.request_state import RequestState
 from coordinator.samples import make_samples, sample_count, total_usage
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.validation import DEFAULT_MAX_TOKENS, check_limits, prompt_token_ids, sampling_config
-from coordinator.workers import Refusal, Workers
+from coordinator.workers import Workers
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import end_request_span, start_request_span
 from minedraft.proto import generation_pb2
@@ -123,7 +124,7 @@ class FrontDoor:
 
     def _refuse_if_unavailable(self) -> None:
         """RequestRefused (UNAVAILABLE) while the workers cannot take requests or this coordinator is stopping."""
-        refusal = self.workers.refusal()
+        refusal = self.workers.failover.refusal()
         if refusal is None and self.stopping:
             refusal = Refusal("stopping", "this coordinator is stopping: send the request to another replica or retry")
         if refusal is not None:

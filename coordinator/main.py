@@ -6,20 +6,20 @@ import asyncio
 import importlib
 import logging
 import time
-from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
 
 from coordinator.batch_manager import BatchManager
+from coordinator.failover import GENERATION_SERVICE
 from coordinator.front_door import FrontDoor
 from coordinator.grpc_api import GenerationServicer
 from coordinator.options import CoordinatorOptions
 from coordinator.pairing import Layout, shared_gpus
 from coordinator.step_loop import StepLoop
 from coordinator.stream_outbox import StreamOutbox
-from coordinator.tracing import TracedStepLoop, TracedWorkers
-from coordinator.workers import GENERATION_SERVICE, Workers
+from coordinator.tracing import tracing_for
+from coordinator.workers import Workers
 from minedraft.engine.models import load_tokenizer
 from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics
@@ -43,15 +43,14 @@ class Coordinator:
     ) -> None:
         self.options = options
         self.front_door: FrontDoor  # made last: it fronts the parts below
-        # Tracing is decided here, once: when it is off, the plain classes run and no span object is ever made.
         tracer = tracing.tracer if tracing is not None else None
-        self.health = Health()  # follows the target's (`Workers`); NOT_SERVING from the start of a drain
+        self.health = Health()  # follows the target's (`Failover`); NOT_SERVING from the start of a drain
         wake = asyncio.Event()  # the step loop's: new work, a stop, or news from the workers
         outbox = StreamOutbox()  # what a step emits, until the next worker calls are sent
-        workers_class = Workers if tracer is None else partial(TracedWorkers, tracer=tracer)
-        self.workers = workers_class(
+        self.workers = Workers(
             options.target,
             options.draft if options.mode != "ar" else None,
+            tracing=tracing_for(tracer),  # decided once: off, no span object is ever made
             step_streams=options.step_calls == "stream",
             channel=options.channel,
             draft_timeout=options.draft_timeout,
@@ -69,8 +68,7 @@ class Coordinator:
         self.manager = BatchManager(
             options.max_batch_size, options.max_queue_size, num_batches, options.max_prefill_tokens
         )
-        loop_class = StepLoop if tracer is None else partial(TracedStepLoop, tracer=tracer)
-        self.loop = loop_class(
+        self.loop = StepLoop(
             self.workers,
             self.manager,
             options.mode,
@@ -87,7 +85,7 @@ class Coordinator:
             metrics.track_state(
                 lambda: self.manager.queue_length,
                 lambda: self.manager.num_running,
-                lambda: float(self.workers.draft_connected),
+                lambda: float(self.workers.failover.draft_connected),
                 lambda: len(self.manager.batches),
                 lambda: float(self.loop.drafting),
                 lambda: float(self.loop.draft_length),
@@ -100,7 +98,7 @@ class Coordinator:
         step loop, and follow the workers' health."""
         pair = self.workers.pair
         await pair.connect()
-        self.workers.keep_leases()
+        self.workers.failover.liveness.keep_leases()
         if self.workers.has_draft:
             self._lay_out_batches()
         await pair.set_up(
@@ -111,7 +109,7 @@ class Coordinator:
                 self.loop.draft_lengths,
             )
         )
-        self.workers.reset_kv_blocks()
+        self.workers.failover.reset_ledgers()
         tokenizer_dir = self.options.tokenizer or pair.target_info.model
         try:
             # In a thread: this start's synchronous work after SetUp (this load, with transformers' import) took
@@ -120,7 +118,7 @@ class Coordinator:
         except ModelLoadError:
             log.warning("no tokenizer at %s: only token-id prompts are served", tokenizer_dir)
         self._task = asyncio.create_task(self.loop.run())
-        self.workers.watch_health()
+        self.workers.failover.liveness.watch_health()
 
     def _lay_out_batches(self) -> None:
         """psd with `--overlap auto` on a GPU that target and draft share: one batch of both batches' room, drafted and
@@ -145,7 +143,7 @@ class Coordinator:
         """Stop taking requests and let the admitted ones finish, for up to `drain_timeout` seconds or until
         `cut_short` is set (a SIGTERM's graceful shutdown, before `stop`): health reports NOT_SERVING, so a load
         balancer or Kubernetes sends new requests elsewhere, and a new request gets UNAVAILABLE."""
-        await self.workers.drain()
+        await self.workers.failover.drain()
         front, timeout = self.front_door, self.options.drain_timeout
         log.info("draining: %d requests to finish, for up to %.0f s", front.open_streams, timeout)
         deadline = time.monotonic() + timeout
@@ -160,7 +158,7 @@ class Coordinator:
         self.front_door.stopping = True
         if self.http is not None:
             self.http.begin_stop()  # no new connections; open streams end with the step loop's shutdown below
-        self.workers.stop_failover()
+        self.workers.failover.stop()
         self.loop.stop()
         if self._task is not None:
             await self._task

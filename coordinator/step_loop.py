@@ -42,8 +42,9 @@ class StepLoop:
     once on the two workers. With one batch empty, or in sd mode (a single batch), Propose and Verify run one
     after the other on the same batch; in ar mode the target decodes alone (Verify with no drafts).
 
-    `workers` says what the workers can do, between steps and as calls fail (`Workers`); the loop waits on `wake`
-    for new work, a stop, or news from the workers."""
+    It calls the workers through `workers`, reports what its calls raised to `workers.failover` and asks it once
+    before each step what the workers can do (`Failover.before_step`); it waits on `wake` for new work, a stop, or
+    news from the workers."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class StepLoop:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         self.workers, self.manager, self.mode = workers, manager, mode
+        self.failover = workers.failover
         self.k = 0 if mode == "ar" else k
         self.metrics = metrics
         self.overlap_policy = OverlapPolicy(overlap)
@@ -81,7 +83,7 @@ class StepLoop:
         # would leave the target idle in every step); awaited by the step that verifies the batch.
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
         self._admissions = itertools.count(1)
-        self.prefixes = PrefixMemory(workers.kv_blocks["target"])
+        self.prefixes = PrefixMemory(workers.target.ledger)
         self.preemptions = 0
         # After a prefill found no room on the target: admit nothing until fewer than this many sequences run (0:
         # admit one request alone), `_wait_for_room`
@@ -99,14 +101,14 @@ class StepLoop:
 
     async def run(self) -> None:
         while not self._stopping:
-            if self.workers.target_lost:
+            if self.failover.target_lost:
                 await self._reconnect_target()
                 continue
             if not self.has_work():
                 self._wake.clear()  # before any await: a wake (new work, stop) meanwhile must not be lost
                 await self._flush_releases(always=True)  # nothing else goes to the workers now
                 self.outbox.flush()
-                if not self.workers.target_lost:  # (found lost by those releases: reconnect at once)
+                if not self.failover.target_lost:  # (found lost by those releases: reconnect at once)
                     await self._wake.wait()
                 continue
             try:
@@ -115,17 +117,28 @@ class StepLoop:
                 log.exception("step failed")
 
     async def step(self) -> None:
-        self.workers.leave_draft_if_asked(self._admitted_ids())
+        attributes = {
+            "minedraft.mode": self.mode,
+            "minedraft.queue_length": self.manager.queue_length,
+            "minedraft.running": self.manager.num_running,
+        }
+        with self.workers.tracing.step(attributes):
+            await self._step()
+
+    async def _step(self) -> None:
+        draft_back = self.failover.before_step(self._admitted_ids())
         await self._remove_finished()
-        await self._take_draft_back()
+        if draft_back and not any(b.awaiting_verify for b in self.manager.batches):
+            # (else at a later step: the running requests are handed over with no drafts waiting for a verify)
+            await self.failover.hand_over_draft(self.manager.running(), self._prefill_draft_again)
         if not await self._admit():
             await self._remove_finished()  # a failed prefill's requests leave before the step's calls
-        if self.workers.target_lost:
+        if self.failover.target_lost:
             return
         batches = self.manager.batches
         to_verify = next((b for b in batches if b.awaiting_verify), None)
         to_propose = next((b for b in batches if b.members and not b.awaiting_verify), None)
-        drafting = self.mode != "ar" and self.workers.draft_connected
+        drafting = self.mode != "ar" and self.failover.draft_connected
         sequences = max(sum(len(b.members) for b in batches), 1)  # (none, after a failed admission)
         policy = self.speculation_policy.at(sequences)
         start = time.perf_counter()
@@ -190,7 +203,7 @@ class StepLoop:
     @property
     def drafting(self) -> bool:
         """Whether steps draft (the speculation policy's preference, a trial aside)."""
-        return self.mode != "ar" and self.workers.draft_connected and self.speculation_policy.current.preferred > 0
+        return self.mode != "ar" and self.failover.draft_connected and self.speculation_policy.current.preferred > 0
 
     @property
     def draft_length(self) -> int:
@@ -215,7 +228,7 @@ class StepLoop:
             return True
         for request in admitted:
             request.admitted = next(self._admissions)
-        drafting = self.workers.prefill_draft(admitted) if self.workers.draft_connected else asyncio.sleep(0)
+        drafting = self.workers.prefill_draft(admitted) if self.failover.draft_connected else asyncio.sleep(0)
         target_reply, draft_reply = await asyncio.gather(
             self.workers.prefill_target(admitted), drafting, return_exceptions=True
         )
@@ -277,7 +290,7 @@ class StepLoop:
             if alone and running > first:
                 return False
             tokens = len(request.prefill_ids)
-            needs = {w: self.workers.kv_blocks[w].for_prompt(tokens) for w in free}
+            needs = {w: self.workers.ledger(w).for_prompt(tokens) for w in free}
             if running and any(free[w][0] - needs[w] < (running + 1) * free[w][1] for w in free):
                 return False
             running += 1
@@ -351,24 +364,22 @@ class StepLoop:
         await self._release(gone)
         return emitted
 
-    async def _take_draft_back(self) -> None:
-        """While the draft is lost: try it when due (`Workers.probe_draft`), and once it is back hand it the running
-        requests, at a step with no drafts waiting for their verify (else at a later one)."""
-        if self.workers.probe_draft() and not any(b.awaiting_verify for b in self.manager.batches):
-            await self.workers.hand_over_draft(self.manager.running())
+    async def _prefill_draft_again(self, running: Sequence[RequestState]) -> None:
+        """A draft back: prefilled with every running request's prompt and output so far."""
+        await self.workers.prefill_draft(running, resume=True)
 
     def _admitted_ids(self) -> Iterator[int]:
         """The sequences in the batches, what a worker may hold (lazily: read only where a draft is dropped)."""
         return (r.seq_id for b in self.manager.batches for r in b.members + b.joining)
 
     def _lose_draft(self, exc: BaseException) -> bool:
-        """Whether `exc`, from a draft call, lost the draft (`Workers.lose_draft_on`): the target decodes alone."""
-        return self.workers.lose_draft_on(exc, self._admitted_ids())
+        """Whether `exc`, from a draft call, lost the draft (`Failover.lose_draft_on`): the target decodes alone."""
+        return self.failover.lose_draft_on(exc, self._admitted_ids())
 
     def _lose_target(self, exc: BaseException) -> bool:
-        """Whether `exc`, from a target call, lost the target (`Workers.lose_target_on`); if so every open request
+        """Whether `exc`, from a target call, lost the target (`Failover.lose_target_on`); if so every open request
         fails now (UNAVAILABLE: their clients may send them again)."""
-        if not self.workers.lose_target_on(exc):
+        if not self.failover.lose_target_on(exc):
             return False
         self._fail_open(TARGET_LOST)
         return True
@@ -395,23 +406,23 @@ class StepLoop:
 
     async def _reconnect_target(self) -> None:
         """While the target is lost: fail what is still open (a loss its health stream found fails nothing by
-        itself), release what the failed requests held, and take the target back (`Workers.take_target_back`,
+        itself), release what the failed requests held, and take the target back (`Failover.take_target_back`,
         every retry interval; a stop cuts the wait short)."""
         self._fail_open(TARGET_LOST)
-        await self.workers.report_target_lost()
+        await self.failover.report_target_lost()
         await self._drop_batches()
         while not self._stopping:
-            if await self.workers.take_target_back():
+            if await self.failover.take_target_back():
                 break
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.workers.retry_interval)
+                await asyncio.wait_for(self._wake.wait(), self.failover.retry_interval)
         else:
             return
         await self._flush_releases(always=True)  # a target that was only unreachable still holds them
-        if self.workers.target_lost:  # gone again at once
+        if self.failover.target_lost:  # gone again at once
             return
-        await self.workers.report_target_back()
+        await self.failover.report_target_back()
 
     def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
         log.warning("failing %d requests: %s", len(requests), exc)

@@ -186,10 +186,10 @@ def test_a_draft_prefill_without_room_leaves_the_draft_until_it_has_room(
             done = await asyncio.gather(*(generate(address, r) for r in later))
             done = [*await asyncio.gather(*started), *done]
             for _ in range(600):  # taken back during steps: a short request or two gives it the chance
-                if coordinator.workers.draft_connected:
+                if coordinator.workers.failover.draft_connected:
                     break
                 await generate(address, later[0])
-            return done, coordinator.workers.draft_connected
+            return done, coordinator.workers.failover.draft_connected
 
     caplog.set_level(logging.INFO, logger="coordinator")
     done, drafting_again = run_async(run())

@@ -356,8 +356,8 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
 
     async def propose_after_a_shutdown_notice(self: StepLoop, batch: Batch, k: int) -> None:
         if armed and not notices:
-            notices.append(self.workers.draft_connected)
-            self.workers.leave_draft("the draft service is shutting down (told mid-step by the test)")
+            notices.append(self.failover.draft_connected)
+            self.failover.leave_draft("the draft service is shutting down (told mid-step by the test)")
         await propose(self, batch, k)
 
     monkeypatch.setattr(StepLoop, "_propose", propose_after_a_shutdown_notice)
@@ -373,10 +373,12 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
             armed = True
             left = await asyncio.gather(*(generate(address, r) for r in requests))
             deadline = time.monotonic() + 30
-            while not coordinator.workers.draft_connected:  # taken back (tried during steps): what it held is released
+            while (
+                not coordinator.workers.failover.draft_connected
+            ):  # taken back (tried during steps): what it held is released
                 assert time.monotonic() < deadline, "the draft was not taken back"
                 await generate(address, requests[0])
-            return expected, left, len(coordinator.workers.draft_backlog)
+            return expected, left, len(coordinator.workers.failover.draft_backlog)
 
     caplog.set_level(logging.INFO, logger="coordinator")
     try:

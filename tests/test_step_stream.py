@@ -161,7 +161,7 @@ def test_a_worker_without_step_streams_gets_unary_calls() -> None:
             for step in (5, 6):
                 reply = await workers.verify(step, 0, [member], None, 0)
                 assert reply.results[0].seq_id == step
-            assert workers.verify_stream is not None and workers.verify_stream.unimplemented
+            assert workers.target.stream is not None and workers.target.stream.unimplemented
             assert fake.unary_calls == 2
         finally:
             await workers.close()
@@ -227,9 +227,9 @@ def test_unary_step_calls_give_the_same_output(llama_workers: Workers, stack_log
     )
 
     async def main(step_calls: str) -> list[int]:
-        async with in_process_coordinator(llama_workers, step_calls=step_calls) as (address, servicer):
+        async with in_process_coordinator(llama_workers, step_calls=step_calls) as (address, coordinator):
             tokens = (await generate(address, request)).token_ids
-            stream = servicer.workers.verify_stream
+            stream = coordinator.workers.target.stream
             assert (stream is None) == (step_calls == "unary")
             return tokens
 

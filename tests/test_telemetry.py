@@ -22,8 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from coordinator.main import Coordinator  # noqa: E402
 from coordinator.options import CoordinatorOptions  # noqa: E402
-from coordinator.step_loop import StepLoop  # noqa: E402
-from coordinator.tracing import TracedStepLoop, TracedWorkers  # noqa: E402
+from coordinator.tracing import SpanTracing, StepTracing  # noqa: E402
 from coordinator.workers import Workers  # noqa: E402
 from minedraft.observability import telemetry  # noqa: E402
 from minedraft.proto import target_pb2  # noqa: E402
@@ -144,9 +143,9 @@ def test_step_loop_is_plain_when_tracing_is_off(memory_tracing: tuple[telemetry.
         return coordinator
 
     plain = asyncio.run(build(telemetry.setup_tracing("minedraft-coordinator")))
-    assert type(plain.loop) is StepLoop and type(plain.workers) is Workers and plain.front_door.tracer is None
+    assert type(plain.workers.tracing) is StepTracing and plain.front_door.tracer is None
     traced = asyncio.run(build(memory_tracing[0]))
-    assert isinstance(traced.loop, TracedStepLoop) and isinstance(traced.workers, TracedWorkers)
+    assert isinstance(traced.workers.tracing, SpanTracing) and traced.front_door.tracer is not None
 
 
 # --------------------------------------------------------------------------------------------- over gRPC
@@ -267,16 +266,18 @@ def test_each_message_of_a_step_stream_is_observed_as_its_call(
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         assert tracing.tracer is not None
-        workers = TracedWorkers(f"127.0.0.1:{port}", None, tracing.tracer)
+        workers = Workers(f"127.0.0.1:{port}", None, tracing=SpanTracing(tracing.tracer))
         try:
-            stream = workers.verify_stream
+            stream = workers.target.stream
             assert stream is not None
             outcomes: list[list[int] | grpc.StatusCode] = []
             for batch_id in (0, 5):
                 with telemetry.batch_span(tracing.tracer, "verify", [], {}):
                     try:
                         reply = await stream.call(
-                            target_pb2.VerifyRequest(batch_id=batch_id, seq_ids=[4, 5]), 10, workers.trace_context()
+                            target_pb2.VerifyRequest(batch_id=batch_id, seq_ids=[4, 5]),
+                            10,
+                            workers.tracing.trace_context(),
                         )
                         outcomes.append([r.seq_id for r in reply.results])
                     except grpc.aio.AioRpcError as exc:
