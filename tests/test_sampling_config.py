@@ -1,9 +1,10 @@
-"""SamplingConfig to and from SamplingParams."""
+"""SamplingConfig to and from SamplingParams, and SamplingParams from a client's values."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from coordinator.sampling_params import sampling_params
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import generation_pb2
 
@@ -46,3 +47,9 @@ def test_unset_optional_fields_take_their_defaults() -> None:
     config = SamplingConfig.from_proto(generation_pb2.SamplingParams(), max_tokens=12, seed=5)
     assert config == SamplingConfig(max_tokens=12, seed=5)
     assert SamplingConfig.from_proto(generation_pb2.SamplingParams(seed=0), seed=5).seed == 0  # set 0 is not unset
+
+
+def test_sampling_params_leaves_none_unset_and_other_names_out() -> None:
+    params = sampling_params({"top_p": None, "seed": 0, "temperature": 0.5, "n": 3, "stop": ["x"]})
+    assert not params.HasField("top_p") and params.HasField("seed")
+    assert params == generation_pb2.SamplingParams(seed=0, temperature=0.5, stop=["x"])
