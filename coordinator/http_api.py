@@ -29,6 +29,7 @@ from coordinator.openai_schema import (
     error_body,
     finish_reason,
 )
+from coordinator.sampling_params import sampling_params
 from coordinator.validation import DEFAULT_MAX_TOKENS
 from minedraft.engine.sampling import MAX_LOGPROBS
 from minedraft.proto import generation_pb2
@@ -164,26 +165,19 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
     if unsupported is not None:
         name, value = unsupported
         raise _invalid(f"{name}={value!r} is not supported yet by this server", name)
-    params = generation_pb2.SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
-        stop_token_ids=body.stop_token_ids or [],
-        top_k=max(body.top_k or 0, 0),
-        ignore_eos=body.ignore_eos,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        min_p=body.min_p or 0.0,
-        min_tokens=body.min_tokens or 0,
-    )
-    # Set only when given: unset and 0 differ (unset top_p is 1, a top_p of 0 is refused).
-    if body.top_p is not None:
-        params.top_p = body.top_p
-    if body.max_tokens is not None:
-        params.max_tokens = body.max_tokens
-    if body.seed is not None:
-        params.seed = body.seed
-    if body.repetition_penalty is not None:
-        params.repetition_penalty = body.repetition_penalty
+    # The body's fields named as SamplingParams' are its values (None: unset), but where OpenAI's differ: the
+    # default temperature is 1, stop may be one string, a top_k of -1 is off; logprobs is each route's own (a
+    # chat's is a bool).
+    openai = {
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "top_k": max(body.top_k or 0, 0),
+        "logprobs": None,
+        "presence_penalty": body.presence_penalty or 0.0,  # -0.0 sent as 0.0 (here and in the next two)
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "min_p": body.min_p or 0.0,
+    }
+    params = sampling_params({**dict(body), **openai})
     return generation_pb2.GenerateRequest(params=params, n=body.n or 0)
 
 

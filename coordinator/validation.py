@@ -150,21 +150,7 @@ def sampling_config(
         )
     _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab_size, "stop_token_ids")
     _check_penalties(params, max_tokens)
-    return SamplingConfig(
-        temperature=float(params.temperature),
-        top_p=float(top_p),
-        top_k=int(params.top_k),
-        seed=params.seed if params.HasField("seed") else secrets.randbits(63),
-        max_tokens=max_tokens,
-        stop_token_ids=tuple(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs if params.HasField("logprobs") else None,
-        min_tokens=params.min_tokens,
-        min_p=float(params.min_p),
-        repetition_penalty=float(params.repetition_penalty) if params.HasField("repetition_penalty") else 1.0,
-        presence_penalty=float(params.presence_penalty),
-        frequency_penalty=float(params.frequency_penalty),
-    )
+    return SamplingConfig.from_proto(params, max_tokens=max_tokens, seed=secrets.randbits(63))
 
 
 def _check_penalties(params: generation_pb2.SamplingParams, max_tokens: int) -> None:

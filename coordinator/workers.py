@@ -18,7 +18,7 @@ from coordinator.pairing import Pair
 from coordinator.request_state import RequestState
 from coordinator.tracing import StepTracing
 from coordinator.worker_link import DRAFT_LATE_FLOOR_S, TARGET_LATE_FLOOR_S, LinkState, WorkerLink
-from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
+from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from minedraft.rpc.lease import Ticket, presenting
 from minedraft.rpc.security import ClientTls, aio_channel
 from minedraft.rpc.server_utils import CHANNEL_OPTIONS, Health
@@ -48,22 +48,8 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
     """The request as a worker prefills it: its prompt and the output it had when last preempted (`RequestState.
     preempt`), for what it may still generate; `resume`: with its output so far but the last token, which the next
     proposal feeds (a draft service that joins a running request)."""
-    c = request.config
-    params = generation_pb2.SamplingParams(
-        max_tokens=c.max_tokens - request.resumed_output,
-        temperature=c.temperature,
-        top_p=c.top_p,
-        top_k=c.top_k,
-        seed=c.seed,
-        stop_token_ids=list(c.stop_token_ids),
-        ignore_eos=c.ignore_eos,
-        logprobs=c.logprobs,
-        min_tokens=c.min_tokens,
-        min_p=c.min_p,
-        repetition_penalty=c.repetition_penalty,
-        presence_penalty=c.presence_penalty,
-        frequency_penalty=c.frequency_penalty,
-    )
+    params = request.config.to_proto()
+    params.max_tokens = request.config.max_tokens - request.resumed_output  # (what it had when preempted is prompt)
     tokens = request.prompt_ids + request.output_ids[:-1] if resume else request.prefill_ids
     output = len(tokens) - len(request.prompt_ids)  # penalties and min_tokens count these as output
     return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params, output_tokens=output)

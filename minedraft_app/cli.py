@@ -255,26 +255,10 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def generate_main(args: argparse.Namespace) -> int:
+    from coordinator.sampling_params import sampling_params
     from minedraft.proto import generation_pb2, generation_pb2_grpc
 
-    params = generation_pb2.SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        min_tokens=args.min_tokens,
-        min_p=args.min_p,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
-    if args.seed is not None:
-        params.seed = args.seed
-    if args.repetition_penalty is not None:
-        params.repetition_penalty = args.repetition_penalty
-    if args.logprobs is not None:
-        params.logprobs = args.logprobs
+    params = sampling_params(vars(args))  # the flags named as its fields; an optional one unset where not given
     request = generation_pb2.GenerateRequest(params=params)
     if args.message and args.chat is None:
         print("error: --message needs --chat", file=sys.stderr)

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from minedraft.kernels import triton_runs
+from minedraft.proto import generation_pb2
 
 
 def _argmax_kernels() -> ModuleType | None:  # None without CUDA or Triton
@@ -50,6 +51,48 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output_tokens: int = 0  # of the prompt a worker is given, the last tokens that are output (after a preemption)
+
+    @classmethod
+    def from_proto(
+        cls, params: generation_pb2.SamplingParams, *, max_tokens: int = 0, seed: int = 0, output_tokens: int = 0
+    ) -> SamplingConfig:
+        """The config `params` give, unchecked; `max_tokens` and `seed` where they leave those unset (a worker is
+        always sent both), the other optional fields' defaults here. Stop strings are the coordinator's alone."""
+        return cls(
+            temperature=params.temperature,
+            top_p=params.top_p if params.HasField("top_p") else 1.0,
+            top_k=params.top_k,
+            seed=params.seed if params.HasField("seed") else seed,
+            max_tokens=params.max_tokens if params.HasField("max_tokens") else max_tokens,
+            stop_token_ids=tuple(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs if params.HasField("logprobs") else None,
+            min_tokens=params.min_tokens,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            output_tokens=output_tokens,
+        )
+
+    def to_proto(self) -> generation_pb2.SamplingParams:
+        """The parameters as a worker is sent them: every field set but stop (logprobs where not None);
+        output_tokens goes in the SequenceSpec."""
+        return generation_pb2.SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            min_tokens=self.min_tokens,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.proto import common_pb2, generation_pb2
+from minedraft.proto import common_pb2
 from minedraft.rpc.lease import Leases, presented
 from minedraft.rpc.security import worker_credentials
 from minedraft.rpc.server_utils import Health, grpc_errors, start_server, timings
@@ -229,27 +229,6 @@ class WorkerServicer:
         return server, bound, functools.partial(self.worker.drain, health_servicer)
 
 
-def sampling_config(spec: common_pb2.SequenceSpec) -> SamplingConfig:
-    """Workers receive parameters the coordinator already validated and defaulted."""
-    p: generation_pb2.SamplingParams = spec.params
-    return SamplingConfig(
-        temperature=float(p.temperature),
-        top_p=float(p.top_p) if p.HasField("top_p") else 1.0,
-        top_k=int(p.top_k),
-        seed=int(p.seed),
-        max_tokens=int(p.max_tokens),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=bool(p.ignore_eos),
-        logprobs=int(p.logprobs) if p.HasField("logprobs") else None,
-        min_tokens=int(p.min_tokens),
-        min_p=float(p.min_p),
-        repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
-        presence_penalty=float(p.presence_penalty),
-        frequency_penalty=float(p.frequency_penalty),
-        output_tokens=int(spec.output_tokens),
-    )
-
-
 def prefill_inputs(
     sequences: Sequence[common_pb2.SequenceSpec], logits_size: int
 ) -> tuple[list[int], list[list[int]], list[SamplingConfig]]:
@@ -265,7 +244,8 @@ def prefill_inputs(
     prompts = [list(s.prompt_token_ids) for s in sequences]
     if any(t < 0 or t >= logits_size for prompt in prompts for t in prompt):
         raise ValueError(f"prompt token ids must be in [0, {logits_size})")
-    return [s.seq_id for s in sequences], prompts, [sampling_config(s) for s in sequences]
+    configs = [SamplingConfig.from_proto(s.params, output_tokens=s.output_tokens) for s in sequences]
+    return [s.seq_id for s in sequences], prompts, configs
 
 
 def check_batch_id(batch_id: int) -> None:
