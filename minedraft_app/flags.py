@@ -92,7 +92,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--draft-device", "the draft's device", STACKS, MODELS, "cpu", passes_to=(PassTo("draft", "--device"),)),
     WORKER_FLAGS["device"],
     WORKER_FLAGS["dtype"],
-    Flag(
+    Flag(  # WorkerOptions.cuda_graphs is its opposite, so it is declared here (cli.worker_options)
         "--eager",
         "no CUDA graphs (debugging)",
         MODEL_COMMANDS,
@@ -125,7 +125,7 @@ FLAGS: tuple[Flag, ...] = (
     WORKER_FLAGS["block_size"],
     WORKER_FLAGS["kv_cache_memory"],
     WORKER_FLAGS["gpu_memory_utilization"],
-    Flag(
+    Flag(  # on/off of WorkerOptions.prefix_caching, declared here (cli.worker_options)
         "--enable-prefix-caching",
         "share the KV blocks of prompts that start alike (on or off)",
         MODEL_COMMANDS,
