@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from minedraft.flag_spec import FLAG_KEY
 from minedraft.rpc.security import bearer_metadata, client_tls, read_api_key, sync_channel, worker_credentials
 from minedraft_app.flags import COMMANDS, LOOPBACK, SERVICE_COMMANDS, add_flags
 from minedraft_app.stack import check_stack_tls, drain_process, service_args, start_stack, stop_processes
@@ -57,9 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _from_args(cls: Callable[..., Options], args: argparse.Namespace, **derived: object) -> Options:
-    """`cls(...)` of the arguments named as its fields; fields `args` lacks keep their defaults."""
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    given = {f.name: getattr(args, f.name) for f in fields if f.name not in derived and hasattr(args, f.name)}
+    """`cls(...)` of the arguments of its fields' flags (`minedraft.flag_spec.flag`; a field without one: the
+    argument of its name); fields `args` lacks keep their defaults."""
+    given: dict[str, object] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = field.metadata[FLAG_KEY].dest if FLAG_KEY in field.metadata else field.name
+        if field.name not in derived and hasattr(args, name):
+            given[field.name] = getattr(args, name)
     return cls(**given, **derived)
 
 
@@ -69,9 +74,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
     from minedraft.rpc.options import WorkerOptions
 
     caching = getattr(args, "enable_prefix_caching", "on") == "on"
-    return _from_args(
-        WorkerOptions, args, cuda_graphs=not args.eager, compile_layers=args.compile, prefix_caching=caching
-    )
+    return _from_args(WorkerOptions, args, cuda_graphs=not args.eager, prefix_caching=caching)
 
 
 def coordinator_options(args: argparse.Namespace) -> CoordinatorOptions:

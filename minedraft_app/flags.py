@@ -1,13 +1,36 @@
-"""Every `minedraft` flag, declared once: the parsers, the stack's command lines and docs/cli.md are made from it."""
+"""Every `minedraft` flag in one table: the parsers, the stack's command lines and docs/cli.md are made from it."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import typing
 
+from coordinator.options import CoordinatorOptions
 from minedraft.demo_models import DRAFT_DIR, TARGET_DIR
+from minedraft.flag_spec import (
+    BATCHES,
+    FLAG_KEY,
+    MEASUREMENT,
+    MODEL_COMMANDS,
+    MODELS,
+    REQUEST,
+    SECTIONS,
+    SERVICE,
+    SERVICE_COMMANDS,
+    STACK_SERVICES,
+    STACKS,
+    TO_COORDINATOR,
+    TO_SERVICES,
+    TO_WORKERS,
+    WORKERS,
+    Flag,
+    PassTo,
+)
+from minedraft.flag_spec import dest as dest  # (for minedraft_app/stack.py)
+from minedraft.rpc.options import PRECAPTURE_CHOICES as PRECAPTURE_CHOICES  # (for benchmarks/gpu_bench.py)
+from minedraft.rpc.options import WorkerOptions
 
 COMMANDS: dict[str, str] = {
     "serve": "start target, draft and coordinator on this machine",
@@ -17,90 +40,34 @@ COMMANDS: dict[str, str] = {
     "generate": "send one request and stream the answer",
     "bench": "measure throughput and latency of a server or of the modes",
 }
-SERVICE_COMMANDS = ("serve", "target", "draft", "coordinator")  # MINEDRAFT_<FLAG> sets their flags
-STACK_SERVICES = ("target", "draft", "coordinator")  # what `serve` and `bench --modes` start
 HELM_COMPONENTS = ("target", "draft", "coordinator")
-ENV_PREFIX = "MINEDRAFT_"
 # What MINEDRAFT_<SWITCH> may read, in any case; empty is off.
 SWITCH_VALUES = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off", ""), False)
-PRECAPTURE_CHOICES = ("auto", "on", "off")
 LOOPBACK = "127.0.0.1"
 
 
-def dest(name: str) -> str:
-    """The attribute a flag's value lands in: --max-batch-size -> max_batch_size."""
-    return name.removeprefix("--").replace("-", "_")
+def option_flags(options: type) -> dict[str, Flag]:
+    """Field name -> the Flag that its metadata declares (`minedraft.flag_spec.flag`), with the field's default (None
+    where it has none) and the field's type: an int or a float converts the value, a bool is a switch."""
+    hints = typing.get_type_hints(options)
+    found: dict[str, Flag] = {}
+    for field in dataclasses.fields(options):
+        if FLAG_KEY in field.metadata:
+            hint = hints[field.name]
+            kind = next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)  # X | None: X
+            default = None if field.default is dataclasses.MISSING else field.default
+            found[field.name] = dataclasses.replace(
+                field.metadata[FLAG_KEY],
+                default=default,
+                type=kind if kind in (int, float) else None,
+                switch=kind is bool,
+            )
+    return found
 
 
-@dataclass(frozen=True)
-class Flag:
-    """One flag of one or more commands; a name means one thing in the commands that share an entry."""
-
-    name: str
-    help: str
-    commands: tuple[str, ...]
-    section: str
-    default: object = None
-    defaults: Mapping[str, object] = field(default_factory=dict)  # a command's own default, where it differs
-    helps: Mapping[str, str] = field(default_factory=dict)  # a command's own help, where it differs
-    type: Callable[[str], object] | None = None
-    choices: tuple[str, ...] | None = None
-    switch: bool = False  # given bare, it sets True
-    const: str | None = None  # the value when given bare (its value is optional)
-    repeat: bool = False  # each use adds a value to a list, empty by default
-    required: bool = False  # unless its environment variable is set
-    one_of: str | None = None  # exactly one flag of each one_of group must be given
-    environment: tuple[str, ...] | None = None  # commands where MINEDRAFT_<FLAG> sets it; None: the services'
-    passes_to: tuple[str, ...] = ()  # what a serve/bench stack sets from it: "SERVICE" or "SERVICE --ITS-FLAG"
-    helm: tuple[str, ...] = ()  # chart components whose value <component>.<helm_key> sets MINEDRAFT_<FLAG>
-
-    @property
-    def dest(self) -> str:
-        return dest(self.name)
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
-
-    @property
-    def helm_key(self) -> str:
-        first, *rest = self.dest.split("_")
-        return first + "".join(word.capitalize() for word in rest)
-
-    @property
-    def passed_on(self) -> dict[str, str]:
-        """Service -> the flag of that service which a serve/bench stack gives this flag's value."""
-        services = {}
-        for entry in self.passes_to:
-            service, _, name = entry.partition(" ")
-            services[service] = name or self.name
-        return services
-
-    def default_in(self, command: str) -> object:
-        return self.defaults.get(command, self.default)
-
-    def help_in(self, command: str) -> str:
-        return self.helps.get(command, self.help)
-
-    def reads_env(self, command: str) -> bool:
-        commands = self.environment if self.environment is not None else SERVICE_COMMANDS
-        return command in commands
-
-
-# The sections of a command's --help, in this order.
-MEASUREMENT = "measurement"
-REQUEST = "request"
-MODELS = "models"
-BATCHES = "batches"
-SPECULATION = "speculation"
-SERVICE = "service"
-SECTIONS = (MEASUREMENT, REQUEST, MODELS, BATCHES, SPECULATION, SERVICE)
-
-WORKERS = ("target", "draft")
-STACKS = ("serve", "bench")
-MODEL_COMMANDS = ("serve", "target", "draft", "bench")  # those that load models, or start services that do
-POLICY_COMMANDS = ("serve", "coordinator", "bench")  # the coordinator's step policy, also set by a bench stack
-COORDINATOR_COMMANDS = ("serve", "coordinator")
+# The options' flags, each placed in the table below where its --help shows it.
+WORKER_FLAGS = option_flags(WorkerOptions)
+COORDINATOR_FLAGS = option_flags(CoordinatorOptions)
 
 FLAGS: tuple[Flag, ...] = (
     # ---------------------------------------------------------------- models
@@ -110,7 +77,7 @@ FLAGS: tuple[Flag, ...] = (
         STACKS,
         MODELS,
         str(TARGET_DIR),
-        passes_to=("target --model", "coordinator --tokenizer"),
+        passes_to=(PassTo("target", "--model"), PassTo("coordinator", "--tokenizer")),
     ),
     Flag(
         "--draft",
@@ -118,30 +85,14 @@ FLAGS: tuple[Flag, ...] = (
         STACKS,
         MODELS,
         str(DRAFT_DIR),
-        passes_to=("draft --model",),
+        passes_to=(PassTo("draft", "--model"),),
     ),
-    Flag(
-        "--model",
-        "Hugging Face model directory",
-        WORKERS,
-        MODELS,
-        defaults={"target": str(TARGET_DIR), "draft": str(DRAFT_DIR)},
-        helm=WORKERS,
-    ),
-    Flag("--target-device", "the target's device", STACKS, MODELS, "cpu", passes_to=("target --device",)),
-    Flag("--draft-device", "the draft's device", STACKS, MODELS, "cpu", passes_to=("draft --device",)),
-    Flag("--device", "cpu, cuda, cuda:1 ...", WORKERS, MODELS, "cpu", helm=WORKERS),
-    Flag(
-        "--dtype",
-        "the models' dtype (auto: bfloat16 on a GPU, float32 on a CPU)",
-        MODEL_COMMANDS,
-        MODELS,
-        "auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        passes_to=WORKERS,
-        helm=WORKERS,
-    ),
-    Flag(
+    WORKER_FLAGS["model"],
+    Flag("--target-device", "the target's device", STACKS, MODELS, "cpu", passes_to=(PassTo("target", "--device"),)),
+    Flag("--draft-device", "the draft's device", STACKS, MODELS, "cpu", passes_to=(PassTo("draft", "--device"),)),
+    WORKER_FLAGS["device"],
+    WORKER_FLAGS["dtype"],
+    Flag(  # WorkerOptions.cuda_graphs is its opposite, so it is declared here (cli.worker_options)
         "--eager",
         "no CUDA graphs (debugging)",
         MODEL_COMMANDS,
@@ -149,51 +100,12 @@ FLAGS: tuple[Flag, ...] = (
         False,
         switch=True,
         environment=MODEL_COMMANDS,
-        passes_to=WORKERS,
+        passes_to=TO_WORKERS,
     ),
-    Flag(
-        "--compile",
-        "torch.compile the decoder layers (fused kernels inside the CUDA graphs); compiling at start-up takes minutes",
-        MODEL_COMMANDS,
-        MODELS,
-        False,
-        switch=True,
-        environment=MODEL_COMMANDS,
-        passes_to=WORKERS,
-        helm=WORKERS,
-    ),
-    Flag(
-        "--precapture-graphs",
-        "run every batch and key-length shape when a coordinator connects, so that CUDA graphs are captured then, "
-        "not while requests wait; auto: where CUDA graphs are (the bare flag means on)",
-        MODEL_COMMANDS,
-        MODELS,
-        "auto",
-        choices=PRECAPTURE_CHOICES,
-        const="on",
-        environment=MODEL_COMMANDS,
-        passes_to=WORKERS,
-        helm=WORKERS,
-    ),
-    Flag(
-        "--synthetic-acceptance",
-        "BENCHMARK ONLY, not lossless: the target accepts each draft token with this probability",
-        ("target", "bench"),
-        MODELS,
-        type=float,
-        passes_to=("target",),
-    ),
-    Flag(
-        "--tensor-parallel-size",
-        "shard the model over this many ranks, one process per device (the next GPUs after --device's; gloo on a "
-        "CPU): attention heads and MLP columns split, two all-reduces per layer; rank 0 serves",
-        ("target", "draft", "serve", "bench"),
-        MODELS,
-        1,
-        type=int,
-        helps={s: "the target's --tensor-parallel-size" for s in STACKS},
-        passes_to=("target",),
-    ),
+    WORKER_FLAGS["compile_layers"],
+    WORKER_FLAGS["precapture_graphs"],
+    WORKER_FLAGS["synthetic_acceptance"],
+    WORKER_FLAGS["tensor_parallel_size"],
     Flag(
         "--draft-tensor-parallel-size",
         "the draft's --tensor-parallel-size",
@@ -201,71 +113,19 @@ FLAGS: tuple[Flag, ...] = (
         MODELS,
         1,
         type=int,
-        passes_to=("draft --tensor-parallel-size",),
+        passes_to=(PassTo("draft", "--tensor-parallel-size"),),
     ),
     Flag("--greedy-drafts", "draft greedily even for sampled requests", ("draft",), MODELS, False, switch=True),
-    Flag(
-        "--profile-dir",
-        "write PyTorch profiler traces of 5 model calls here, after --profile-after calls (diagnosis)",
-        WORKERS,
-        MODELS,
-    ),
-    Flag("--profile-after", "model calls before the profiled ones", WORKERS, MODELS, 100, type=int),
+    WORKER_FLAGS["profile_dir"],
+    WORKER_FLAGS["profile_after"],
     # ---------------------------------------------------------------- batches
-    Flag(
-        "--max-batch-size",
-        "sequences per batch (psd runs two batches, so a worker holds twice as many)",
-        ("serve", "target", "draft", "coordinator", "bench"),
-        BATCHES,
-        32,
-        defaults={"bench": 8},
-        type=int,
-        passes_to=STACK_SERVICES,
-        helm=HELM_COMPONENTS,
-    ),
-    Flag(
-        "--max-model-len",
-        "tokens per sequence, prompt and output (default: the model's context, lowered to what the KV cache holds)",
-        MODEL_COMMANDS,
-        BATCHES,
-        None,
-        helps={"bench": "tokens per sequence (default: room for --prompt-len and --output-len)"},
-        type=int,
-        passes_to=WORKERS,
-        helm=WORKERS,
-    ),
-    Flag(
-        "--block-size",
-        "tokens per KV cache block",
-        MODEL_COMMANDS,
-        BATCHES,
-        16,
-        type=int,
-        passes_to=WORKERS,
-        helm=WORKERS,
-    ),
-    Flag(
-        "--kv-cache-memory",
-        "GiB of KV cache blocks per worker, allocated at start-up (default: by --gpu-memory-utilization on a GPU, "
-        "1 GiB on a CPU)",
-        MODEL_COMMANDS,
-        BATCHES,
-        None,
-        type=float,
-        passes_to=WORKERS,
-        helm=WORKERS,
-    ),
-    Flag(
-        "--gpu-memory-utilization",
-        "the fraction of its GPU's memory a worker may use, weights, graphs and KV cache included",
-        MODEL_COMMANDS,
-        BATCHES,
-        0.9,
-        type=float,
-        passes_to=WORKERS,
-        helm=WORKERS,
-    ),
-    Flag(
+    COORDINATOR_FLAGS["max_batch_size"],
+    WORKER_FLAGS["max_batch_size"],
+    WORKER_FLAGS["max_model_len"],
+    WORKER_FLAGS["block_size"],
+    WORKER_FLAGS["kv_cache_memory"],
+    WORKER_FLAGS["gpu_memory_utilization"],
+    Flag(  # on/off of WorkerOptions.prefix_caching, declared here (cli.worker_options)
         "--enable-prefix-caching",
         "share the KV blocks of prompts that start alike (on or off)",
         MODEL_COMMANDS,
@@ -273,118 +133,23 @@ FLAGS: tuple[Flag, ...] = (
         "on",
         choices=("on", "off"),
         const="on",
-        passes_to=WORKERS,
+        passes_to=TO_WORKERS,
         helm=WORKERS,
     ),
-    Flag(
-        "--max-queue-size",
-        "requests that may wait for a batch; more are refused until some start",
-        COORDINATOR_COMMANDS,
-        BATCHES,
-        256,
-        type=int,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--max-prefill-tokens",
-        "prompt tokens one step prefills at most (0: no limit; a longer prompt goes alone), so that a burst of "
-        "requests is admitted over several steps",
-        POLICY_COMMANDS,
-        BATCHES,
-        8192,
-        defaults={"bench": None},
-        helps={"bench": "the coordinators' --max-prefill-tokens (default: theirs)"},
-        type=int,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
+    COORDINATOR_FLAGS["max_queue_size"],
+    COORDINATOR_FLAGS["max_prefill_tokens"],
     # ---------------------------------------------------------------- speculation
-    Flag(
-        "--mode",
-        "psd: draft one batch while the other is verified; sd: draft, then verify; ar: the target alone",
-        COORDINATOR_COMMANDS,
-        SPECULATION,
-        "psd",
-        choices=("psd", "sd", "ar"),
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--num-speculative-tokens",
-        "tokens the draft proposes per step (k)",
-        POLICY_COMMANDS,
-        SPECULATION,
-        4,
-        type=int,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--speculation",
-        "psd and sd: draft at every step (always), or let the target decode alone while that measures faster per "
-        "token than drafting (auto)",
-        POLICY_COMMANDS,
-        SPECULATION,
-        "auto",
-        choices=("auto", "always"),
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--min-speculative-tokens",
-        "with --speculation auto, steps may also draft fewer tokens, halving from --num-speculative-tokens down to "
-        "this many, where that measures cheaper per token (0: all of them, or none)",
-        POLICY_COMMANDS,
-        SPECULATION,
-        0,
-        type=int,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--overlap",
-        "psd: run Verify and Propose concurrently always, never, or where that measures faster (auto; on a GPU "
-        "that target and draft share, auto runs sd on one batch of twice --max-batch-size)",
-        POLICY_COMMANDS,
-        SPECULATION,
-        "auto",
-        choices=("auto", "always", "never"),
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--channel",
-        "how drafts reach the target: auto picks cuda-ipc between GPUs of one host, nccl between other GPUs and "
-        "grpc otherwise (serve --single-process: local)",
-        POLICY_COMMANDS,
-        SPECULATION,
-        "auto",
-        choices=("auto", "local", "grpc", "cuda-ipc", "nccl"),
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--step-calls",
-        "how Verify and Propose travel: as messages on one open stream per worker (stream: ~0.5 ms less a call on "
-        "an H200 host), or as unary calls, which a worker without the streams gets either way",
-        COORDINATOR_COMMANDS,
-        SPECULATION,
-        "stream",
-        choices=("stream", "unary"),
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
+    COORDINATOR_FLAGS["mode"],
+    COORDINATOR_FLAGS["num_speculative_tokens"],
+    COORDINATOR_FLAGS["speculation"],
+    COORDINATOR_FLAGS["min_speculative_tokens"],
+    COORDINATOR_FLAGS["overlap"],
+    COORDINATOR_FLAGS["channel"],
+    COORDINATOR_FLAGS["step_calls"],
     # ---------------------------------------------------------------- service
-    Flag("--target", "target service address", ("coordinator",), SERVICE, required=True),
-    Flag("--draft", "draft service address (not needed in ar mode)", ("coordinator",), SERVICE),
-    Flag(
-        "--tokenizer",
-        "tokenizer directory for text prompts (default: the target's model directory)",
-        ("coordinator",),
-        SERVICE,
-        helm=("coordinator",),
-    ),
+    COORDINATOR_FLAGS["target"],
+    COORDINATOR_FLAGS["draft"],
+    COORDINATOR_FLAGS["tokenizer"],
     Flag(
         "--port",
         "port to listen on (0: any free port)",
@@ -394,7 +159,7 @@ FLAGS: tuple[Flag, ...] = (
         defaults={"target": 0, "draft": 0},
         helps={"serve": "the coordinator's port, the public one (0: any free port)"},
         type=int,
-        passes_to=("coordinator",),
+        passes_to=TO_COORDINATOR,
         helm=HELM_COMPONENTS,
     ),
     Flag(
@@ -412,7 +177,7 @@ FLAGS: tuple[Flag, ...] = (
             "draft": "address to listen on: loopback by default, as only the coordinator calls a worker ([::]: "
             "every interface, for a coordinator on another host)",
         },
-        passes_to=("coordinator",),
+        passes_to=TO_COORDINATOR,
     ),
     Flag(
         "--metrics-port",
@@ -436,215 +201,38 @@ FLAGS: tuple[Flag, ...] = (
             "draft": "address the /metrics port listens on (default: --host, itself loopback by default)",
             "serve": "address the services' /metrics ports listen on (default: 127.0.0.1)",
         },
-        passes_to=STACK_SERVICES,
+        passes_to=TO_SERVICES,
     ),
     # Security (docs/design.md, Security): TLS on the public port, mTLS between the coordinator and its workers
-    Flag(
-        "--tls-cert",
-        "PEM certificate (chain) of this server: with --tls-key, the public gRPC and HTTP ports serve TLS only; "
-        "with --tls-ca it is also the client certificate the coordinator presents to its workers",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        helps={
-            "serve": "PEM certificate the services serve TLS with (the coordinator's public ports too; needs "
-            "--tls-ca, with which they check each other)",
-        },
-        passes_to=STACK_SERVICES,
-    ),
-    Flag(
-        "--tls-cert",
-        "PEM certificate of this worker: with --tls-key and --tls-ca, it serves mTLS only",
-        WORKERS,
-        SERVICE,
-    ),
-    Flag(
-        "--tls-key",
-        "PEM private key of --tls-cert",
-        SERVICE_COMMANDS,
-        SERVICE,
-        passes_to=STACK_SERVICES,
-    ),
-    Flag(
-        "--tls-ca",
-        "PEM CA certificate(s) of the mTLS between the coordinator and its workers: the coordinator dials its "
-        "workers over TLS, checking their certificates with it and presenting its own --tls-cert",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        helps={"serve": "PEM CA certificate(s) that signed --tls-cert: the services talk mTLS with each other"},
-        passes_to=STACK_SERVICES,
-    ),
-    Flag(
-        "--tls-ca",
-        "PEM CA certificate(s) of the mTLS with the coordinator: with --tls-cert and --tls-key the worker refuses "
-        "a client without a certificate that this CA signed",
-        WORKERS,
-        SERVICE,
-    ),
-    Flag(
-        "--tls-server-name",
-        "the name the workers' certificates are checked against, where it is not the host of --target/--draft",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=("coordinator",),
-    ),
-    Flag(
-        "--api-key",
-        "bearer token that every call to the public APIs must carry (gRPC metadata `authorization: Bearer KEY`, "
-        "HTTP header `Authorization: Bearer KEY`; health and reflection stay open); prefer --api-key-file or "
-        "MINEDRAFT_API_KEY to keep it out of the process list",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        helps={
-            "serve": "the coordinator's --api-key, which it gets through MINEDRAFT_API_KEY in its environment (never "
-            "on its command line); serve --generate sends it"
-        },
-        environment=COORDINATOR_COMMANDS,
-    ),
-    Flag(
-        "--api-key-file",
-        "file whose first line is the --api-key",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=("coordinator",),
-    ),
-    Flag(
-        "--http-port",
-        "port of the OpenAI-compatible HTTP API beside the gRPC one (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health), on --host (0: off)",
-        ("serve", "coordinator", "bench"),
-        SERVICE,
-        8000,
-        defaults={"bench": 0},
-        helps={"bench": "the OpenAI-compatible HTTP port of the coordinators it starts (0: off)"},
-        type=int,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
+    COORDINATOR_FLAGS["tls_cert"],
+    WORKER_FLAGS["tls_cert"],
+    COORDINATOR_FLAGS["tls_key"],
+    WORKER_FLAGS["tls_key"],
+    COORDINATOR_FLAGS["tls_ca"],
+    WORKER_FLAGS["tls_ca"],
+    COORDINATOR_FLAGS["tls_server_name"],
+    COORDINATOR_FLAGS["api_key"],
+    COORDINATOR_FLAGS["api_key_file"],
+    COORDINATOR_FLAGS["http_port"],
     Flag(
         "--port-file",
         "once listening, write the port to this file (for a launcher that passes --port 0)",
         STACK_SERVICES,
         SERVICE,
     ),
-    Flag(
-        "--drain-timeout",
-        "on SIGTERM, the most seconds it keeps serving, reporting NOT_SERVING; it stops sooner once no call has come "
-        "for 5 s (its coordinator drained); SIGINT (Ctrl-C) stops at once",
-        WORKERS,
-        SERVICE,
-        30.0,
-        type=float,
-    ),
-    Flag(
-        "--lease-timeout",
-        "seconds a coordinator's lease on this worker lasts without a renewal (its calls and heartbeats renew it): "
-        "after that the worker frees what the coordinator held and takes another; until then a second coordinator "
-        "is refused",
-        ("serve", *WORKERS),
-        SERVICE,
-        5.0,
-        type=float,
-        passes_to=WORKERS,
-    ),
-    Flag(
-        "--drain-timeout",
-        "on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new requests "
-        "get UNAVAILABLE; SIGINT (Ctrl-C) stops at once",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        30.0,
-        type=float,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--draft-retry-interval",
-        "seconds between tries to reach a lost draft service (requests go on with the target alone) or a lost "
-        "target service (requests are refused meanwhile)",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        5.0,
-        type=float,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--draft-timeout",
-        "seconds a draft call may take before the draft service counts as lost (a hung draft); a proposal's own "
-        "deadline is 20x the median proposal time (at least 1 s) when that is shorter",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        30.0,
-        type=float,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
-    Flag(
-        "--target-timeout",
-        "seconds a target prefill, verify or release may take before the target service counts as lost and its "
-        "requests end with UNAVAILABLE until it answers again (0: no limit); a verify's own deadline is 20x the "
-        "median verify time (at least 10 s) when that is shorter",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        120.0,
-        type=float,
-        passes_to=("coordinator",),
-        helm=("coordinator",),
-    ),
+    WORKER_FLAGS["drain_timeout"],
+    WORKER_FLAGS["lease_timeout"],
+    COORDINATOR_FLAGS["drain_timeout"],
+    COORDINATOR_FLAGS["draft_retry_interval"],
+    COORDINATOR_FLAGS["draft_timeout"],
+    COORDINATOR_FLAGS["target_timeout"],
     # Limits on one request, checked before any work on it (INVALID_ARGUMENT / HTTP 400 naming the flag)
-    Flag(
-        "--max-request-bytes",
-        "largest request the public APIs take, in bytes: a gRPC message (larger: RESOURCE_EXHAUSTED, unread) or an "
-        "HTTP body (larger: 400, read no further)",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        4 << 20,
-        type=int,
-        passes_to=("coordinator",),
-    ),
-    Flag(
-        "--max-prompt-bytes",
-        "largest prompt text, or chat messages in all, in UTF-8 bytes (checked before tokenizing)",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        1 << 20,
-        type=int,
-        passes_to=("coordinator",),
-    ),
-    Flag(
-        "--max-messages",
-        "most chat messages one request may hold",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        1024,
-        type=int,
-        passes_to=("coordinator",),
-    ),
-    Flag(
-        "--max-stop-strings",
-        "most stop strings one request may give",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        16,
-        type=int,
-        passes_to=("coordinator",),
-    ),
-    Flag(
-        "--max-stop-string-bytes",
-        "longest stop string, in UTF-8 bytes",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        256,
-        type=int,
-        passes_to=("coordinator",),
-    ),
-    Flag(
-        "--step-trace",
-        "on shutdown, write every worker call to this file as JSON lines",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=("coordinator",),
-    ),
+    COORDINATOR_FLAGS["max_request_bytes"],
+    COORDINATOR_FLAGS["max_prompt_bytes"],
+    COORDINATOR_FLAGS["max_messages"],
+    COORDINATOR_FLAGS["max_stop_strings"],
+    COORDINATOR_FLAGS["max_stop_string_bytes"],
+    COORDINATOR_FLAGS["step_trace"],
     Flag(
         "--single-process",
         "run target, draft and coordinator in one process (local channel; on one GPU, a CUDA stream each)",

@@ -1,4 +1,5 @@
-"""Write docs/cli.md, the CLI reference, from the flag table in minedraft_app/flags.py; --check only compares."""
+"""Write docs/cli.md, the CLI reference, from the flag table in minedraft_app/flags.py (which takes the options'
+flags from their fields); --check only compares."""
 
 from __future__ import annotations
 

@@ -12,8 +12,11 @@ from types import ModuleType
 import pytest
 
 from coordinator.options import CoordinatorOptions
+from minedraft.flag_spec import FLAG_KEY, WORKERS
 from minedraft.rpc.options import WorkerOptions
-from minedraft_app.flags import COMMANDS, FLAGS, HELM_COMPONENTS, STACK_SERVICES, STACKS, flags_of
+from minedraft_app import flags
+from minedraft_app.cli import build_parser, coordinator_options, worker_options
+from minedraft_app.flags import COMMANDS, FLAGS, HELM_COMPONENTS, STACK_SERVICES, STACKS, flags_of, option_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GENERATOR = REPO_ROOT / "scripts" / "generate_cli_docs.py"
@@ -21,11 +24,10 @@ CHART = REPO_ROOT / "helm" / "minedraft"
 TEMPLATE_COMPONENTS = {"model-services.yaml": ("target", "draft"), "coordinator.yaml": ("coordinator",)}
 PAIR_TEMPLATE = "pair.yaml"  # the pair layout's pod runs `minedraft serve`
 # Fields cli.worker_options derives from a flag of another name
-WORKER_FIELDS_FROM_SWITCHES = {
-    "cuda_graphs": "--eager",
-    "compile_layers": "--compile",
-    "prefix_caching": "--enable-prefix-caching",
-}
+WORKER_FIELDS_FROM_SWITCHES = {"cuda_graphs": "--eager", "prefix_caching": "--enable-prefix-caching"}
+OPTIONS = (WorkerOptions, CoordinatorOptions)
+# The one place a serve stack gives a service other than that service's own default (both mean the target's dir)
+STACK_DEFAULTS_OF_THEIR_OWN = {("--target", "coordinator")}
 
 
 def load_generator() -> ModuleType:
@@ -39,7 +41,8 @@ def load_generator() -> ModuleType:
 def test_the_committed_reference_is_current() -> None:
     committed = (REPO_ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     assert committed == load_generator().reference(), (
-        "docs/cli.md differs from the flag table in minedraft_app/flags.py; run `python scripts/generate_cli_docs.py`"
+        "docs/cli.md differs from the flag table in minedraft_app/flags.py (and the options' fields it takes flags "
+        "from); run `python scripts/generate_cli_docs.py`"
     )
 
 
@@ -81,11 +84,68 @@ def test_every_option_is_set_by_a_flag(options: type, commands: tuple[str, ...],
     no flag names would keep its default, whatever the command line says."""
     destinations = {flag.dest for command in commands for flag in flags_of(command)}
     for field in dataclasses.fields(options):
-        assert field.name in destinations or field.name in from_switches, (
-            f"no flag sets {options.__name__}.{field.name}"
-        )
+        name = field.metadata[FLAG_KEY].dest if FLAG_KEY in field.metadata else field.name  # (--compile's field)
+        assert name in destinations or field.name in from_switches, f"no flag sets {options.__name__}.{field.name}"
     for name in from_switches.values():
         assert all(name in [f.name for f in flags_of(command)] for command in commands), name
+
+
+def test_each_options_flag_is_in_the_table_once() -> None:
+    for options in OPTIONS:
+        for name, flag in option_flags(options).items():
+            assert sum(entry == flag for entry in FLAGS) == 1, f"{options.__name__}.{name}: place {flag.name} in FLAGS"
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_each_options_field_has_the_default_of_its_flag(options: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a command's parser gives a field's flag when not given is the field's default, except where the flag
+    names a command's own default (--http-port: 8000 on the command line, 0 in code)."""
+    for flag in FLAGS:
+        monkeypatch.delenv(flag.env, raising=False)
+    required = {"coordinator": ["--target", "t"]}
+    parsed = {command: build_parser().parse_args([command, *required.get(command, [])]) for command in STACK_SERVICES}
+    parsed |= {command: build_parser().parse_args([command]) for command in STACKS}
+    checked = 0
+    for field in dataclasses.fields(options):
+        if FLAG_KEY not in field.metadata:
+            continue
+        flag = field.metadata[FLAG_KEY]
+        for command in set(flag.commands) - set(flag.defaults):
+            if field.default is not dataclasses.MISSING:
+                assert getattr(parsed[command], flag.dest) == field.default, (options.__name__, field.name, command)
+                checked += 1
+    assert checked > 20
+    # Options from bare commands are the options' defaults, those derived from a flag of another kind included
+    for worker in WORKERS:
+        assert worker_options(parsed[worker]) == WorkerOptions(parsed[worker].model)
+    assert coordinator_options(parsed["coordinator"]) == CoordinatorOptions("t", None, http_port=8000)
+
+
+def test_a_flag_takes_its_default_and_type_from_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Change an options field's default, and its flag's default changes with it: in the parser and in the docs."""
+    original = {field.name: field for field in dataclasses.fields(CoordinatorOptions)}["num_speculative_tokens"]
+
+    @dataclasses.dataclass
+    class Changed(CoordinatorOptions):
+        num_speculative_tokens: int = dataclasses.field(default=7, metadata=original.metadata)
+
+    flag = option_flags(Changed)["num_speculative_tokens"]
+    assert (flag.default, flag.type, flag.switch) == (7, int, False)
+    assert option_flags(WorkerOptions)["compile_layers"].switch  # a bool field's flag is a switch
+    monkeypatch.setattr(flags, "FLAGS", tuple(flag if f.dest == flag.dest else f for f in FLAGS))
+    monkeypatch.delenv(flag.env, raising=False)
+    assert build_parser().parse_args(["serve"]).num_speculative_tokens == 7
+    assert "| `--num-speculative-tokens` | integer | `7` |" in load_generator().command_reference("coordinator")
+
+
+def test_serve_gives_each_service_its_own_default() -> None:
+    """A value that serve passes on is by default the one the service would take by itself."""
+    for flag in flags_of("serve"):
+        for service, name in flag.passed_on.items():
+            if (flag.name, service) in STACK_DEFAULTS_OF_THEIR_OWN:
+                continue
+            own = next(f for f in flags_of(service) if f.name == name)
+            assert flag.default_in("serve") == own.default_in(service), (flag.name, service)
 
 
 def chart_env() -> dict[str, list[tuple[str, str]]]:

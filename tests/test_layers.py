@@ -12,6 +12,7 @@ RANKS: dict[str, int] = {
     "minedraft": 0,  # the package itself, its generated protos, errors and demo models
     "minedraft.proto": 0,
     "minedraft.errors": 0,
+    "minedraft.flag_spec": 0,  # what a flag is: the options of layers above declare theirs with it
     "minedraft.kernels": 1,
     "minedraft.engine": 2,
     "minedraft.channels": 3,
