@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ LAYERS = 32  # calls per graph, each on its own layer's K/V (one layer's K/V at 
 Attend = Callable[..., tuple[torch.Tensor, None]]
 
 
-def graph_ms(calls: list[Callable[[], object]], repeat: int = 20) -> float:
+def graph_ms(calls: Sequence[Callable[[], object]], repeat: int = 20) -> float:
     """Median milliseconds per call of `calls`, replayed one after another in a CUDA graph."""
     for call in calls:
         call()

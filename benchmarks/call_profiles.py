@@ -1,11 +1,11 @@
 """Where served worker calls spend their time, from the workers' PyTorch profiles, side by side for several runs.
 
-A worker started with `--profile-dir` (`MINEDRAFT_PROFILE_DIR`; `gpu_bench.py --services-profile` sets it) writes Chrome
-traces of a few calls after its first 100: `<call>_<pid>_<n>.json.gz`. Per kind of call this prints the medians over its
-traces of: the call's span on the host, the host time before its first launch (graph or kernel; the GPU idles meanwhile
-unless other work is queued), the host's operators and CUDA API calls, what made the host wait for the device, and the
-GPU's kernel and copy time, of which the all-reduces' (NCCL kernels: a tensor-parallel rank's share of a step spent
-reducing). Then the host operators that differ most between the first run and each other one.
+A worker started with `--profile-dir` (`MINEDRAFT_PROFILE_DIR`; `services_bench.py --services-profile` sets it) writes
+Chrome traces of a few calls after its first 100: `<call>_<pid>_<n>.json.gz`. Per kind of call this prints the medians
+over its traces of: the call's span on the host, the host time before its first launch (graph or kernel; the GPU idles
+meanwhile unless other work is queued), the host's operators and CUDA API calls, what made the host wait for the device,
+and the GPU's kernel and copy time, of which the all-reduces' (NCCL kernels: a tensor-parallel rank's share of a step
+spent reducing). Then the host operators that differ most between the first run and each other one.
 An A/B of two trees (`gpu_run.sh ab services ...` with `EXTRA=--services-profile`):
 
     python benchmarks/call_profiles.py old/run/services/profiles_68m_timesliced_cuda-ipc.tar.gz \\

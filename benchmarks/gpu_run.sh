@@ -129,15 +129,14 @@ check)
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
     [ "${BATCHES-1,8,32,64}" = "" ] && { tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"; exit 0; }  # tests only
-    timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/gpu_bench.py --target-device "$TARGET_DEVICE" \
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/step_bench.py --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes "${BATCHES:-1,8,32,64}" --ks "${KS:-2,4,6}" \
         --in-process-psd --out "$OUT/run/inproc" > "$OUT/run/inproc.log" 2>&1
     grep -A40 "^synthetic acceptance" "$OUT/run/inproc.log"
     ;;
 services)
-    timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
-        --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --drafts "$(echo "${2:-68m}" | sed 's/:[a-z]*//g')" \
-        --services "${2:-68m}" \
+    timeout -s USR1 -k 30 ${BENCH_SECONDS:-540} python3 -X faulthandler benchmarks/services_bench.py \
+        --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --services "${2:-68m}" \
         --services-channels "${CHANNELS:-cuda-ipc,nccl}" --services-overlap "${OVERLAP:-auto}" \
         --services-speculation "${SPECULATION:-auto}" \
         --services-modes "${MODES:-psd,sd}" --services-timeout "${SERVICES_TIMEOUT:-330}" \
@@ -158,8 +157,8 @@ prefill)
         --batches "${BATCHES:-1,8,16,24,32,39,48,64}" ${EXTRA:-} 2>&1 | tee "$OUT/run/prefill.txt"
     ;;
 profile)
-    timeout -s USR1 -k 30 ${BENCH_SECONDS:-400} python3 -X faulthandler benchmarks/gpu_bench.py --services-only \
-        --drafts 68m --services 68m:timesliced --services-overlap auto --services-profile --services-prompts 256 \
+    timeout -s USR1 -k 30 ${BENCH_SECONDS:-400} python3 -X faulthandler benchmarks/services_bench.py \
+        --services 68m:timesliced --services-overlap auto --services-profile --services-prompts 256 \
         ${EXTRA:-} --out "$OUT/run/services" > "$OUT/run/services.log" 2>&1
     grep -E "^\[services|trace:|steady state" "$OUT/run/services.log" | tail -12
     timeout -k 10 ${PROFILE_SECONDS:-150} python3 benchmarks/profile_step.py --trace-dir "$OUT/run/profile_step" \
@@ -167,7 +166,7 @@ profile)
     tail -30 "$OUT/run/profile_step.txt"
     ;;
 compile)
-    timeout -s USR1 -k 20 ${BENCH_SECONDS:-330} python3 -X faulthandler benchmarks/gpu_bench.py --target-device "$TARGET_DEVICE" \
+    timeout -s USR1 -k 20 ${BENCH_SECONDS:-330} python3 -X faulthandler benchmarks/step_bench.py --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --drafts "${DRAFTS:-68m,1b}" --batch-sizes "${BATCHES:-1,8,16,32}" \
         --ks "${KS:-4}" --compile-modes "${COMPILE_MODES:-off,on}" --out "$OUT/run/compile" > "$OUT/run/compile.log" 2>&1
     grep -E "warmed up|compile (on|off): measuring" "$OUT/run/compile.log" | cut -c1-160

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 sys.path.insert(0, ".")
-from benchmarks.gpu_bench import VOCAB, build  # noqa: E402
+from benchmarks.shaped_checkpoint import VOCAB, build  # noqa: E402
 from minedraft.engine import sequence_table  # noqa: E402
 from minedraft.engine.model_runner import ModelRunner  # noqa: E402
 from minedraft.engine.sampling import SamplingConfig  # noqa: E402

@@ -17,8 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
-import benchmarks.gpu_bench as gpu_bench  # noqa: E402
-from benchmarks.gpu_bench import Pair, build  # noqa: E402
+from benchmarks.gpu_common import Pair  # noqa: E402
+from benchmarks.shaped_checkpoint import build  # noqa: E402
 from draft_service.proposer import Proposer  # noqa: E402
 from minedraft.engine import cuda_graphs  # noqa: E402
 from minedraft.engine.model_runner import ModelRunner  # noqa: E402
@@ -55,7 +55,6 @@ def main() -> None:
         help="each graph of a step's chain this many times the calls of the one before",
     )
     args = parser.parse_args()
-    gpu_bench.COMPILE = args.compile
     cuda_graphs.SPLIT_LAUNCH = not args.one_graph
     cuda_graphs.CHAIN_GROWTH = args.chain_growth
     for folder in (args.trace_dir, args.kernel_tables):
@@ -64,7 +63,7 @@ def main() -> None:
     device = "cuda:0"
     target, draft = build("8b", device), build(args.draft, device)
     for batch in (int(b) for b in args.batches.split(",")):
-        pair = Pair(target, draft, batch, 4, 512, 0.7, 8)
+        pair = Pair(target, draft, batch, 4, 512, 0.7, 8, compiled=args.compile)
         for _ in range(3):
             pair.propose(0)
             pair.verify(0)

@@ -1,4 +1,4 @@
-"""Checkpoints of production-shaped Llamas with random bf16 weights, written a tensor at a time.
+"""Production-shaped Llamas with random bf16 weights: in memory (`build`), or checkpoints written a tensor at a time.
 
     python benchmarks/shaped_checkpoint.py 70b /tmp/ckpt/target --device cuda:0
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 sys.path.insert(0, ".")
 from minedraft.demo_models import TARGET_DIR  # noqa: E402
@@ -64,6 +64,16 @@ def shaped_config(shape: str, context: int = 8192) -> LlamaConfig:
     )
     config.dtype = torch.bfloat16
     return config
+
+
+def build(shape: str, device: str) -> PreTrainedModel:
+    """A `shape`-shaped model (`SHAPES`) with random bf16 weights, in memory on `device`."""
+    config = shaped_config(shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval().requires_grad_(False)
 
 
 def write_checkpoint(config: LlamaConfig, path: Path, device: str = "cpu", shard_gib: float = 4.0) -> None:
