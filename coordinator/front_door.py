@@ -97,7 +97,7 @@ class FrontDoor:
             self._refuse_if_unavailable()  # the workers may have gone, or a stop begun, while it tokenized
             samples = make_samples(state, sample_count(request, self.options.max_queue_size), self._seq_ids)
             self.manager.submit_all(samples)
-        except InvalidRequest as exc:  # (any other error is ours: INTERNAL)
+        except InvalidRequest as exc:  # (any other error is a fault of ours, not the client's: never a 400)
             self._rejected("invalid")
             raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param) from exc
         except QueueFullError as exc:
