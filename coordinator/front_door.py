@@ -21,6 +21,7 @@ from coordinator.samples import make_samples, sample_count, total_usage
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.validation import DEFAULT_MAX_TOKENS, check_limits, prompt_token_ids, sampling_config
 from coordinator.workers import Workers
+from minedraft.errors import InvalidRequest
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import end_request_span, start_request_span
 from minedraft.proto import generation_pb2
@@ -97,9 +98,9 @@ class FrontDoor:
             self._refuse_if_unavailable()  # the workers may have gone, or a stop begun, while it tokenized
             samples = make_samples(state, sample_count(request, self.options.max_queue_size), self._seq_ids)
             self.manager.submit_all(samples)
-        except ValueError as exc:
+        except InvalidRequest as exc:  # (any other error is a fault of ours, not the client's: never a 400)
             self._rejected("invalid")
-            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), getattr(exc, "param", None)) from exc
+            raise RequestRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param) from exc
         except QueueFullError as exc:
             self._rejected("queue_full")
             raise RequestRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc

@@ -1,4 +1,4 @@
-"""Checks of a GenerateRequest before it is admitted: each ValueError's message reaches its client as it is."""
+"""Checks of a GenerateRequest before it is admitted: each InvalidRequest's message reaches its client as it is."""
 
 from __future__ import annotations
 
@@ -10,18 +10,11 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from minedraft.engine.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingConfig
+from minedraft.errors import InvalidRequest as InvalidRequest  # (samples.py imports it from here)
 from minedraft.proto import generation_pb2
 
 DEFAULT_MAX_TOKENS = 16
 PROMPT_INPUTS = ("prompt", "prompt_token_ids", "messages")  # a request gives exactly one
-
-
-class InvalidRequest(ValueError):
-    """A bad request; `param` names the request field at fault where one is (the HTTP API's error object says it)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

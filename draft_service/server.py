@@ -15,7 +15,7 @@ import torch
 from draft_service.proposer import Proposer
 from draft_service.tensor_parallel import MirroredProposer, make_proposer, proposer_calls
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.errors import ModelLoadError
+from minedraft.errors import InvalidRequest, ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
 from minedraft.rpc.options import WorkerOptions
 from minedraft.rpc.ranks import RankGroup
@@ -72,9 +72,9 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         start_unix = time.time()
         await self.release_first(request.release_seq_ids)
         if not (len(request.seq_ids) == len(request.num_accepted) == len(request.next_token_ids)):
-            raise ValueError("seq_ids, num_accepted and next_token_ids must have the same length")
+            raise InvalidRequest("seq_ids, num_accepted and next_token_ids must have the same length")
         if request.num_draft_tokens < 1:
-            raise ValueError("num_draft_tokens must be at least 1")
+            raise InvalidRequest("num_draft_tokens must be at least 1")
         check_batch_id(request.batch_id)
         missed = self._missed_tokens(request)
         (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request, missed)
@@ -87,12 +87,12 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         if not counts and not flat:
             return []
         if len(counts) != len(request.seq_ids):
-            raise ValueError("num_missed_tokens must be empty or have one count per sequence in seq_ids")
+            raise InvalidRequest("num_missed_tokens must be empty or have one count per sequence in seq_ids")
         if sum(counts) != len(flat):
-            raise ValueError(f"num_missed_tokens add up to {sum(counts)}, but missed_token_ids has {len(flat)} ids")
+            raise InvalidRequest(f"num_missed_tokens add up to {sum(counts)}, but missed_token_ids has {len(flat)} ids")
         limit = self.worker.vocab.logits_size
         if any(t < 0 or t >= limit for t in flat):
-            raise ValueError(f"missed token ids must be in [0, {limit})")
+            raise InvalidRequest(f"missed token ids must be in [0, {limit})")
         ends = list(itertools.accumulate(counts))
         return [flat[end - count : end] for count, end in zip(counts, ends)]
 

@@ -1,8 +1,22 @@
 """Errors the services map to gRPC statuses; kept free of heavy imports so the coordinator starts fast."""
 
 
+class InvalidRequest(ValueError):
+    """A request's own fault (INVALID_ARGUMENT, HTTP 400); `param` names the request field at fault where one is.
+    Any other ValueError is a fault of ours (INTERNAL)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InternalError(RuntimeError):
+    """A broken invariant: what the caller sent was fine, the services disagree among themselves (INTERNAL)."""
+
+
 class ModelLoadError(ValueError):
-    """A model directory or a draft/target pair that cannot be served, with a message a person can act on."""
+    """A model directory or a draft/target pair that cannot be served, with a message a person can act on (a
+    ValueError for the start-up code that catches either; FAILED_PRECONDITION if a call meets it)."""
 
 
 class CapacityError(RuntimeError):

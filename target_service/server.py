@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.errors import ModelLoadError
+from minedraft.errors import InternalError, ModelLoadError
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from minedraft.rpc.options import WorkerOptions
 from minedraft.rpc.ranks import RankGroup
@@ -126,7 +126,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         else:
             draft_ids, draft_probs = self.worker.require_channel().receive(payload)
             if tuple(draft_ids.shape) != (len(seq_ids), k):
-                raise ValueError(f"drafts of shape {tuple(draft_ids.shape)} for {len(seq_ids)} sequences, k={k}")
+                raise InternalError(f"drafts of shape {tuple(draft_ids.shape)} for {len(seq_ids)} sequences, k={k}")
         channel_s = elapsed(start)
         # Read on the compute thread, whose CUDA stream made the results (another stream could read them unfinished).
         return results_proto(seq_ids, self.verifier.verify(seq_ids, draft_ids, draft_probs, batch_id)), channel_s

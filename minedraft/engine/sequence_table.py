@@ -9,7 +9,7 @@ import torch
 
 from minedraft.engine.model_runner import ModelRunner, StepBody
 from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, Penalties, SamplingConfig, SamplingKind, seed_key
-from minedraft.errors import UnknownSequenceError
+from minedraft.errors import InvalidRequest, UnknownSequenceError
 
 # A prefill forward's fixed cost, in prompt tokens: on an H200 one prompt of 512 tokens took 46.7 ms where each of 16
 # took 16.2 ms, about 1000 tokens' worth more.
@@ -102,10 +102,10 @@ class SequenceTable:
     def add(self, seq_ids: Sequence[int], configs: Sequence[SamplingConfig]) -> torch.Tensor:
         duplicates = [s for s in seq_ids if s in self.rows_by_id]
         if duplicates or len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"sequence ids already held: {duplicates or list(seq_ids)}")
+            raise InvalidRequest(f"sequence ids already held: {duplicates or list(seq_ids)}")
         for cfg in configs:
             if len(cfg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-                raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids per request")
+                raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids per request")
         rows = self.runner.allocate(len(seq_ids))
         self._forget_batches()
         self.rows_by_id.update(zip(seq_ids, rows))
@@ -187,7 +187,7 @@ class SequenceTable:
         found cached, not computed for it); on failure the rows and their blocks are freed.
         """
         if not prompts:
-            raise ValueError("a prefill needs at least one prompt")
+            raise InvalidRequest("a prefill needs at least one prompt")
         rows = self.add(seq_ids, configs)
         try:
             cache, device = self.runner.cache, self.runner.device
@@ -266,7 +266,7 @@ class SequenceTable:
         if missing:
             raise UnknownSequenceError(f"unknown sequence ids {missing[:8]}")
         if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("a step lists a sequence id more than once")
+            raise InvalidRequest("a step lists a sequence id more than once")
         return [self.rows_by_id[s] for s in seq_ids]
 
     def batch_rows(self, seq_ids: Sequence[int], batch_id: int | None) -> tuple[list[int], torch.Tensor]:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from minedraft.errors import (
     CapacityError,
     ChannelNotSetUpError,
+    InvalidRequest,
     LeaseError,
     ModelLoadError,
     RankLostError,
@@ -49,27 +50,37 @@ class Health(health.aio.HealthServicer):
         return self._server_status.get(service) == health_pb2.HealthCheckResponse.SERVING
 
 
-# Exceptions a handler may raise on bad input or exhausted capacity, and the status a caller gets for each.
-_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (UnknownSequenceError, grpc.StatusCode.NOT_FOUND),
-    (RankLostError, grpc.StatusCode.UNAVAILABLE),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION),
-    (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+# Exceptions a handler may raise on bad input, exhausted capacity or a lost precondition: the status a caller gets
+# for each, and for FAILED_PRECONDITION the reason (REASON_KEY) that tells a caller whether the worker is lost to it.
+# Anything else (a plain ValueError too) is a fault of ours: INTERNAL.
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (UnknownSequenceError, grpc.StatusCode.NOT_FOUND, ""),
+    (RankLostError, grpc.StatusCode.UNAVAILABLE, ""),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION, "model"),
+    (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION, "channel"),
+    (LeaseError, grpc.StatusCode.FAILED_PRECONDITION, "lease"),
 ]
+
+# Trailing metadata of a FAILED_PRECONDITION (and a step stream's CallStatus.reason): "lease" (this caller's lease
+# is not the worker's), "channel" (no channel set up: the worker restarted) or "model" (it cannot serve the model).
+REASON_KEY = "minedraft-reason"
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    for kind, code in _STATUS:
+    return _status_and_reason(exc)[0]
+
+
+def _status_and_reason(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for kind, code, reason in _STATUS:
         if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+            return code, reason
+    return grpc.StatusCode.INTERNAL, ""
 
 
 def grpc_errors(handler: Handler) -> Handler:
-    """Turn a unary handler's exceptions into a gRPC status with the exception's message."""
+    """Turn a unary handler's exceptions into a gRPC status with the exception's message (and REASON_KEY)."""
 
     @functools.wraps(handler)
     async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -78,18 +89,20 @@ def grpc_errors(handler: Handler) -> Handler:
         except (grpc.RpcError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            await context.abort(*error_status(exc, handler.__name__))
+            code, message, reason = error_status(exc, handler.__name__)
+            await context.abort(code, message, ((REASON_KEY, reason),) if reason else ())
 
     return wrapped  # type: ignore[return-value]
 
 
-def error_status(exc: Exception, call: str) -> tuple[grpc.StatusCode, str]:
-    """The status and message a call that raised `exc` ends with; an unexpected error is logged with its trace."""
-    code = status_for(exc)
+def error_status(exc: Exception, call: str) -> tuple[grpc.StatusCode, str, str]:
+    """The status, message and reason ("" or REASON_KEY's value) a call that raised `exc` ends with; an unexpected
+    error is logged with its trace."""
+    code, reason = _status_and_reason(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("%s failed", call, exc_info=exc)
     message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    return code, message or type(exc).__name__
+    return code, message or type(exc).__name__, reason
 
 
 def timings(start_unix: float, compute_s: float, channel_s: float = 0.0, queue_s: float = 0.0) -> common_pb2.Timings:

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from minedraft.proto import common_pb2
-from minedraft.rpc.server_utils import error_status
+from minedraft.rpc.server_utils import REASON_KEY, error_status
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,11 @@ def status_code(number: int) -> grpc.StatusCode:
     return _CODES.get(number, grpc.StatusCode.UNKNOWN)
 
 
-def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a unary call that ended with `code` raises, for a call on a stream."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def call_error(code: grpc.StatusCode, details: str, reason: str = "") -> grpc.aio.AioRpcError:
+    """The error a unary call that ended with `code` raises, for a call on a stream; `reason` as its trailing
+    metadata's REASON_KEY (a FAILED_PRECONDITION's)."""
+    trailing = grpc.aio.Metadata((REASON_KEY, reason)) if reason else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
 def step_call_of(method: str) -> str:
@@ -69,8 +71,8 @@ async def serve_step_stream(
         try:
             return reply_type(**{name: await handle(request)})
         except Exception as exc:
-            code, message = error_status(exc, name)
-            return reply_type(status=common_pb2.CallStatus(code=code.value[0], message=message))
+            code, message, reason = error_status(exc, name)
+            return reply_type(status=common_pb2.CallStatus(code=code.value[0], message=message, reason=reason))
 
     async def read() -> None:
         try:
@@ -173,7 +175,8 @@ class StepStream:
                 if reply.done():
                     continue
                 if envelope.status.code:
-                    reply.set_exception(call_error(status_code(envelope.status.code), envelope.status.message))
+                    status = envelope.status
+                    reply.set_exception(call_error(status_code(status.code), status.message, status.reason))
                 else:
                     reply.set_result(getattr(envelope, self._field))
             error = call_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream")

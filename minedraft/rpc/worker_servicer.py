@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import Message
 
 from minedraft.engine.sampling import SamplingConfig
+from minedraft.errors import InvalidRequest
 from minedraft.proto import common_pb2
 from minedraft.rpc.lease import Leases, presented
 from minedraft.rpc.security import worker_credentials
@@ -235,19 +236,19 @@ def prefill_inputs(
     """A Prefill's sequence ids, prompts and sampling configs, checked: some sequences, none with an empty prompt,
     every token id one of the model's."""
     if not sequences:
-        raise ValueError("no sequences given")
+        raise InvalidRequest("no sequences given")
     for spec in sequences:
         if not spec.prompt_token_ids:
-            raise ValueError(f"sequence {spec.seq_id} has an empty prompt")
+            raise InvalidRequest(f"sequence {spec.seq_id} has an empty prompt")
         if spec.output_tokens >= len(spec.prompt_token_ids):
-            raise ValueError(f"sequence {spec.seq_id}: output_tokens must be fewer than its prompt's tokens")
+            raise InvalidRequest(f"sequence {spec.seq_id}: output_tokens must be fewer than its prompt's tokens")
     prompts = [list(s.prompt_token_ids) for s in sequences]
     if any(t < 0 or t >= logits_size for prompt in prompts for t in prompt):
-        raise ValueError(f"prompt token ids must be in [0, {logits_size})")
+        raise InvalidRequest(f"prompt token ids must be in [0, {logits_size})")
     configs = [SamplingConfig.from_proto(s.params, output_tokens=s.output_tokens) for s in sequences]
     return [s.seq_id for s in sequences], prompts, configs
 
 
 def check_batch_id(batch_id: int) -> None:
     if not 0 <= batch_id < NUM_BATCHES:
-        raise ValueError(f"batch_id must be 0 or 1 (the coordinator's two batches), got {batch_id}")
+        raise InvalidRequest(f"batch_id must be 0 or 1 (the coordinator's two batches), got {batch_id}")

@@ -94,12 +94,14 @@ class WorkerInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., host_id: _Optional[str] = ..., num_slots: _Optional[int] = ..., max_model_len: _Optional[int] = ..., logits_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ..., channels: _Optional[_Iterable[str]] = ..., gpu_uuid: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class CallStatus(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("owner", "epoch", "ttl_s")
