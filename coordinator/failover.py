@@ -11,6 +11,7 @@ from typing import NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2
 
+from coordinator.call_errors import lost_reason
 from coordinator.liveness import Liveness
 from coordinator.pairing import Pair, call_detail
 from coordinator.request_state import RequestState
@@ -22,12 +23,6 @@ from minedraft.rpc.server_utils import Health
 log = logging.getLogger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-# Call failures that mean a worker is gone, hung or has restarted (what it held, and its channel, lost)
-LOST_CODES = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.FAILED_PRECONDITION,  # its lease lost, or a restart found by its channel
-)
 
 
 class Refusal(NamedTuple):
@@ -182,9 +177,10 @@ class Failover:
             )
             self._drop_draft(reason, held, level)
             return True
-        if exc.code() not in LOST_CODES:
+        why = lost_reason(exc)
+        if why is None:
             return False
-        self._drop_draft(f"draft service unreachable ({exc.details()})", held)
+        self._drop_draft(f"draft service lost ({why})", held)
         return True
 
     def leave_draft(self, reason: str) -> None:
@@ -267,10 +263,12 @@ class Failover:
     # ----------------------------------------------------------------------------------------------- the target
 
     def lose_target_on(self, exc: BaseException) -> bool:
-        """Whether `exc`, from a target call, means the target is unreachable, hung or restarted; if so it is lost."""
-        if not (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in LOST_CODES):
+        """Whether `exc`, from a target call, means the target is unreachable, hung, restarted or its lease lost
+        (`lost_reason`); if so it is lost."""
+        why = lost_reason(exc)
+        if why is None:
             return False
-        self.lose_target(f"{exc.code().name}: {exc.details()}")
+        self.lose_target(why)
         return True
 
     def lose_target(self, reason: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -26,6 +27,8 @@ from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_na
 from minedraft.observability.telemetry import end_request_span, start_request_span
 from minedraft.proto import generation_pb2
 from minedraft.rpc.server_utils import Health
+
+log = logging.getLogger(__name__)
 
 
 class RequestRefused(Exception):
@@ -104,6 +107,12 @@ class FrontDoor:
         except QueueFullError as exc:
             self._rejected("queue_full")
             raise RequestRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except RequestRefused:
+            raise
+        except Exception as exc:  # a fault of ours: INTERNAL, logged with its trace, never the client's 400
+            log.exception("admission failed")
+            self._rejected("internal")
+            raise RequestRefused(grpc.StatusCode.INTERNAL, f"internal error admitting the request: {exc!r}") from exc
         if self.tracer is not None:
             state.span = start_request_span(
                 self.tracer,
