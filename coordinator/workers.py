@@ -50,7 +50,7 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
     proposal feeds (a draft service that joins a running request)."""
     c = request.config
     params = generation_pb2.SamplingParams(
-        max_tokens=c.max_tokens - request.resumed_output,
+        max_tokens=c.max_tokens - request.decode.resumed_output,
         temperature=c.temperature,
         top_p=c.top_p,
         top_k=c.top_k,
@@ -206,9 +206,6 @@ class Workers:
                 ),
                 blocks,
             )
-        if resume:
-            for request in requests:
-                request.draft_from = len(request.output_ids) - 1
 
     async def propose(
         self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
@@ -220,7 +217,7 @@ class Workers:
             step_id=step_id,
             batch_id=batch_id,
             seq_ids=[r.seq_id for r in members],
-            num_accepted=[r.num_accepted for r in members],
+            num_accepted=[r.decode.num_accepted for r in members],
             next_token_ids=[r.last_token for r in members],
             num_draft_tokens=k,
         )
