@@ -38,6 +38,24 @@ class Batch:
         """k of the batch's next verify: 0 when it was not drafted (a plain decode step)."""
         return self.num_drafts if self.awaiting_verify else 0
 
+    def begin_propose(self) -> None:
+        """Its drafts are being made: the membership is frozen until its verify (a rebalance by the other batch's
+        concurrent verify puts its surplus in `joining`, not among the members whose drafts are being made)."""
+        self.drafts = common_pb2.DraftPayload()
+
+    def drafted(self, drafts: common_pb2.DraftPayload, k: int) -> None:
+        """Its members' `k` drafts each are made, to be verified."""
+        self.drafts, self.num_drafts = drafts, k
+
+    def propose_failed(self) -> None:
+        """No drafts came: failed members stay until `BatchManager.remove_finished` releases them; joiners join."""
+        self.drafts, self.members, self.joining = None, self.members + self.joining, []
+
+    def clear(self) -> list[RequestState]:
+        """Everything dropped (the target lost, or the coordinator stopping): what it held, to release."""
+        held, self.drafts, self.members, self.joining = self.members + self.joining, None, [], []
+        return held
+
     def open_membership(self) -> None:
         """After a verify: drop what finished or was cancelled, and let the joiners in."""
         self.drafts = None
@@ -136,7 +154,7 @@ class BatchManager:
 
     def preempt_latest(self, batch: Batch) -> RequestState:
         """Take the batch's most recently admitted member (not in flight) out, to the front of the queue."""
-        request = max(batch.members, key=lambda r: r.admitted)
+        request = max(batch.members, key=lambda r: r.decode.admitted)
         request.preempt()
         self.requeue([request])
         return request

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -302,6 +303,17 @@ class Failover:
             await self.draft.reopen_stream()
         self.target.state, self.target.stopping = LinkState.CONNECTED, False
         return True
+
+    async def target_back(self, stopping: Callable[[], bool]) -> bool:
+        """Try the lost target every retry interval, or at once when woken, until it is back (True) or `stopping`
+        says the coordinator stops (False)."""
+        while not stopping():
+            if await self.take_target_back():
+                return True
+            self.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.retry_interval)
+        return False
 
     async def report_target_back(self) -> None:
         """Once the target is back and what the lost one held is released: health SERVING."""

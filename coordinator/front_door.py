@@ -114,7 +114,7 @@ class FrontDoor:
             self._rejected("internal")
             raise RequestRefused(grpc.StatusCode.INTERNAL, f"internal error admitting the request: {exc!r}") from exc
         if self.tracer is not None:
-            state.span = start_request_span(
+            state.client.span = start_request_span(
                 self.tracer,
                 trace_metadata,
                 {
@@ -127,7 +127,7 @@ class FrontDoor:
                 http_route,
             )
             for sample in samples[1:]:  # the call's one span: every sample's worker calls link to it
-                sample.span = state.span
+                sample.client.span = state.client.span
         self.loop.wake()
         self.open_streams += 1
         return Generation(state, samples=samples)
@@ -146,7 +146,7 @@ class FrontDoor:
         finish reason; RequestRefused (the status its client gets) if it failed meanwhile."""
         state, samples = generation.state, generation.samples or [generation.state]
         while True:
-            item = await state.stream.get()
+            item = await state.client.queue.get()
             if isinstance(item, BaseException):
                 code = (
                     item.code()
@@ -174,7 +174,7 @@ class FrontDoor:
         samples = generation.samples or [generation.state]
         for state in samples:
             if not state.finished:  # the client went away or its deadline passed: free it at the next step
-                state.cancelled = True
+                state.client.cancelled = True
                 self.loop.wake()
         self.open_streams -= 1
         for state in samples:
@@ -188,7 +188,7 @@ class FrontDoor:
         """Close the request's span and count it; `usage` is the one its client received, if any."""
         reason = finish_reason_name(state.finish_reason if state.finished else generation_pb2.FINISH_REASON_CANCELLED)
         if self.metrics is not None:
-            self.metrics.request_finished(reason, usage, time.perf_counter() - state.created)
+            self.metrics.request_finished(reason, usage, time.perf_counter() - state.request.created)
         if state.span is not None and state.index == 0:  # the span of the call, shared by its samples
             end_request_span(state.span, reason, usage, error)
 

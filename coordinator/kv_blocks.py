@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,11 @@ class PrefixMemory:
         self._ledger = ledger  # the target's: its block size, block count and whether it caches prefixes
         self._keys: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # least recently used first
         self._hit = False
+        # Each waiting request's prompt keys and how many tokens they were made from: admission asks for them at
+        # every step while it waits; an entry goes with its request.
+        self._prompt_key_cache: weakref.WeakKeyDictionary[RequestState, tuple[int, list[bytes]]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def active(self) -> bool:
@@ -100,10 +106,10 @@ class PrefixMemory:
     def _prompt_keys(self, request: RequestState) -> list[bytes]:
         """The keys of the blocks of a request's prompt that its prefill can find cached (its last token aside)."""
         tokens = request.prefill_ids
-        made_from, keys = request.block_keys
+        made_from, keys = self._prompt_key_cache.get(request, (-1, []))
         if made_from != len(tokens):
             keys = block_hashes(tokens[: len(tokens) - 1], self._ledger.block_size)
-            request.block_keys = (len(tokens), keys)
+            self._prompt_key_cache[request] = (len(tokens), keys)
         return keys
 
     def prefilled(self, prompts: Sequence[Sequence[int]], cached: Sequence[int]) -> None:

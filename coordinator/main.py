@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -166,8 +167,8 @@ class Coordinator:
         if self.http is not None:
             await self.http.stopped()
         if self.options.step_trace:
-            with open(self.options.step_trace, "w") as f:
-                f.write(self.loop.step_trace())
+            with open(self.options.step_trace, "w") as f:  # the worker calls as JSON lines (a timeline plot)
+                f.write("\n".join(json.dumps(vars(e)) for e in self.workers.events))
         await self.workers.close()
 
 

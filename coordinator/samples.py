@@ -44,11 +44,11 @@ def make_samples(first: RequestState, n: int, seq_ids: Iterator[int]) -> list[Re
                 next(seq_ids),
                 list(first.prompt_ids),
                 dataclasses.replace(first.config, seed=sample_seed(first.config.seed, index)),
-                first.stop_strings,
-                first.tokenizer,
-                seeded=first.seeded,
+                first.request.stop_strings,
+                first.request.tokenizer,
+                seeded=first.request.seeded,
                 index=index,
-                stream=first.stream,
+                queue=first.client.queue,
             )
         )
     return samples

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from coordinator.measured_choice import MeasuredChoice
+
+log = logging.getLogger(__name__)
 
 SPECULATION_CHOICES = ("auto", "always")
 # Changing ways costs the draft a catch-up forward (a few ms to tens of ms at 64 sequences), and trials of the way not
@@ -102,6 +105,28 @@ class SpeculationPolicy:
                 return self.ways[0] if choice.preferred else 0
         return self.ways[0]
 
+    def choose(self, sequences: int) -> int:
+        """The draft length for this step (at the size `at` was last given, `sequences` running; 0: the target
+        alone), logged when its preference turns."""
+        policy = self.current
+        k = policy.choose()
+        before = self.turned()
+        if before is not None:
+            now = policy.preferred
+            costs = {
+                way: f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
+                for way in (now, before)
+            }
+            log.info(
+                "%s at batches near %d: a token for each sequence every %s, against %s %s",
+                _describe(now, before),
+                sequences,
+                costs[now],
+                costs[before],
+                _way(before),
+            )
+        return k
+
     def turned(self) -> int | None:
         """The current size's preference before, if it has turned since this was last asked (for the log)."""
         preferred = self.current.preferred
@@ -122,3 +147,20 @@ def size_class(sequences: int) -> int:
     """The least of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5 times them) that is `sequences` or more."""
     power = 1 << max(sequences - 1, 0).bit_length()
     return power * 3 // 4 if power >= 4 and sequences <= power * 3 // 4 else power
+
+
+def _way(k: int) -> str:
+    return f"drafting {_tokens(k)} a step" if k else "with the target alone"
+
+
+def _tokens(k: int) -> str:
+    return f"{k} token{'s' if k > 1 else ''}"
+
+
+def _describe(now: int, before: int) -> str:
+    """What a turn of the speculation policy from `before` to `now` tokens drafted means, for its log line."""
+    if not now:
+        return "drafts do not pay, decoding with the target alone"
+    if not before:
+        return f"drafting again, {_tokens(now)} a step,"
+    return f"{'shorter' if now < before else 'longer'} drafts pay, drafting {_tokens(now)} a step,"

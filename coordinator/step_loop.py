@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 
+from coordinator.admission import Admission
 from coordinator.batch_manager import Batch, BatchManager
-from coordinator.kv_blocks import PrefixMemory
 from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
 from coordinator.speculation_policy import SpeculationPolicy, draft_lengths
 from coordinator.stream_outbox import StreamOutbox
 from coordinator.workers import Workers
-from minedraft.proto import common_pb2, target_pb2
+from minedraft.proto import target_pb2
 
 if TYPE_CHECKING:
     from minedraft.observability.metrics import CoordinatorMetrics
@@ -78,16 +76,9 @@ class StepLoop:
         self._step_ids = itertools.count()
         self._wake = wake
         self._stopping = False
-        # Verify calls sent ahead, by batch id: made as soon as the batch's drafts are back, so that the target
-        # starts on them the moment it is done with the other batch's (a call's round trip, ~1.5 ms on two H200s,
-        # would leave the target idle in every step); awaited by the step that verifies the batch.
+        # Verify calls sent ahead (`_send_verify_ahead`), by batch id
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
-        self._admissions = itertools.count(1)
-        self.prefixes = PrefixMemory(workers.target.ledger)
-        self.preemptions = 0
-        # After a prefill found no room on the target: admit nothing until fewer than this many sequences run (0:
-        # admit one request alone), `_wait_for_room`
-        self._room_awaited: int | None = None
+        self.admission = Admission(workers, manager, self.k, outbox, metrics)
 
     def wake(self) -> None:
         self._wake.set()
@@ -113,8 +104,10 @@ class StepLoop:
                 continue
             try:
                 await self.step()
-            except Exception:  # a failed step fails its requests, never the loop
-                log.exception("step failed")
+            except Exception as exc:  # a fault of ours: its batches fail whole (INTERNAL), never the loop
+                log.exception("step failed: failing the requests in the batches")
+                self._fail(self._held(), RuntimeError(f"internal error in the coordinator's step: {exc!r}"))
+                await self._drop_batches()
 
     async def step(self) -> None:
         attributes = {
@@ -131,7 +124,7 @@ class StepLoop:
         if draft_back and not any(b.awaiting_verify for b in self.manager.batches):
             # (else at a later step: the running requests are handed over with no drafts waiting for a verify)
             await self.failover.hand_over_draft(self.manager.running(), self._prefill_draft_again)
-        if not await self._admit():
+        if not await self.admission.admit(self._lose_target, self._lose_draft, self._fail):
             await self._remove_finished()  # a failed prefill's requests leave before the step's calls
         if self.failover.target_lost:
             return
@@ -142,16 +135,16 @@ class StepLoop:
         sequences = max(sum(len(b.members) for b in batches), 1)  # (none, after a failed admission)
         policy = self.speculation_policy.at(sequences)
         start = time.perf_counter()
-        k = self._choose_draft_length() if drafting else 0
+        k = self.speculation_policy.choose(sequences) if drafting else 0
         # A sampled token depends on whether its position was drafted, and how long the draft was: while a request
         # sampled with its client's seed runs, every step drafts k, so that its output is the seed's whatever the
         # policy measures.
-        if drafting and any(r.seeded for b in batches for r in b.members):
+        if drafting and any(r.request.seeded for b in batches for r in b.members):
             k = self.k
         if not k:
             emitted = 0
             for batch in batches:
-                self._make_room(batch, 0)
+                self.admission.make_room(batch, 0)
                 if batch.members:
                     emitted += await self._verify(batch)
             if drafting and to_verify is None:  # (a step that verified drafts is not the target's alone)
@@ -178,28 +171,6 @@ class StepLoop:
                 emitted = await self._verify(to_propose)
                 policy.record(k, time.perf_counter() - start, emitted / sequences)
 
-    def _choose_draft_length(self) -> int:
-        """The speculation policy's draft length for this step (at the size `at` was last given; 0: the target
-        alone), logged when its preference turns."""
-        policy = self.speculation_policy.current
-        k = policy.choose()
-        before = self.speculation_policy.turned()
-        if before is not None:
-            now = policy.preferred
-            costs = {
-                way: f"{1e3 * c:.2f} ms" if (c := policy.cost(way)) is not None else "(not measured)"
-                for way in (now, before)
-            }
-            log.info(
-                "%s at batches near %d: a token for each sequence every %s, against %s %s",
-                _describe(now, before),
-                sum(len(b.members) for b in self.manager.batches),
-                costs[now],
-                costs[before],
-                _way(before),
-            )
-        return k
-
     @property
     def drafting(self) -> bool:
         """Whether steps draft (the speculation policy's preference, a trial aside)."""
@@ -215,125 +186,26 @@ class StepLoop:
             [r for b in self.manager.batches if not b.awaiting_verify for r in self.manager.remove_finished(b)]
         )
 
-    async def _admit(self) -> bool:
-        """Prefill what the batches and the workers' KV blocks have room for; False if the prefill failed (its
-        requests failed with it, or wait again: `_wait_for_room`)."""
-        if self._room_awaited is not None and 0 < self._room_awaited <= self.manager.num_running:
-            return True  # a prefill found no room: nothing is admitted until a running sequence leaves
-        memory = self._memory_for(alone=self._room_awaited == 0)
-        self._room_awaited = None
-        admissions = self.manager.take_admissions(memory, self.prefixes.admission_cost())
-        admitted = [r for _, requests in admissions for r in requests]
-        if not admitted:
-            return True
-        for request in admitted:
-            request.admitted = next(self._admissions)
-        drafting = self.workers.prefill_draft(admitted) if self.failover.draft_connected else asyncio.sleep(0)
-        target_reply, draft_reply = await asyncio.gather(
-            self.workers.prefill_target(admitted), drafting, return_exceptions=True
-        )
-        if isinstance(target_reply, grpc.aio.AioRpcError) and _out_of_room(target_reply):
-            if isinstance(draft_reply, BaseException) and not _out_of_room(draft_reply):
-                self._lose_draft(draft_reply)  # (while the group is in the batches: what the draft may hold)
-            if not self._wait_for_room(admitted, target_reply):
-                self._fail(admitted, _no_room_alone(target_reply))
-            return False
-        if isinstance(target_reply, BaseException):
-            if not self._lose_target(target_reply):
-                self._fail(admitted, target_reply)
-            return False
-        if isinstance(draft_reply, BaseException) and not self._lose_draft(draft_reply):
-            self._fail(admitted, draft_reply)
-            return False
-        self.prefixes.prefilled(
-            [r.prefill_ids for r in admitted], [r.cached_prompt_tokens for r in target_reply.results]
-        )
-        for request, result in zip(admitted, target_reply.results):
-            if not request.preemptions:
-                request.cached_prompt_tokens = result.cached_prompt_tokens
-            request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)
-        if self.metrics is not None:
-            self.metrics.prefilled(admitted, target_reply.results)
-        return True
-
-    def _wait_for_room(self, group: list[RequestState], exc: grpc.aio.AioRpcError) -> bool:
-        """The target had no room for the prefill of `group` (RESOURCE_EXHAUSTED: the KV blocks admission counted
-        are an estimate): whether the group waits for it. Freed on both workers (a draft that took them holds
-        them), it goes back to the front of the queue, as preempted requests do, and is admitted again once a
-        running sequence has left, or, with none running, one request at a time. A request that found no room alone
-        on an idle target never will: False, for it to fail."""
-        running = self.manager.num_running - len(group)
-        if not running and len(group) == 1:
-            return False
-        self.workers.release_later([r.seq_id for r in group])
-        self.manager.requeue(group)
-        self._room_awaited = running
-        log.info(
-            "no room on the target for a prefill of %d requests (%s): they wait for %s",
-            len(group),
-            exc.details(),
-            f"one of the {running} running sequences to end" if running else "admission one at a time",
-        )
-        return True
-
-    def _memory_for(self, alone: bool = False) -> Callable[[RequestState], bool]:
-        """Whether the workers' free KV blocks (`Workers.free_blocks`) hold one more request's prompt, with a step's
-        growth for it and every running sequence to spare; counting those said yes to (`alone`: yes to the first
-        request only). With nothing running one is always admitted: a prompt within max_model_len fits an empty
-        pool."""
-        free = self.workers.free_blocks(self.k)
-        running = self.manager.num_running
-        first = running
-
-        def memory(request: RequestState) -> bool:
-            nonlocal running
-            if alone and running > first:
-                return False
-            tokens = len(request.prefill_ids)
-            needs = {w: self.workers.ledger(w).for_prompt(tokens) for w in free}
-            if running and any(free[w][0] - needs[w] < (running + 1) * free[w][1] for w in free):
-                return False
-            running += 1
-            for w in free:
-                free[w] = (free[w][0] - needs[w], free[w][1])
-            return True
-
-        return memory
-
-    def _make_room(self, batch: Batch, k: int) -> None:
-        """Before a step of k drafts on `batch`: while the workers' free KV blocks may not hold its growth, preempt
-        its most recently admitted member (freed on both workers, queued first, prefilled again later with its
-        output so far), so that no running request fails for lack of memory."""
-        free = self.workers.free_blocks(k)
-        preempted = []
-        while batch.members and any(free[w][0] < len(batch.members) * free[w][1] for w in free):
-            preempted.append(self.manager.preempt_latest(batch))
-        if preempted:
-            self.preemptions += len(preempted)
-            if self.metrics is not None:
-                self.metrics.preemptions.inc(len(preempted))
-            log.info("KV cache full: %d sequences preempted, to be prefilled again", len(preempted))
-            self.workers.release_later([r.seq_id for r in preempted])
-
     async def _propose(self, batch: Batch, k: int) -> None:
-        self._make_room(batch, k)
+        self.admission.make_room(batch, k)
         if not batch.members:
             return
-        # The membership is frozen from here: a rebalance by the concurrent Verify of the other batch must put
-        # its surplus in `joining`, not among the members whose drafts are being made (their count would no
-        # longer match the drafts).
-        batch.drafts = common_pb2.DraftPayload()
+        batch.begin_propose()
         try:
             reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, k)
         except Exception as exc:
             if not self._lose_draft(exc):
                 self._fail(batch.members, exc)
-            # Failed members stay until remove_finished releases them on the workers; joiners become members.
-            batch.drafts, batch.members, batch.joining = None, batch.members + batch.joining, []
+            batch.propose_failed()
             return
-        batch.drafts, batch.num_drafts = reply.drafts, k
-        # Sent ahead, unless requests wait: their prefill on the target would queue behind this verify, and the
-        # step that admits them would wait for it before drafting the other batch.
+        batch.drafted(reply.drafts, k)
+        self._send_verify_ahead(batch)
+
+    def _send_verify_ahead(self, batch: Batch) -> None:
+        """PSD's pipelining: the verify of a batch whose drafts just came back is sent now, so that the target
+        starts on it the moment it is done with the other batch's (a call's round trip, ~1.5 ms on two H200s, would
+        leave it idle every step); the step that verifies the batch awaits it (`_verify`). Not while requests wait:
+        their prefill would queue behind this verify, and the step that admits them would wait for it."""
         if not self.manager.waiting:
             self._verifying[batch.batch_id] = asyncio.ensure_future(self._call_verify(batch))
 
@@ -367,6 +239,12 @@ class StepLoop:
     async def _prefill_draft_again(self, running: Sequence[RequestState]) -> None:
         """A draft back: prefilled with every running request's prompt and output so far."""
         await self.workers.prefill_draft(running, resume=True)
+        for request in running:
+            request.drafted_from_here()
+
+    def _held(self) -> list[RequestState]:
+        """The unfinished requests in the batches."""
+        return [r for b in self.manager.batches for r in b.members + b.joining if not r.finished]
 
     def _admitted_ids(self) -> Iterator[int]:
         """The sequences in the batches, what a worker may hold (lazily: read only where a draft is dropped)."""
@@ -387,7 +265,7 @@ class StepLoop:
     def _fail_open(self, message: str) -> None:
         """End every request still open, in the batches or queued, with UNAVAILABLE (`message`) after what it was
         sent: its client may send it again."""
-        held = [r for b in self.manager.batches for r in b.members + b.joining if not r.finished]
+        held = self._held()
         if held or self.manager.waiting:
             self._fail([*held, *self.manager.waiting], Unavailable(message))
         self.manager.waiting.clear()
@@ -399,10 +277,7 @@ class StepLoop:
             call.cancel()
         await asyncio.gather(*self._verifying.values(), return_exceptions=True)
         self._verifying.clear()
-        held = [r for b in self.manager.batches for r in b.members + b.joining]
-        for batch in self.manager.batches:
-            batch.drafts, batch.members, batch.joining = None, [], []
-        await self._release(held)
+        await self._release([r for b in self.manager.batches for r in b.clear()])
 
     async def _reconnect_target(self) -> None:
         """While the target is lost: fail what is still open (a loss its health stream found fails nothing by
@@ -411,13 +286,7 @@ class StepLoop:
         self._fail_open(TARGET_LOST)
         await self.failover.report_target_lost()
         await self._drop_batches()
-        while not self._stopping:
-            if await self.failover.take_target_back():
-                break
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.failover.retry_interval)
-        else:
+        if not await self.failover.target_back(lambda: self._stopping):
             return
         await self._flush_releases(always=True)  # a target that was only unreachable still holds them
         if self.failover.target_lost:  # gone again at once
@@ -455,39 +324,3 @@ class StepLoop:
         self._fail_open("the coordinator stopped before this request finished: send it again")
         await self._drop_batches()
         await self._flush_releases(always=True)
-
-    def step_trace(self) -> str:
-        """The recorded worker calls as JSON lines (for the overlap test and the timeline plot)."""
-        return "\n".join(json.dumps(vars(e)) for e in self.workers.events)
-
-
-def _out_of_room(exc: BaseException) -> bool:
-    """Whether a worker refused a call for capacity (its KV blocks or rows: minedraft.errors.CapacityError)."""
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-def _no_room_alone(exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
-    """The error of a request that found no room on the target with nothing else running."""
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        details=f"the target's KV cache cannot hold this request even with nothing else running ({exc.details()}): "
-        "send a shorter prompt or a lower max_tokens, or give the target more KV cache (--kv-cache-memory, "
-        "--gpu-memory-utilization)",
-    )
-
-
-def _way(k: int) -> str:
-    return f"drafting {_tokens(k)} a step" if k else "with the target alone"
-
-
-def _tokens(k: int) -> str:
-    return f"{k} token{'s' if k > 1 else ''}"
-
-
-def _describe(now: int, before: int) -> str:
-    """What a turn of the speculation policy from `before` to `now` tokens drafted means, for its log line."""
-    if not now:
-        return "drafts do not pay, decoding with the target alone"
-    if not before:
-        return f"drafting again, {_tokens(now)} a step,"
-    return f"{'shorter' if now < before else 'longer'} drafts pay, drafting {_tokens(now)} a step,"

@@ -49,7 +49,7 @@ def sequence_spec(request: RequestState, resume: bool = False) -> common_pb2.Seq
     preempt`), for what it may still generate; `resume`: with its output so far but the last token, which the next
     proposal feeds (a draft service that joins a running request)."""
     params = request.config.to_proto()
-    params.max_tokens = request.config.max_tokens - request.resumed_output  # (what it had when preempted is prompt)
+    params.max_tokens = request.config.max_tokens - request.decode.resumed_output  # (its output then is prompt)
     tokens = request.prompt_ids + request.output_ids[:-1] if resume else request.prefill_ids
     output = len(tokens) - len(request.prompt_ids)  # penalties and min_tokens count these as output
     return common_pb2.SequenceSpec(seq_id=request.seq_id, prompt_token_ids=tokens, params=params, output_tokens=output)
@@ -192,9 +192,6 @@ class Workers:
                 ),
                 blocks,
             )
-        if resume:
-            for request in requests:
-                request.draft_from = len(request.output_ids) - 1
 
     async def propose(
         self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
@@ -206,7 +203,7 @@ class Workers:
             step_id=step_id,
             batch_id=batch_id,
             seq_ids=[r.seq_id for r in members],
-            num_accepted=[r.num_accepted for r in members],
+            num_accepted=[r.decode.num_accepted for r in members],
             next_token_ids=[r.last_token for r in members],
             num_draft_tokens=k,
         )

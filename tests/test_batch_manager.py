@@ -124,8 +124,8 @@ def test_cancelled_and_finished_leave_at_the_step_boundary() -> None:
     for r in requests:
         manager.submit(r)
     manager.take_admissions()
-    requests[0].cancelled = True
-    requests[1].finish_reason = 1
+    requests[0].client.cancelled = True
+    requests[1].decode.finish_reason = 1
     gone = manager.remove_finished(manager.batches[0])
     assert gone == requests[:2] and manager.batches[0].members == [requests[2]]
 
@@ -344,7 +344,7 @@ def test_the_samples_of_one_request_queue_all_or_none() -> None:
     first = RequestState(1, [1, 2, 3], SamplingConfig(temperature=1.0, seed=2**64 - 1), (), None)
     samples = make_samples(first, 3, iter(range(10, 20)))
     assert [(s.seq_id, s.index, s.config.seed) for s in samples] == [(1, 0, 2**64 - 1), (10, 1, 0), (11, 2, 1)]
-    assert all(s.stream is first.stream for s in samples)  # one stream: their messages interleave
+    assert all(s.client.queue is first.client.queue for s in samples)  # one stream: their messages interleave
     manager.submit_all(samples)
     with pytest.raises(QueueFullError, match="each of n samples counts"):
         manager.submit_all(make_samples(_request(2), 2, iter(range(30, 40))))

@@ -43,7 +43,7 @@ def test_usage_acceptance_figures() -> None:
         state.record_verify(3, accepted, accepted + 1)
         state.emit([7] * (accepted + 1), generation_pb2.FINISH_REASON_UNSPECIFIED)
     state.finish(generation_pb2.FINISH_REASON_CANCELLED)
-    messages = [state.stream.get_nowait() for _ in range(state.stream.qsize())]
+    messages = [state.client.queue.get_nowait() for _ in range(state.client.queue.qsize())]
     assert all(isinstance(m, generation_pb2.GenerateResponse) for m in messages)
     assert [m.HasField("usage") for m in messages] == [False] * 4 + [True]  # type: ignore[union-attr]
     usage = messages[-1].usage  # type: ignore[union-attr]
@@ -66,7 +66,7 @@ def test_verify_counters_match_record_verify() -> None:
         results = _results(accepted, emitted)
         for state, result in zip(states, results):
             state.record_verify(K, result.num_accepted, len(result.token_ids))
-            state.output_ids += list(result.token_ids)
+            state.decode.output_ids += list(result.token_ids)
         metrics.verified(results, K)
     metrics.verified(_results([0, 0], [1, 1]), 0)  # target-only decoding: tokens, no drafts
     value = metrics.registry.get_sample_value

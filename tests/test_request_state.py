@@ -30,8 +30,8 @@ def _stream(
     for i in range(0, len(ids), step):
         last = i + step >= len(ids)
         request.emit(ids[i : i + step], FINISH.FINISH_REASON_LENGTH if last else FINISH.FINISH_REASON_UNSPECIFIED)
-        while request.stream.qsize() > lag or (request.finished and not request.stream.empty()):
-            streamed += request.render(request.stream.get_nowait()).text  # type: ignore[arg-type]
+        while request.client.queue.qsize() > lag or (request.finished and not request.client.queue.empty()):
+            streamed += request.render(request.client.queue.get_nowait()).text  # type: ignore[arg-type]
         if request.finished:
             break
     return request, streamed

@@ -180,8 +180,9 @@ class CoordinatorMetrics:
         self.overlapped_step_seconds.observe(t_step)
         self.overlap_efficiency.observe(max(verify[1] - verify[0], propose[1] - propose[0]) / t_step)
 
-    def prefilled(self, requests: Sequence[Any], results: Sequence[Any]) -> None:
-        self.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests if not r.preemptions))
+    def prefilled(self, prompt_tokens: int, results: Sequence[Any]) -> None:
+        """A prefill of `prompt_tokens` new prompt tokens (a preempted request's again not counted) answered."""
+        self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
 
     def verified(self, results: Sequence[Any], k: int) -> None:
