@@ -50,8 +50,9 @@ if [ "${1:-}" = pack ]; then
     shift
     mkdir -p .trees
     for commit in "$@"; do  # (the demo pair is the same in every tree: `trees` copies this one's)
-        git archive -o ".trees/$commit.tar" "$commit" minedraft target_service draft_service coordinator protos \
-            benchmarks pyproject.toml ':(exclude)minedraft/demo_models' || exit 1
+        paths=$(git ls-tree --name-only "$commit" -- minedraft minedraft_app target_service draft_service coordinator \
+            protos benchmarks pyproject.toml)  # (minedraft_app: from 2026-12-06)
+        git archive -o ".trees/$commit.tar" "$commit" $paths ':(exclude)minedraft/demo_models' || exit 1
     done
     exit 0
 fi
@@ -220,7 +221,8 @@ kvgather)
     python3 benchmarks/kv_gather_bench.py --batch 8 2>&1 | tee -a "$OUT/run/kv_gather.txt"
     ;;
 served)
-    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m minedraft_app bench --modes "${MODES:-psd,sd,ar}" --target-device "$TARGET_DEVICE" \
+    app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)  # (a tree before 2026-12-06: minedraft)
+    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m $app bench --modes "${MODES:-psd,sd,ar}" --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts "${PROMPTS:-128}" --concurrency 64 --prompt-len 64 \
         --output-len 96 ${SPECULATION:+--speculation $SPECULATION} --no-progress --json-out "$OUT/run/served.json" \
         --step-trace-dir "$OUT/run/traces" > "$OUT/run/served.log" 2>&1

@@ -24,6 +24,7 @@ from coordinator.main import Coordinator  # noqa: E402
 from coordinator.options import CoordinatorOptions  # noqa: E402
 from coordinator.tracing import SpanTracing, StepTracing  # noqa: E402
 from coordinator.workers import Workers  # noqa: E402
+from minedraft.errors import InvalidRequest  # noqa: E402
 from minedraft.observability import telemetry  # noqa: E402
 from minedraft.proto import target_pb2  # noqa: E402
 from minedraft.rpc.step_stream import serve_step_stream  # noqa: E402
@@ -243,7 +244,7 @@ def test_each_message_of_a_step_stream_is_observed_as_its_call(
 
     async def verify(request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         if request.batch_id > 1:
-            raise ValueError("batch_id must be 0 or 1")
+            raise InvalidRequest("batch_id must be 0 or 1")
         return target_pb2.VerifyResponse(results=[target_pb2.SequenceResult(seq_id=s) for s in request.seq_ids])
 
     async def verify_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
