@@ -79,6 +79,7 @@ class Workers:
         wake: asyncio.Event | None = None,
         open_requests: Callable[[], int] = lambda: 0,
         tls: ClientTls | None = None,
+        stubs: tuple[Any, Any] | None = None,
     ) -> None:
         """`channel`: the data plane asked for ("auto": `choose_channel`'s). A draft call that outlives
         `draft_timeout` is a lost draft (a hung process must not stall the target's decoding), a target call that
@@ -103,13 +104,13 @@ class Workers:
             return aio_channel(address, tls, CHANNEL_OPTIONS, [*interceptors, *presenting(ticket)])
 
         target_channel = dial(target_address, tickets["target"])
-        target = target_pb2_grpc.TargetServiceStub(target_channel)
+        target = target_pb2_grpc.TargetServiceStub(target_channel) if stubs is None else stubs[0]
         target_stream = StepStream(target.VerifyStream, target_pb2.VerifyStreamRequest) if step_streams else None
         self.target = WorkerLink(
             "target", target_channel, target, target_stream, target_timeout, TARGET_LATE_FLOOR_S, self._made
         )
         draft_channel = dial(draft_address, tickets["draft"]) if draft_address else None
-        draft = draft_pb2_grpc.DraftServiceStub(draft_channel) if draft_channel is not None else None
+        draft = None if draft_channel is None else stubs[1] if stubs else draft_pb2_grpc.DraftServiceStub(draft_channel)
         draft_stream = (
             StepStream(draft.ProposeStream, draft_pb2.ProposeStreamRequest) if step_streams and draft else None
         )
