@@ -94,6 +94,10 @@ class Admission:
         self.prefixes.prefilled(
             [r.prefill_ids for r in admitted], [r.cached_prompt_tokens for r in target_reply.results]
         )
+        if len(target_reply.results) != len(admitted):
+            raise RuntimeError(
+                f"the prefill reply holds {len(target_reply.results)} results for {len(admitted)} sequences"
+            )
         for request, result in zip(admitted, target_reply.results):
             request.prefilled(result.cached_prompt_tokens)
             request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)

@@ -153,7 +153,7 @@ class StepLoop:
             verified, verified_k = len(to_verify.members), to_verify.drafts_to_verify
             overlap = self.overlap_policy.choose()
             if overlap:
-                emitted, _ = await asyncio.gather(self._verify(to_verify), self._propose(to_propose, k))
+                emitted, _ = await _together(self._verify(to_verify), self._propose(to_propose, k))
             else:
                 emitted = await self._verify(to_verify)
                 await self._propose(to_propose, k)
@@ -224,6 +224,7 @@ class StepLoop:
             if not self._lose_target(exc):
                 self._fail(members, exc)
         else:
+            _check_rows("verify", reply.results, members)
             for request, result in zip(members, reply.results):
                 request.record_verify(k, result.num_accepted, len(result.token_ids))
                 request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)
@@ -324,3 +325,23 @@ class StepLoop:
         self._fail_open("the coordinator stopped before this request finished: send it again")
         await self._drop_batches()
         await self._flush_releases(always=True)
+
+
+async def _together(verify: Awaitable[int], propose: Awaitable[None]) -> tuple[int, None]:
+    """A psd step's verify and propose at once; if one raises, the other is cancelled before the error goes on (a
+    proposal must not land on batches the failed step's handler clears)."""
+    tasks = (asyncio.ensure_future(verify), asyncio.ensure_future(propose))
+    try:
+        emitted, _ = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return emitted, None
+
+
+def _check_rows(call: str, results: Sequence[object], requests: Sequence[RequestState]) -> None:
+    """A worker's reply holds one result per row it was sent, or the step fails (INTERNAL), never a silent cut."""
+    if len(results) != len(requests):
+        raise RuntimeError(f"the {call} reply holds {len(results)} results for {len(requests)} sequences")

@@ -288,7 +288,6 @@ def test_an_error_inside_a_step_fails_its_batches_and_the_loop_serves_on(monkeyp
     run(test, target={"latency": 0.002})  # (every proposal has answered when the verify's step fails)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a proposal in flight when a step fails lands on the cleared batch")
 def test_a_proposal_in_flight_when_a_step_fails_is_dropped_with_its_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """`asyncio.gather` in `StepLoop._step` leaves the other batch's Propose running when the verify raises; once it
     answers, `_propose` marks the batch that `run` cleared meanwhile as drafted and sends its verify ahead: the old
