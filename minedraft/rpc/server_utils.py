@@ -124,7 +124,8 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
     are internal)."""
 
     def __init__(self) -> None:
-        self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any] | None] = {}
+        # Keyed by the server's own methods alone: a name it does not serve finds no handler, and is never kept.
+        self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -132,10 +133,13 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
-        if method not in self._handlers:  # wrapped once per method, not per call; the inner interceptors run once
-            handler = await continuation(handler_call_details)
-            self._handlers[method] = _wrapped(handler) or handler
-        return self._handlers[method]
+        handler = self._handlers.get(method)
+        if handler is None:  # wrapped once per method, not per call; the inner interceptors run once
+            found = await continuation(handler_call_details)
+            if found is None:
+                return None
+            handler = self._handlers[method] = _wrapped(found) or found
+        return handler
 
 
 def _wrapped(handler: Any) -> grpc.RpcMethodHandler[Any, Any] | None:
