@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
+from coordinator.connection_gate import ConnectionGate, GatedListener, gated_protocol
 from coordinator.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +34,7 @@ from coordinator.server import Generation, GenerationServicer, RequestRefused
 from coordinator.validation import DEFAULT_MAX_TOKENS
 from minedraft.engine.sampling import MAX_LOGPROBS
 from minedraft.proto import generation_pb2
+from minedraft.rpc.limits import PUBLIC_LIMITS, ConnectionLimits
 from minedraft.rpc.security import UNAUTHENTICATED, bearer_matches
 
 log = logging.getLogger(__name__)
@@ -381,11 +383,19 @@ class _Server(uvicorn.Server):
 
 class HttpServer:
     """The HTTP API serving as a task of the coordinator's event loop, on a socket bound before it starts (so that
-    a port in use fails the start-up at once)."""
+    a port in use fails the start-up at once), whose connections go through a `ConnectionGate` of `limits`."""
 
-    def __init__(self, servicer: GenerationServicer, sock: socket.socket, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        servicer: GenerationServicer,
+        sock: socket.socket,
+        api_key: str | None = None,
+        limits: ConnectionLimits = PUBLIC_LIMITS,
+    ) -> None:
         app = BodyLimit(create_app(servicer), servicer.options.max_request_bytes)
         options = servicer.options
+        self.gate = ConnectionGate(limits)
+        listener = GatedListener.of(sock, self.gate)
         config = uvicorn.Config(
             app if api_key is None else ApiKeyAuth(app, api_key),
             # TLS only, with the gRPC port's certificate (uvicorn reads the files at its start)
@@ -397,15 +407,20 @@ class HttpServer:
             ws="none",
             server_header=False,
             timeout_graceful_shutdown=5,  # open streams end with the step loop's shutdown before this runs out
+            http=gated_protocol(self.gate),
+            timeout_keep_alive=max(int(limits.idle_timeout), 1),  # (the gate's deadline cuts a slow request too)
         )
         if options.tls_cert:
             config.load()  # here: a certificate that does not load fails the start-up, not the task later
-        self.port = int(sock.getsockname()[1])
+        self.port = int(listener.getsockname()[1])
         # Its start and stop lines would say "server process": it is a task of this one.
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         self.server = _Server(config)
-        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        self.gate.quiet_accept_errors(listener)
+        self.task = asyncio.create_task(self.server.serve(sockets=[listener]))
         self.task.add_done_callback(_log_failure)
+        self._gate_task = asyncio.create_task(self.gate.run())
+        self.task.add_done_callback(lambda _: self._gate_task.cancel())
 
     def begin_stop(self) -> None:
         """Stop taking connections (uvicorn notices within 0.1 s); the open ones finish."""
@@ -430,13 +445,20 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
 
 
-def start_http_server(servicer: GenerationServicer, port: int, host: str, api_key: str | None = None) -> HttpServer:
+def start_http_server(
+    servicer: GenerationServicer,
+    port: int,
+    host: str,
+    api_key: str | None = None,
+    limits: ConnectionLimits = PUBLIC_LIMITS,
+) -> HttpServer:
     """The HTTP API on `port`, started in this event loop beside the gRPC server (HTTPS with the servicer's
-    --tls-cert, the bearer token `api_key` wanted where given); OSError if it cannot listen."""
+    --tls-cert, the bearer token `api_key` wanted where given, connections within `limits`); OSError if it cannot
+    listen."""
     try:
         sock = listen(host, port)
     except OSError as exc:
         raise OSError(f"the HTTP API cannot listen on {host} port {port} (--http-port; 0 turns it off): {exc}") from exc
-    http = HttpServer(servicer, sock, api_key)
+    http = HttpServer(servicer, sock, api_key, limits)
     log.info("OpenAI-compatible HTTP API on port %d (/v1/completions, /v1/chat/completions, /v1/models)", http.port)
     return http

@@ -45,6 +45,10 @@ class CoordinatorOptions:
     tls_server_name: str | None = None  # the name the workers' certificates carry, where not the host dialled
     api_key: str | None = None
     api_key_file: str | None = None
+    # Connection limits of each public port, gRPC and HTTP apart (`minedraft.rpc.limits.ConnectionLimits`)
+    max_connections: int = 1024
+    header_timeout: float = 10.0
+    idle_timeout: float = 60.0
 
     @property
     def limits(self) -> Limits:

@@ -30,6 +30,7 @@ from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import Tracing, end_request_span, start_request_span
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.rpc.limits import ConnectionLimits, fitted
 from minedraft.rpc.security import coordinator_worker_tls, read_api_key, server_credentials
 from minedraft.rpc.server_utils import Health, start_server
 
@@ -384,6 +385,9 @@ async def serve(
     # Checked before the workers are dialled: a wrong file fails the start-up at once, with its flag named.
     credentials = server_credentials(options.tls_cert, options.tls_key)
     api_key = read_api_key(options.api_key, options.api_key_file)
+    limits = ConnectionLimits(options.max_connections, options.header_timeout, options.idle_timeout)
+    limits.check()
+    limits = fitted(limits, 2 if options.http_port else 1)  # each port its own descriptors: neither starves the other
     servicer = GenerationServicer(options, tracing, metrics)
     await servicer.start()
     server, bound = await start_server(
@@ -395,6 +399,7 @@ async def serve(
         max_receive_bytes=options.max_request_bytes,
         credentials=credentials,
         api_key=api_key,
+        limits=limits,
     )
     if options.http_port:
         # Imported in a thread (it imports FastAPI), so that the leases' heartbeat goes on; here, as it imports this
@@ -402,5 +407,5 @@ async def serve(
         await asyncio.to_thread(importlib.import_module, "coordinator.http_api")
         from coordinator.http_api import start_http_server
 
-        servicer.http = start_http_server(servicer, options.http_port, host, api_key)
+        servicer.http = start_http_server(servicer, options.http_port, host, api_key, limits)
     return server, bound, servicer

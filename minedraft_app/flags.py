@@ -638,6 +638,37 @@ FLAGS: tuple[Flag, ...] = (
         type=int,
         passes_to=("coordinator",),
     ),
+    # Connection limits of each public port, gRPC and HTTP apart (docs/design.md, Security)
+    Flag(
+        "--max-connections",
+        "most connections open at once on each public port (gRPC, HTTP): beyond, a new one is refused at once (HTTP "
+        "first shuts the one waiting longest for a request); lowered to fit the open-files limit",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        1024,
+        type=int,
+        passes_to=("coordinator",),
+    ),
+    Flag(
+        "--header-timeout",
+        "seconds a new connection has to send its request's headers (HTTP) or finish its TLS and HTTP/2 handshake "
+        "(gRPC) before it is closed",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        10.0,
+        type=float,
+        passes_to=("coordinator",),
+    ),
+    Flag(
+        "--idle-timeout",
+        "seconds a connection may stay open without a call (gRPC) or between requests (HTTP keep-alive) before it "
+        "is closed",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        60.0,
+        type=float,
+        passes_to=("coordinator",),
+    ),
     Flag(
         "--step-trace",
         "on shutdown, write every worker call to this file as JSON lines",

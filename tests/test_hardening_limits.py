@@ -1,14 +1,25 @@
 """What unauthenticated or idle traffic may cost a coordinator, through real processes: memory, file descriptors,
 log lines.
 
-One coordinator, in front of the session's tiny Llama workers, wants an API key on both public ports.
+One coordinator, in front of the session's tiny Llama workers, wants an API key on both public ports; each port
+holds at most CAP connections, a new one must send its request's headers (gRPC: finish its handshake) within
+HEADER_S and a connection may idle IDLE_S. Once started, its open-files limit is lowered to what it holds plus
+both ports' caps and a margin: a port that took connections beyond its cap would starve the other of descriptors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.client
+import json
+import logging
 import os
+import resource
+import socket
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +27,208 @@ import grpc
 import pytest
 from stack import SERVICE_ENV, Service, Workers, coordinator_args, spawn, stop_all, wait_all
 
+from coordinator.connection_gate import ConnectionGate, GatedListener
+from coordinator.http_api import listen
+from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.rpc.limits import ConnectionLimits
 from minedraft_app.stack import free_port
 
 pytest_plugins = ["stack"]
 
 API_KEY = "limits-test-key"
+BEARER = [("authorization", f"Bearer {API_KEY}")]
+CAP, HEADER_S, IDLE_S = 64, 2.0, 3.0
+K = 4
+
+
+@dataclass
+class Limited:
+    service: Service
+    http_port: int
+    model: str
+
+    @property
+    def log_bytes(self) -> int:
+        return os.path.getsize(self.service.log_path)
 
 
 @pytest.fixture(scope="module")
-def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Service]:
-    extra = ["--http-port", str(free_port())]
+def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Limited]:
+    http_port = free_port()
+    extra = ["--http-port", str(http_port), "--max-connections", str(CAP)]
+    extra += ["--header-timeout", str(HEADER_S), "--idle-timeout", str(IDLE_S)]
     env = {**SERVICE_ENV, "MINEDRAFT_API_KEY": API_KEY}
-    service = spawn("coordinator-limits", coordinator_args(llama_workers, "psd", extra=extra), stack_logs, env=env)
-    wait_all([service])
-    yield service
-    stop_all([service])
+    args = coordinator_args(llama_workers, "psd", k=K, extra=extra)
+    service = spawn("coordinator-limits", args, stack_logs, env=env)
+    try:
+        wait_all([service])
+        held = len(os.listdir(f"/proc/{service.proc.pid}/fd"))
+        fds = held + 2 * (CAP + CAP // 8) + 64
+        resource.prlimit(service.proc.pid, resource.RLIMIT_NOFILE, (fds, fds))
+        yield Limited(service, http_port, str(llama_workers.pair.target))
+    finally:
+        stop_all([service])
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _flood_size() -> int:
+    """Idle sockets a test opens: 2,000, or what this process's own open-files limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return min(2000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 300)
+
+
+def _connect_many(port: int, count: int) -> list[socket.socket]:
+    """`count` connections that never send a byte (connected without waiting: the server accepts them)."""
+    socks = []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        socks.append(sock)
+    return socks
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(4096) == b"" or _closed(sock)
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def _wait_closed(socks: list[socket.socket], timeout: float) -> float:
+    """Seconds until every socket of `socks` was closed by the server; fails after `timeout`."""
+    start, left = time.monotonic(), list(socks)
+    while left:
+        left = [s for s in left if not _closed(s)]
+        assert time.monotonic() - start < timeout, f"{len(left)} of {len(socks)} sockets still open"
+        time.sleep(0.05)
+    for sock in socks:
+        sock.close()
+    return time.monotonic() - start
+
+
+async def _generate(address: str, channel: grpc.aio.Channel | None = None) -> tuple[int, float]:
+    """One 8-token Generate with the token: its tokens and seconds."""
+    start = time.monotonic()
+    params = generation_pb2.SamplingParams(max_tokens=8, ignore_eos=True)
+    request = generation_pb2.GenerateRequest(prompt_token_ids=[5, 17, 42, 99], params=params)
+    async with contextlib.nullcontext(channel) if channel else grpc.aio.insecure_channel(address) as used:
+        stub = generation_pb2_grpc.GenerationServiceStub(used)
+        tokens = [t async for m in stub.Generate(request, timeout=30, metadata=BEARER) for t in m.token_ids]
+    return len(tokens), time.monotonic() - start
+
+
+def _http(port: int, method: str, path: str, body: Any = None, token: bool = True) -> tuple[int, Any, float]:
+    """One HTTP request on a connection of its own: status, JSON body, seconds."""
+    start = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {API_KEY}"} if token else {})}
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read()), time.monotonic() - start
+    finally:
+        conn.close()
+
+
+def _complete(limited: Limited) -> tuple[int, float]:
+    status, body, took = _http(limited.http_port, "POST", "/v1/completions", _completion(limited.model))
+    assert status == 200, body
+    return body["usage"]["completion_tokens"], took
+
+
+def _completion(model: str) -> dict[str, Any]:
+    return {"model": model, "prompt": [5, 17, 42, 99], "max_tokens": 8, "ignore_eos": True}
+
+
+# --------------------------------------------------------------------------------------------- idle sockets
+
+
+def test_idle_sockets_on_the_http_port_are_shut_while_both_apis_serve(coordinator: Limited) -> None:
+    """Idle sockets far beyond the cap, and a few that send their headers a byte at a time: the HTTP port shuts the
+    oldest waiting ones for newer ones and refuses the rest at once, so a real request still gets in; the gRPC
+    port, with descriptors of its own, serves as usual; every idle socket is closed within the header timeout (a
+    kept-alive connection within the idle timeout), and the log gets a line a second at most."""
+    log_before = coordinator.log_bytes
+    idle = _connect_many(coordinator.http_port, _flood_size())
+    time.sleep(0.2)
+    slow = _connect_many(coordinator.http_port, 4)  # (newer than the idle ones: not shut for them)
+    start = time.monotonic()
+    assert asyncio.run(_generate(coordinator.service.address))[0] == 8
+    tokens, took = _complete(coordinator)
+    assert tokens == 8 and took < 5
+    for _ in range(int(HEADER_S / 0.25) + 4):  # a byte of a request every 0.25 s: never whole in time
+        for sock in slow:
+            with contextlib.suppress(OSError):
+                sock.send(b"P")
+        time.sleep(0.25)
+    _wait_closed(idle + slow, HEADER_S + 1.5 - (time.monotonic() - start))
+    kept = http.client.HTTPConnection("127.0.0.1", coordinator.http_port, timeout=30)
+    kept.request("GET", "/health")
+    assert kept.getresponse().read() and kept.sock is not None
+    assert _wait_closed([kept.sock], IDLE_S + 1.5) > IDLE_S - 0.5  # kept alive that long, not longer
+    assert coordinator.log_bytes - log_before < 2000, coordinator.service.log_tail(4000)
+
+
+def test_idle_sockets_on_the_grpc_port_are_shut_while_both_apis_serve(coordinator: Limited) -> None:
+    """The same against the gRPC port: grpc core refuses the sockets beyond the cap at once and closes the rest at
+    the handshake timeout; a channel connected before serves on, the HTTP port serves as usual, and new gRPC
+    connections get in again once the idle ones are gone. (grpc core shuts no idle connection for a new one: until
+    the header timeout, a new gRPC connection is refused.)"""
+    log_before = coordinator.log_bytes
+
+    async def during_the_flood() -> tuple[int, float]:
+        async with grpc.aio.insecure_channel(coordinator.service.address) as channel:
+            await _generate(coordinator.service.address, channel)  # connected
+            idle.extend(_connect_many(coordinator.service.port, _flood_size()))
+            await asyncio.sleep(0.5)
+            return await _generate(coordinator.service.address, channel)
+
+    idle: list[socket.socket] = []
+    tokens, took = asyncio.run(during_the_flood())
+    assert tokens == 8 and took < 5
+    start = time.monotonic()
+    tokens, took = _complete(coordinator)
+    assert tokens == 8 and took < 5
+    _wait_closed(idle, HEADER_S + 2.5 - (time.monotonic() - start))
+    assert asyncio.run(_generate(coordinator.service.address))[0] == 8
+    assert coordinator.log_bytes - log_before < 2000, coordinator.service.log_tail(4000)
+
+
+def test_running_out_of_descriptors_costs_a_log_line_a_second(caplog: pytest.LogCaptureFixture) -> None:
+    """asyncio logs a traceback per failed accept, up to its backlog per turn of the loop (115 MB in 23 s, seen):
+    through a `GatedListener` it is one line a second with a count."""
+    clients: list[socket.socket] = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    async def main() -> None:
+        gate = ConnectionGate(ConnectionLimits(1000, 30, 30))
+        listener = GatedListener.of(listen("127.0.0.1", 0), gate)
+        clients.extend(_connect_many(listener.getsockname()[1], 90))
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, sock=listener)
+        gate.quiet_accept_errors(listener)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 10, hard))
+        try:
+            await asyncio.sleep(2.5)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert 0 < gate.open < 90, gate.open  # (some accepted before the descriptors ran out)
+        server.close()
+
+    with caplog.at_level(logging.WARNING):
+        try:
+            asyncio.run(main())
+        finally:
+            for sock in clients:
+                sock.close()
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert 1 <= len(lines) <= 4 and all("out of descriptors" in r.getMessage() for r in lines), lines
 
 
 def _rss_mb(pid: int) -> float:
@@ -55,13 +253,15 @@ async def _unknown_methods(address: str, first: int, count: int, name_bytes: int
         return set(await asyncio.gather(*(one(i) for i in range(first, first + count))))
 
 
-def test_distinct_unauthenticated_method_names_keep_nothing(coordinator: Service) -> None:
+# --------------------------------------------------------------------------------------------- memory
+
+
+def test_distinct_unauthenticated_method_names_keep_nothing(coordinator: Limited) -> None:
     """Each made-up method name, refused, was once kept for good (a handler cache per name): 10,000 names of 2 KB
     grew the coordinator by some 20 MB. Scaled down from 40,000 short names (the growth follows the names' bytes)
     to keep the test short."""
-    pid = coordinator.proc.pid
-    assert asyncio.run(_unknown_methods(coordinator.address, 0, 1000, 2048)) == {grpc.StatusCode.UNIMPLEMENTED}
+    pid, address = coordinator.service.proc.pid, coordinator.service.address
+    assert asyncio.run(_unknown_methods(address, 0, 1000, 2048)) == {grpc.StatusCode.UNIMPLEMENTED}
     start = _rss_mb(pid)  # (after the allocator's arenas have grown for such calls)
-    assert asyncio.run(_unknown_methods(coordinator.address, 1000, 10_000, 2048)) == {grpc.StatusCode.UNIMPLEMENTED}
+    assert asyncio.run(_unknown_methods(address, 1000, 10_000, 2048)) == {grpc.StatusCode.UNIMPLEMENTED}
     assert _rss_mb(pid) - start < 10, (start, _rss_mb(pid))
-    assert os.path.getsize(coordinator.log_path) < 100_000
