@@ -102,6 +102,7 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
         return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
 
     @app.get("/health")
+    @app.get("/health/", include_in_schema=False)  # (not a redirect: a probe may not follow one)
     async def health() -> Response:
         serving = servicer.health.serving()
         return JSONResponse({"status": "serving" if serving else "not_serving"}, 200 if serving else 503)
@@ -326,7 +327,8 @@ async def _disconnect(receive: Receive) -> None:
 
 class BodyLimit:
     """Refuse a body beyond `max_bytes` (--max-request-bytes) with 400 and OpenAI's error object: at once when its
-    Content-Length says so, else (chunked) as soon as the bytes read pass it, so it is never held whole."""
+    Content-Length says so, else (chunked) as soon as the bytes read pass it, so it is never held whole. A chunked
+    body is read here, before the app (which would answer any error of its reading as a body that does not parse)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]], max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -339,21 +341,35 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            body = error_body(self._message(str(int(length))), "invalid_request_error", None, "invalid_argument")
-            await JSONResponse(body, 400)(scope, receive, send)
-            return
-        read = 0
+        if length.isdigit():
+            if int(length) <= self.max_bytes:
+                await self.app(scope, receive, send)
+                return
+            size = str(int(length))
+        else:
+            messages, read = [], 0
+            while True:
+                message = await receive()
+                messages.append(message)
+                read += len(message.get("body", b""))
+                if read > self.max_bytes or message["type"] != "http.request" or not message.get("more_body"):
+                    break
+            if read <= self.max_bytes:
+                await self.app(scope, _replay(messages, receive), send)
+                return
+            size = f"more than {self.max_bytes}"
+        body = error_body(self._message(size), "invalid_request_error", None, "invalid_argument")
+        await JSONResponse(body, 400)(scope, receive, send)
 
-        async def counted() -> Message:
-            nonlocal read
-            message = await receive()
-            read += len(message.get("body", b""))
-            if read > self.max_bytes:  # the app's ApiError handler answers it
-                raise _invalid(self._message(f"more than {self.max_bytes}"), None)
-            return message
 
-        await self.app(scope, counted if not length.isdigit() else receive, send)
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that gives `messages` first, then what `receive` gives."""
+    pending = iter(messages)
+
+    async def replayed() -> Message:
+        return next(pending, None) or await receive()
+
+    return replayed
 
 
 class ApiKeyAuth:
@@ -364,7 +380,7 @@ class ApiKeyAuth:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/health/"):
             header = dict(scope["headers"]).get(b"authorization")
             if not bearer_matches(header, self.api_key):
                 body = error_body(UNAUTHENTICATED, "invalid_request_error", None, "invalid_api_key")

@@ -222,7 +222,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             num_speculative_tokens=self.loop.k,
             max_batch_size=self.manager.max_batch_size,
             max_queue_size=self.options.max_queue_size,
-            max_model_len=pair.max_model_len,
+            max_model_len=self.context_length,  # what a request may hold, as its errors say
             vocab_size=pair.target_info.logits_size,
         )
 

@@ -25,12 +25,15 @@ from typing import Any
 
 import grpc
 import pytest
-from stack import SERVICE_ENV, Service, Workers, coordinator_args, spawn, stop_all, wait_all
+from prometheus_client import CollectorRegistry
+from stack import MAX_MODEL_LEN, SERVICE_ENV, Service, Workers, coordinator_args, spawn, stop_all, wait_all
 
 from coordinator.connection_gate import ConnectionGate, GatedListener
-from coordinator.http_api import listen
+from coordinator.http_api import listen, start_http_server
+from minedraft.observability.metrics import start_metrics_server
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 from minedraft.rpc.limits import ConnectionLimits
+from minedraft.rpc.server_utils import start_server
 from minedraft_app.stack import free_port
 
 pytest_plugins = ["stack"]
@@ -265,3 +268,51 @@ def test_distinct_unauthenticated_method_names_keep_nothing(coordinator: Limited
     start = _rss_mb(pid)  # (after the allocator's arenas have grown for such calls)
     assert asyncio.run(_unknown_methods(address, 1000, 10_000, 2048)) == {grpc.StatusCode.UNIMPLEMENTED}
     assert _rss_mb(pid) - start < 10, (start, _rss_mb(pid))
+
+
+# --------------------------------------------------------------------------------------------- lesser
+
+
+def test_health_with_a_slash_is_open_and_a_long_chunked_body_names_the_flag(coordinator: Limited) -> None:
+    port = coordinator.http_port
+    assert _http(port, "GET", "/health/", token=False)[:2] == (200, {"status": "serving"})
+    assert _http(port, "GET", "/v1/models", token=False)[0] == 401
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:  # no Content-Length: chunks, 5 MiB in all (--max-request-bytes is 4 MiB)
+        headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+        conn.request("POST", "/v1/completions", iter([b"x" * (1 << 20)] * 5), headers, encode_chunked=True)
+        reply = conn.getresponse()
+        status, error = reply.status, json.loads(reply.read())["error"]
+    finally:
+        conn.close()
+    assert status == 400 and "--max-request-bytes" in error["message"], error
+
+
+def test_server_info_reports_the_context_its_errors_name(coordinator: Limited) -> None:
+    async def info_and_refusal() -> tuple[int, str]:
+        async with grpc.aio.insecure_channel(coordinator.service.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            info = await stub.GetServerInfo(generation_pb2.GetServerInfoRequest(), timeout=10, metadata=BEARER)
+            request = generation_pb2.GenerateRequest(prompt_token_ids=[5] * info.max_model_len)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect_all(stub.Generate(request, timeout=10, metadata=BEARER))
+            return info.max_model_len, refused.value.details() or ""
+
+    context, error = asyncio.run(info_and_refusal())
+    assert context == MAX_MODEL_LEN - K and f"context is {context} tokens" in error, (context, error)
+
+
+async def collect_all(call: Any) -> None:
+    async for _ in call:
+        pass
+
+
+def test_a_port_in_use_is_named() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1 port {port} \\(--metrics-port"):
+            start_metrics_server(port, "127.0.0.1", CollectorRegistry())
+        with pytest.raises(OSError, match=f"127.0.0.1 port {port} \\(--port\\)"):
+            asyncio.run(start_server(port, [], [], "127.0.0.1"))
+        with pytest.raises(OSError, match=f"port {port} \\(--http-port"):
+            start_http_server(None, port, "127.0.0.1")  # type: ignore[arg-type]
