@@ -49,6 +49,7 @@ class CoordinatorOptions:
     max_connections: int = 1024
     header_timeout: float = 10.0
     idle_timeout: float = 60.0
+    lease_secret: str | None = None  # the deployment's lease secret, presented to the workers (else a random one)
 
     @property
     def limits(self) -> Limits:

@@ -30,6 +30,7 @@ from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import Tracing, end_request_span, start_request_span
 from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.rpc.lease import deployment_secret
 from minedraft.rpc.limits import ConnectionLimits, fitted
 from minedraft.rpc.security import coordinator_worker_tls, read_api_key, server_credentials
 from minedraft.rpc.server_utils import Health, start_server
@@ -102,6 +103,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             open_requests=lambda: self.open_streams,
             tls=coordinator_worker_tls(options.tls_ca, options.tls_cert, options.tls_key, options.tls_server_name),
         )
+        secret = deployment_secret(options.lease_secret)  # workers started with one want it (else: this process's)
+        if secret is not None:
+            for ticket in self.workers.pair.tickets.values():
+                ticket.secret = secret
         num_batches = 2 if options.mode == "psd" else 1
         self.manager = BatchManager(
             options.max_batch_size, options.max_queue_size, num_batches, options.max_prefill_tokens

@@ -547,6 +547,19 @@ FLAGS: tuple[Flag, ...] = (
         passes_to=WORKERS,
     ),
     Flag(
+        "--lease-secret",
+        "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
+        "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
+        "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
+        "lease but not from taking a free worker: split deployments set one, or mTLS",
+        SERVICE_COMMANDS,
+        SERVICE,
+        helps={
+            "serve": "the services' --lease-secret, through MINEDRAFT_LEASE_SECRET in their environment; serve makes a "
+            "random one when none is given",
+        },
+    ),
+    Flag(
         "--drain-timeout",
         "on SIGTERM, seconds the admitted requests get to finish while health reports NOT_SERVING and new requests "
         "get UNAVAILABLE; SIGINT (Ctrl-C) stops at once",

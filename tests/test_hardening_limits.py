@@ -15,6 +15,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import resource
 import socket
 import time
@@ -31,7 +32,8 @@ from stack import MAX_MODEL_LEN, SERVICE_ENV, Service, Workers, coordinator_args
 from coordinator.connection_gate import ConnectionGate, GatedListener
 from coordinator.http_api import listen, start_http_server
 from minedraft.observability.metrics import start_metrics_server
-from minedraft.proto import generation_pb2, generation_pb2_grpc
+from minedraft.proto import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
+from minedraft.rpc.lease import LEASE_METADATA, SECRET_METADATA
 from minedraft.rpc.limits import ConnectionLimits
 from minedraft.rpc.server_utils import start_server
 from minedraft_app.stack import free_port
@@ -268,6 +270,66 @@ def test_distinct_unauthenticated_method_names_keep_nothing(coordinator: Limited
     start = _rss_mb(pid)  # (after the allocator's arenas have grown for such calls)
     assert asyncio.run(_unknown_methods(address, 1000, 10_000, 2048)) == {grpc.StatusCode.UNIMPLEMENTED}
     assert _rss_mb(pid) - start < 10, (start, _rss_mb(pid))
+
+
+# --------------------------------------------------------------------------------------------- the lease
+
+
+def test_a_replayed_owner_and_epoch_without_the_secret_change_nothing(
+    coordinator: Limited, llama_workers: Workers
+) -> None:
+    """While the coordinator streams requests, a process that reaches the target reads the owner from a refused
+    call's error and sends it back with the lease's epoch, without the lease's secret or with a guess: the calls are
+    refused, the lease is neither given up nor taken, no sequence is freed, and every request ends whole."""
+    target = llama_workers.target
+    lease_lines = target.log_tail(10**6).count("lease")
+    params = generation_pb2.SamplingParams(max_tokens=200, ignore_eos=True)
+    requests = [generation_pb2.GenerateRequest(prompt_token_ids=[5, 17, i], params=params) for i in range(4)]
+
+    async def replay() -> list[str]:
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            info = (await stub.GetInfo(target_pb2.TargetServiceGetInfoRequest(), timeout=10)).info
+            assert info.free_slots < info.num_slots  # the requests' sequences are held there meanwhile
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=[1]), timeout=10)
+            said = [refused.value.details() or ""]
+            owner = re.search(r"coordinator (\S+) holds this worker's lease", said[0])
+            assert owner is not None, said
+            taken = re.findall(rf"lease (\d+) taken by coordinator {re.escape(owner[1])}", target.log_tail(10**6))
+            for epoch in (0, int(taken[-1])):  # (its real epoch, from the worker's log: the replay at its best)
+                for secret in ([], [(SECRET_METADATA, "guessed")]):
+                    metadata = [(LEASE_METADATA, f"{owner[1]} {epoch}"), *secret]
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.Release(target_pb2.TargetServiceReleaseRequest(seq_ids=[1]), metadata=metadata)
+                    said.append(refused.value.details() or "")
+                    lease = target_pb2.TargetServiceLeaseRequest(owner=owner[1], epoch=epoch, give_up=True)
+                    await stub.Lease(lease, timeout=10, metadata=metadata)  # (answered; nothing given up)
+                    lease.give_up = False  # a renewal, or with epoch 0 a take under its name
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.Lease(lease, timeout=10, metadata=metadata)
+                    said.append(refused.value.details() or "")
+        return said
+
+    async def main() -> tuple[list[tuple[int, float]], list[str]]:
+        async with grpc.aio.insecure_channel(coordinator.service.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+            async def one(request: generation_pb2.GenerateRequest) -> tuple[int, float]:
+                start = time.monotonic()
+                messages = [m async for m in stub.Generate(request, timeout=60, metadata=BEARER)]
+                return sum(len(m.token_ids) for m in messages), time.monotonic() - start
+
+            load = asyncio.gather(*(one(r) for r in requests))
+            await asyncio.sleep(0.5)  # admitted, decoding
+            said = await replay()
+            return await load, said
+
+    done, said = asyncio.run(main())
+    assert [tokens for tokens, _ in done] == [200] * 4
+    assert all("epoch" not in s and "guessed" not in s for s in said), said
+    assert target.log_tail(10**6).count("lease") == lease_lines, target.log_tail()
+    assert "lease lost" not in coordinator.service.log_tail(10**6)
 
 
 # --------------------------------------------------------------------------------------------- lesser

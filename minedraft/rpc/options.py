@@ -29,3 +29,4 @@ class WorkerOptions:
     tls_ca: str | None = None
     lease_timeout: float = 5.0  # --lease-timeout: seconds a coordinator's lease lasts without a renewal
     tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks the target is sharded over, one process each
+    lease_secret: str | None = None  # --lease-secret: the deployment's, which a coordinator must present to lease

@@ -20,6 +20,7 @@ from minedraft.errors import (
     CapacityError,
     ChannelNotSetUpError,
     LeaseError,
+    LeaseSecretError,
     ModelLoadError,
     RankLostError,
     UnknownSequenceError,
@@ -57,6 +58,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION),
     (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LeaseSecretError, grpc.StatusCode.PERMISSION_DENIED),
     (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
