@@ -29,7 +29,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             num_speculative_tokens=front.loop.k,
             max_batch_size=front.manager.max_batch_size,
             max_queue_size=front.options.max_queue_size,
-            max_model_len=pair.max_model_len,
+            max_model_len=front.context_length,  # what a request may hold, as its errors say
             vocab_size=pair.target_info.logits_size,
         )
 

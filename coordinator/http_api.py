@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
+from coordinator.connection_gate import ConnectionGate, GatedListener, gated_protocol
 from coordinator.front_door import FrontDoor, Generation, RequestRefused
 from coordinator.openai_schema import (
     ChatCompletionRequest,
@@ -33,6 +34,7 @@ from coordinator.sampling_params import sampling_params
 from coordinator.validation import DEFAULT_MAX_TOKENS
 from minedraft.engine.sampling import MAX_LOGPROBS
 from minedraft.proto import generation_pb2
+from minedraft.rpc.limits import PUBLIC_LIMITS, ConnectionLimits
 from minedraft.rpc.security import UNAUTHENTICATED, bearer_matches
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ def create_app(front: FrontDoor) -> FastAPI:
         return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
 
     @app.get("/health")
+    @app.get("/health/", include_in_schema=False)  # (not a redirect: a probe may not follow one)
     async def health() -> Response:
         serving = front.health.serving()
         return JSONResponse({"status": "serving" if serving else "not_serving"}, 200 if serving else 503)
@@ -317,7 +320,8 @@ async def _disconnect(receive: Receive) -> None:
 
 class BodyLimit:
     """Refuse a body beyond `max_bytes` (--max-request-bytes) with 400 and OpenAI's error object: at once when its
-    Content-Length says so, else (chunked) as soon as the bytes read pass it, so it is never held whole."""
+    Content-Length says so, else (chunked) as soon as the bytes read pass it, so it is never held whole. A chunked
+    body is read here, before the app (which would answer any error of its reading as a body that does not parse)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]], max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -330,21 +334,35 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            body = error_body(self._message(str(int(length))), "invalid_request_error", None, "invalid_argument")
-            await JSONResponse(body, 400)(scope, receive, send)
-            return
-        read = 0
+        if length.isdigit():
+            if int(length) <= self.max_bytes:
+                await self.app(scope, receive, send)
+                return
+            size = str(int(length))
+        else:
+            messages, read = [], 0
+            while True:
+                message = await receive()
+                messages.append(message)
+                read += len(message.get("body", b""))
+                if read > self.max_bytes or message["type"] != "http.request" or not message.get("more_body"):
+                    break
+            if read <= self.max_bytes:
+                await self.app(scope, _replay(messages, receive), send)
+                return
+            size = f"more than {self.max_bytes}"
+        body = error_body(self._message(size), "invalid_request_error", None, "invalid_argument")
+        await JSONResponse(body, 400)(scope, receive, send)
 
-        async def counted() -> Message:
-            nonlocal read
-            message = await receive()
-            read += len(message.get("body", b""))
-            if read > self.max_bytes:  # the app's ApiError handler answers it
-                raise _invalid(self._message(f"more than {self.max_bytes}"), None)
-            return message
 
-        await self.app(scope, counted if not length.isdigit() else receive, send)
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that gives `messages` first, then what `receive` gives."""
+    pending = iter(messages)
+
+    async def replayed() -> Message:
+        return next(pending, None) or await receive()
+
+    return replayed
 
 
 class ApiKeyAuth:
@@ -355,7 +373,7 @@ class ApiKeyAuth:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/health/"):
             header = dict(scope["headers"]).get(b"authorization")
             if not bearer_matches(header, self.api_key):
                 body = error_body(UNAUTHENTICATED, "invalid_request_error", None, "invalid_api_key")
@@ -374,11 +392,19 @@ class _Server(uvicorn.Server):
 
 class HttpServer:
     """The HTTP API serving as a task of the coordinator's event loop, on a socket bound before it starts (so that
-    a port in use fails the start-up at once)."""
+    a port in use fails the start-up at once), whose connections go through a `ConnectionGate` of `limits`."""
 
-    def __init__(self, front: FrontDoor, sock: socket.socket, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        front: FrontDoor,
+        sock: socket.socket,
+        api_key: str | None = None,
+        limits: ConnectionLimits = PUBLIC_LIMITS,
+    ) -> None:
         app = BodyLimit(create_app(front), front.options.max_request_bytes)
         options = front.options
+        self.gate = ConnectionGate(limits)
+        listener = GatedListener.of(sock, self.gate)
         config = uvicorn.Config(
             app if api_key is None else ApiKeyAuth(app, api_key),
             # TLS only, with the gRPC port's certificate (uvicorn reads the files at its start)
@@ -390,15 +416,20 @@ class HttpServer:
             ws="none",
             server_header=False,
             timeout_graceful_shutdown=5,  # open streams end with the step loop's shutdown before this runs out
+            http=gated_protocol(self.gate),
+            timeout_keep_alive=max(int(limits.idle_timeout), 1),  # (the gate's deadline cuts a slow request too)
         )
         if options.tls_cert:
             config.load()  # here: a certificate that does not load fails the start-up, not the task later
-        self.port = int(sock.getsockname()[1])
+        self.port = int(listener.getsockname()[1])
         # Its start and stop lines would say "server process": it is a task of this one.
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         self.server = _Server(config)
-        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        self.gate.quiet_accept_errors(listener)
+        self.task = asyncio.create_task(self.server.serve(sockets=[listener]))
         self.task.add_done_callback(_log_failure)
+        self._gate_task = asyncio.create_task(self.gate.run())
+        self.task.add_done_callback(lambda _: self._gate_task.cancel())
 
     def begin_stop(self) -> None:
         """Stop taking connections (uvicorn notices within 0.1 s); the open ones finish."""
@@ -423,13 +454,20 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
 
 
-def start_http_server(front: FrontDoor, port: int, host: str, api_key: str | None = None) -> HttpServer:
+def start_http_server(
+    front: FrontDoor,
+    port: int,
+    host: str,
+    api_key: str | None = None,
+    limits: ConnectionLimits = PUBLIC_LIMITS,
+) -> HttpServer:
     """The HTTP API on `port`, started in this event loop beside the gRPC server (HTTPS with the front's
-    --tls-cert, the bearer token `api_key` wanted where given); OSError if it cannot listen."""
+    --tls-cert, the bearer token `api_key` wanted where given, connections within `limits`); OSError if it cannot
+    listen."""
     try:
         sock = listen(host, port)
     except OSError as exc:
         raise OSError(f"the HTTP API cannot listen on {host} port {port} (--http-port; 0 turns it off): {exc}") from exc
-    http = HttpServer(front, sock, api_key)
+    http = HttpServer(front, sock, api_key, limits)
     log.info("OpenAI-compatible HTTP API on port %d (/v1/completions, /v1/chat/completions, /v1/models)", http.port)
     return http

@@ -26,6 +26,8 @@ from minedraft.errors import ModelLoadError
 from minedraft.observability.metrics import CoordinatorMetrics
 from minedraft.observability.telemetry import Tracing
 from minedraft.proto import generation_pb2_grpc
+from minedraft.rpc.lease import deployment_secret
+from minedraft.rpc.limits import ConnectionLimits, fitted
 from minedraft.rpc.security import coordinator_worker_tls, read_api_key, server_credentials
 from minedraft.rpc.server_utils import Health, start_server
 
@@ -65,6 +67,10 @@ class Coordinator:
             open_requests=lambda: self.front_door.open_streams,
             tls=coordinator_worker_tls(options.tls_ca, options.tls_cert, options.tls_key, options.tls_server_name),
         )
+        secret = deployment_secret(options.lease_secret)  # workers started with one want it (else: this process's)
+        if secret is not None:
+            for ticket in self.workers.pair.tickets.values():
+                ticket.secret = secret
         num_batches = 2 if options.mode == "psd" else 1
         self.manager = BatchManager(
             options.max_batch_size, options.max_queue_size, num_batches, options.max_prefill_tokens
@@ -185,6 +191,9 @@ async def serve(
     # Checked before the workers are dialled: a wrong file fails the start-up at once, with its flag named.
     credentials = server_credentials(options.tls_cert, options.tls_key)
     api_key = read_api_key(options.api_key, options.api_key_file)
+    limits = ConnectionLimits(options.max_connections, options.header_timeout, options.idle_timeout)
+    limits.check()
+    limits = fitted(limits, 2 if options.http_port else 1)  # each port its own descriptors: neither starves the other
     coordinator = Coordinator(options, tracing, metrics)
     await coordinator.start()
     servicer = GenerationServicer(coordinator.front_door)
@@ -197,11 +206,12 @@ async def serve(
         max_receive_bytes=options.max_request_bytes,
         credentials=credentials,
         api_key=api_key,
+        limits=limits,
     )
     if options.http_port:
         # Imported only here (FastAPI: not on every machine), in a thread, so that the leases' heartbeat goes on.
         await asyncio.to_thread(importlib.import_module, "coordinator.http_api")
         from coordinator.http_api import start_http_server
 
-        coordinator.http = start_http_server(coordinator.front_door, options.http_port, host, api_key)
+        coordinator.http = start_http_server(coordinator.front_door, options.http_port, host, api_key, limits)
     return server, bound, coordinator

@@ -315,6 +315,48 @@ class CoordinatorOptions:
         SERVICE,
         passes_to=TO_COORDINATOR,
     )
+    # Connection limits of each public port, gRPC and HTTP apart (`minedraft.rpc.limits.ConnectionLimits`)
+    max_connections: int = flag(
+        1024,
+        "--max-connections",
+        "most connections open at once on each public port (gRPC, HTTP): beyond, a new one is refused at once (HTTP "
+        "first shuts the one waiting longest for a request); lowered to fit the open-files limit",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    header_timeout: float = flag(
+        10.0,
+        "--header-timeout",
+        "seconds a new connection has to send its request's headers (HTTP) or finish its TLS and HTTP/2 handshake "
+        "(gRPC) before it is closed",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    idle_timeout: float = flag(
+        60.0,
+        "--idle-timeout",
+        "seconds a connection may stay open without a call (gRPC) or between requests (HTTP keep-alive) before it "
+        "is closed",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    lease_secret: str | None = flag(  # (also the workers': `minedraft.rpc.options`)
+        None,
+        "--lease-secret",
+        "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
+        "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
+        "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
+        "lease but not from taking a free worker: split deployments set one, or mTLS",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={
+            "serve": "the services' --lease-secret, through MINEDRAFT_LEASE_SECRET in their environment; serve makes a "
+            "random one when none is given",
+        },
+    )
 
     @property
     def limits(self) -> Limits:

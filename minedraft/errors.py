@@ -36,5 +36,10 @@ class LeaseError(RuntimeError):
     holds the worker, or the caller's lease has expired."""
 
 
+class LeaseSecretError(LeaseError):
+    """A Lease call without the deployment's lease secret, which its worker was started with (PERMISSION_DENIED:
+    waiting would not help)."""
+
+
 class RankLostError(RuntimeError):
     """A tensor-parallel rank of this worker died: the worker cannot run its model until it is started again."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from minedraft.flag_spec import FLAG_KEY
+from minedraft.rpc.lease import new_secret
 from minedraft.rpc.security import bearer_metadata, client_tls, read_api_key, sync_channel, worker_credentials
 from minedraft_app.flags import COMMANDS, LOOPBACK, SERVICE_COMMANDS, add_flags
 from minedraft_app.stack import check_stack_tls, drain_process, service_args, start_stack, stop_processes
@@ -219,6 +220,8 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     if args.api_key:  # the coordinator reads it from its environment: a command line is visible to every user
         os.environ["MINEDRAFT_API_KEY"] = args.api_key
+    # All three services read it there: only a coordinator of this stack leases its workers.
+    os.environ["MINEDRAFT_LEASE_SECRET"] = args.lease_secret or new_secret()
     if args.single_process:
         with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C during start-up
             _run_until_signal(_single_process_main(args))

@@ -222,6 +222,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     WORKER_FLAGS["drain_timeout"],
     WORKER_FLAGS["lease_timeout"],
+    WORKER_FLAGS["lease_secret"],
+    COORDINATOR_FLAGS["lease_secret"],
     COORDINATOR_FLAGS["drain_timeout"],
     COORDINATOR_FLAGS["draft_retry_interval"],
     COORDINATOR_FLAGS["draft_timeout"],
@@ -232,6 +234,10 @@ FLAGS: tuple[Flag, ...] = (
     COORDINATOR_FLAGS["max_messages"],
     COORDINATOR_FLAGS["max_stop_strings"],
     COORDINATOR_FLAGS["max_stop_string_bytes"],
+    # Connection limits of each public port, gRPC and HTTP apart (docs/design.md, Security)
+    COORDINATOR_FLAGS["max_connections"],
+    COORDINATOR_FLAGS["header_timeout"],
+    COORDINATOR_FLAGS["idle_timeout"],
     COORDINATOR_FLAGS["step_trace"],
     Flag(
         "--single-process",

@@ -100,6 +100,7 @@ def test_values_have_the_documented_keys() -> None:
         "securityContext": ["runAsUser", "runAsGroup"],
         "tls": ["secretName", "ca"],
         "apiKey": ["secretName", "key"],
+        "leaseSecret": ["secretName", "key"],
         "networkPolicy": ["enabled", "publicFrom", "metricsFrom"],
         "podDisruptionBudget": ["enabled", "maxUnavailable"],
         "autoscaling": ["enabled", "minReplicas", "maxReplicas", "metric", "averageValue"],
@@ -260,6 +261,7 @@ def test_install_notes() -> None:
         assert out.returncode == 0, out.stderr
         notes = out.stdout[out.stdout.index("NOTES:") :]
         assert f"layout {layout}" in notes and f"port-forward svc/{service} 50051:50051" in notes, notes
+        assert ("can lease it" in notes) == (layout == "split"), notes  # serve shares a secret of its own
 
 
 @needs_helm
@@ -282,7 +284,7 @@ def test_pair_layout_defaults() -> None:
     assert e["MINEDRAFT_MODE"] == "psd" and e["MINEDRAFT_NUM_SPECULATIVE_TOKENS"] == "4"
     assert e["MINEDRAFT_METRICS_PORT"] == "9090" and e["MINEDRAFT_DRAIN_TIMEOUT"] == "30"
     assert "OTEL_SERVICE_NAME" not in e  # each process names itself
-    assert not any(name.startswith(("MINEDRAFT_TLS", "MINEDRAFT_API_KEY")) for name in e)
+    assert not any(name.startswith(("MINEDRAFT_TLS", "MINEDRAFT_API_KEY", "MINEDRAFT_LEASE")) for name in e)
     assert pod(objs, "pair")["terminationGracePeriodSeconds"] == 60  # the drain, then the workers' stop
     d = deployment(objs, "pair")["spec"]
     assert d["replicas"] == 1
@@ -435,12 +437,14 @@ def test_split_layout_settings_and_otel() -> None:
 @needs_helm
 def test_tls_and_api_key_from_secrets() -> None:
     """Given Secrets: mounted read-only, their files named by the variables, probes that open the port only."""
-    sets = ("tls.secretName=md-tls", "tls.ca=true", "apiKey.secretName=md-token")
+    sets = ("tls.secretName=md-tls", "tls.ca=true", "apiKey.secretName=md-token", "leaseSecret.secretName=md-lease")
     for layout, public in (("pair", "pair"), ("split", "coordinator")):
         objs = render(f"layout={layout}", *sets)
         components = (public,) if layout == "pair" else COMPONENTS
         for component in components:
             c, e = container(objs, component), env(objs, component)
+            lease = next(v for v in c["env"] if v["name"] == "MINEDRAFT_LEASE_SECRET")  # every process shares it
+            assert lease["valueFrom"]["secretKeyRef"] == {"name": "md-lease", "key": "lease-secret"}
             assert e["MINEDRAFT_TLS_CERT"] == "/etc/minedraft/tls/tls.crt"
             assert e["MINEDRAFT_TLS_KEY"] == "/etc/minedraft/tls/tls.key"
             assert e["MINEDRAFT_TLS_CA"] == "/etc/minedraft/tls/ca.crt"

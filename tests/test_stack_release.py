@@ -27,8 +27,8 @@ class Address:
 
 
 class DelayingProxy(grpc.GenericRpcHandler):
-    """Forwards every call to `upstream` as bytes (the step streams as streams) with the lease it presents, holding
-    Release calls for RELEASE_DELAY first."""
+    """Forwards every call to `upstream` as bytes (the step streams as streams) with the lease it presents, secret
+    and all, holding Release calls for RELEASE_DELAY first."""
 
     def __init__(self, upstream: str) -> None:
         self.channel = grpc.insecure_channel(upstream)
@@ -51,7 +51,7 @@ class DelayingProxy(grpc.GenericRpcHandler):
 
 
 def _lease(context: grpc.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
-    return tuple((key, value) for key, value in context.invocation_metadata() if key == LEASE_METADATA)
+    return tuple((key, value) for key, value in context.invocation_metadata() if key.startswith(LEASE_METADATA))
 
 
 @pytest.fixture

@@ -26,7 +26,11 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> i
     if not port:
         return 0
     address = host.strip("[]") or "0.0.0.0"
-    server, _ = start_http_server(port, addr=address, registry=registry)
+    try:
+        server, _ = start_http_server(port, addr=address, registry=registry)
+    except OSError as exc:
+        where = f"{host} port {port} (--metrics-port; 0 turns it off)"
+        raise OSError(f"the /metrics port cannot listen on {where}: {exc}") from exc
     bound = int(server.server_address[1])
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound

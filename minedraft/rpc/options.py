@@ -177,3 +177,13 @@ class WorkerOptions:
         helps={s: "the target's --tensor-parallel-size" for s in STACKS},
         passes_to=(PassTo("target"),),
     )
+    lease_secret: str | None = flag(  # (also the coordinator's: `coordinator.options`)
+        None,
+        "--lease-secret",
+        "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
+        "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
+        "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
+        "lease but not from taking a free worker: split deployments set one, or mTLS",
+        WORKERS,
+        SERVICE,
+    )

@@ -164,7 +164,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):
 
     def __init__(self, api_key: str) -> None:
         self.api_key = api_key
-        self._refusals: dict[str, grpc.RpcMethodHandler[Any, Any] | None] = {}
+        # Keyed by the server's own methods alone: a name it does not serve gets None, and is never kept.
+        self._refusals: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -178,9 +179,12 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         header = next((value for name, value in metadata if name == "authorization"), None)
         if bearer_matches(header, self.api_key):
             return await continuation(handler_call_details)
-        if method not in self._refusals:
-            self._refusals[method] = _refusal(await continuation(handler_call_details))
-        return self._refusals[method]
+        refusal = self._refusals.get(method)
+        if refusal is None:
+            refusal = _refusal(await continuation(handler_call_details))
+            if refusal is not None:
+                self._refusals[method] = refusal
+        return refusal
 
 
 def _refusal(handler: grpc.RpcMethodHandler[Any, Any] | None) -> grpc.RpcMethodHandler[Any, Any] | None:

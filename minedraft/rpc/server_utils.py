@@ -21,11 +21,13 @@ from minedraft.errors import (
     ChannelNotSetUpError,
     InvalidRequest,
     LeaseError,
+    LeaseSecretError,
     ModelLoadError,
     RankLostError,
     UnknownSequenceError,
 )
 from minedraft.proto import common_pb2
+from minedraft.rpc.limits import WORKER_LIMITS, ConnectionLimits, raise_fd_limit
 from minedraft.rpc.security import BearerAuth
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION, "model"),
     (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION, "channel"),
+    (LeaseSecretError, grpc.StatusCode.PERMISSION_DENIED, ""),
     (LeaseError, grpc.StatusCode.FAILED_PRECONDITION, "lease"),
 ]
 
@@ -137,7 +140,8 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
     are internal)."""
 
     def __init__(self) -> None:
-        self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any] | None] = {}
+        # Keyed by the server's own methods alone: a name it does not serve finds no handler, and is never kept.
+        self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -145,10 +149,13 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
-        if method not in self._handlers:  # wrapped once per method, not per call; the inner interceptors run once
-            handler = await continuation(handler_call_details)
-            self._handlers[method] = _wrapped(handler) or handler
-        return self._handlers[method]
+        handler = self._handlers.get(method)
+        if handler is None:  # wrapped once per method, not per call; the inner interceptors run once
+            found = await continuation(handler_call_details)
+            if found is None:
+                return None
+            handler = self._handlers[method] = _wrapped(found) or found
+        return handler
 
 
 def _wrapped(handler: Any) -> grpc.RpcMethodHandler[Any, Any] | None:
@@ -198,17 +205,23 @@ async def start_server(
     max_receive_bytes: int = 256 << 20,
     credentials: grpc.ServerCredentials | None = None,
     api_key: str | None = None,
+    limits: ConnectionLimits = WORKER_LIMITS,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the given services plus grpc.health.v1 (`health_servicer`, if the caller wants
     to change what it reports later) and reflection of those alone; return it and its port. `max_receive_bytes`: the
     largest request message it reads (the workers' default is large: draft probabilities travel in theirs).
     `credentials`: TLS (`minedraft.rpc.security`; None: plaintext); `api_key`: the bearer token every call but
-    health and reflection must carry."""
+    health and reflection must carry; `limits`: the port's connection cap and timeouts."""
     # The token is checked first, at every call: MalformedRequests caches per method what runs inside it.
     auth = [BearerAuth(api_key)] if api_key else []
+    raise_fd_limit()
     server = grpc.aio.server(
         interceptors=[*auth, MalformedRequests(), *interceptors],
-        options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", max_receive_bytes)],
+        options=[
+            ("grpc.max_send_message_length", 256 << 20),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+            *limits.grpc_options(),
+        ],
     )
     for add in register:
         add(server)
@@ -217,9 +230,14 @@ async def start_server(
     served = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(served, server, pool=descriptors_of(served))
     address = f"{host}:{port}"
-    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    try:
+        bound = (
+            server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+        )
+    except RuntimeError:  # grpc says only "Failed to bind", and why on stderr
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on port {port}")
+        raise OSError(f"the gRPC API cannot listen on {host} port {port} (--port): in use, or not an address here")
     # Everything loaded so far (models, tokenizer, libraries: some 400k objects) lives as long as the process. Frozen,
     # the garbage collector skips it: a full collection while serving (or before each CUDA graph capture) then
     # takes microseconds instead of 0.1-0.4 s.

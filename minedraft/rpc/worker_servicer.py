@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import InvalidRequest
 from minedraft.proto import common_pb2
-from minedraft.rpc.lease import Leases, presented
+from minedraft.rpc.lease import Leases, deployment_secret, presented
 from minedraft.rpc.security import worker_credentials
 from minedraft.rpc.server_utils import Health, grpc_errors, start_server, timings
 from minedraft.rpc.step_stream import serve_step_stream
@@ -76,7 +76,8 @@ class WorkerServicer:
         self.worker = worker
         self.engine = engine
         self.ranks = ranks
-        self.leases = Leases(worker.options.lease_timeout, self._free_all)
+        secret = deployment_secret(worker.options.lease_secret)
+        self.leases = Leases(worker.options.lease_timeout, self._free_all, deployment_secret=secret)
         self.health: Health | None = None  # once serving
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -97,7 +98,9 @@ class WorkerServicer:
 
     @grpc_errors
     async def Lease(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
-        return self.LeaseResponse(lease=await self.leases.take(request.owner, request.epoch, request.give_up))
+        ticket = presented(context)  # (its secret: the Lease call's own metadata carries it, as every call's does)
+        secret = ticket.secret if ticket is not None else ""
+        return self.LeaseResponse(lease=await self.leases.take(request.owner, request.epoch, request.give_up, secret))
 
     async def _free_all(self) -> int:
         """What a lease that ended held: every sequence, freed on the compute thread (after the calls queued there)."""

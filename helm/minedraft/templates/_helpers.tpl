@@ -244,7 +244,7 @@ seccompProfile:
   value: {{ $cache }}/nv
 {{- end }}
 
-{{/* TLS and API-token files from Secrets, set only when their values are given (the flags that read them are
+{{/* TLS and API-token files and the lease secret from Secrets, set only when their values are given (the flags that read them are
      newer than some images). Call with (dict "root" $ "public" true) for a container that serves the public API. */}}
 {{- define "minedraft.secretEnv" -}}
 {{- $v := .root.Values }}
@@ -261,6 +261,13 @@ seccompProfile:
 {{- if and .public $v.apiKey.secretName }}
 - name: MINEDRAFT_API_KEY_FILE
   value: /etc/minedraft/api-key/{{ $v.apiKey.key }}
+{{- end }}
+{{- if $v.leaseSecret.secretName }}
+- name: MINEDRAFT_LEASE_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.leaseSecret.secretName }}
+      key: {{ $v.leaseSecret.key }}
 {{- end }}
 {{- end }}
 
