@@ -12,6 +12,8 @@ from coordinator.health_watch import follow_health
 from coordinator.pairing import Pair
 from coordinator.worker_link import WorkerLink
 
+UNANSWERED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+
 
 class LivenessEvents(Protocol):
     """What liveness tells (`Failover`)."""
@@ -61,16 +63,26 @@ class Liveness:
     async def _renew_leases(self) -> None:
         """The leases' heartbeat, three times a lease's life: a lease another coordinator took meanwhile (this one
         was paused past it) loses that worker; an unanswered one is left to the health streams and the calls."""
+        unanswered = 0  # the target's renewals in a row that failed for want of an answer
         while True:
             tickets = self.pair.tickets
             ttl = min((t.ttl_s for t in tickets.values() if t.epoch), default=0.0)
             await asyncio.sleep(ttl / 3 if ttl else self.retry_interval)
             for link in (self.target, self.draft):
                 if not tickets[link.name].epoch or not link.connected:
+                    unanswered = 0 if link is self.target else unanswered
                     continue
                 try:
                     await self.pair.renew_lease(link.name, timeout=max(tickets[link.name].ttl_s / 3, 0.5))
+                    unanswered = 0 if link is self.target else unanswered
                 except grpc.aio.AioRpcError as exc:
+                    if link is self.target and exc.code() in UNANSWERED:
+                        # Two in a row: an idle coordinator's only calls (a stopped target that the reconnect of
+                        # its health stream hangs on); its lease runs out a heartbeat later anyway.
+                        unanswered += 1
+                        if unanswered >= 2:
+                            self.events.lose_target(f"two lease heartbeats unanswered ({exc.code().name})")
+                        continue
                     if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                         continue
                     if link is self.target:

@@ -59,6 +59,7 @@ class Coordinator:
             draft_timeout=options.draft_timeout,
             target_timeout=options.target_timeout or None,
             retry_interval=options.draft_retry_interval,
+            keepalive=options.worker_keepalive,
             metrics=metrics,
             record_events=options.step_trace is not None,
             call_started=outbox.call_started,

@@ -188,6 +188,16 @@ class CoordinatorOptions:
         passes_to=TO_COORDINATOR,
         helm=_ONLY_COORDINATOR,
     )
+    worker_keepalive: float = flag(
+        5.0,
+        "--worker-keepalive",
+        "seconds between the coordinator's keepalive pings to each worker (at least 1): a worker that answers none "
+        "for as long again (stopped, hung, its host gone) is lost, so its requests end UNAVAILABLE and health turns "
+        "NOT_SERVING within twice this, whatever call was waiting on it",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
     drain_timeout: float = flag(  # `drain`
         30.0,
         "--drain-timeout",

@@ -21,7 +21,7 @@ from coordinator.worker_link import DRAFT_LATE_FLOOR_S, TARGET_LATE_FLOOR_S, Lin
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from minedraft.rpc.lease import Ticket, presenting
 from minedraft.rpc.security import ClientTls, aio_channel
-from minedraft.rpc.server_utils import CHANNEL_OPTIONS, Health
+from minedraft.rpc.server_utils import Health, worker_channel_options
 from minedraft.rpc.step_stream import StepStream
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class Workers:
         draft_timeout: float | None = 30.0,
         target_timeout: float | None = 120.0,
         retry_interval: float = 5.0,
+        keepalive: float = 5.0,
         metrics: CoordinatorMetrics | None = None,
         record_events: bool = False,
         call_started: Callable[[], None] | None = None,
@@ -84,12 +85,13 @@ class Workers:
         """`channel`: the data plane asked for ("auto": `choose_channel`'s). A draft call that outlives
         `draft_timeout` is a lost draft (a hung process must not stall the target's decoding), a target call that
         outlives `target_timeout` a lost target (None: no deadline); a lost worker is tried again every
-        `retry_interval` seconds. `record_events`: keep a `StepEvent` per call. `call_started`: told as a call is made
-        that the step's GPU work waits on, a target call or one made while one runs (the step loop's outbox: the
-        clients' stream handlers run meanwhile); not a proposal made alone: it is a step's shortest call, and its
-        reply is what the verify that follows waits for. `health`: the coordinator's, which follows the target's.
-        `open_requests`: how many requests the coordinator has open, for the log. `tls`: mTLS to both workers
-        (None: plaintext)."""
+        `retry_interval` seconds; a worker that answers no keepalive ping for `keepalive` seconds is lost (a
+        stopped process, whatever call waits on it). `record_events`: keep a `StepEvent` per call. `call_started`:
+        told as a call is made that the step's GPU work waits on, a target call or one made while one runs (the step
+        loop's outbox: the clients' stream handlers run meanwhile); not a proposal made alone: it is a step's
+        shortest call, and its reply is what the verify that follows waits for. `health`: the coordinator's, which
+        follows the target's. `open_requests`: how many requests the coordinator has open, for the log. `tls`: mTLS
+        to both workers (None: plaintext)."""
         self.tracing = tracing if tracing is not None else StepTracing()
         self.metrics = metrics
         self.record_events = record_events
@@ -99,9 +101,10 @@ class Workers:
         owner = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         tickets = {"target": Ticket(owner), "draft": Ticket(owner)}
         interceptors = self.tracing.interceptors()
+        options = worker_channel_options(keepalive)
 
         def dial(address: str, ticket: Ticket) -> grpc.aio.Channel:
-            return aio_channel(address, tls, CHANNEL_OPTIONS, [*interceptors, *presenting(ticket)])
+            return aio_channel(address, tls, options, [*interceptors, *presenting(ticket)])
 
         target_channel = dial(target_address, tickets["target"])
         target = target_pb2_grpc.TargetServiceStub(target_channel) if stubs is None else stubs[0]

@@ -228,6 +228,7 @@ FLAGS: tuple[Flag, ...] = (
     COORDINATOR_FLAGS["draft_retry_interval"],
     COORDINATOR_FLAGS["draft_timeout"],
     COORDINATOR_FLAGS["target_timeout"],
+    COORDINATOR_FLAGS["worker_keepalive"],
     # Limits on one request, checked before any work on it (INVALID_ARGUMENT / HTTP 400 naming the flag)
     COORDINATOR_FLAGS["max_request_bytes"],
     COORDINATOR_FLAGS["max_prompt_bytes"],

@@ -4,6 +4,8 @@ coordinator is refused, and a hung draft costs a step, not its timeout."""
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 import re
 import signal
 import time
@@ -25,7 +27,7 @@ from stack import (
     wait_health,
 )
 
-from coordinator.workers import DRAFT_LATE_FLOOR_S, TARGET_LATE_FLOOR_S
+from coordinator.worker_link import DRAFT_LATE_FLOOR_S, TARGET_LATE_FLOOR_S
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
@@ -190,4 +192,56 @@ def test_a_stopped_target_fails_its_requests_in_seconds_and_is_taken_back(
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         wait_health(coordinator.address, health_pb2.HealthCheckResponse.SERVING, timeout=60)
         assert asyncio.run(_load(coordinator.address, 4, 12)) == [12] * 4
+    assert_all_slots_free(llama_workers)
+
+
+STOP_TRIALS = int(os.environ.get("MINEDRAFT_STOP_TRIALS", "6"))  # the issue's 30 by hand: MINEDRAFT_STOP_TRIALS=30
+KEEPALIVE_S = 1.0
+LEASE_TIMEOUT_S = 5.0  # the workers' default --lease-timeout: a heartbeat every third of it
+
+
+def test_a_target_stopped_at_any_moment_is_lost_within_the_keepalive_bound(
+    llama_workers: Workers, stack_logs: Path
+) -> None:
+    """SIGSTOP the target at random moments: while requests arrive (prefills), while they decode, and while the
+    coordinator is idle. Each time health turns NOT_SERVING and every stream ends UNAVAILABLE within twice the
+    worker keepalive (plus the loop's slack), whatever call was waiting on the target; after SIGCONT it is taken
+    back and serves again. A prefill or release once waited out the whole target timeout (120 s) unnoticed."""
+    target, rng = llama_workers.target, random.Random(59)
+    bound = 2 * KEEPALIVE_S + 3.0 + 2 * LEASE_TIMEOUT_S / 3  # (idle: two heartbeats of the lease)
+    extra = ["--draft-retry-interval", "1", "--worker-keepalive", str(KEEPALIVE_S), "--speculation", "always"]
+    with running_coordinator(llama_workers, stack_logs, "psd", k=4, max_batch_size=4, extra=extra) as coordinator:
+        address = coordinator.address
+        assert asyncio.run(_load(address, 4, 8)) == [8] * 4
+
+        async def stop_during(load: bool, delay: float) -> tuple[list[int | grpc.StatusCode], float]:
+            async def arrivals() -> list[int | grpc.StatusCode]:  # one new request every 50 ms: prefills all along
+                tasks = []
+                for _ in range(12):
+                    tasks.append(asyncio.ensure_future(_load(address, 1, 200)))
+                    await asyncio.sleep(0.05)
+                return [r for done in await asyncio.gather(*tasks) for r in done]
+
+            running = asyncio.ensure_future(arrivals()) if load else None
+            await asyncio.sleep(delay)
+            target.proc.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            while health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() - stopped < bound, "health still SERVING"
+                await asyncio.sleep(0.05)
+            results = await running if running is not None else []
+            return results, time.monotonic() - stopped
+
+        for trial in range(STOP_TRIALS):
+            load = trial % 3 != 2  # every third trial stops an idle target
+            delay = rng.uniform(0.0, 0.6)
+            try:
+                results, took = asyncio.run(stop_during(load, delay))
+            finally:
+                target.proc.send_signal(signal.SIGCONT)
+            print(f"stop {trial} ({'load' if load else 'idle'}, {delay:.2f} s in): lost in {took:.2f} s")
+            assert took < bound, (trial, delay, took)
+            assert all(r in (grpc.StatusCode.UNAVAILABLE, 200) for r in results), (trial, results)
+            wait_health(address, health_pb2.HealthCheckResponse.SERVING, timeout=60)
+        assert asyncio.run(_load(address, 4, 8)) == [8] * 4
     assert_all_slots_free(llama_workers)

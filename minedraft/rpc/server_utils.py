@@ -221,6 +221,7 @@ async def start_server(
             ("grpc.max_send_message_length", 256 << 20),
             ("grpc.max_receive_message_length", max_receive_bytes),
             *limits.grpc_options(),
+            *KEEPALIVE_ALLOWED,
         ],
     )
     for add in register:
@@ -270,6 +271,13 @@ def descriptors_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPo
     return pool
 
 
+# What a server lets its clients' keepalive pings do (`worker_channel_options`): ping as often as each second, with
+# or without calls in flight, never answered with a GOAWAY for pinging too often.
+KEEPALIVE_ALLOWED = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),
@@ -278,3 +286,20 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+
+
+def worker_channel_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """A coordinator's channel to a worker: CHANNEL_OPTIONS, and an HTTP/2 ping every `keepalive_s` seconds that
+    must be answered within as long, calls in flight or not. A stopped or hung worker process answers no ping (the
+    kernel still acknowledges its TCP), so its connection breaks and every call on it fails UNAVAILABLE within
+    twice `keepalive_s`, whatever call it was (a prefill's, a release's) and however long that call's deadline."""
+    every_ms = max(int(keepalive_s * 1000), 1000)
+    return [
+        *CHANNEL_OPTIONS,
+        ("grpc.keepalive_time_ms", every_ms),
+        ("grpc.keepalive_timeout_ms", every_ms),
+        ("grpc.http2.ping_timeout_ms", every_ms),  # (what closes the connection on a ping unanswered; 1 min else)
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_time_between_pings_ms", every_ms),  # (5 minutes by default without data)
+    ]
