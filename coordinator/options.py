@@ -24,8 +24,167 @@ if TYPE_CHECKING:
 _ONLY_COORDINATOR = ("coordinator",)
 
 
-@dataclass
-class CoordinatorOptions:
+@dataclass(kw_only=True)
+class PublicPortOptions:
+    """What the public ports take and whom they trust: request limits, connection limits, TLS, the API key and the
+    lease secret (`CoordinatorOptions` holds them too). Each field with a flag is set by it; its default is the
+    flag's."""
+
+    # Limits on one request, checked before any work on it (`coordinator.validation.Limits`; INVALID_ARGUMENT / HTTP
+    # 400 naming the flag)
+    max_request_bytes: int = flag(  # the public gRPC server's receive limit
+        4 << 20,
+        "--max-request-bytes",
+        "largest request the public APIs take, in bytes: a gRPC message (larger: RESOURCE_EXHAUSTED, unread) or an "
+        "HTTP body (larger: 400, read no further)",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    max_prompt_bytes: int = flag(
+        1 << 20,
+        "--max-prompt-bytes",
+        "largest prompt text, or chat messages in all, in UTF-8 bytes (checked before tokenizing)",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    max_messages: int = flag(
+        1024,
+        "--max-messages",
+        "most chat messages one request may hold",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    max_stop_strings: int = flag(
+        16,
+        "--max-stop-strings",
+        "most stop strings one request may give",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    max_stop_string_bytes: int = flag(
+        256,
+        "--max-stop-string-bytes",
+        "longest stop string, in UTF-8 bytes",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    # Security (`minedraft.rpc.security`, docs/design.md): TLS on the public port (gRPC and HTTP) from this
+    # certificate and key, which are also its client certificate to workers verified with `tls_ca` (mTLS); the
+    # bearer token of the public APIs, given or in a file.
+    tls_cert: str | None = flag(
+        None,
+        "--tls-cert",
+        "PEM certificate (chain) of this server: with --tls-key, the public gRPC and HTTP ports serve TLS only; "
+        "with --tls-ca it is also the client certificate the coordinator presents to its workers",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={
+            "serve": "PEM certificate the services serve TLS with (the coordinator's public ports too; needs "
+            "--tls-ca, with which they check each other)",
+        },
+        passes_to=TO_SERVICES,
+    )
+    # serve's, which it passes on to the workers too (WorkerOptions has the workers' own)
+    tls_key: str | None = flag(
+        None, "--tls-key", "PEM private key of --tls-cert", COORDINATOR_COMMANDS, SERVICE, passes_to=TO_SERVICES
+    )
+    tls_ca: str | None = flag(
+        None,
+        "--tls-ca",
+        "PEM CA certificate(s) of the mTLS between the coordinator and its workers: the coordinator dials its "
+        "workers over TLS, checking their certificates with it and presenting its own --tls-cert",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={"serve": "PEM CA certificate(s) that signed --tls-cert: the services talk mTLS with each other"},
+        passes_to=TO_SERVICES,
+    )
+    tls_server_name: str | None = flag(
+        None,
+        "--tls-server-name",
+        "the name the workers' certificates are checked against, where it is not the host of --target/--draft",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    api_key: str | None = flag(
+        None,
+        "--api-key",
+        "bearer token that every call to the public APIs must carry (gRPC metadata `authorization: Bearer KEY`, "
+        "HTTP header `Authorization: Bearer KEY`; health and reflection stay open); prefer --api-key-file or "
+        "MINEDRAFT_API_KEY to keep it out of the process list",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={
+            "serve": "the coordinator's --api-key, which it gets through MINEDRAFT_API_KEY in its environment (never "
+            "on its command line); serve --generate sends it"
+        },
+        environment=COORDINATOR_COMMANDS,
+    )
+    api_key_file: str | None = flag(
+        None,
+        "--api-key-file",
+        "file whose first line is the --api-key",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    # Connection limits of each public port, gRPC and HTTP apart (`minedraft.rpc.limits.ConnectionLimits`)
+    max_connections: int = flag(
+        1024,
+        "--max-connections",
+        "most connections open at once on each public port (gRPC, HTTP): beyond, a new one is refused at once (HTTP "
+        "first shuts the one waiting longest for a request); lowered to fit the open-files limit",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    header_timeout: float = flag(
+        10.0,
+        "--header-timeout",
+        "seconds a new connection has to send its request's headers (HTTP) or finish its TLS and HTTP/2 handshake "
+        "(gRPC) before it is closed",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    idle_timeout: float = flag(
+        60.0,
+        "--idle-timeout",
+        "seconds a connection may stay open without a call (gRPC) or between requests (HTTP keep-alive) before it "
+        "is closed",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        passes_to=TO_COORDINATOR,
+    )
+    lease_secret: str | None = flag(  # (also the workers': `minedraft.rpc.options`)
+        None,
+        "--lease-secret",
+        "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
+        "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
+        "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
+        "lease but not from taking a free worker: split deployments set one, or mTLS",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        helps={
+            "serve": "the services' --lease-secret, through MINEDRAFT_LEASE_SECRET in their environment; serve makes a "
+            "random one when none is given",
+        },
+    )
+
+    @property
+    def limits(self) -> Limits:
+        from coordinator.validation import Limits  # (torch, through sampling: not for the CLI's flags)
+
+        return Limits(self.max_prompt_bytes, self.max_messages, self.max_stop_strings, self.max_stop_string_bytes)
+
+
+@dataclass(kw_only=True)
+class CoordinatorOptions(PublicPortOptions):
     """Each field with a flag is set by it (`minedraft_app.flags`); the field's default is the flag's."""
 
     target: str = field(
@@ -222,154 +381,3 @@ class CoordinatorOptions:
         passes_to=TO_COORDINATOR,
         helm=_ONLY_COORDINATOR,
     )
-    # Limits on one request, checked before any work on it (`coordinator.validation.Limits`; INVALID_ARGUMENT / HTTP
-    # 400 naming the flag)
-    max_request_bytes: int = flag(  # the public gRPC server's receive limit
-        4 << 20,
-        "--max-request-bytes",
-        "largest request the public APIs take, in bytes: a gRPC message (larger: RESOURCE_EXHAUSTED, unread) or an "
-        "HTTP body (larger: 400, read no further)",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    max_prompt_bytes: int = flag(
-        1 << 20,
-        "--max-prompt-bytes",
-        "largest prompt text, or chat messages in all, in UTF-8 bytes (checked before tokenizing)",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    max_messages: int = flag(
-        1024,
-        "--max-messages",
-        "most chat messages one request may hold",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    max_stop_strings: int = flag(
-        16,
-        "--max-stop-strings",
-        "most stop strings one request may give",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    max_stop_string_bytes: int = flag(
-        256,
-        "--max-stop-string-bytes",
-        "longest stop string, in UTF-8 bytes",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    # Security (`minedraft.rpc.security`, docs/design.md): TLS on the public port (gRPC and HTTP) from this
-    # certificate and key, which are also its client certificate to workers verified with `tls_ca` (mTLS); the
-    # bearer token of the public APIs, given or in a file.
-    tls_cert: str | None = flag(
-        None,
-        "--tls-cert",
-        "PEM certificate (chain) of this server: with --tls-key, the public gRPC and HTTP ports serve TLS only; "
-        "with --tls-ca it is also the client certificate the coordinator presents to its workers",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        helps={
-            "serve": "PEM certificate the services serve TLS with (the coordinator's public ports too; needs "
-            "--tls-ca, with which they check each other)",
-        },
-        passes_to=TO_SERVICES,
-    )
-    # serve's, which it passes on to the workers too (WorkerOptions has the workers' own)
-    tls_key: str | None = flag(
-        None, "--tls-key", "PEM private key of --tls-cert", COORDINATOR_COMMANDS, SERVICE, passes_to=TO_SERVICES
-    )
-    tls_ca: str | None = flag(
-        None,
-        "--tls-ca",
-        "PEM CA certificate(s) of the mTLS between the coordinator and its workers: the coordinator dials its "
-        "workers over TLS, checking their certificates with it and presenting its own --tls-cert",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        helps={"serve": "PEM CA certificate(s) that signed --tls-cert: the services talk mTLS with each other"},
-        passes_to=TO_SERVICES,
-    )
-    tls_server_name: str | None = flag(
-        None,
-        "--tls-server-name",
-        "the name the workers' certificates are checked against, where it is not the host of --target/--draft",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    api_key: str | None = flag(
-        None,
-        "--api-key",
-        "bearer token that every call to the public APIs must carry (gRPC metadata `authorization: Bearer KEY`, "
-        "HTTP header `Authorization: Bearer KEY`; health and reflection stay open); prefer --api-key-file or "
-        "MINEDRAFT_API_KEY to keep it out of the process list",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        helps={
-            "serve": "the coordinator's --api-key, which it gets through MINEDRAFT_API_KEY in its environment (never "
-            "on its command line); serve --generate sends it"
-        },
-        environment=COORDINATOR_COMMANDS,
-    )
-    api_key_file: str | None = flag(
-        None,
-        "--api-key-file",
-        "file whose first line is the --api-key",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    # Connection limits of each public port, gRPC and HTTP apart (`minedraft.rpc.limits.ConnectionLimits`)
-    max_connections: int = flag(
-        1024,
-        "--max-connections",
-        "most connections open at once on each public port (gRPC, HTTP): beyond, a new one is refused at once (HTTP "
-        "first shuts the one waiting longest for a request); lowered to fit the open-files limit",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    header_timeout: float = flag(
-        10.0,
-        "--header-timeout",
-        "seconds a new connection has to send its request's headers (HTTP) or finish its TLS and HTTP/2 handshake "
-        "(gRPC) before it is closed",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    idle_timeout: float = flag(
-        60.0,
-        "--idle-timeout",
-        "seconds a connection may stay open without a call (gRPC) or between requests (HTTP keep-alive) before it "
-        "is closed",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        passes_to=TO_COORDINATOR,
-    )
-    lease_secret: str | None = flag(  # (also the workers': `minedraft.rpc.options`)
-        None,
-        "--lease-secret",
-        "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
-        "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
-        "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
-        "lease but not from taking a free worker: split deployments set one, or mTLS",
-        COORDINATOR_COMMANDS,
-        SERVICE,
-        helps={
-            "serve": "the services' --lease-secret, through MINEDRAFT_LEASE_SECRET in their environment; serve makes a "
-            "random one when none is given",
-        },
-    )
-
-    @property
-    def limits(self) -> Limits:
-        from coordinator.validation import Limits  # (torch, through sampling: not for the CLI's flags)
-
-        return Limits(self.max_prompt_bytes, self.max_messages, self.max_stop_strings, self.max_stop_string_bytes)

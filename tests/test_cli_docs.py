@@ -118,7 +118,7 @@ def test_each_options_field_has_the_default_of_its_flag(options: type, monkeypat
     # Options from bare commands are the options' defaults, those derived from a flag of another kind included
     for worker in WORKERS:
         assert worker_options(parsed[worker]) == WorkerOptions(parsed[worker].model)
-    assert coordinator_options(parsed["coordinator"]) == CoordinatorOptions("t", None, http_port=8000)
+    assert coordinator_options(parsed["coordinator"]) == CoordinatorOptions(target="t", draft=None, http_port=8000)
 
 
 def test_a_flag_takes_its_default_and_type_from_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
