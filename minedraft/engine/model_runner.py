@@ -20,9 +20,10 @@ from minedraft.engine.attention import (
     SHORT_QUERY,
     paged_kernel,
 )
+from minedraft.engine.block_tables import TableWriter
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
 from minedraft.engine.fused_projections import FusedQKVAttention, fuse_projections
-from minedraft.engine.kv_cache import PagedKVCache, TableWriter
+from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.residual_fold import fold_residuals
 from minedraft.engine.tensor_parallel import TensorParallel, same_on_every_rank
 from minedraft.errors import CapacityError
