@@ -304,7 +304,7 @@ class Verifier:
         # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
         draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
         stance = (
-            torch.compiler.set_stance(self.runner.stance() if drafts in self._warmed_up else "default")
+            torch.compiler.set_stance(self.runner.forward_pass.stance() if drafts in self._warmed_up else "default")
             if self.runner.compiles
             else contextlib.nullcontext()
         )
