@@ -70,21 +70,24 @@ class StepResult:
         return rows
 
 
-class Verifier:
-    """Holds the target model's sequences. Invariant: each row's cache holds every committed token but the last,
-    which waits in `pending` to be the first input of the next verify."""
+class Acceptance:
+    """A target step's decision, inside its graph after the forward: the penalties, `rejection_sample`, the emitted
+    tokens' log-probabilities, then the commit (`_commit`: trimmed at stop tokens and the length budget, the rest
+    rolled back). Reads and writes the sequence table's tensors, the rows' cache lengths and pending tokens."""
 
     def __init__(
-        self, runner: ModelRunner, eos_token_ids: Sequence[int], synthetic_acceptance: float | None = None
+        self,
+        runner: ModelRunner,
+        table: SequenceTable,
+        pending: torch.Tensor,
+        eos: torch.Tensor,
+        synthetic_acceptance: float | None,
     ) -> None:
         self.runner = runner
+        self.table = table
+        self.pending = pending  # [rows] each row's last committed token, the next verify's first input
+        self.eos = eos
         self.synthetic_acceptance = synthetic_acceptance  # benchmarks only: see rejection_sample
-        self.table = SequenceTable(runner, eos_token_ids)
-        self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
-        # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
-        # length without waiting for the device (-1: unknown, which costs one host sync).
-        self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
-        self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         # With compiled layers the acceptance and commit compile too: in a greedy verify's graph they were 55 small
         # kernels (99 with synthetic acceptance), ~0.1 ms of an 8B verify at batch 1. `warm_up` compiles them.
         # Without inductor's coalescing analysis (a tiling heuristic for large kernels, not these small ones): with
@@ -98,6 +101,154 @@ class Verifier:
             else self._accept_and_commit_eagerly
         )
         self._warmed_up: set[int] = set()  # draft counts (0: prefills) whose acceptance and commit are compiled
+
+    @torch.inference_mode()
+    def warm_up(self, k: int) -> None:
+        """With compiled layers, compile the acceptance and commit of verifies of k drafts and of prefills and
+        target-only steps (none), for every kind of batch, at one row and at several, before serving: afterwards a
+        kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile."""
+        if not self.runner.compiles or {0, k} <= self._warmed_up:
+            return
+        start = time.perf_counter()
+        row, vocab, device = self.runner.scratch_row, self.runner.vocab_size, self.runner.device
+        for drafts in sorted({0, k}):
+            for kind in KINDS:
+                for batch in (1, 2):
+                    rows = torch.full((batch,), row, device=device)
+                    tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
+                    probs = torch.zeros(batch, drafts, vocab, device=device) if not kind.all_greedy and drafts else None
+                    logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
+                    self.decide(
+                        rows,
+                        tokens=tokens,
+                        num_valid=torch.full_like(rows, drafts + 1),
+                        before=torch.zeros_like(rows),
+                        logits=logits,
+                        draft_probs=probs,
+                        drafts=drafts,
+                        kind=kind,
+                    )
+        self.table.generated[row] = 0
+        self.runner.cache.lengths[row] = 0
+        self._warmed_up.update({0, k})
+        log.info("acceptance and commit compiled for k=%d in %.1f s", k, time.perf_counter() - start)
+
+    def decide(
+        self,
+        rows: torch.Tensor,
+        *,
+        tokens: torch.Tensor,
+        num_valid: torch.Tensor,
+        before: torch.Tensor,
+        logits: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        drafts: int,
+        kind: SamplingKind,
+    ) -> list[torch.Tensor]:
+        """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
+        `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
+        its arguments and the table's tensors. Returns `StepResult.packed`, then its `logprobs` when the kind has
+        them."""
+        # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
+        draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
+        stance = (
+            torch.compiler.set_stance(self.runner.forward_pass.stance() if drafts in self._warmed_up else "default")
+            if self.runner.compiles
+            else contextlib.nullcontext()
+        )
+        with stance:
+            return self._accept_and_commit(
+                rows,
+                draft_ids=draft_ids,
+                first_position=before + num_valid - drafts,
+                logits=logits,
+                draft_probs=draft_probs,
+                all_greedy=kind.all_greedy,
+                filtered=kind.filtered,
+                penalized=kind.penalized,
+                logprobs=kind.logprobs,
+            )
+
+    def _accept_and_commit_eagerly(
+        self,
+        rows: torch.Tensor,
+        draft_ids: torch.Tensor,
+        first_position: torch.Tensor,
+        logits: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        all_greedy: bool,
+        filtered: bool,
+        penalized: bool,
+        logprobs: bool,
+    ) -> list[torch.Tensor]:
+        """The penalties applied (with `penalized`), `rejection_sample`, the emitted tokens' log-probabilities (with
+        `logprobs`), then `_commit`; `first_position` is each row's sequence index of its first draft (or of its next
+        token). Compiled with the layers (`_accept_and_commit`)."""
+        t = self.table
+        if penalized:  # each position sees the history before it, the drafts it follows included
+            assert t.history is not None
+            logits = penalized_logits(logits, t.history[rows, :-1], first_position, draft_ids, t.penalties(rows))
+        params = RowParams(
+            temperature=t.temperature[rows],
+            top_k=t.top_k[rows],
+            top_p=t.top_p[rows],
+            seed_key=t.seed_key[rows],
+            min_p=t.min_p[rows],
+        )
+        sampled = rejection_sample(
+            target_logits=logits,
+            draft_ids=draft_ids,
+            draft_probs=draft_probs,
+            params=params,
+            first_position=first_position,
+            synthetic_acceptance=self.synthetic_acceptance,
+            all_greedy=all_greedy,
+            filtered=filtered,
+        )
+        reported = []
+        if logprobs:  # one tensor: one copy to the host
+            chosen, values, ids = token_logprobs(logits, params.temperature, sampled.tokens)
+            reported.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
+        packed = self._commit(rows, first_position - 1, sampled)
+        if penalized:
+            t.record_history(rows, first_position, sampled.tokens, packed[:, 0])
+        return [packed, *reported]
+
+    def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> torch.Tensor:
+        """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest. Returns
+        `StepResult.packed`."""
+        tokens, width = sampled.tokens, sampled.tokens.shape[1]
+        emitted = sampled.num_accepted + 1
+        t = self.table
+        is_eos = torch.isin(tokens, self.eos) & ~t.ignore_eos[rows][:, None]
+        is_stop = is_eos | (tokens[:, :, None] == t.stop_ids[rows][:, None, :]).any(-1)
+        is_stop &= torch.arange(width, device=tokens.device)[None, :] < emitted[:, None]
+        first_stop = torch.where(is_stop.any(-1), is_stop.to(torch.long).argmax(-1), width)
+        budget = t.max_tokens[rows] - t.generated[rows]
+        keep = torch.minimum(torch.minimum(emitted, first_stop + 1), budget)
+        finish = torch.where(first_stop < keep, FINISHED_STOP, torch.where(keep >= budget, FINISHED_LENGTH, RUNNING))
+        t.generated[rows] += keep
+        # Cached now: old pending + the first keep-1 emitted tokens; the last emitted one becomes pending.
+        self.runner.truncate(rows, starts + keep)
+        self.pending[rows] = tokens[torch.arange(len(rows), device=tokens.device), keep - 1]
+        return torch.cat([torch.stack([keep, sampled.num_accepted, finish], dim=1), tokens], dim=1)
+
+
+class Verifier:
+    """Holds the target model's sequences. Invariant: each row's cache holds every committed token but the last,
+    which waits in `pending` to be the first input of the next verify."""
+
+    def __init__(
+        self, runner: ModelRunner, eos_token_ids: Sequence[int], synthetic_acceptance: float | None = None
+    ) -> None:
+        self.runner = runner
+        self.table = SequenceTable(runner, eos_token_ids)
+        self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
+        # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
+        # length without waiting for the device (-1: unknown, which costs one host sync).
+        self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
+        eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
+        self.acceptance = Acceptance(runner, self.table, self.pending, eos, synthetic_acceptance)
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
@@ -193,7 +344,7 @@ class Verifier:
         num_valid = torch.full_like(rows, k + 1)
         before = self.runner.cache.lengths[rows]
         logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=False)
-        return self._decide(
+        return self.acceptance.decide(
             rows,
             tokens=tokens,
             num_valid=num_valid,
@@ -212,7 +363,7 @@ class Verifier:
         prompts, lengths = inputs
         before = self.runner.cache.lengths[rows]
         logits = self.runner.step_forward(rows, prompts, lengths, shape=shape, last_only=True)
-        return self._decide(
+        return self.acceptance.decide(
             rows,
             tokens=prompts,
             num_valid=lengths,
@@ -254,141 +405,15 @@ class Verifier:
         probs = (torch.zeros(len(rows), drafts, vocab, device=rows.device),) if not kind.all_greedy and drafts else ()
         self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, lane=None)
 
-    @torch.inference_mode()
     def warm_up(self, k: int) -> None:
-        """With compiled layers, compile the acceptance and commit of verifies of k drafts and of prefills and
-        target-only steps (none), for every kind of batch, at one row and at several, before serving: afterwards a
-        kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile."""
-        if not self.runner.compiles or {0, k} <= self._warmed_up:
-            return
-        start = time.perf_counter()
-        row, vocab, device = self.runner.scratch_row, self.runner.vocab_size, self.runner.device
-        for drafts in sorted({0, k}):
-            for kind in KINDS:
-                for batch in (1, 2):
-                    rows = torch.full((batch,), row, device=device)
-                    tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
-                    probs = torch.zeros(batch, drafts, vocab, device=device) if not kind.all_greedy and drafts else None
-                    logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
-                    self._decide(
-                        rows,
-                        tokens=tokens,
-                        num_valid=torch.full_like(rows, drafts + 1),
-                        before=torch.zeros_like(rows),
-                        logits=logits,
-                        draft_probs=probs,
-                        drafts=drafts,
-                        kind=kind,
-                    )
-        self.table.generated[row] = 0
-        self.runner.cache.lengths[row] = 0
-        self._warmed_up.update({0, k})
-        log.info("acceptance and commit compiled for k=%d in %.1f s", k, time.perf_counter() - start)
-
-    def _decide(
-        self,
-        rows: torch.Tensor,
-        *,
-        tokens: torch.Tensor,
-        num_valid: torch.Tensor,
-        before: torch.Tensor,
-        logits: torch.Tensor,
-        draft_probs: torch.Tensor | None,
-        drafts: int,
-        kind: SamplingKind,
-    ) -> list[torch.Tensor]:
-        """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
-        `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
-        its arguments and the table's tensors. Returns `StepResult.packed`, then its `logprobs` when the kind has
-        them."""
-        # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
-        draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
-        stance = (
-            torch.compiler.set_stance(self.runner.stance() if drafts in self._warmed_up else "default")
-            if self.runner.compiles
-            else contextlib.nullcontext()
-        )
-        with stance:
-            return self._accept_and_commit(
-                rows,
-                draft_ids=draft_ids,
-                first_position=before + num_valid - drafts,
-                logits=logits,
-                draft_probs=draft_probs,
-                all_greedy=kind.all_greedy,
-                filtered=kind.filtered,
-                penalized=kind.penalized,
-                logprobs=kind.logprobs,
-            )
-
-    def _accept_and_commit_eagerly(
-        self,
-        rows: torch.Tensor,
-        draft_ids: torch.Tensor,
-        first_position: torch.Tensor,
-        logits: torch.Tensor,
-        draft_probs: torch.Tensor | None,
-        all_greedy: bool,
-        filtered: bool,
-        penalized: bool,
-        logprobs: bool,
-    ) -> list[torch.Tensor]:
-        """The penalties applied (with `penalized`), `rejection_sample`, the emitted tokens' log-probabilities (with
-        `logprobs`), then `_commit`; `first_position` is each row's sequence index of its first draft (or of its next
-        token). Compiled with the layers (`_accept_and_commit`)."""
-        t = self.table
-        if penalized:  # each position sees the history before it, the drafts it follows included
-            assert t.history is not None
-            logits = penalized_logits(logits, t.history[rows, :-1], first_position, draft_ids, t.penalties(rows))
-        params = RowParams(
-            temperature=t.temperature[rows],
-            top_k=t.top_k[rows],
-            top_p=t.top_p[rows],
-            seed_key=t.seed_key[rows],
-            min_p=t.min_p[rows],
-        )
-        sampled = rejection_sample(
-            target_logits=logits,
-            draft_ids=draft_ids,
-            draft_probs=draft_probs,
-            params=params,
-            first_position=first_position,
-            synthetic_acceptance=self.synthetic_acceptance,
-            all_greedy=all_greedy,
-            filtered=filtered,
-        )
-        reported = []
-        if logprobs:  # one tensor: one copy to the host
-            chosen, values, ids = token_logprobs(logits, params.temperature, sampled.tokens)
-            reported.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
-        packed = self._commit(rows, first_position - 1, sampled)
-        if penalized:
-            t.record_history(rows, first_position, sampled.tokens, packed[:, 0])
-        return [packed, *reported]
+        """With compiled layers, compile the acceptance and commit of verifies of k drafts, prefills and target-only
+        steps before serving (`Acceptance.warm_up`)."""
+        self.acceptance.warm_up(k)
 
     def _padded(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""
         missing = self.runner.vocab_size - draft_probs.shape[-1]
         return torch.nn.functional.pad(draft_probs, (0, missing)) if missing > 0 else draft_probs
-
-    def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> torch.Tensor:
-        """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest. Returns
-        `StepResult.packed`."""
-        tokens, width = sampled.tokens, sampled.tokens.shape[1]
-        emitted = sampled.num_accepted + 1
-        t = self.table
-        is_eos = torch.isin(tokens, self.eos) & ~t.ignore_eos[rows][:, None]
-        is_stop = is_eos | (tokens[:, :, None] == t.stop_ids[rows][:, None, :]).any(-1)
-        is_stop &= torch.arange(width, device=tokens.device)[None, :] < emitted[:, None]
-        first_stop = torch.where(is_stop.any(-1), is_stop.to(torch.long).argmax(-1), width)
-        budget = t.max_tokens[rows] - t.generated[rows]
-        keep = torch.minimum(torch.minimum(emitted, first_stop + 1), budget)
-        finish = torch.where(first_stop < keep, FINISHED_STOP, torch.where(keep >= budget, FINISHED_LENGTH, RUNNING))
-        t.generated[rows] += keep
-        # Cached now: old pending + the first keep-1 emitted tokens; the last emitted one becomes pending.
-        self.runner.truncate(rows, starts + keep)
-        self.pending[rows] = tokens[torch.arange(len(rows), device=tokens.device), keep - 1]
-        return torch.cat([torch.stack([keep, sampled.num_accepted, finish], dim=1), tokens], dim=1)
 
 
 def _step_kind(kind: SamplingKind) -> str:

@@ -47,7 +47,7 @@ def test_compiled_layers_give_generate_output() -> None:
     verifier.warm_up(3)  # the acceptance and commit of verifies of 3 drafts, prefills and target-only steps
     proposer = Proposer(ModelRunner(draft, 4, 128))  # uncompiled: compiling costs minutes on a CI CPU
     # From here a kind of step or of batch that the warm-ups missed fails instead of running uncompiled.
-    runner.unseen_step_stance = "fail_on_recompile"
+    runner.forward_pass.unseen_step_stance = "fail_on_recompile"
     requests = [
         OfflineRequest(p, SamplingConfig(max_tokens=12, ignore_eos=True), arrival_step=i) for i, p in enumerate(prompts)
     ]  # joining mid-flight: batch sizes 1 and 2, prefills between steps

@@ -462,7 +462,8 @@ def test_flushes_through_the_table_writer_leave_the_tables_as_eager_writes() -> 
     """On CUDA `flush` writes through a captured graph from pinned buffers in turn: flushes after launches (more of
     them than the writer has buffers, each behind a busy GPU so its copy waits), trims' trash entries, and one flush
     of more entries than a graph takes (written eagerly) leave the tables as the CPU's eager writes do."""
-    from minedraft.engine.kv_cache import LayerSpec, PagedKVCache, TableWriter
+    from minedraft.engine.block_tables import TableWriter
+    from minedraft.engine.kv_cache import LayerSpec, PagedKVCache
 
     def cache(device: str) -> PagedKVCache:
         made = PagedKVCache(num_rows=9, max_len=4096, block_size=4, device=device)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -12,19 +11,14 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from minedraft.engine.attention import (
-    CAUSAL_BY_POSITIONS,
-    FUSED_MIN_BLOCKS,
-    GROUPED_SDPA,
-    PAGED,
-    SHORT_QUERY,
-    paged_kernel,
-)
+from minedraft.engine.block_tables import TableWriter
+from minedraft.engine.cache_sizing import allocate_cache
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
+from minedraft.engine.forward_pass import ForwardPass, StepShape, paged_queries
 from minedraft.engine.fused_projections import FusedQKVAttention, fuse_projections
-from minedraft.engine.kv_cache import PagedKVCache, TableWriter
+from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.residual_fold import fold_residuals
-from minedraft.engine.tensor_parallel import TensorParallel, same_on_every_rank
+from minedraft.engine.tensor_parallel import TensorParallel
 from minedraft.errors import CapacityError
 
 log = logging.getLogger(__name__)
@@ -32,10 +26,6 @@ log = logging.getLogger(__name__)
 
 # Attention reads keys up to a multiple of this, so few distinct shapes occur (masks hide the extra entries).
 KV_LEN_BUCKET = {"cpu": 64, "cuda": 256}
-# The KV cache of a worker on a CPU, by default (`--kv-cache-memory`): a laptop's share.
-CPU_KV_CACHE_GIB = 1.0
-# GPU memory kept out of the KV cache for what a step allocates beside it (activations, CUDA graphs' pools).
-ACTIVATION_RESERVE_GIB = 2.0
 
 
 def model_context(config: object) -> int:
@@ -48,31 +38,7 @@ def model_context(config: object) -> int:
     return 2048
 
 
-def kv_cache_bytes(device: torch.device, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
-    """The bytes of K/V blocks a worker allocates: `kv_cache_memory` GiB; or on a GPU what `gpu_memory_utilization`
-    of its memory leaves once this process's weights are in (never more than is free now, less a reserve for
-    activations); or `CPU_KV_CACHE_GIB`."""
-    if kv_cache_memory is not None:
-        return int(kv_cache_memory * 2**30)
-    if device.type != "cuda":
-        return int(CPU_KV_CACHE_GIB * 2**30)
-    free, total = torch.cuda.mem_get_info(device)
-    own = torch.cuda.memory_reserved(device)
-    budget = min(gpu_memory_utilization * total - own, free) - ACTIVATION_RESERVE_GIB * 2**30
-    return max(int(budget), 0)
-
-
-# Step and StepShape are made every step: not frozen, which takes four times as long to make.
-@dataclass(slots=True)
-class StepShape:
-    """The static shape of a step, which its CUDA graph is captured for: the batch padded to its bucket (on CUDA,
-    where it runs as a graph) and the key length attention reads gathered (None: paged reads through the block
-    tables, bounded by each row's own length)."""
-
-    padded: int
-    kv_len: int | None
-
-
+# Made every step: not frozen, which takes four times as long to make.
 @dataclass(slots=True)
 class Step:
     """One step on a batch, prepared (`ModelRunner.prepare`) and then run (`ModelRunner.run`)."""
@@ -92,20 +58,6 @@ class Step:
 StepBody = Callable[[torch.Tensor, Sequence[torch.Tensor], StepShape], list[torch.Tensor]]
 # (rows, needed) -> anything: a step of a kind that serving runs, on scratch rows (`precapture`)
 ScratchStep = Callable[[torch.Tensor, int], object]
-
-
-def attention_layout(config: object) -> tuple[int | None, bool]:
-    """(sliding window, whether full-attention layers are mixed in) as transformers' own masks would apply them."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if not window or not getattr(config, "use_sliding_window", True):
-        return None, False
-    if layer_types is None:  # Mistral style: every layer slides
-        return int(window), False
-    kinds = set(layer_types)
-    if "sliding_attention" not in kinds:
-        return None, False
-    return int(window), kinds != {"sliding_attention"}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -182,36 +134,29 @@ class ModelRunner:
         self.cache = PagedKVCache(num_slots + 1, self.max_len, block_size, self.device, prefix_caching)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._free = list(range(num_slots - 1, -1, -1))
-        # transformers >= 5.24 names the cache argument `cache`; older 5.x call it `past_key_values`.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        softcap = getattr(model.config, "final_logit_softcapping", None)
-        self._softcap = float(softcap) if softcap else None
-        # A step's logits stay in the LM head's type: an argmax reads them as they are (the same token as from a
-        # float32 copy), and sampling converts them (`sampling.processed_probs`). The copy took 28 us of an 8B
-        # verify at B=16 on an H200, and the argmax's read of it 33.
-        self.logits_dtype = torch.float32 if self._softcap else model.get_output_embeddings().weight.dtype
-        # A ready 4-D mask is used as it is, so sliding windows must be built into it here.
-        self.sliding_window, self.mixed_layers = attention_layout(model.config)
+        self.forward_pass = ForwardPass(model, self.cache)
+        # What a step's body calls, bound once: no call in between (`ForwardPass.step_forward`).
+        self.step_forward = self.forward_pass.step_forward
+        self.logits_dtype = self.forward_pass.logits_dtype
         self.kv_bucket = KV_LEN_BUCKET["cuda" if self.device.type == "cuda" else "cpu"]
-        # Our forwards use grouped SDPA; the model's own config is left as it is for anyone else calling it.
-        own = getattr(model.config, "_attn_implementation", None)
-        self._attention = GROUPED_SDPA if own == "sdpa" else own
-        self.warmed_up = False  # compiled layers: every kind of step compiled (warm_up)
-        # How compiled layers meet a kind of step the warm-up missed once warmed up: run uncompiled rather than stall
-        # a step on a compile (tests make it fail instead).
-        self.unseen_step_stance = "eager_on_recompile"
         # The static shape of every step run so far, as its CUDA graph's key (any device): what `precapture` must
         # cover.
         self.step_keys: set[tuple[object, ...]] = set()
         self.compiles = compile_layers
-        self._masks = self._step_masks
         self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
             # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self._allocate_cache(kv_cache_memory, gpu_memory_utilization)
+        allocate_cache(
+            self.forward_pass,
+            self.scratch_row,
+            num_slots,
+            self.tensor_parallel,
+            kv_cache_memory,
+            gpu_memory_utilization,
+        )
+        self.max_len = self.cache.max_len  # (lowered where one sequence would not fit)
         layers = decoder_layers(model)
         fused = [m for m in model.modules() if isinstance(m, FusedQKVAttention)]
         # On a CPU no kernel writes: each layer's rotary and write as transformers does them, at positions `select`
@@ -219,69 +164,18 @@ class ModelRunner:
         self.cache.kernel_writes = (
             self.device.type == "cuda" and self.cache.stacked and len(layers) > 0 and len(fused) == len(layers)
         )
-        # Short steps read K/V through the block tables where the Triton kernels take the model's attention: then
-        # neither they nor their graphs depend on the key length.
-        text = model.config.get_text_config()
-        heads = int(getattr(text, "num_attention_heads", 1))
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)  # (the ratio a rank's shard keeps too)
-        self._paged_queries = (
-            SHORT_QUERY // max(heads // kv_heads, 1)
-            if self.device.type == "cuda" and paged_kernel(self.cache.specs or [], text)
-            else 0
-        )
+        self._paged_queries = paged_queries(model.config, self.cache)
         if compile_layers:
             compile_decoder_layers(model)
-            self._masks = torch.compile(self._step_masks, dynamic=True)
+            self.forward_pass.compile_masks()
         # A graph is captured on one device's stream: a model spread over several GPUs runs eagerly.
         if self.device.type == "cuda" and cuda_graphs and not spread:
             self.graphs = CudaGraphs(model, decoder_layers(model), fill_row=self.scratch_row)
             self.cache.table_writer = TableWriter(self.cache.apply_writes, self.device)
         if compile_layers:
-            self.warm_up()
+            self.forward_pass.warm_up(self.scratch_row, self._key_length, self._paged_queries)
 
     # -- memory ---------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _allocate_cache(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> None:
-        """Probe the K/V each token caches, then allocate the blocks once, before serving; lowers `max_len` (with a
-        log line) where one sequence would not fit."""
-        self.cache.probe()
-        try:
-            rows = self._scratch_rows(1)
-            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            self.step_forward(rows, ids, torch.ones(1, dtype=torch.long, device=self.device), shape=StepShape(1, 1))
-        finally:
-            self.cache.end_probe()
-        self.cache.lengths[self.scratch_row] = 0
-        per_block = self.cache.bytes_per_block
-        budget = kv_cache_bytes(self.device, kv_cache_memory, gpu_memory_utilization)
-        ever_needed = self.num_slots * self.cache.max_blocks + 1  # every row at max_len, and the trash block
-        # Every rank of a tensor-parallel group holds as many blocks: each then takes and frees the very same ones.
-        num_blocks = same_on_every_rank(min(budget // per_block, ever_needed), self.tensor_parallel, self.device)
-        if num_blocks < 2:
-            raise CapacityError(
-                f"{budget / 2**30:.2f} GiB of KV cache holds no block of {per_block / 2**20:.1f} MiB: raise "
-                "--kv-cache-memory or --gpu-memory-utilization"
-            )
-        self.cache.allocate(int(num_blocks))
-        fits = (int(num_blocks) - 1) * self.cache.block_size
-        if fits < self.max_len:
-            log.warning(
-                "max_model_len lowered from %d to %d tokens: one sequence must fit the KV cache's %d blocks",
-                self.max_len,
-                fits,
-                num_blocks - 1,
-            )
-            self.max_len = self.cache.max_len = fits
-        log.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s; max_model_len %d",
-            num_blocks - 1,
-            self.cache.block_size,
-            (num_blocks - 1) * self.cache.block_size,
-            num_blocks * per_block / 2**30,
-            self.device,
-            self.max_len,
-        )
-
     @property
     def block_size(self) -> int:
         return self.cache.block_size
@@ -318,36 +212,6 @@ class ModelRunner:
         """Roll rows back to `lengths` committed tokens, on the device (inside a step's graph); the blocks left
         empty go back once the host knows the lengths (`PagedKVCache.trim`)."""
         self.cache.lengths[rows] = lengths
-
-    @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile every kind of step the compiled layers will see, before serving: one token or several, paged or
-        gathered, a prefill, batch 1, a few rows or many (each a separate compiled variant; sizes within a kind share
-        one). Runs on the scratch row. Afterwards a step of a kind not seen here runs its layers uncompiled rather
-        than stall a step on a compile (`eager_on_recompile`)."""
-        start = time.perf_counter()
-
-        def forward(batch: int, n: int, paged: bool) -> None:
-            rows = self._scratch_rows(batch)
-            input_ids = torch.zeros(batch, n, dtype=torch.long, device=self.device)
-            num_valid = torch.full((batch,), n, dtype=torch.long, device=self.device)
-            kv_len = None if paged else self._key_length(n)
-            self.step_forward(rows, input_ids, num_valid, shape=StepShape(padded=batch, kv_len=kv_len), last_only=True)
-
-        many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
-        long = min(SHORT_QUERY + 1, self.max_len)
-        kinds = [(batch, n, False) for batch in (1, 2, many) for n in (1, 2, long)]
-        kinds += [(batch, n, True) for batch in (1, 2, many) for n in (1, 2) if n <= self._paged_queries]
-        for batch, n, paged in kinds:
-            forward(batch, n, paged)
-        self.cache.lengths[self.scratch_row] = 0
-        self.warmed_up = True
-        log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
-
-    def stance(self) -> str:
-        """How compiled code meets a kind of step it was not compiled for: compiles it until warmed up, then runs it
-        uncompiled rather than stall a step (`unseen_step_stance`)."""
-        return self.unseen_step_stance if self.warmed_up else "default"
 
     def step_shape(self, batch: int, needed: int, tokens: int) -> tuple[int, int | None]:
         """(padded batch, key length) of a step on `batch` rows of `tokens` new tokens each whose longest reaches
@@ -527,74 +391,3 @@ class ModelRunner:
     def longest_after(self, rows: torch.Tensor, n: int) -> int:
         """The longest of `rows` after appending `n` tokens each: a host sync, for callers that do not know it."""
         return int((self.cache.lengths[rows.to(self.device)] + n).max())
-
-    def step_forward(
-        self,
-        rows: torch.Tensor,
-        input_ids: torch.Tensor,
-        num_valid: torch.Tensor,
-        *,
-        shape: StepShape,
-        last_only: bool = True,
-    ) -> torch.Tensor:
-        """The forward proper, inside a step's body: appends `input_ids[b, :num_valid[b]]` to row `rows[b]` and
-        returns the logits (`[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only`) in
-        `logits_dtype`. Free of host syncs, so that a CUDA graph can capture it."""
-        batch, n = input_ids.shape
-        # Before the cache is allocated (its probe) compiled code must not see it: eagerly.
-        stance = self.stance() if self.cache.pool is not None else "force_eager"
-        config = self.model.config
-        own, config._attn_implementation = config._attn_implementation, self._attention
-        try:
-            with torch.compiler.set_stance(stance):
-                starts = self.cache.lengths[rows]
-                kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
-                mask: torch.Tensor | dict[str, torch.Tensor]
-                if shape.kv_len is None:  # paged reads: the kernels mask by positions (and the layer's window)
-                    positions = starts[:, None] + torch.arange(n, device=starts.device)
-                    mask = positions.new_zeros(batch, 1, n, 1, dtype=self.dtype)
-                    if self.mixed_layers:
-                        mask = {"full_attention": mask, "sliding_attention": mask}
-                    kwargs[PAGED] = (self.cache.tables, rows, positions, self.sliding_window is not None)
-                else:
-                    positions, full, windowed = self._masks(starts, n, shape.kv_len)
-                    mask = full
-                    if windowed is None:
-                        kwargs[CAUSAL_BY_POSITIONS] = True
-                    elif self.mixed_layers:
-                        mask = {"full_attention": full, "sliding_attention": windowed}
-                    else:
-                        mask = windowed
-                self.cache.select(rows, positions, kv_len=shape.kv_len)
-                hidden = self.model.base_model(
-                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
-                ).last_hidden_state
-        finally:
-            config._attn_implementation = own
-        self.cache.lengths[rows] = starts + num_valid
-        if last_only:
-            hidden = hidden[torch.arange(batch, device=self.device), num_valid - 1]
-        logits = self.model.get_output_embeddings()(hidden).to(self.device)
-        if self._softcap is not None:
-            logits = torch.tanh(logits.float() / self._softcap) * self._softcap
-        return logits
-
-    def _step_masks(
-        self, starts: torch.Tensor, n: int, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(the positions of `n` new tokens after rows of lengths `starts`, the additive causal mask `[B, 1, n,
-        kv_len]`, the same within the sliding window if the model has one). Compiled with the layers (`_masks`):
-        eagerly it is about ten small kernels a step. Takes only tensors made inside the step: compiled code
-        guards on whether its inputs are inference tensors, and callers' rows and ids may not be."""
-        positions = starts[:, None] + torch.arange(n, device=starts.device)
-        keys = torch.arange(kv_len, device=starts.device)
-        causal = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: committed + new, in order
-        windowed = None
-        if self.sliding_window is not None:
-            windowed = self._additive(causal & (keys[None, None, :] > positions[:, :, None] - self.sliding_window))
-        return positions, self._additive(causal), windowed
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """[B, n, kv] booleans -> the [B, 1, n, kv] additive mask that eager and SDPA attention both accept."""
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]

@@ -1,0 +1,201 @@
+"""The forward proper of a causal LM over a paged KV cache, inside a step: positions, masks, layers, logits."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from minedraft.engine.attention import (
+    CAUSAL_BY_POSITIONS,
+    FUSED_MIN_BLOCKS,
+    GROUPED_SDPA,
+    PAGED,
+    SHORT_QUERY,
+    paged_kernel,
+)
+from minedraft.engine.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+
+# Step and StepShape are made every step: not frozen, which takes four times as long to make.
+@dataclass(slots=True)
+class StepShape:
+    """The static shape of a step, which its CUDA graph is captured for: the batch padded to its bucket (on CUDA,
+    where it runs as a graph) and the key length attention reads gathered (None: paged reads through the block
+    tables, bounded by each row's own length)."""
+
+    padded: int
+    kv_len: int | None
+
+
+def attention_layout(config: object) -> tuple[int | None, bool]:
+    """(sliding window, whether full-attention layers are mixed in) as transformers' own masks would apply them."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None, False
+    if layer_types is None:  # Mistral style: every layer slides
+        return int(window), False
+    kinds = set(layer_types)
+    if "sliding_attention" not in kinds:
+        return None, False
+    return int(window), kinds != {"sliding_attention"}
+
+
+def paged_queries(config: PretrainedConfig, cache: PagedKVCache) -> int:
+    """The most new tokens a step's rows may take and read K/V through the block tables (0: none may). Short steps
+    do where the Triton kernels take the model's attention: then neither they nor their graphs depend on the key
+    length."""
+    text = config.get_text_config()
+    heads = int(getattr(text, "num_attention_heads", 1))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)  # (the ratio a rank's shard keeps too)
+    return (
+        SHORT_QUERY // max(heads // kv_heads, 1)
+        if cache.device.type == "cuda" and paged_kernel(cache.specs or [], text)
+        else 0
+    )
+
+
+class ForwardPass:
+    """A model's forward over its paged KV cache, free of host syncs so that a CUDA graph can capture it: the
+    positions and masks (or the block tables, for paged reads), the model's layers, then the logits. Owns how
+    compiled layers meet a kind of step: compiled on first use until warmed up (`warm_up`), uncompiled after."""
+
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        # transformers >= 5.24 names the cache argument `cache`; older 5.x call it `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        self._softcap = float(softcap) if softcap else None
+        # A step's logits stay in the LM head's type: an argmax reads them as they are (the same token as from a
+        # float32 copy), and sampling converts them (`sampling.processed_probs`). The copy took 28 us of an 8B
+        # verify at B=16 on an H200, and the argmax's read of it 33.
+        self.logits_dtype = torch.float32 if self._softcap else model.get_output_embeddings().weight.dtype
+        # A ready 4-D mask is used as it is, so sliding windows must be built into it here.
+        self.sliding_window, self.mixed_layers = attention_layout(model.config)
+        # Our forwards use grouped SDPA; the model's own config is left as it is for anyone else calling it.
+        own = getattr(model.config, "_attn_implementation", None)
+        self._attention = GROUPED_SDPA if own == "sdpa" else own
+        self.warmed_up = False  # compiled layers: every kind of step compiled (warm_up)
+        # How compiled layers meet a kind of step the warm-up missed once warmed up: run uncompiled rather than stall
+        # a step on a compile (tests make it fail instead).
+        self.unseen_step_stance = "eager_on_recompile"
+        self._masks = self._step_masks
+
+    def compile_masks(self) -> None:
+        """Compile the masks with the layers (`_step_masks`)."""
+        self._masks = torch.compile(self._step_masks, dynamic=True)
+
+    def stance(self) -> str:
+        """How compiled code meets a kind of step it was not compiled for: compiles it until warmed up, then runs it
+        uncompiled rather than stall a step (`unseen_step_stance`)."""
+        return self.unseen_step_stance if self.warmed_up else "default"
+
+    @torch.inference_mode()
+    def warm_up(self, scratch_row: int, key_length: Callable[[int], int], paged_queries: int) -> None:
+        """Compile every kind of step the compiled layers will see, before serving: one token or several, paged or
+        gathered (to `key_length(tokens)` keys; paged up to `paged_queries` tokens), a prefill, batch 1, a few rows
+        or many (each a separate compiled variant; sizes within a kind share one). Runs on `scratch_row`.
+        Afterwards a step of a kind not seen here runs its layers uncompiled rather than stall a step on a compile
+        (`eager_on_recompile`)."""
+        start = time.perf_counter()
+
+        def forward(batch: int, n: int, paged: bool) -> None:
+            self.cache.lengths[scratch_row] = 0
+            rows = torch.full((batch,), scratch_row, dtype=torch.long, device=self.device)
+            input_ids = torch.zeros(batch, n, dtype=torch.long, device=self.device)
+            num_valid = torch.full((batch,), n, dtype=torch.long, device=self.device)
+            kv_len = None if paged else key_length(n)
+            self.step_forward(rows, input_ids, num_valid, shape=StepShape(padded=batch, kv_len=kv_len), last_only=True)
+
+        many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
+        long = min(SHORT_QUERY + 1, self.cache.max_len)
+        kinds = [(batch, n, False) for batch in (1, 2, many) for n in (1, 2, long)]
+        kinds += [(batch, n, True) for batch in (1, 2, many) for n in (1, 2) if n <= paged_queries]
+        for batch, n, paged in kinds:
+            forward(batch, n, paged)
+        self.cache.lengths[scratch_row] = 0
+        self.warmed_up = True
+        log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
+
+    def step_forward(
+        self,
+        rows: torch.Tensor,
+        input_ids: torch.Tensor,
+        num_valid: torch.Tensor,
+        *,
+        shape: StepShape,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """The forward proper, inside a step's body: appends `input_ids[b, :num_valid[b]]` to row `rows[b]` and
+        returns the logits (`[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only`) in
+        `logits_dtype`. Free of host syncs, so that a CUDA graph can capture it."""
+        batch, n = input_ids.shape
+        # Before the cache is allocated (its probe) compiled code must not see it: eagerly.
+        stance = self.stance() if self.cache.pool is not None else "force_eager"
+        config = self.model.config
+        own, config._attn_implementation = config._attn_implementation, self._attention
+        try:
+            with torch.compiler.set_stance(stance):
+                starts = self.cache.lengths[rows]
+                kwargs: dict[str, object] = {self._cache_kwarg: self.cache}
+                mask: torch.Tensor | dict[str, torch.Tensor]
+                if shape.kv_len is None:  # paged reads: the kernels mask by positions (and the layer's window)
+                    positions = starts[:, None] + torch.arange(n, device=starts.device)
+                    mask = positions.new_zeros(batch, 1, n, 1, dtype=self.dtype)
+                    if self.mixed_layers:
+                        mask = {"full_attention": mask, "sliding_attention": mask}
+                    kwargs[PAGED] = (self.cache.tables, rows, positions, self.sliding_window is not None)
+                else:
+                    positions, full, windowed = self._masks(starts, n, shape.kv_len)
+                    mask = full
+                    if windowed is None:
+                        kwargs[CAUSAL_BY_POSITIONS] = True
+                    elif self.mixed_layers:
+                        mask = {"full_attention": full, "sliding_attention": windowed}
+                    else:
+                        mask = windowed
+                self.cache.select(rows, positions, kv_len=shape.kv_len)
+                hidden = self.model.base_model(
+                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+                ).last_hidden_state
+        finally:
+            config._attn_implementation = own
+        self.cache.lengths[rows] = starts + num_valid
+        if last_only:
+            hidden = hidden[torch.arange(batch, device=self.device), num_valid - 1]
+        logits = self.model.get_output_embeddings()(hidden).to(self.device)
+        if self._softcap is not None:
+            logits = torch.tanh(logits.float() / self._softcap) * self._softcap
+        return logits
+
+    def _step_masks(
+        self, starts: torch.Tensor, n: int, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(the positions of `n` new tokens after rows of lengths `starts`, the additive causal mask `[B, 1, n,
+        kv_len]`, the same within the sliding window if the model has one). Compiled with the layers (`_masks`):
+        eagerly it is about ten small kernels a step. Takes only tensors made inside the step: compiled code
+        guards on whether its inputs are inference tensors, and callers' rows and ids may not be."""
+        positions = starts[:, None] + torch.arange(n, device=starts.device)
+        keys = torch.arange(kv_len, device=starts.device)
+        causal = keys[None, None, :] <= positions[:, :, None]  # [B, n, kv_len]: committed + new, in order
+        windowed = None
+        if self.sliding_window is not None:
+            windowed = self._additive(causal & (keys[None, None, :] > positions[:, :, None] - self.sliding_window))
+        return positions, self._additive(causal), windowed
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[B, n, kv] booleans -> the [B, 1, n, kv] additive mask that eager and SDPA attention both accept."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
