@@ -11,7 +11,7 @@ FROM python:3.11-slim
 
 # TORCH: the torch requirement, installed first in its own (large, rarely changing) layer,
 #   e.g. --build-arg TORCH="torch==2.9.1".
-# EXTRAS: the package's extras to install ("gpu" adds CuPy for the cuda-ipc channel; "" for none).
+# EXTRAS: the package's extras to install ("gpu" adds CuPy, which the nccl channel runs over on GPUs; "" for none).
 ARG TORCH="torch>=2.4"
 ARG EXTRAS="gpu"
 

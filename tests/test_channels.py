@@ -1,7 +1,10 @@
-"""Channels: byte-exact round trips, and the nccl channel's code path over gloo between real worker processes."""
+"""Channels: byte-exact round trips, and the nccl channel's code path over gloo: beside a default process group (as
+a tensor-parallel worker holds), and between real worker processes."""
 
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ import torch
 from stack import TinyPairs, Workers, generate_all, mixed_requests, run_async, running_coordinator
 
 from minedraft.channels import make_channel
+from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2
 
 pytest_plugins = ["stack"]
@@ -38,6 +42,47 @@ def test_local_channel_hands_tensors_over() -> None:
 def test_unknown_channel_is_named() -> None:
     with pytest.raises(ValueError, match="unknown channel 'carrier-pigeon'"):
         make_channel("carrier-pigeon", torch.device("cpu"))
+
+
+def _nccl_pair_beside_a_default_group(store_path: str) -> None:
+    """In a process whose default group is taken: two nccl channels, one after the other (a fresh one after the
+    first is closed, as after a worker's restart), carry a step's ids and fp32 probabilities exactly."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+    cpu = torch.device("cpu")
+    for _ in range(2):
+        draft, target = make_channel("nccl", cpu), make_channel("nccl", cpu)
+        target.attach(draft.export(4, 8, 100))
+        for step, batch in enumerate((3, 8, 1)):
+            ids, probs = torch.randint(0, 100, (batch, 4)), torch.rand(batch, 4, 100)
+            payload = common_pb2.DraftPayload.FromString(draft.send(step, ids, probs).SerializeToString())
+            got_ids, got_probs = target.receive(payload)
+            assert torch.equal(got_ids, ids) and got_probs is not None and torch.equal(got_probs, probs)
+        got_ids, got_probs = target.receive(draft.send(3, ids, None))
+        assert torch.equal(got_ids, ids) and got_probs is None
+        draft.close()
+        target.close()
+    one = torch.ones(1)
+    dist.all_reduce(one)  # the default group is untouched and still works
+    assert dist.get_world_size() == 1 and one.item() == 1
+    dist.destroy_process_group()
+
+
+def test_nccl_channel_over_gloo_beside_a_default_group(tmp_path: Path) -> None:
+    child = multiprocessing.get_context("spawn").Process(
+        target=_nccl_pair_beside_a_default_group, args=(str(tmp_path / "store"),)
+    )
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+
+
+def test_nccl_channel_without_cupy_on_a_gpu_names_the_package() -> None:
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    with pytest.raises(ModelLoadError, match=r"pip install 'minedraft\[gpu\]'"):
+        make_channel("nccl", torch.device("cuda")).export(4, 8, 100)
 
 
 def test_nccl_channel_over_gloo_gives_the_grpc_channels_output(

@@ -94,19 +94,29 @@ def greedy(tiny_pairs: TinyPairs) -> dict[str, tuple[list[generation_pb2.Generat
 
 
 # Llama's psd is in the last test, on the coordinator that then sees a rank killed; Qwen3's sd runs the very verify
-# its psd does (left out: each case costs a coordinator's start).
+# its psd does (left out: each case costs a coordinator's start). Qwen3's psd crosses the nccl channel (gloo) between
+# the target's and the draft's rank 0s, each holding its group's default process group beside the pair's own.
 @pytest.mark.parametrize(
-    ("arch", "mode"), [("llama", "sd"), ("llama", "ar"), ("qwen3", "psd"), ("qwen3", "ar"), ("gpt_neox", "psd")]
+    ("arch", "mode", "channel"),
+    [
+        ("llama", "sd", "grpc"),
+        ("llama", "ar", "grpc"),
+        ("qwen3", "psd", "nccl"),
+        ("qwen3", "ar", "grpc"),
+        ("gpt_neox", "psd", "grpc"),
+    ],
 )
 def test_two_ranks_greedy_match_generate(
     arch: str,
     mode: str,
+    channel: str,
     tp_workers: dict[str, Workers],
     greedy: dict[str, tuple[list[generation_pb2.GenerateRequest], list[list[int]]]],
     stack_logs: Path,
 ) -> None:
     requests, expected = greedy[arch]
-    with running_coordinator(tp_workers[arch], stack_logs, mode, max_batch_size=BATCH) as coordinator:
+    extra = ["--channel", channel]
+    with running_coordinator(tp_workers[arch], stack_logs, mode, max_batch_size=BATCH, extra=extra) as coordinator:
         got = asyncio.run(generate_all(coordinator.address, requests))
     assert got == expected
     assert_all_slots_free(tp_workers[arch])

@@ -1,22 +1,33 @@
-"""The `nccl` channel: a two-rank torch.distributed group per pair (gloo on CPU), rendezvous over gRPC."""
+"""The `nccl` channel: a two-rank communicator of the pair's own, never torch.distributed's default group (which a
+tensor-parallel worker's ranks hold). On GPUs, CuPy's NCCL bindings: the draft side makes the unique id and the
+handshake carries it. On CPUs, a gloo group built from a store the draft side hosts: the handshake carries its
+address (the one port of ours; gloo opens its own for the pair's connection, as NCCL does)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import threading
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from minedraft.channels.base import Channel
+from minedraft.errors import ModelLoadError
 from minedraft.proto import common_pb2
 
 log = logging.getLogger(__name__)
 DRAFT_RANK, TARGET_RANK = 0, 1
+TIMEOUT = timedelta(seconds=120)  # the set-up's rendezvous, and each gloo receive
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CUPY_MISSING = (
+    "the nccl channel on GPUs needs CuPy: pip install 'minedraft[gpu]' (cupy-cuda12x), or the CuPy build for this "
+    "machine's CUDA (cupy-cuda13x on CUDA 13); or pick another --channel"
+)
 
 
 def _advertised_host() -> str:
@@ -42,93 +53,166 @@ def _listen(host: str) -> socket.socket:
         return socket.create_server(("", 0))
 
 
+class _Pair(Protocol):
+    def send(self, tensor: torch.Tensor) -> None: ...
+    def recv(self, tensor: torch.Tensor) -> None: ...
+    def close(self) -> None: ...
+
+
+class _GlooPair:
+    """Two ranks of a ProcessGroupGloo made from a TCPStore: no process-wide state is touched."""
+
+    def __init__(self, host: str, port: int, rank: int, listener: socket.socket | None) -> None:
+        fd = listener.detach() if listener is not None else None  # the store owns it from here, and closes it
+        store = dist.TCPStore(host, port, 2, is_master=rank == DRAFT_RANK, timeout=TIMEOUT, master_listen_fd=fd)
+        self.rank = rank
+        # Blocks until both ranks are connected. (Any: torch's stubs give the backend no send or recv.)
+        self.group: Any = dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)
+        self._in_flight: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+        # Asynchronous (a Propose reply must not wait for the Verify that posts the receive); the buffer must live.
+        self._in_flight.append((self.group.send([tensor], 1 - self.rank, 0), tensor))
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        self.group.recv([tensor], 1 - self.rank, 0).wait()
+
+    def close(self) -> None:
+        self._in_flight.clear()  # (the group closes its connections once the channel drops this pair)
+
+
+class _CupyPair:
+    """Two ranks of a CuPy NcclCommunicator. Sends run on a stream of their own, after the caller's work, so the
+    draft's next kernels do not queue behind a send the target has yet to receive; receives run on the caller's."""
+
+    def __init__(self, unique_id: tuple[int, ...], rank: int, device: torch.device) -> None:
+        from cupy.cuda import nccl
+
+        torch.cuda.set_device(device)
+        self.nccl, self.rank, self.device = nccl, rank, device
+        self.comm = nccl.NcclCommunicator(2, unique_id, rank)  # blocks until both ranks have joined
+        self.stream = torch.cuda.Stream(device)
+        # NCCL connects the pair at its first exchange, which both sides must join. Done here, while both set up:
+        # left to the first proposal, the draft's send would wait for a receive that comes only after the Propose
+        # reply that send holds up (a deadlock seen on two H200s with torch's NCCL group).
+        hello = torch.zeros(1, device=device)
+        (self.send if rank == DRAFT_RANK else self.recv)(hello)
+        torch.cuda.synchronize(device)
+
+    def _dtype(self, tensor: torch.Tensor) -> int:
+        kinds = {torch.long: self.nccl.NCCL_INT64, torch.float32: self.nccl.NCCL_FLOAT32}
+        return int(kinds[tensor.dtype])
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        tensor.record_stream(self.stream)  # the allocator keeps it until the send is done
+        peer = 1 - self.rank
+        self.comm.send(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), peer, self.stream.cuda_stream)
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.comm.recv(tensor.data_ptr(), tensor.numel(), self._dtype(tensor), 1 - self.rank, stream)
+
+    def close(self) -> None:
+        self.comm.abort()  # (not destroy: that waits on sends a lost peer will never receive)
+
+
+def _check_cupy() -> None:
+    try:
+        import cupy.cuda.nccl  # noqa: F401
+    except ImportError as exc:
+        raise ModelLoadError(CUPY_MISSING) from exc
+
+
 class NcclChannel(Channel):
     """Messages are matched by order: drafts are verified in the order they were proposed, so the target's
-    receives pair with the draft's sends one for one. The draft side sends asynchronously (a Propose reply must
-    not wait for the Verify that will post the matching receive)."""
+    receives pair with the draft's sends one for one."""
 
     name = "nccl"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self._pair: _Pair | None = None
         self._ready: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
-        self._listener: socket.socket | None = None  # the draft's rendezvous socket, open while the store lives
 
-    def _join(self, host: str, port: int, rank: int, listener: socket.socket | None = None) -> None:
+    def _join(self, handshake: dict[str, Any], rank: int, listener: socket.socket | None = None) -> None:
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            fd = listener.fileno() if listener is not None else None
-            store = dist.TCPStore(
-                host, port, 2, is_master=rank == DRAFT_RANK, timeout=timedelta(seconds=120), master_listen_fd=fd
-            )
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
-            # NCCL builds the pair's send/receive communicator at their first exchange, which both sides must
-            # join. Done here, while both are setting up: left to the first proposal, the draft's send would wait
-            # for the target's receive, which comes only after the Propose reply that send holds up (a deadlock
-            # seen on two H200s).
-            hello = torch.zeros(1, device=self.device)
-            if rank == DRAFT_RANK:
-                dist.send(hello, dst=TARGET_RANK)
+            if handshake["backend"] == "nccl":
+                self._pair = _CupyPair(tuple(handshake["unique_id"]), rank, self.device)
             else:
-                dist.recv(hello, src=DRAFT_RANK)
+                host, port = handshake["address"].rsplit(":", 1)
+                self._pair = _GlooPair(host, int(port), rank, listener)
         except BaseException as exc:  # surfaced at the first send
             self._error = exc
 
     def export(self, num_speculative_tokens: int, max_batch_size: int, vocab_size: int) -> bytes:
-        host = _advertised_host()
-        self._listener = _listen(host)
-        port = self._listener.getsockname()[1]
-        # init_process_group blocks until the target joins, which happens only after this reply: join in background.
-        self._ready = threading.Thread(target=self._join, args=(host, port, DRAFT_RANK, self._listener), daemon=True)
+        handshake: dict[str, Any] = {"backend": self.backend}
+        listener = None
+        if self.backend == "nccl":
+            _check_cupy()
+            from cupy.cuda import nccl
+
+            handshake["unique_id"] = list(nccl.get_unique_id())
+        else:
+            host = _advertised_host()
+            listener = _listen(host)
+            handshake["address"] = f"{host}:{listener.getsockname()[1]}"
+        # The pair forms only once the target joins, after this reply: join in the background.
+        self._ready = threading.Thread(target=self._join, args=(handshake, DRAFT_RANK, listener), daemon=True)
         self._ready.start()
-        return f"{host}:{port}".encode()
+        return json.dumps(handshake).encode()
 
     def attach(self, handshake: bytes) -> None:
-        host, port = handshake.decode().rsplit(":", 1)
-        self._join(host, int(port), TARGET_RANK)
+        exported = json.loads(handshake)
+        if exported["backend"] != self.backend:
+            raise ValueError(
+                f"nccl channel: the draft is on {exported['backend']} and the target on {self.backend} "
+                "(both on GPUs or both on CPUs); pick another --channel"
+            )
+        if self.backend == "nccl":
+            _check_cupy()
+        self._join(exported, TARGET_RANK)
         if self._error is not None:
-            raise ValueError(f"nccl channel rendezvous with {host}:{port} failed: {self._error}")
+            where = exported.get("address", "the draft's unique id")
+            raise ValueError(f"nccl channel rendezvous with {where} failed: {self._error}")
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self) -> _Pair:
         if self._ready is not None:
             self._ready.join()
             self._ready = None
         if self._error is not None:
             raise RuntimeError(f"nccl channel set-up failed: {self._error}")
+        assert self._pair is not None, "export() or attach() first"
+        return self._pair
 
     def send(self, step_id: int, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> common_pb2.DraftPayload:
-        self._wait_ready()
-        self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+        pair = self._wait_ready()
         payload = common_pb2.DraftPayload(
             channel=self.name, step_id=step_id, batch_size=draft_ids.shape[0], num_tokens=draft_ids.shape[1]
         )
-        tensors = [draft_ids.to(torch.long).contiguous()]
+        pair.send(draft_ids.to(torch.long).contiguous())
         if draft_probs is not None:
-            tensors.append(draft_probs.to(torch.float32).contiguous())
+            pair.send(draft_probs.to(torch.float32).contiguous())
             payload.probs_shape.extend(draft_probs.shape)
             payload.probs_dtype = "float32"
-        for tensor in tensors:  # the buffer must outlive the asynchronous send
-            work = dist.isend(tensor, dst=TARGET_RANK)
-            assert work is not None
-            self._in_flight.append((work, tensor))
         return payload
 
     def receive(self, payload: common_pb2.DraftPayload) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pair = self._wait_ready()
         ids = torch.empty(payload.batch_size, payload.num_tokens, dtype=torch.long, device=self.device)
-        dist.recv(ids, src=DRAFT_RANK)
+        pair.recv(ids)
         if not payload.probs_shape:
             return ids, None
         probs = torch.empty(tuple(payload.probs_shape), dtype=_DTYPES[payload.probs_dtype], device=self.device)
-        dist.recv(probs, src=DRAFT_RANK)
+        pair.recv(probs)
         return ids, probs
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._ready is not None and not self._ready.is_alive():
+            self._ready = None
+        if self._ready is None and self._pair is not None:  # (a pair still forming is left to its daemon thread)
+            self._pair.close()
+        self._pair = None
