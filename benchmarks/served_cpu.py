@@ -74,7 +74,8 @@ def service_pids(bench: int) -> dict[str, int]:
     for line in subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]:
         pid, ppid, *args = line.split()
         for service in SERVICES:
-            if int(ppid) == bench and f"minedraft {service}" in " ".join(args):
+            line_args = " ".join(args)  # (`python -m minedraft_app target ...`; before 2026-12-06 `minedraft target`)
+            if int(ppid) == bench and any(f"{app} {service}" in line_args for app in ("minedraft", "minedraft_app")):
                 pids[service] = int(pid)
     return pids
 
