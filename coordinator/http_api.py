@@ -164,6 +164,9 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
     if body.model != model:
         message = f"the model {body.model!r} does not exist: this server serves {model!r}"
         raise ApiError(404, message, "invalid_request_error", "model", "model_not_found")
+    ignored = body.ignored_fields()
+    if ignored:  # (one line a request, its first names only: nothing is kept per name)
+        log.warning("a request's fields this server does not know, ignored: %s", ", ".join(ignored[:8])[:200])
     unsupported = body.unsupported()
     if unsupported is not None:
         name, value = unsupported

@@ -17,15 +17,30 @@ TokenId = Annotated[int, Field(ge=-INT32, lt=INT32)]  # what the proto holds; th
 
 
 class _Body(BaseModel):
-    # A field this server does not know is an error (400 naming it), never silently dropped.
+    # Inside a message a field this server does not know is an error (400 naming it): dropping it would change the
+    # prompt the model sees.
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Body):
+class _Lenient(BaseModel):
+    # At the request's level, as OpenAI's API and vLLM: a field this server does not know is ignored, and logged
+    # (`ignored_fields`); those it knows are checked.
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of the body, its stream options' included, that this server does not know."""
+        names = list(self.model_extra or ())
+        for name, value in self:
+            if isinstance(value, _Lenient):
+                names += [f"{name}.{inner}" for inner in value.ignored_fields()]
+        return sorted(names)
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class SamplingBody(_Body):
+class SamplingBody(_Lenient):
     """What completions and chat completions share."""
 
     model: str
