@@ -69,26 +69,30 @@ class Liveness:
             ttl = min((t.ttl_s for t in tickets.values() if t.epoch), default=0.0)
             await asyncio.sleep(ttl / 3 if ttl else self.retry_interval)
             for link in (self.target, self.draft):
-                if not tickets[link.name].epoch or not link.connected:
-                    unanswered = 0 if link is self.target else unanswered
+                failed = await self._renew(link)
+                if link is self.target:
+                    unanswered = unanswered + 1 if failed is not None and failed.code() in UNANSWERED else 0
+                    # Two in a row: an idle coordinator's only calls (a stopped target that the reconnect of its
+                    # health stream hangs on); its lease runs out a heartbeat later anyway.
+                    if unanswered >= 2 and failed is not None:
+                        self.events.lose_target(f"two lease heartbeats unanswered ({failed.code().name})")
+                if failed is None or failed.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     continue
-                try:
-                    await self.pair.renew_lease(link.name, timeout=max(tickets[link.name].ttl_s / 3, 0.5))
-                    unanswered = 0 if link is self.target else unanswered
-                except grpc.aio.AioRpcError as exc:
-                    if link is self.target and exc.code() in UNANSWERED:
-                        # Two in a row: an idle coordinator's only calls (a stopped target that the reconnect of
-                        # its health stream hangs on); its lease runs out a heartbeat later anyway.
-                        unanswered += 1
-                        if unanswered >= 2:
-                            self.events.lose_target(f"two lease heartbeats unanswered ({exc.code().name})")
-                        continue
-                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                        continue
-                    if link is self.target:
-                        self.events.lose_target(f"its lease lost: {exc.details()}")
-                    else:
-                        self.events.leave_draft(f"the draft's lease lost: {exc.details()}")
+                if link is self.target:
+                    self.events.lose_target(f"its lease lost: {failed.details()}")
+                else:
+                    self.events.leave_draft(f"the draft's lease lost: {failed.details()}")
+
+    async def _renew(self, link: WorkerLink) -> grpc.aio.AioRpcError | None:
+        """Renew `link`'s lease, where it holds one and is in use; the error of a renewal that failed."""
+        ticket = self.pair.tickets[link.name]
+        if not ticket.epoch or not link.connected:
+            return None
+        try:
+            await self.pair.renew_lease(link.name, timeout=max(ticket.ttl_s / 3, 0.5))
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        return None
 
     def stop(self) -> None:
         for task in self._tasks:

@@ -9,6 +9,7 @@ from minedraft.flag_spec import (
     BATCHES,
     COORDINATOR_COMMANDS,
     FLAG_KEY,
+    LEASE_SECRET_HELP,
     POLICY_COMMANDS,
     SERVICE,
     SPECULATION,
@@ -164,10 +165,7 @@ class PublicPortOptions:
     lease_secret: str | None = flag(  # (also the workers': `minedraft.rpc.options`)
         None,
         "--lease-secret",
-        "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
-        "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
-        "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
-        "lease but not from taking a free worker: split deployments set one, or mTLS",
+        LEASE_SECRET_HELP,
         COORDINATOR_COMMANDS,
         SERVICE,
         helps={

@@ -7,13 +7,14 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from coordinator.failover import Failover
+from coordinator.kv_blocks import BlockLedger
 from coordinator.pairing import Pair
 from coordinator.request_state import RequestState
 from coordinator.tracing import StepTracing
@@ -26,6 +27,8 @@ from minedraft.rpc.step_stream import StepStream
 
 if TYPE_CHECKING:
     from minedraft.observability.metrics import CoordinatorMetrics
+
+Step = TypeVar("Step", draft_pb2.ProposeResponse, target_pb2.VerifyResponse)
 
 
 @dataclass
@@ -142,7 +145,7 @@ class Workers:
         links = (self.target, self.draft) if self.draft.connected and k else (self.target,)
         return {link.name: (link.ledger.free, link.ledger.for_tokens(k + 2)) for link in links if link.ledger.accounted}
 
-    def ledger(self, worker: str) -> Any:
+    def ledger(self, worker: str) -> BlockLedger:
         """The `BlockLedger` of "target" or "draft"."""
         return self.target.ledger if worker == "target" else self.draft.ledger
 
@@ -216,17 +219,8 @@ class Workers:
             request.num_missed_tokens.extend(len(m) for m in missed)
             request.missed_token_ids.extend(t for m in missed for t in m)
 
-        def send(released: list[int]) -> Any:
-            request.release_seq_ids.extend(released)
-            return link.step_call(link.stub.Propose, request, self.tracing.trace_context())
-
-        attributes = {"step_id": step_id, "batch_id": batch_id, "num_draft_tokens": k}
-        with self.tracing.call("propose", "draft", members, **attributes) as span:
-            reply: draft_pb2.ProposeResponse = await link.call(send, len(members) * link.ledger.for_tokens(k + 2))
-            self.tracing.replied(span, reply)
-        link.deadline.record(time.perf_counter() - start)
-        self._record("propose", batch_id, len(members), start, reply.timings, k)
-        return reply
+        blocks = len(members) * link.ledger.for_tokens(k + 2)
+        return await self._step_call("propose", link, link.stub.Propose, request, members, k, blocks, start)
 
     async def verify(
         self,
@@ -244,16 +238,33 @@ class Workers:
         if drafts is not None:
             request.drafts.CopyFrom(drafts)
 
-        def send(released: list[int]) -> Any:
-            request.release_seq_ids.extend(released)
-            return link.step_call(link.stub.Verify, request, self.tracing.trace_context())
+        blocks = len(members) * link.ledger.for_tokens(k + 1)
+        return await self._step_call("verify", link, link.stub.Verify, request, members, k, blocks, start)
 
-        attributes = {"step_id": step_id, "batch_id": batch_id, "num_draft_tokens": k}
-        with self.tracing.call("verify", "target", members, **attributes) as span:
-            reply: target_pb2.VerifyResponse = await link.call(send, len(members) * link.ledger.for_tokens(k + 1))
+    async def _step_call(
+        self,
+        kind: str,
+        link: WorkerLink,
+        unary: Callable[..., Awaitable[Step]],
+        request: Any,
+        members: Sequence[RequestState],
+        k: int,
+        blocks: int,
+        start: float,
+    ) -> Step:
+        """A Propose or Verify through `link` (made from `start`): releases ride on it, `blocks` are counted until its
+        reply, it is traced, and its time goes to the link's deadline and the step record."""
+
+        def send(released: list[int]) -> Awaitable[Step]:
+            request.release_seq_ids.extend(released)
+            return link.step_call(unary, request, self.tracing.trace_context())
+
+        attributes = {"step_id": request.step_id, "batch_id": request.batch_id, "num_draft_tokens": k}
+        with self.tracing.call(kind, link.name, members, **attributes) as span:
+            reply = await link.call(send, blocks)
             self.tracing.replied(span, reply)
         link.deadline.record(time.perf_counter() - start)
-        self._record("verify", batch_id, len(members), start, reply.timings, k)
+        self._record(kind, request.batch_id, len(members), start, reply.timings, k)
         return reply
 
     def release_later(self, seq_ids: Sequence[int]) -> None:

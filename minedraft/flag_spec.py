@@ -37,6 +37,13 @@ class PassTo:
     flag: str | None = None
 
 
+# The help of --lease-secret, a flag of the coordinator's and of the workers' options alike
+LEASE_SECRET_HELP = (
+    "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
+    "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
+    "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
+    "lease but not from taking a free worker: split deployments set one, or mTLS"
+)
 TO_WORKERS = (PassTo("target"), PassTo("draft"))
 TO_COORDINATOR = (PassTo("coordinator"),)
 TO_SERVICES = (*TO_WORKERS, *TO_COORDINATOR)

@@ -8,6 +8,7 @@ from minedraft.demo_models import DRAFT_DIR, TARGET_DIR
 from minedraft.flag_spec import (
     BATCHES,
     FLAG_KEY,
+    LEASE_SECRET_HELP,
     MODEL_COMMANDS,
     MODELS,
     SERVICE,
@@ -180,10 +181,7 @@ class WorkerOptions:
     lease_secret: str | None = flag(  # (also the coordinator's: `coordinator.options`)
         None,
         "--lease-secret",
-        "secret the coordinator presents with its lease on each worker; a worker started with one leases to no "
-        "coordinator without it (give the same to both; prefer MINEDRAFT_LEASE_SECRET, out of the process list). "
-        "Without it a coordinator makes a random one, which keeps a process that reads its errors from taking its "
-        "lease but not from taking a free worker: split deployments set one, or mTLS",
+        LEASE_SECRET_HELP,
         WORKERS,
         SERVICE,
     )
