@@ -56,7 +56,7 @@ class Generation:
 class FrontDoor:
     """What the gRPC and the HTTP API share (TGI's `Infer`): `admit` checks a request and queues it for the step
     loop, `responses` streams it, `close` ends it however its client stopped. It refuses new requests while the
-    workers cannot take them or the coordinator stops (`stopping`)."""
+    workers cannot take them or the coordinator stops (`refuse_new`)."""
 
     def __init__(
         self,
@@ -73,7 +73,7 @@ class FrontDoor:
         self.tracer, self.metrics = tracer, metrics
         self.tokenizer: object | None = None  # loaded at start-up (`Coordinator.start`); None: token ids only
         self.open_streams = 0  # requests admitted and not closed
-        self.stopping = False
+        self._stopping = False  # written by `refuse_new` only
         # A random base: a restarted coordinator never collides with ids a worker may still hold.
         self._seq_ids = itertools.count(secrets.randbits(48))
 
@@ -81,6 +81,10 @@ class FrontDoor:
     def model(self) -> str:
         """The served model's name: the target's."""
         return self.workers.pair.target_info.model
+
+    def refuse_new(self) -> None:
+        """From now on every new request is refused UNAVAILABLE (the coordinator is stopping)."""
+        self._stopping = True
 
     async def admit(
         self,
@@ -135,7 +139,7 @@ class FrontDoor:
     def _refuse_if_unavailable(self) -> None:
         """RequestRefused (UNAVAILABLE) while the workers cannot take requests or this coordinator is stopping."""
         refusal = self.workers.failover.refusal()
-        if refusal is None and self.stopping:
+        if refusal is None and self._stopping:
             refusal = Refusal("stopping", "this coordinator is stopping: send the request to another replica or retry")
         if refusal is not None:
             self._rejected(refusal.reason)

@@ -163,7 +163,7 @@ class Coordinator:
     async def stop(self) -> None:
         """Refuse new requests, stop the step loop, end every open stream (UNAVAILABLE), close the HTTP API and
         give the workers up."""
-        self.front_door.stopping = True
+        self.front_door.refuse_new()
         if self.http is not None:
             self.http.begin_stop()  # no new connections; open streams end with the step loop's shutdown below
         self.workers.failover.stop()
