@@ -263,6 +263,16 @@ class CoordinatorOptions(PublicPortOptions):
         SERVICE,
         helm=_ONLY_COORDINATOR,
     )
+    served_model_name: list[str] | None = flag(
+        None,
+        "--served-model-name",
+        "the model's names in the HTTP API, one or more (the first is the one /v1/models reports; a request may name "
+        "any); default: the target's model directory",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        nargs="+",
+        passes_to=TO_COORDINATOR,
+    )
     step_trace: str | None = flag(
         None,
         "--step-trace",

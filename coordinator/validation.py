@@ -6,6 +6,7 @@ import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -84,19 +85,26 @@ def chat_prompt_ids(messages: Sequence[generation_pb2.ChatMessage], tokenizer: o
     """`messages` rendered with the tokenizer's chat template, the assistant's turn opened, as token ids (exactly
     what `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` gives)."""
     tokenizer = _tokenizer(tokenizer, "messages")
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InvalidRequest(f"messages[{i}] has no role", "messages")
+    return render_chat([{"role": m.role, "content": m.content} for m in messages], tokenizer)
+
+
+def render_chat(
+    conversation: list[dict[str, Any]], tokenizer: object, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """`conversation` rendered with the tokenizer's chat template (its `tools` too, where given), the assistant's
+    turn opened, as token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest(
             "this model's tokenizer has no chat template, so messages cannot be formatted: send the prompt as text "
             "or token ids (prompt_token_ids), formatted as the model expects",
             "messages",
         )
-    for i, message in enumerate(messages):
-        if not message.role:
-            raise InvalidRequest(f"messages[{i}] has no role", "messages")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
         ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            conversation, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except TemplateError as exc:  # the template's own refusal (raise_exception), e.g. roles that do not alternate
         raise InvalidRequest(f"the chat template refused these messages: {exc}", "messages") from exc
