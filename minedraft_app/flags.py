@@ -73,7 +73,7 @@ FLAGS: tuple[Flag, ...] = (
     # ---------------------------------------------------------------- models
     Flag(
         "--target",
-        "target model directory",
+        "target model directory, or a .gguf file (dequantized; the gguf extra)",
         STACKS,
         MODELS,
         str(TARGET_DIR),
@@ -81,7 +81,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--draft",
-        "draft model directory",
+        "draft model directory, or a .gguf file (dequantized; the gguf extra)",
         STACKS,
         MODELS,
         str(DRAFT_DIR),
