@@ -256,9 +256,17 @@ def _checked(body: SamplingBody, names: list[str]) -> generation_pb2.GenerateReq
         "presence_penalty": body.presence_penalty or 0.0,  # -0.0 sent as 0.0 (here and in the next two)
         "frequency_penalty": body.frequency_penalty or 0.0,
         "min_p": body.min_p or 0.0,
+        "logit_bias": _logit_bias(body),
     }
     params = sampling_params({**dict(body), **openai})
     return generation_pb2.GenerateRequest(params=params, n=body.n or 0)
+
+
+def _logit_bias(body: SamplingBody) -> dict[int, float] | None:
+    try:
+        return body.logit_bias_of()
+    except ValueError as exc:
+        raise _invalid(str(exc), "logit_bias") from exc
 
 
 async def _tool_prompt(front: FrontDoor, body: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:

@@ -71,9 +71,17 @@ class SamplingBody(_Lenient):
     # Not supported yet: each may be left out or given its value that asks for nothing (NEUTRAL), else a 400.
     logit_bias: dict[str, float] | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
-        "logit_bias": ({},),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {}  # (logit_bias is served: `logit_bias_of`)
+
+    def logit_bias_of(self) -> dict[int, float] | None:
+        """logit_bias by token id (its keys are token ids as strings, as OpenAI's); ValueError for a key that is not
+        one."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): value for token, value in self.logit_bias.items()}
+        except ValueError as exc:
+            raise ValueError(f"logit_bias keys are token ids, got {list(self.logit_bias)[:3]}") from exc
 
     def unsupported(self) -> tuple[str, object] | None:
         """The first field given a value this server cannot honour yet, and that value."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
-from minedraft.engine.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingConfig
+from minedraft.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingConfig
 from minedraft.errors import InvalidRequest as InvalidRequest  # (samples.py imports it from here)
 from minedraft.proto import generation_pb2
 
@@ -151,6 +151,7 @@ def sampling_config(
         )
     _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab_size, "stop_token_ids")
     _check_penalties(params, max_tokens)
+    _check_logit_bias(params.logit_bias, vocab_size)
     return SamplingConfig.from_proto(params, max_tokens=max_tokens, seed=secrets.randbits(63))
 
 
@@ -175,6 +176,16 @@ def _check_penalties(params: generation_pb2.SamplingParams, max_tokens: int) -> 
         value = getattr(params, name)
         if not -2 <= value <= 2:
             raise InvalidRequest(f"{name} must be in [-2, 2] (0 disables it), got {value}", name)
+
+
+def _check_logit_bias(bias: Mapping[int, float], vocab_size: int) -> None:
+    """At most MAX_LOGIT_BIAS token ids of the vocabulary, each biased within [-100, 100] (OpenAI's limits)."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}", "logit_bias")
+    _check_in_vocabulary("logit_bias token ids", list(bias), vocab_size, "logit_bias")
+    for token, value in bias.items():
+        if not -100 <= value <= 100:  # (a NaN fails too)
+            raise InvalidRequest(f"logit_bias[{token}] must be in [-100, 100], got {value}", "logit_bias")
 
 
 def _check_length(prompt_length: int, max_tokens: int, context: int) -> None:

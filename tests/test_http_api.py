@@ -529,6 +529,30 @@ def test_penalties_round_trip(stack: Stack, llama_workers: Workers) -> None:
     assert chat.choices[0].message.content == stack.tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_logit_bias_moves_the_greedy_answer_losslessly(stack: Stack, llama_workers: Workers) -> None:
+    """logit_bias on draft and target alike (psd, every step drafted): greedy output equals HF `generate()` with the
+    same bias, and differs from the unbiased one."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    ids = stack.tokenizer.encode(PROMPT)
+    unbiased = hf_processed_greedy(target, ids, SamplingConfig(max_tokens=12), [])
+    bias = {unbiased[0]: -100, unbiased[3]: -5, 7: 4}  # (the openai client's type: whole numbers)
+    expected = hf_processed_greedy(target, ids, SamplingConfig(max_tokens=12, logit_bias=tuple(bias.items())), [])
+    assert expected != unbiased
+    done = stack.client.completions.create(
+        model=stack.model,
+        prompt=ids,
+        max_tokens=12,
+        temperature=0,
+        logit_bias={str(k): v for k, v in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert done.choices[0].text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    spec = done.usage.model_extra["speculation"]  # type: ignore[union-attr,index]
+    assert spec["drafted_steps"] >= 1  # the draft proposed under the bias too
+
+
 def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
     """Server-sent events as OpenAI sends them: `data: {json}` events, the last `data: [DONE]`."""
     body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 4, "stream": True}
@@ -619,7 +643,9 @@ def test_n_samples_prefilled_later_find_the_prompt_cached(stack: Stack) -> None:
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", ("> 0",)),
         ({"extra_body": {"min_p": 1.5}}, "min_p", ("[0, 1]",)),
         ({"extra_body": {"min_tokens": 5}}, "min_tokens", ("max_tokens (4)",)),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", ("not supported yet",)),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias", ("token ids",)),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias", ("[-100, 100]",)),
+        ({"logit_bias": {str(10**6): 1.0}}, "logit_bias", ("vocabulary",)),
         ({"echo": True}, "echo", ("not supported yet",)),
         ({"temperature": -1}, "temperature", ("temperature", ">= 0")),
         ({"top_p": 0}, "top_p", ("top_p", "(0, 1]")),
