@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import importlib.metadata
 import itertools
@@ -11,6 +12,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -190,6 +192,12 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
             prompts = [body.prompt]  # type: ignore[list-item]
         if body.logprobs is not None:
             generate.params.logprobs = body.logprobs
+        echo = Echo(prompts, prompt_only=bool(body.echo) and body.max_tokens == 0) if body.echo else None
+        if echo is not None:
+            if echo.prompt_only:  # (vLLM's way: one token generated, and not answered)
+                generate.params.max_tokens = 1
+            if body.logprobs is not None:
+                generate.params.prompt_logprobs = body.logprobs
         requests = []
         for prompt in prompts:  # each its own request; its choices follow the previous prompt's (OpenAI's order)
             one = generation_pb2.GenerateRequest()
@@ -200,7 +208,7 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
                 one.prompt_token_ids.extend(prompt)
             requests.append(one)
         reply = Reply(chat=False, model=body.model, include_usage=body.include_usage)
-        return await _answer(front, request, body, requests, reply, DEFAULT_MAX_TOKENS, "/v1/completions")
+        return await _answer(front, request, body, requests, reply, DEFAULT_MAX_TOKENS, "/v1/completions", echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -315,9 +323,11 @@ async def _answer(
     reply: Reply,
     default_max_tokens: int | None,
     route: str,
+    echo: Echo | None = None,
 ) -> Response:
     """Admit `generates` (a request's prompts, most often one) and answer them as one, whole or streamed: their
-    choices in order, prompt by prompt; they are cancelled if the client goes away."""
+    choices in order, prompt by prompt (each after its prompt, with `echo`); they are cancelled if the client goes
+    away."""
     generations: list[Generation] = []
     try:
         for generate in generates:
@@ -326,7 +336,7 @@ async def _answer(
         for generation in generations:
             front.close(generation)
         raise
-    answers = Answers(front, generations, _entries(generates[0], front.tokenizer, reply.chat))
+    answers = Answers(front, generations, _entries(generates[0], front.tokenizer, reply.chat), echo)
 
     def close() -> None:
         for generation in generations:
@@ -353,9 +363,7 @@ def _entries(generate: generation_pb2.GenerateRequest, tokenizer: object | None,
     if not generate.params.HasField("logprobs"):
         return None
     special = set(getattr(tokenizer, "all_special_ids", ())) if chat else set()
-
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"  # type: ignore[attr-defined]
+    text = _token_text(tokenizer)
 
     def entries(message: generation_pb2.GenerateResponse) -> list[TokenEntry]:
         return [
@@ -367,15 +375,51 @@ def _entries(generate: generation_pb2.GenerateRequest, tokenizer: object | None,
     return entries
 
 
+def _token_text(tokenizer: object | None) -> Callable[[int], str]:
+    """A token's text, decoded alone ("token_id:N" without a tokenizer)."""
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"  # type: ignore[attr-defined]
+
+    return text
+
+
 Choice = tuple[str, str | None, list[TokenEntry] | None]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's `echo`: each choice's text (and logprobs) begins with its prompt's, the first token's
+    log-probability null; `prompt_only` (max_tokens 0, what lm-eval's loglikelihood sends): nothing after it."""
+
+    prompts: list[str | list[int]]
+    prompt_only: bool = False
 
 
 class Answers:
     """The admitted generations of one HTTP request, whose choices are numbered on from one prompt to the next."""
 
-    def __init__(self, front: FrontDoor, generations: list[Generation], logprobs: Entries | None) -> None:
-        self.front, self.generations, self.logprobs = front, generations, logprobs
+    def __init__(
+        self, front: FrontDoor, generations: list[Generation], logprobs: Entries | None, echo: Echo | None = None
+    ) -> None:
+        self.front, self.generations, self.logprobs, self.echo = front, generations, logprobs, echo
         self.bases = list(itertools.accumulate((_choices(g) for g in generations), initial=0))
+
+    def echoed(self, index: int, message: generation_pb2.GenerateResponse) -> tuple[str, list[TokenEntry] | None]:
+        """Choice `index`'s prompt as its answer begins with it (`Echo`): its text, and its tokens' entries (the
+        target's, from the choice's first message) where logprobs were asked."""
+        assert self.echo is not None
+        which = bisect.bisect_right(self.bases, index) - 1
+        prompt, ids = self.echo.prompts[which], self.generations[which].state.prompt_ids
+        tokenizer: Any = self.front.tokenizer
+        text = prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if tokenizer is not None else "")
+        if self.logprobs is None:
+            return text, None
+        token = _token_text(tokenizer)
+        entries: list[TokenEntry] = [(token(ids[0]), None, None)]
+        for token_id, lp in zip(ids[1:], message.prompt_logprobs, strict=False):
+            entries.append((token(token_id), lp.logprob, [(token(top.token_id), top.logprob) for top in lp.top]))
+        return text, entries
 
     @property
     def count(self) -> int:
@@ -417,9 +461,18 @@ class Answers:
         texts: list[list[str]] = [[] for _ in range(self.count)]
         reasons: list[str | None] = [None] * self.count
         entries: list[list[TokenEntry] | None] = [[] if self.logprobs else None for _ in range(self.count)]
+        echoed: set[int] = set()
         async for index, message in self.messages():
-            texts[index].append(message.text)
             reasons[index] = finish_reason(message.finish_reason)
+            if self.echo is not None and index not in echoed:
+                echoed.add(index)
+                text, prompt_entries = self.echoed(index, message)
+                texts[index].append(text)
+                entries[index] = prompt_entries
+            if self.echo is not None and self.echo.prompt_only:
+                reasons[index] = reasons[index] and "length"  # (its one token generated is not answered)
+                continue
+            texts[index].append(message.text)
             if self.logprobs is not None:
                 entries[index] += self.logprobs(message)  # type: ignore[operator]
         return [("".join(text), reason, e) for text, reason, e in zip(texts, reasons, entries, strict=True)]
@@ -429,12 +482,14 @@ class Answers:
         usages = [g.usage for g in self.generations if g.usage is not None]
         if len(usages) < len(self.generations):
             return None
-        if len(usages) == 1:
+        if len(usages) == 1 and (self.echo is None or not self.echo.prompt_only):
             return usages[0]
         total = generation_pb2.Usage()
         total.CopyFrom(total_usage(usages))
         total.prompt_tokens = sum(u.prompt_tokens for u in usages)
         total.cached_prompt_tokens = sum(u.cached_prompt_tokens for u in usages)
+        if self.echo is not None and self.echo.prompt_only:
+            total.completion_tokens = 0
         return total
 
 
@@ -452,12 +507,22 @@ async def _events(answers: Answers, reply: Reply) -> AsyncIterator[str]:
     is an error object before [DONE]."""
     offsets = [0] * answers.count  # each choice's text so far (a completion's text_offset)
     calls = [ToolCallStream(reply.tools) for _ in range(answers.count)] if reply.tools is not None else None
+    echoed: set[int] = set()
     for index in range(answers.count):
         opening = reply.opening(index)
         if opening is not None:
             yield _sse(opening)
     try:
         async for i, message in answers.messages():
+            if answers.echo is not None and i not in echoed:
+                echoed.add(i)
+                text, prompt_entries = answers.echoed(i, message)
+                yield _sse(reply.delta(text, index=i, entries=prompt_entries))
+                offsets[i] += sum(len(token) for token, _, _ in prompt_entries or ())
+            if answers.echo is not None and answers.echo.prompt_only:
+                if message.finish_reason:
+                    yield _sse(reply.delta("", "length", i))
+                continue
             logprobs = answers.logprobs
             entries = logprobs(message) if logprobs is not None and message.token_ids else None
             text = message.text if calls is None else calls[i].feed(message.text)

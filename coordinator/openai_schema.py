@@ -108,7 +108,6 @@ class CompletionRequest(SamplingBody):
 
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingBody.NEUTRAL,
-        "echo": (False,),
         "best_of": (1,),
         "suffix": ("",),
     }
@@ -268,8 +267,9 @@ def usage_body(usage: generation_pb2.Usage) -> dict[str, Any]:
     }
 
 
-# One generated token's log-probabilities as text: (token, logprob, [(top token, its logprob), ...])
-TokenEntry = tuple[str, float, list[tuple[str, float]]]
+# One token's log-probabilities as text: (token, logprob, [(top token, its logprob), ...]); an echoed prompt's first
+# token has none (None, None), as OpenAI's
+TokenEntry = tuple[str, float | None, list[tuple[str, float]] | None]
 
 
 def chat_logprobs(entries: list[TokenEntry]) -> dict[str, Any]:
@@ -278,7 +278,9 @@ def chat_logprobs(entries: list[TokenEntry]) -> dict[str, Any]:
     def one(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    content = [one(token, lp) | {"top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
+    content = [
+        one(token, lp or 0.0) | {"top_logprobs": [one(t, v) for t, v in top or ()]} for token, lp, top in entries
+    ]
     return {"content": content, "refusal": None}
 
 
@@ -292,7 +294,7 @@ def completion_logprobs(entries: list[TokenEntry], offset: int = 0) -> dict[str,
     return {
         "tokens": [token for token, _, _ in entries],
         "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [dict(top) for _, _, top in entries],
+        "top_logprobs": [None if top is None else dict(top) for _, _, top in entries],
         "text_offset": offsets,
     }
 

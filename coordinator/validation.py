@@ -159,6 +159,9 @@ def _check_penalties(params: generation_pb2.SamplingParams, max_tokens: int) -> 
     """logprobs, min_tokens, min_p and the penalties in their ranges (OpenAI's for presence and frequency)."""
     if params.HasField("logprobs") and params.logprobs > MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}", "logprobs")
+    if params.HasField("prompt_logprobs") and params.prompt_logprobs > MAX_LOGPROBS:
+        message = f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}"
+        raise InvalidRequest(message, "prompt_logprobs")
     if params.min_tokens > max_tokens:
         raise InvalidRequest(
             f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"

@@ -394,6 +394,41 @@ def test_completion_logprobs_whole_and_streamed(stack: Stack, llama_workers: Wor
     assert [o for lp in parts for o in lp.text_offset or ()] == logprobs.text_offset
 
 
+def test_echo_with_prompt_logprobs_as_lm_eval_asks(stack: Stack, llama_workers: Workers) -> None:
+    """`echo=true, max_tokens=0, logprobs=N` (lm-eval's loglikelihood): the prompt's own text, its tokens'
+    log-probabilities the target's log_softmax at each position before (the first null), even for a prompt whose
+    blocks the prefix cache holds; with max_tokens the completion follows the echoed prompt."""
+    from transformers import AutoModelForCausalLM
+
+    ids = [7 + i % 50 for i in range(40)]  # (a prompt another test had cached: its 2 full blocks)
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    with torch.inference_mode():
+        expected = target(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    want = expected.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    kwargs: dict[str, Any] = dict(model=stack.model, echo=True, logprobs=2, temperature=0)
+    for _ in range(2):  # (the second finds the prompt cached: it is computed whole all the same)
+        done = stack.client.completions.create(prompt=ids, max_tokens=0, **kwargs)
+        (choice,) = done.choices
+        assert choice.text == stack.tokenizer.decode(ids) and choice.finish_reason == "length"
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+        assert logprobs.tokens == [stack.tokenizer.decode([t]) for t in ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+        assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (40, 0)
+    plain = stack.client.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    echoed = stack.client.completions.create(prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True}, **kwargs)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    assert len(echoed.choices[0].logprobs.token_logprobs or ()) == len(stack.tokenizer.encode(PROMPT)) + 4  # type: ignore[union-attr]
+    chunks = list(stack.client.completions.create(prompt=ids, max_tokens=0, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == stack.tokenizer.decode(ids)
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs or ()]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-4)
+
+
 def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
     """`logprobs: true` and `top_logprobs` on a chat completion: OpenAI's content list, what gRPC reports."""
     templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
@@ -646,7 +681,6 @@ def test_n_samples_prefilled_later_find_the_prompt_cached(stack: Stack) -> None:
         ({"logit_bias": {"x": 1.0}}, "logit_bias", ("token ids",)),
         ({"logit_bias": {"5": 101.0}}, "logit_bias", ("[-100, 100]",)),
         ({"logit_bias": {str(10**6): 1.0}}, "logit_bias", ("vocabulary",)),
-        ({"echo": True}, "echo", ("not supported yet",)),
         ({"temperature": -1}, "temperature", ("temperature", ">= 0")),
         ({"top_p": 0}, "top_p", ("top_p", "(0, 1]")),
         ({"max_tokens": 0}, "max_tokens", ("max_tokens", ">= 1")),

@@ -25,6 +25,7 @@ FULL = SamplingConfig(
     frequency_penalty=0.25,
     output_tokens=4,
     logit_bias=((5, 1.5), (9, -100.0)),
+    prompt_logprobs=3,
 )
 
 

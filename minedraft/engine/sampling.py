@@ -53,6 +53,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     output_tokens: int = 0  # of the prompt a worker is given, the last tokens that are output (after a preemption)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by id
+    prompt_logprobs: int | None = None  # the prompt's log-probabilities, top ones per token as `logprobs`; None: none
 
     @classmethod
     def from_proto(
@@ -76,10 +77,11 @@ class SamplingConfig:
             frequency_penalty=params.frequency_penalty,
             output_tokens=output_tokens,
             logit_bias=tuple(sorted(params.logit_bias.items())),
+            prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
         )
 
     def to_proto(self) -> generation_pb2.SamplingParams:
-        """The parameters as a worker is sent them: every field set but stop (logprobs where not None);
+        """The parameters as a worker is sent them: every field set but stop (logprobs, prompt_logprobs where not None);
         output_tokens goes in the SequenceSpec."""
         return generation_pb2.SamplingParams(
             max_tokens=self.max_tokens,
@@ -96,6 +98,7 @@ class SamplingConfig:
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=dict(self.logit_bias),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property

@@ -217,7 +217,11 @@ class SequenceTable:
             starts = [len(p) - c.output_tokens for p, c in zip(prompts, configs)]
             self.output_start[rows] = torch.tensor(starts, dtype=torch.long, device=device)
             self.write_history(host_rows, [0] * len(prompts), prompts)
-            keys = [cache.prefix_keys(p) if cache.pool.prefix_caching else [] for p in prompts]
+            # (A prompt whose log-probabilities are asked is computed whole: cached blocks have no logits.)
+            keys = [
+                cache.prefix_keys(p) if cache.pool.prefix_caching and c.prompt_logprobs is None else []
+                for p, c in zip(prompts, configs)
+            ]
             cached = [cache.share_prefix(row, p, k) for row, p, k in zip(host_rows, prompts, keys)]
             pending, order, parts = list(range(len(prompts))), [], []
             while pending:
