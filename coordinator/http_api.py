@@ -207,7 +207,9 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
             else:
                 one.prompt_token_ids.extend(prompt)
             requests.append(one)
-        reply = Reply(chat=False, model=body.model, include_usage=body.include_usage)
+        reply = Reply(
+            chat=False, model=body.model, include_usage=body.include_usage, continuous_usage=body.continuous_usage
+        )
         return await _answer(front, request, body, requests, reply, DEFAULT_MAX_TOKENS, "/v1/completions", echo)
 
     @app.post("/v1/chat/completions")
@@ -235,7 +237,13 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
             raise _invalid(f"top_logprobs must be at most {MAX_LOGPROBS}, got {body.top_logprobs}", "top_logprobs")
         if body.logprobs:
             generate.params.logprobs = body.top_logprobs or 0
-        reply = Reply(chat=True, model=body.model, include_usage=body.include_usage, tools=tools)
+        reply = Reply(
+            chat=True,
+            model=body.model,
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+            tools=tools,
+        )
         # As OpenAI's chat completions: without max_tokens, up to the end of the context.
         return await _answer(front, request, body, [generate], reply, None, "/v1/chat/completions")
 
@@ -405,6 +413,10 @@ class Answers:
         self.front, self.generations, self.logprobs, self.echo = front, generations, logprobs, echo
         self.bases = list(itertools.accumulate((_choices(g) for g in generations), initial=0))
 
+    def prompt_tokens(self, index: int) -> int:
+        """The prompt tokens of choice `index`'s prompt."""
+        return len(self.generations[bisect.bisect_right(self.bases, index) - 1].state.prompt_ids)
+
     def echoed(self, index: int, message: generation_pb2.GenerateResponse) -> tuple[str, list[TokenEntry] | None]:
         """Choice `index`'s prompt as its answer begins with it (`Echo`): its text, and its tokens' entries (the
         target's, from the choice's first message) where logprobs were asked."""
@@ -508,37 +520,51 @@ async def _events(answers: Answers, reply: Reply) -> AsyncIterator[str]:
     offsets = [0] * answers.count  # each choice's text so far (a completion's text_offset)
     calls = [ToolCallStream(reply.tools) for _ in range(answers.count)] if reply.tools is not None else None
     echoed: set[int] = set()
+    generated = [0] * answers.count  # each choice's tokens so far (continuous usage)
+
+    def sse(chunk: dict[str, Any], i: int) -> str:
+        """A chunk of choice `i`; with continuous usage stats (vLLM's) its usage so far."""
+        if reply.continuous_usage:
+            prompt = answers.prompt_tokens(i)
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": generated[i],
+                "total_tokens": prompt + generated[i],
+            }
+        return _sse(chunk)
+
     for index in range(answers.count):
         opening = reply.opening(index)
         if opening is not None:
             yield _sse(opening)
     try:
         async for i, message in answers.messages():
+            generated[i] += len(message.token_ids)
             if answers.echo is not None and i not in echoed:
                 echoed.add(i)
                 text, prompt_entries = answers.echoed(i, message)
-                yield _sse(reply.delta(text, index=i, entries=prompt_entries))
+                yield sse(reply.delta(text, index=i, entries=prompt_entries), i)
                 offsets[i] += sum(len(token) for token, _, _ in prompt_entries or ())
             if answers.echo is not None and answers.echo.prompt_only:
                 if message.finish_reason:
-                    yield _sse(reply.delta("", "length", i))
+                    yield sse(reply.delta("", "length", i), i)
                 continue
             logprobs = answers.logprobs
             entries = logprobs(message) if logprobs is not None and message.token_ids else None
             text = message.text if calls is None else calls[i].feed(message.text)
             if text or entries:
-                yield _sse(reply.delta(text, index=i, entries=entries, offset=offsets[i]))
+                yield sse(reply.delta(text, index=i, entries=entries, offset=offsets[i]), i)
                 offsets[i] += sum(len(token) for token, _, _ in entries or ())
             reason = finish_reason(message.finish_reason)
             if reason is not None and calls is not None:
                 rest, made = calls[i].finish()
                 if rest:
-                    yield _sse(reply.delta(rest, index=i))
+                    yield sse(reply.delta(rest, index=i), i)
                 if made:
-                    yield _sse(reply.tool_calls_delta(made, i))
+                    yield sse(reply.tool_calls_delta(made, i), i)
                     reason = tool_calls_reason(reason)
             if reason is not None:
-                yield _sse(reply.delta("", reason, i))
+                yield sse(reply.delta("", reason, i), i)
         usage = answers.usage()
         if reply.include_usage and usage is not None:
             yield _sse(reply.usage_chunk(usage))

@@ -44,6 +44,7 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's (guidellm sends it): with include_usage, every chunk its usage
 
 
 class SamplingBody(_Lenient):
@@ -95,6 +96,10 @@ class SamplingBody(_Lenient):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingBody):
@@ -312,6 +317,7 @@ class Reply:
     model: str
     include_usage: bool = False  # streamed: every chunk has "usage" (null), and a last chunk carries it
     tools: ToolChoice | None = None  # a chat's: its answers' tool calls are parsed out of their text
+    continuous_usage: bool = False  # streamed: every chunk of a choice carries its usage so far
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -761,6 +761,9 @@ def test_unknown_fields_are_ignored_as_openai_and_vllm_ignore_them(stack: Stack)
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    # continuous_usage_stats (vLLM's, what guidellm reads): every chunk its usage so far
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert len(counts) == len([c for c in chunks if c.choices]) and counts == sorted(counts) and counts[-1] == 6
     # A message's fields this server does not know (name, OpenAI's own) are ignored too; a content part's are not.
     named = [MESSAGES[0], MESSAGES[1] | {"name": "me", "weight": 1}]
     assert _chat(stack, named).choices[0].message.content == _chat(stack, MESSAGES).choices[0].message.content
