@@ -222,7 +222,7 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
         if not body.messages:
             raise _invalid("messages is empty", "messages")
         try:
-            tools = body.tool_choice_of()
+            tools = body.tool_choice_of(front.options.tool_call_parser)
         except ValueError as exc:
             raise _invalid(str(exc), "tool_choice") from exc
         if tools is not None or any(m.tool_calls or m.tool_call_id for m in body.messages):

@@ -193,9 +193,10 @@ class ChatCompletionRequest(SamplingBody):
         "response_format": ({"type": "text"},),
     }
 
-    def tool_choice_of(self) -> ToolChoice | None:
-        """How the request's tools are used (`coordinator.tool_calls`); None without tools, or with "none". A
-        ValueError names what is wrong (a choice without tools, a function not among them)."""
+    def tool_choice_of(self, parser: str = "hermes") -> ToolChoice | None:
+        """How the request's tools are used (`coordinator.tool_calls`; calls the model writes as `parser` reads
+        them); None without tools, or with "none". A ValueError names what is wrong (a choice without tools, a
+        function not among them)."""
         choice = self.tool_choice if self.tool_choice is not None else "auto"
         if not self.tools:
             if choice in ("auto", "none"):
@@ -206,8 +207,8 @@ class ChatCompletionRequest(SamplingBody):
             name = choice.function.name
             if name not in {tool.function.name for tool in self.tools}:
                 raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
-            return ToolChoice("named", name, parallel)
-        return None if choice == "none" else ToolChoice(choice, None, parallel)
+            return ToolChoice("named", name, parallel, parser)
+        return None if choice == "none" else ToolChoice(choice, None, parallel, parser)
 
     def tools_for_template(self, choice: ToolChoice | None) -> list[dict[str, Any]] | None:
         """The tools as the chat template shows them to the model: none under "none", the named one alone."""

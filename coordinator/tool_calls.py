@@ -1,4 +1,5 @@
-"""Tool calls in a chat answer: Hermes' and Qwen's `<tool_call>{json}</tool_call>`, parsed whole or as it streams."""
+"""Tool calls in a chat answer, parsed whole or as it streams: Hermes' and Qwen's `<tool_call>{json}</tool_call>`, or
+Llama 3's JSON (`{"name": ..., "parameters": ...}`, calls joined by `;`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes", "llama3_json")  # --tool-call-parser
 
 
 @dataclass(frozen=True)
@@ -19,13 +21,15 @@ class ToolChoice:
     mode: str
     name: str | None = None
     parallel: bool = True  # parallel_tool_calls: False keeps the first call only
+    parser: str = "hermes"  # the model's format, one of PARSERS
 
     @property
     def forced_prefix(self) -> str:
         """Text put at the start of the assistant's turn, after the chat template's generation prompt."""
+        opening, arguments = ("", "parameters") if self.parser == "llama3_json" else (f"{OPEN}\n", "arguments")
         if self.mode == "named":
-            return f'{OPEN}\n{{"name": {json.dumps(self.name)}, "arguments": '
-        return f'{OPEN}\n{{"name": "' if self.mode == "required" else ""
+            return f'{opening}{{"name": {json.dumps(self.name)}, "{arguments}": '
+        return f'{opening}{{"name": "' if self.mode == "required" else ""
 
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:
@@ -54,9 +58,11 @@ def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[di
     (after the `forced_prefix`). A block that does not parse stays in the content, except under a forced choice,
     where the call's name is the forced one (or the text up to its closing quote) and its arguments the rest."""
     full = choice.forced_prefix + text
-    content, calls = full, []
+    content, calls = full, list[dict[str, Any]]()
     start = full.find(OPEN)
-    if start >= 0:
+    if choice.parser == "llama3_json":
+        content, calls = ("", _json_calls(full)) if full.lstrip().startswith("{") else (full, [])
+    elif start >= 0:
         content = full[:start]
         for block in full[start:].split(OPEN)[1:]:
             call = _call_of(block.split(CLOSE)[0].strip())
@@ -72,6 +78,27 @@ def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[di
     if not calls:
         return (full or None), []
     return (content.strip() or None), calls if choice.parallel else calls[:1]
+
+
+def _json_calls(text: str) -> list[dict[str, Any]]:
+    """Llama 3's calls: JSON objects from the start of `text`, joined by `;`; none unless each is a call."""
+    decoder, at = json.JSONDecoder(), 0
+    calls: list[dict[str, Any]] = []
+    while at < len(text):
+        try:
+            parsed, end = decoder.raw_decode(text, len(text) - len(text[at:].lstrip()))
+        except json.JSONDecodeError:
+            return []
+        call = _call_of(json.dumps(parsed))
+        if call is None:
+            return []
+        calls.append(call)
+        at = end
+        rest = text[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return []
+        at = len(text) - len(rest) + (1 if rest else 0)
+    return calls
 
 
 def _closes_twice(arguments: str) -> bool:
@@ -105,6 +132,10 @@ class ToolCallStream:
         self.text += delta
         if self.held:
             return ""
+        if self.choice.parser == "llama3_json":  # a call is the whole answer: held from its first character
+            begun = self.text.lstrip()
+            self.held = begun.startswith("{")
+            return "" if self.held or not begun else self._send(len(self.text))
         start = self.text.find(OPEN, self.sent)
         if start >= 0:
             self.held = True
@@ -121,7 +152,7 @@ class ToolCallStream:
         _, calls = parse_tool_calls(self.text, self.choice)
         if not calls:
             return self._send(len(self.text)), []
-        start = self.text.find(OPEN) if self.choice.mode == "auto" else 0
+        start = self.text.find(OPEN) if self.choice.mode == "auto" and self.choice.parser == "hermes" else 0
         rest = self.text[self.sent : start].rstrip() if start > self.sent else ""
         self.sent = len(self.text)
         return rest, calls

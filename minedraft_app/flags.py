@@ -151,6 +151,7 @@ FLAGS: tuple[Flag, ...] = (
     COORDINATOR_FLAGS["draft"],
     COORDINATOR_FLAGS["tokenizer"],
     COORDINATOR_FLAGS["served_model_name"],
+    COORDINATOR_FLAGS["tool_call_parser"],
     Flag(
         "--port",
         "port to listen on (0: any free port)",

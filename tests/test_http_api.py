@@ -524,6 +524,20 @@ def test_tool_call_parsing_whole_and_streamed() -> None:
         ]
     plain = ToolCallStream(ToolChoice("auto"))
     assert plain.feed("a <tool") == "a " and plain.feed(" b") == "<tool b" and plain.finish() == ("", [])
+    # Llama 3's format (--tool-call-parser llama3_json): the answer is the calls, as JSON joined by ";"
+    llama = ToolChoice("auto", parser="llama3_json")
+    text = '{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "time", "parameters": {}}'
+    content, calls = parse_tool_calls(text, llama)
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "weather", "arguments": '{"city": "Oslo"}'},
+        {"name": "time", "arguments": "{}"},
+    ]
+    assert parse_tool_calls('It is {"name": "x"}', llama) == ('It is {"name": "x"}', [])
+    stream = ToolCallStream(llama)
+    assert stream.feed(text[:9]) == "" and stream.feed(text[9:]) == "" and len(stream.finish()[1]) == 2
+    named = ToolChoice("named", "weather", parser="llama3_json")
+    assert named.forced_prefix == '{"name": "weather", "parameters": '
+    assert parse_tool_calls('{"city": "Oslo"}}', named)[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
 
 
 def test_chat_logprobs_leave_out_the_special_tokens_the_text_leaves_out(tiny_pairs: TinyPairs) -> None:
