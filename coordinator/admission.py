@@ -99,7 +99,7 @@ class Admission:
                 f"the prefill reply holds {len(target_reply.results)} results for {len(admitted)} sequences"
             )
         for request, result in zip(admitted, target_reply.results):
-            request.prefilled(result.cached_prompt_tokens)
+            request.prefilled(result.cached_prompt_tokens, result.prompt_logprobs)
             request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)
         if self.metrics is not None:
             new_prompts = sum(len(r.prompt_ids) for r in admitted if not r.decode.preemptions)

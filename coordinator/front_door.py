@@ -79,8 +79,13 @@ class FrontDoor:
 
     @property
     def model(self) -> str:
-        """The served model's name: the target's."""
-        return self.workers.pair.target_info.model
+        """The served model's name: the first of --served-model-name, else the target's."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """The names a request may give the served model (--served-model-name, else the target's)."""
+        return list(self.options.served_model_name or ()) or [self.workers.pair.target_info.model]
 
     def refuse_new(self) -> None:
         """From now on every new request is refused UNAVAILABLE (the coordinator is stopping)."""

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import importlib.metadata
+import itertools
 import json
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -16,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
@@ -24,21 +29,37 @@ from coordinator.front_door import FrontDoor, Generation, RequestRefused
 from coordinator.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Reply,
     SamplingBody,
     TokenEntry,
+    TokenizeRequest,
     error_body,
     finish_reason,
+    tool_calls_reason,
 )
+from coordinator.samples import total_usage
 from coordinator.sampling_params import sampling_params
-from coordinator.validation import DEFAULT_MAX_TOKENS
+from coordinator.tool_calls import ToolCallStream, ToolChoice
+from coordinator.validation import DEFAULT_MAX_TOKENS, InvalidRequest, prompt_token_ids, render_chat
 from minedraft.engine.sampling import MAX_LOGPROBS
+from minedraft.observability.metrics import CoordinatorMetrics
 from minedraft.proto import generation_pb2
 from minedraft.rpc.limits import PUBLIC_LIMITS, ConnectionLimits
 from minedraft.rpc.security import UNAUTHENTICATED, bearer_matches
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Paths served without the API key: probes and scrapers carry none (vLLM's key guards /v1 only).
+OPEN_PATHS = frozenset(("/health", "/health/", "/metrics", "/version"))
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("minedraft")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
 
 # gRPC status -> HTTP status and OpenAI's error type; anything else is a 500 server_error.
 STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -48,6 +69,7 @@ STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 # Names of gRPC request fields in the HTTP API, for an error's `param`.
 PARAMS = {"prompt_token_ids": "prompt", "stop_token_ids": "stop_token_ids"}
+VERSION = _version()
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the logs may
 
 
@@ -69,13 +91,10 @@ def _invalid(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, "invalid_argument")
 
 
-def create_app(front: FrontDoor) -> FastAPI:
-    """The routes, over `front`; its target model is the one model served."""
+def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> FastAPI:
+    """The routes, over `front`; its target model is the one model served; /metrics serves `metrics`' registry."""
     app = FastAPI(title="MineDraft", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
-
-    def model_name() -> str:
-        return front.model
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -107,33 +126,91 @@ def create_app(front: FrontDoor) -> FastAPI:
         serving = front.health.serving()
         return JSONResponse({"status": "serving" if serving else "not_serving"}, 200 if serving else 503)
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            raise ApiError(404, "this coordinator keeps no metrics", "invalid_request_error")
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        tokenizer = _tokenizer(front)
+        if body.model is not None:
+            _checked_model(body.model, front.model_names)
+        if (body.prompt is None) == (body.messages is None):
+            raise _invalid("give one of prompt and messages", "prompt")
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            messages = [generation_pb2.ChatMessage(role=m.role, content=m.text) for m in body.messages or ()]
+            request = generation_pb2.GenerateRequest(messages=messages)
+            vocab = front.workers.pair.target_info.logits_size
+            try:
+                ids = await asyncio.to_thread(prompt_token_ids, request, tokenizer, vocab)
+            except InvalidRequest as exc:
+                raise _invalid(str(exc), exc.param) from exc
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": front.context_length, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        tokenizer = _tokenizer(front)
+        if body.model is not None:
+            _checked_model(body.model, front.model_names)
+        vocab = front.workers.pair.target_info.logits_size
+        outside = [t for t in body.tokens if not 0 <= t < vocab]
+        if outside:
+            raise _invalid(f"token id {outside[0]} is outside the vocabulary (0 to {vocab - 1})", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        model = {
-            "id": model_name(),
-            "object": "model",
-            "created": started,
-            "owned_by": "minedraft",
-            "max_model_len": front.context_length,
-        }
-        return {"object": "list", "data": [model]}
+        models = [
+            {
+                "id": name,
+                "object": "model",
+                "created": started,
+                "owned_by": "minedraft",
+                "root": front.workers.pair.target_info.model,
+                "max_model_len": front.context_length,
+            }
+            for name in front.model_names
+        ]
+        return {"object": "list", "data": models}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        generate = _checked(body, model_name())
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > 1:
-                raise _invalid("several prompts in one request are not supported yet: send one", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            generate.prompt = prompt
+        generate = _checked(body, front.model_names)
+        prompts: list[str | list[int]]
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str | list):
+            prompts = list(body.prompt)  # type: ignore[arg-type]
         else:
-            generate.prompt_token_ids.extend(prompt)  # type: ignore[arg-type]
+            prompts = [body.prompt]  # type: ignore[list-item]
         if body.logprobs is not None:
             generate.params.logprobs = body.logprobs
-        reply = Reply(chat=False, model=model_name(), include_usage=body.include_usage)
-        return await _answer(front, request, body, generate, reply, DEFAULT_MAX_TOKENS, "/v1/completions")
+        echo = Echo(prompts, prompt_only=bool(body.echo) and body.max_tokens == 0) if body.echo else None
+        if echo is not None:
+            if echo.prompt_only:  # (vLLM's way: one token generated, and not answered)
+                generate.params.max_tokens = 1
+            if body.logprobs is not None:
+                generate.params.prompt_logprobs = body.logprobs
+        requests = []
+        for prompt in prompts:  # each its own request; its choices follow the previous prompt's (OpenAI's order)
+            one = generation_pb2.GenerateRequest()
+            one.CopyFrom(generate)
+            if isinstance(prompt, str):
+                one.prompt = prompt
+            else:
+                one.prompt_token_ids.extend(prompt)
+            requests.append(one)
+        reply = Reply(
+            chat=False, model=body.model, include_usage=body.include_usage, continuous_usage=body.continuous_usage
+        )
+        return await _answer(front, request, body, requests, reply, DEFAULT_MAX_TOKENS, "/v1/completions", echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -141,29 +218,42 @@ def create_app(front: FrontDoor) -> FastAPI:
             if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
                 raise _invalid("max_tokens and max_completion_tokens differ: give one", "max_tokens")
             body.max_tokens = body.max_completion_tokens
-        generate = _checked(body, model_name())
+        generate = _checked(body, front.model_names)
         if not body.messages:
             raise _invalid("messages is empty", "messages")
-        generate.messages.extend(generation_pb2.ChatMessage(role=m.role, content=m.text) for m in body.messages)
+        try:
+            tools = body.tool_choice_of(front.options.tool_call_parser)
+        except ValueError as exc:
+            raise _invalid(str(exc), "tool_choice") from exc
+        if tools is not None or any(m.tool_calls or m.tool_call_id for m in body.messages):
+            # The template renders the tools and the calls: here, where the request's JSON is (gRPC's messages
+            # carry a role and a text only).
+            generate.prompt_token_ids.extend(await _tool_prompt(front, body, tools))
+        else:
+            generate.messages.extend(generation_pb2.ChatMessage(role=m.role, content=m.text) for m in body.messages)
         if body.top_logprobs is not None and not body.logprobs:
             raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if (body.top_logprobs or 0) > MAX_LOGPROBS:  # (the gRPC field's name would be logprobs)
             raise _invalid(f"top_logprobs must be at most {MAX_LOGPROBS}, got {body.top_logprobs}", "top_logprobs")
         if body.logprobs:
             generate.params.logprobs = body.top_logprobs or 0
-        reply = Reply(chat=True, model=model_name(), include_usage=body.include_usage)
+        reply = Reply(
+            chat=True,
+            model=body.model,
+            include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
+            tools=tools,
+        )
         # As OpenAI's chat completions: without max_tokens, up to the end of the context.
-        return await _answer(front, request, body, generate, reply, None, "/v1/chat/completions")
+        return await _answer(front, request, body, [generate], reply, None, "/v1/chat/completions")
 
     return app
 
 
-def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
-    """The request's sampling as the gRPC API takes it, once its model is the one served and it asks for nothing
-    this server does not do yet."""
-    if body.model != model:
-        message = f"the model {body.model!r} does not exist: this server serves {model!r}"
-        raise ApiError(404, message, "invalid_request_error", "model", "model_not_found")
+def _checked(body: SamplingBody, names: list[str]) -> generation_pb2.GenerateRequest:
+    """The request's sampling as the gRPC API takes it, once its model is the one served (by one of its `names`)
+    and it asks for nothing this server does not do yet."""
+    _checked_model(body.model, names)
     ignored = body.ignored_fields()
     if ignored:  # (one line a request, its first names only: nothing is kept per name)
         log.warning("a request's fields this server does not know, ignored: %s", ", ".join(ignored[:8])[:200])
@@ -182,103 +272,302 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
         "presence_penalty": body.presence_penalty or 0.0,  # -0.0 sent as 0.0 (here and in the next two)
         "frequency_penalty": body.frequency_penalty or 0.0,
         "min_p": body.min_p or 0.0,
+        "logit_bias": _logit_bias(body),
     }
     params = sampling_params({**dict(body), **openai})
     return generation_pb2.GenerateRequest(params=params, n=body.n or 0)
+
+
+def _logit_bias(body: SamplingBody) -> dict[int, float] | None:
+    try:
+        return body.logit_bias_of()
+    except ValueError as exc:
+        raise _invalid(str(exc), "logit_bias") from exc
+
+
+async def _tool_prompt(front: FrontDoor, body: ChatCompletionRequest, tools: ToolChoice | None) -> list[int]:
+    """The chat's prompt, its tools and tool calls rendered by the chat template, then what a forced choice opens
+    the assistant's turn with (`ToolChoice.forced_prefix`)."""
+    conversation = [m.for_template() for m in body.messages]
+    shown = body.tools_for_template(tools)
+    limits = front.options.limits
+    size = len(json.dumps([conversation, shown]).encode())
+    if size > limits.max_prompt_bytes:
+        message = f"the messages and tools are {size} bytes; this server takes at most {limits.max_prompt_bytes}"
+        raise _invalid(message + " (--max-prompt-bytes)", "messages")
+    if len(conversation) > limits.max_messages:
+        raise _invalid(f"{len(conversation)} messages; this server takes at most {limits.max_messages}", "messages")
+    tokenizer = _tokenizer(front)
+
+    def render() -> list[int]:
+        ids = render_chat(conversation, tokenizer, shown)
+        prefix = tools.forced_prefix if tools is not None else ""
+        return ids + (tokenizer.encode(prefix, add_special_tokens=False) if prefix else [])
+
+    try:
+        return await asyncio.to_thread(render)
+    except InvalidRequest as exc:
+        raise _invalid(str(exc), exc.param) from exc
+
+
+def _checked_model(model: str, names: list[str]) -> None:
+    """404 (OpenAI's model_not_found) unless `model` is one of the served model's `names`."""
+    if model not in names:
+        message = f"the model {model!r} does not exist: this server serves {' or '.join(map(repr, names))}"
+        raise ApiError(404, message, "invalid_request_error", "model", "model_not_found")
+
+
+def _tokenizer(front: FrontDoor) -> Any:
+    if front.tokenizer is None:
+        raise _invalid("this server has no tokenizer (--tokenizer): it serves token ids only", None)
+    return front.tokenizer
 
 
 async def _answer(
     front: FrontDoor,
     request: Request,
     body: SamplingBody,
-    generate: generation_pb2.GenerateRequest,
+    generates: list[generation_pb2.GenerateRequest],
     reply: Reply,
     default_max_tokens: int | None,
     route: str,
+    echo: Echo | None = None,
 ) -> Response:
-    """Admit `generate` and answer it, whole or streamed; the request is cancelled if its client goes away."""
-    generation = await front.admit(generate, request.headers.items(), default_max_tokens, route)
-    entries = _entries(generate, front.tokenizer)
-    if body.stream:
-        return EventStream(_events(front, generation, reply, entries), lambda: front.close(generation))
+    """Admit `generates` (a request's prompts, most often one) and answer them as one, whole or streamed: their
+    choices in order, prompt by prompt (each after its prompt, with `echo`); they are cancelled if the client goes
+    away."""
+    generations: list[Generation] = []
     try:
-        whole = await _while_connected(request.receive, _collect(front, generation, entries))
+        for generate in generates:
+            generations.append(await front.admit(generate, request.headers.items(), default_max_tokens, route))
+    except BaseException:
+        for generation in generations:
+            front.close(generation)
+        raise
+    answers = Answers(front, generations, _entries(generates[0], front.tokenizer, reply.chat), echo)
+
+    def close() -> None:
+        for generation in generations:
+            front.close(generation)
+
+    if body.stream:
+        return EventStream(_events(answers, reply), close)
+    try:
+        whole = await _while_connected(request.receive, answers.collect())
     finally:
-        front.close(generation)
+        close()
     if whole is None:
         return Response(status_code=CLIENT_GONE)
-    return JSONResponse(reply.whole(whole, generation.usage))
+    return JSONResponse(reply.whole(whole, answers.usage()))
 
 
 Entries = Callable[[generation_pb2.GenerateResponse], list[TokenEntry]]
 
 
-def _entries(generate: generation_pb2.GenerateRequest, tokenizer: object | None) -> Entries | None:
+def _entries(generate: generation_pb2.GenerateRequest, tokenizer: object | None, chat: bool) -> Entries | None:
     """How a message's tokens become its logprobs' entries, each token's text decoded alone ("token_id:N" without
-    a tokenizer, as vLLM's return_tokens_as_token_ids), if the request asked for logprobs."""
+    a tokenizer, as vLLM's return_tokens_as_token_ids), if the request asked for logprobs. A chat's leave out the
+    special tokens (an end of turn such as <|im_end|>) that its text, decoded without them, does not hold."""
     if not generate.params.HasField("logprobs"):
         return None
-
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"  # type: ignore[attr-defined]
+    special = set(getattr(tokenizer, "all_special_ids", ())) if chat else set()
+    text = _token_text(tokenizer)
 
     def entries(message: generation_pb2.GenerateResponse) -> list[TokenEntry]:
         return [
             (text(token_id), lp.logprob, [(text(top.token_id), top.logprob) for top in lp.top])
             for token_id, lp in zip(message.token_ids, message.logprobs, strict=True)
+            if token_id not in special
         ]
 
     return entries
 
 
-async def _collect(
-    front: FrontDoor,
-    generation: Generation,
-    logprobs: Entries | None,
-) -> list[tuple[str, str | None, list[TokenEntry] | None]]:
-    """Each choice's text, finish reason and logprobs (when asked), by index."""
-    n = max(len(generation.samples), 1)
-    texts: list[list[str]] = [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
-    entries: list[list[TokenEntry] | None] = [[] if logprobs else None for _ in range(n)]
-    async for message in front.responses(generation):
-        texts[message.index].append(message.text)
-        reasons[message.index] = finish_reason(message.finish_reason)
-        if logprobs is not None:
-            entries[message.index] += logprobs(message)  # type: ignore[operator]
-    return [("".join(text), reason, e) for text, reason, e in zip(texts, reasons, entries)]
+def _token_text(tokenizer: object | None) -> Callable[[int], str]:
+    """A token's text, decoded alone ("token_id:N" without a tokenizer)."""
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"  # type: ignore[attr-defined]
+
+    return text
+
+
+Choice = tuple[str, str | None, list[TokenEntry] | None]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's `echo`: each choice's text (and logprobs) begins with its prompt's, the first token's
+    log-probability null; `prompt_only` (max_tokens 0, what lm-eval's loglikelihood sends): nothing after it."""
+
+    prompts: list[str | list[int]]
+    prompt_only: bool = False
+
+
+class Answers:
+    """The admitted generations of one HTTP request, whose choices are numbered on from one prompt to the next."""
+
+    def __init__(
+        self, front: FrontDoor, generations: list[Generation], logprobs: Entries | None, echo: Echo | None = None
+    ) -> None:
+        self.front, self.generations, self.logprobs, self.echo = front, generations, logprobs, echo
+        self.bases = list(itertools.accumulate((_choices(g) for g in generations), initial=0))
+
+    def prompt_tokens(self, index: int) -> int:
+        """The prompt tokens of choice `index`'s prompt."""
+        return len(self.generations[bisect.bisect_right(self.bases, index) - 1].state.prompt_ids)
+
+    def echoed(self, index: int, message: generation_pb2.GenerateResponse) -> tuple[str, list[TokenEntry] | None]:
+        """Choice `index`'s prompt as its answer begins with it (`Echo`): its text, and its tokens' entries (the
+        target's, from the choice's first message) where logprobs were asked."""
+        assert self.echo is not None
+        which = bisect.bisect_right(self.bases, index) - 1
+        prompt, ids = self.echo.prompts[which], self.generations[which].state.prompt_ids
+        tokenizer: Any = self.front.tokenizer
+        text = prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if tokenizer is not None else "")
+        if self.logprobs is None:
+            return text, None
+        token = _token_text(tokenizer)
+        entries: list[TokenEntry] = [(token(ids[0]), None, None)]
+        for token_id, lp in zip(ids[1:], message.prompt_logprobs, strict=False):
+            entries.append((token(token_id), lp.logprob, [(token(top.token_id), top.logprob) for top in lp.top]))
+        return text, entries
+
+    @property
+    def count(self) -> int:
+        return self.bases[-1]
+
+    async def messages(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        """Every generation's messages as they come, each with its choice's index in the answer."""
+        if len(self.generations) == 1:
+            async for message in self.front.responses(self.generations[0]):
+                yield message.index, message
+            return
+        merged: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse] | BaseException | None] = asyncio.Queue()
+
+        async def pump(generation: Generation, base: int) -> None:
+            try:
+                async for message in self.front.responses(generation):
+                    merged.put_nowait((base + message.index, message))
+                merged.put_nowait(None)
+            except BaseException as exc:  # (its failure is the answer's: passed on below)
+                merged.put_nowait(exc)
+
+        pumps = [asyncio.ensure_future(pump(g, b)) for g, b in zip(self.generations, self.bases, strict=False)]
+        try:
+            running = len(pumps)
+            while running:
+                item = await merged.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def collect(self) -> list[Choice]:
+        """Each choice's text, finish reason and logprobs (when asked), by index."""
+        texts: list[list[str]] = [[] for _ in range(self.count)]
+        reasons: list[str | None] = [None] * self.count
+        entries: list[list[TokenEntry] | None] = [[] if self.logprobs else None for _ in range(self.count)]
+        echoed: set[int] = set()
+        async for index, message in self.messages():
+            reasons[index] = finish_reason(message.finish_reason)
+            if self.echo is not None and index not in echoed:
+                echoed.add(index)
+                text, prompt_entries = self.echoed(index, message)
+                texts[index].append(text)
+                entries[index] = prompt_entries
+            if self.echo is not None and self.echo.prompt_only:
+                reasons[index] = reasons[index] and "length"  # (its one token generated is not answered)
+                continue
+            texts[index].append(message.text)
+            if self.logprobs is not None:
+                entries[index] += self.logprobs(message)  # type: ignore[operator]
+        return [("".join(text), reason, e) for text, reason, e in zip(texts, reasons, entries, strict=True)]
+
+    def usage(self) -> generation_pb2.Usage | None:
+        """All prompts' usage together (each prompt's samples as `total_usage` counts them), once all finished."""
+        usages = [g.usage for g in self.generations if g.usage is not None]
+        if len(usages) < len(self.generations):
+            return None
+        if len(usages) == 1 and (self.echo is None or not self.echo.prompt_only):
+            return usages[0]
+        total = generation_pb2.Usage()
+        total.CopyFrom(total_usage(usages))
+        total.prompt_tokens = sum(u.prompt_tokens for u in usages)
+        total.cached_prompt_tokens = sum(u.cached_prompt_tokens for u in usages)
+        if self.echo is not None and self.echo.prompt_only:
+            total.completion_tokens = 0
+        return total
+
+
+def _choices(generation: Generation) -> int:
+    return max(len(generation.samples), 1)
 
 
 def _sse(body: dict[str, Any] | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def _events(
-    front: FrontDoor,
-    generation: Generation,
-    reply: Reply,
-    logprobs: Entries | None,
-) -> AsyncIterator[str]:
+async def _events(answers: Answers, reply: Reply) -> AsyncIterator[str]:
     """The answer as server-sent events, as OpenAI streams it: (chat: the role first), text deltas (each with its
     tokens' logprobs, when asked), a chunk with the finish reason, the usage if asked, then [DONE]; a failure midway
     is an error object before [DONE]."""
-    offsets = [0] * max(len(generation.samples), 1)  # each choice's text so far (a completion's text_offset)
-    for index in range(max(len(generation.samples), 1)):
+    offsets = [0] * answers.count  # each choice's text so far (a completion's text_offset)
+    calls = [ToolCallStream(reply.tools) for _ in range(answers.count)] if reply.tools is not None else None
+    echoed: set[int] = set()
+    generated = [0] * answers.count  # each choice's tokens so far (continuous usage)
+
+    def sse(chunk: dict[str, Any], i: int) -> str:
+        """A chunk of choice `i`; with continuous usage stats (vLLM's) its usage so far."""
+        if reply.continuous_usage:
+            prompt = answers.prompt_tokens(i)
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": generated[i],
+                "total_tokens": prompt + generated[i],
+            }
+        return _sse(chunk)
+
+    for index in range(answers.count):
         opening = reply.opening(index)
         if opening is not None:
             yield _sse(opening)
     try:
-        async for message in front.responses(generation):
+        async for i, message in answers.messages():
+            generated[i] += len(message.token_ids)
+            if answers.echo is not None and i not in echoed:
+                echoed.add(i)
+                text, prompt_entries = answers.echoed(i, message)
+                yield sse(reply.delta(text, index=i, entries=prompt_entries), i)
+                offsets[i] += sum(len(token) for token, _, _ in prompt_entries or ())
+            if answers.echo is not None and answers.echo.prompt_only:
+                if message.finish_reason:
+                    yield sse(reply.delta("", "length", i), i)
+                continue
+            logprobs = answers.logprobs
             entries = logprobs(message) if logprobs is not None and message.token_ids else None
-            if message.text or entries:
-                i = message.index
-                yield _sse(reply.delta(message.text, index=i, entries=entries, offset=offsets[i]))
+            text = message.text if calls is None else calls[i].feed(message.text)
+            if text or entries:
+                yield sse(reply.delta(text, index=i, entries=entries, offset=offsets[i]), i)
                 offsets[i] += sum(len(token) for token, _, _ in entries or ())
             reason = finish_reason(message.finish_reason)
+            if reason is not None and calls is not None:
+                rest, made = calls[i].finish()
+                if rest:
+                    yield sse(reply.delta(rest, index=i), i)
+                if made:
+                    yield sse(reply.tool_calls_delta(made, i), i)
+                    reason = tool_calls_reason(reason)
             if reason is not None:
-                yield _sse(reply.delta("", reason, message.index))
-        if reply.include_usage and generation.usage is not None:
-            yield _sse(reply.usage_chunk(generation.usage))
+                yield sse(reply.delta("", reason, i), i)
+        usage = answers.usage()
+        if reply.include_usage and usage is not None:
+            yield _sse(reply.usage_chunk(usage))
     except RequestRefused as exc:
         yield _sse(ApiError.of(exc).body)
     yield _sse("[DONE]")
@@ -370,13 +659,13 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 class ApiKeyAuth:
     """Refuse a request without `Authorization: Bearer <api_key>` with 401 and OpenAI's error object, before its
-    body is read; /health stays open (probes carry no secret)."""
+    body is read; /health, /metrics and /version stay open (probes and scrapers carry no secret)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Coroutine[Any, Any, None]], api_key: str) -> None:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in ("/health", "/health/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization")
             if not bearer_matches(header, self.api_key):
                 body = error_body(UNAUTHENTICATED, "invalid_request_error", None, "invalid_api_key")
@@ -403,8 +692,9 @@ class HttpServer:
         sock: socket.socket,
         api_key: str | None = None,
         limits: ConnectionLimits = PUBLIC_LIMITS,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
-        app = BodyLimit(create_app(front), front.options.max_request_bytes)
+        app = BodyLimit(create_app(front, metrics), front.options.max_request_bytes)
         options = front.options
         self.gate = ConnectionGate(limits)
         listener = GatedListener.of(sock, self.gate)
@@ -457,20 +747,25 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
 
 
-def start_http_server(
-    front: FrontDoor,
-    port: int,
-    host: str,
-    api_key: str | None = None,
-    limits: ConnectionLimits = PUBLIC_LIMITS,
-) -> HttpServer:
-    """The HTTP API on `port`, started in this event loop beside the gRPC server (HTTPS with the front's
-    --tls-cert, the bearer token `api_key` wanted where given, connections within `limits`); OSError if it cannot
-    listen."""
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP API's listening socket, bound before the coordinator starts; OSError naming the port and its flag
+    if it cannot listen."""
     try:
-        sock = listen(host, port)
+        return listen(host, port)
     except OSError as exc:
         raise OSError(f"the HTTP API cannot listen on {host} port {port} (--http-port; 0 turns it off): {exc}") from exc
-    http = HttpServer(front, sock, api_key, limits)
+
+
+def start_http_server(
+    front: FrontDoor,
+    sock: socket.socket,
+    api_key: str | None = None,
+    limits: ConnectionLimits = PUBLIC_LIMITS,
+    metrics: CoordinatorMetrics | None = None,
+) -> HttpServer:
+    """The HTTP API on `sock` (`bind_http`), started in this event loop beside the gRPC server (HTTPS with the
+    front's --tls-cert, the bearer token `api_key` wanted where given, connections within `limits`; /metrics of
+    `metrics`' registry where given)."""
+    http = HttpServer(front, sock, api_key, limits, metrics)
     log.info("OpenAI-compatible HTTP API on port %d (/v1/completions, /v1/chat/completions, /v1/models)", http.port)
     return http

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import time
@@ -98,8 +97,14 @@ class Coordinator:
                 lambda: float(self.loop.drafting),
                 lambda: float(self.loop.draft_length),
             )
+            metrics.add_vllm_names(lambda: self.front_door.model, self._target_kv_usage)
         self.http: HttpServer | None = None  # the HTTP API, when `serve` started it
         self._task: asyncio.Task[None] | None = None
+
+    def _target_kv_usage(self) -> float:
+        """The fraction of the target's KV blocks that sequences hold, as its last reply reported (0 before one)."""
+        ledger = self.workers.target.ledger
+        return 1 - ledger.reported / ledger.num_blocks if ledger.accounted and ledger.num_blocks else 0.0
 
     async def start(self) -> None:
         """Check the pair, lay the batches out, set up the channel through both workers' control RPCs, start the
@@ -195,8 +200,20 @@ async def serve(
     limits = ConnectionLimits(options.max_connections, options.header_timeout, options.idle_timeout)
     limits.check()
     limits = fitted(limits, 2 if options.http_port else 1)  # each port its own descriptors: neither starves the other
+    http_socket = None
+    if options.http_port:
+        # Bound before anything starts: a port in use fails the start-up at once, naming it. (FastAPI is imported
+        # only here: not on every machine.)
+        from coordinator.http_api import bind_http
+
+        http_socket = bind_http(host, options.http_port)
     coordinator = Coordinator(options, tracing, metrics)
-    await coordinator.start()
+    try:
+        await coordinator.start()
+    except BaseException:
+        if http_socket is not None:
+            http_socket.close()
+        raise
     servicer = GenerationServicer(coordinator.front_door)
     server, bound = await start_server(
         port,
@@ -209,10 +226,8 @@ async def serve(
         api_key=api_key,
         limits=limits,
     )
-    if options.http_port:
-        # Imported only here (FastAPI: not on every machine), in a thread, so that the leases' heartbeat goes on.
-        await asyncio.to_thread(importlib.import_module, "coordinator.http_api")
+    if http_socket is not None:
         from coordinator.http_api import start_http_server
 
-        coordinator.http = start_http_server(coordinator.front_door, options.http_port, host, api_key, limits)
+        coordinator.http = start_http_server(coordinator.front_door, http_socket, api_key, limits, metrics)
     return server, bound, coordinator

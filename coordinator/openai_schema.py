@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -9,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.tool_calls import ToolChoice, parse_tool_calls
 from minedraft.proto import generation_pb2
 
 UINT32 = 2**32
@@ -17,7 +20,7 @@ TokenId = Annotated[int, Field(ge=-INT32, lt=INT32)]  # what the proto holds; th
 
 
 class _Body(BaseModel):
-    # Inside a message a field this server does not know is an error (400 naming it): dropping it would change the
+    # In a content part a field this server does not know is an error (400 naming it): dropping it would change the
     # prompt the model sees.
     model_config = ConfigDict(extra="forbid")
 
@@ -28,16 +31,20 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def ignored_fields(self) -> list[str]:
-        """The fields of the body, its stream options' included, that this server does not know."""
+        """The fields of the body, its stream options' and messages' included, that this server does not know."""
         names = list(self.model_extra or ())
         for name, value in self:
             if isinstance(value, _Lenient):
                 names += [f"{name}.{inner}" for inner in value.ignored_fields()]
+            elif isinstance(value, list):
+                inner_names = {inner for item in value if isinstance(item, _Lenient) for inner in item.ignored_fields()}
+                names += [f"{name}[].{inner}" for inner in inner_names]
         return sorted(names)
 
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's (guidellm sends it): with include_usage, every chunk its usage
 
 
 class SamplingBody(_Lenient):
@@ -65,9 +72,17 @@ class SamplingBody(_Lenient):
     # Not supported yet: each may be left out or given its value that asks for nothing (NEUTRAL), else a 400.
     logit_bias: dict[str, float] | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
-        "logit_bias": ({},),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {}  # (logit_bias is served: `logit_bias_of`)
+
+    def logit_bias_of(self) -> dict[int, float] | None:
+        """logit_bias by token id (its keys are token ids as strings, as OpenAI's); ValueError for a key that is not
+        one."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): value for token, value in self.logit_bias.items()}
+        except ValueError as exc:
+            raise ValueError(f"logit_bias keys are token ids, got {list(self.logit_bias)[:3]}") from exc
 
     def unsupported(self) -> tuple[str, object] | None:
         """The first field given a value this server cannot honour yet, and that value."""
@@ -82,6 +97,10 @@ class SamplingBody(_Lenient):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingBody):
     """POST /v1/completions."""
@@ -94,7 +113,6 @@ class CompletionRequest(SamplingBody):
 
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingBody.NEUTRAL,
-        "echo": (False,),
         "best_of": (1,),
         "suffix": ("",),
     }
@@ -105,9 +123,29 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(_Lenient):
+    """A message; a field this server does not know (`name`, ...) is ignored as vLLM ignores it."""
+
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as an answer gave them
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it; a call's arguments parsed from their JSON text, as templates
+        (Qwen's, Hermes') write them out with `tojson`."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                function = dict(call.get("function") or {})
+                with contextlib.suppress(TypeError, ValueError):
+                    function["arguments"] = json.loads(function.get("arguments", "{}"))
+                calls.append({**call, "function": function})
+            message["tool_calls"] = calls
+        return message
 
     @property
     def text(self) -> str:
@@ -115,6 +153,27 @@ class ChatMessage(_Body):
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionSpec(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Lenient):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -125,21 +184,66 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, lt=UINT32)  # with logprobs: the top ones per token
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
         **SamplingBody.NEUTRAL,
         "response_format": ({"type": "text"},),
-        "tools": ([],),
-        "tool_choice": ("none",),
     }
+
+    def tool_choice_of(self, parser: str = "hermes") -> ToolChoice | None:
+        """How the request's tools are used (`coordinator.tool_calls`; calls the model writes as `parser` reads
+        them); None without tools, or with "none". A ValueError names what is wrong (a choice without tools, a
+        function not among them)."""
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if not self.tools:
+            if choice in ("auto", "none"):
+                return None
+            raise ValueError("tool_choice needs tools")
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            if name not in {tool.function.name for tool in self.tools}:
+                raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+            return ToolChoice("named", name, parallel, parser)
+        return None if choice == "none" else ToolChoice(choice, None, parallel, parser)
+
+    def tools_for_template(self, choice: ToolChoice | None) -> list[dict[str, Any]] | None:
+        """The tools as the chat template shows them to the model: none under "none", the named one alone."""
+        if choice is None or not self.tools:
+            return None
+        tools = [tool for tool in self.tools if choice.mode != "named" or tool.function.name == choice.name]
+        return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+class TokenizeRequest(_Lenient):
+    """POST /tokenize, as vLLM takes it: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    """POST /detokenize, as vLLM takes it."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 FINISH_REASONS: dict[int, str] = {
     generation_pb2.FINISH_REASON_STOP: "stop",
     generation_pb2.FINISH_REASON_LENGTH: "length",
 }
+
+
+def tool_calls_reason(reason: str | None) -> str | None:
+    """A choice's finish reason once its text held tool calls: "tool_calls", unless cut short ("length")."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def finish_reason(reason: int) -> str | None:
@@ -169,8 +273,9 @@ def usage_body(usage: generation_pb2.Usage) -> dict[str, Any]:
     }
 
 
-# One generated token's log-probabilities as text: (token, logprob, [(top token, its logprob), ...])
-TokenEntry = tuple[str, float, list[tuple[str, float]]]
+# One token's log-probabilities as text: (token, logprob, [(top token, its logprob), ...]); an echoed prompt's first
+# token has none (None, None), as OpenAI's
+TokenEntry = tuple[str, float | None, list[tuple[str, float]] | None]
 
 
 def chat_logprobs(entries: list[TokenEntry]) -> dict[str, Any]:
@@ -179,7 +284,9 @@ def chat_logprobs(entries: list[TokenEntry]) -> dict[str, Any]:
     def one(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    content = [one(token, lp) | {"top_logprobs": [one(t, v) for t, v in top]} for token, lp, top in entries]
+    content = [
+        one(token, lp or 0.0) | {"top_logprobs": [one(t, v) for t, v in top or ()]} for token, lp, top in entries
+    ]
     return {"content": content, "refusal": None}
 
 
@@ -193,7 +300,7 @@ def completion_logprobs(entries: list[TokenEntry], offset: int = 0) -> dict[str,
     return {
         "tokens": [token for token, _, _ in entries],
         "token_logprobs": [lp for _, lp, _ in entries],
-        "top_logprobs": [dict(top) for _, _, top in entries],
+        "top_logprobs": [None if top is None else dict(top) for _, _, top in entries],
         "text_offset": offsets,
     }
 
@@ -210,6 +317,8 @@ class Reply:
     chat: bool
     model: str
     include_usage: bool = False  # streamed: every chunk has "usage" (null), and a last chunk carries it
+    tools: ToolChoice | None = None  # a chat's: its answers' tool calls are parsed out of their text
+    continuous_usage: bool = False  # streamed: every chunk of a choice carries its usage so far
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -223,7 +332,13 @@ class Reply:
         choices = []
         for index, (text, reason, entries) in enumerate(answers):
             choice: dict[str, Any] = {"index": index}
-            if self.chat:
+            if self.chat and self.tools is not None:
+                content, calls = parse_tool_calls(text, self.tools)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    reason = tool_calls_reason(reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -249,6 +364,10 @@ class Reply:
         if self.chat:
             return self._chunk({"content": text} if reason is None else {}, reason, index, self._logprobs(entries))
         return self._chunk(text, reason, index, self._logprobs(entries, offset))
+
+    def tool_calls_delta(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        """A chat chunk of choice `index` with its tool calls, each whole (as vLLM streams a call once complete)."""
+        return self._chunk({"tool_calls": [{"index": i} | call for i, call in enumerate(calls)]}, None, index)
 
     def _logprobs(self, entries: list[TokenEntry] | None, offset: int = 0) -> dict[str, Any] | None:
         if entries is None:

@@ -263,6 +263,26 @@ class CoordinatorOptions(PublicPortOptions):
         SERVICE,
         helm=_ONLY_COORDINATOR,
     )
+    served_model_name: list[str] | None = flag(
+        None,
+        "--served-model-name",
+        "the model's names in the HTTP API, one or more (the first is the one /v1/models reports; a request may name "
+        "any); default: the target's model directory",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        nargs="+",
+        passes_to=TO_COORDINATOR,
+    )
+    tool_call_parser: str = flag(
+        "hermes",
+        "--tool-call-parser",
+        "the format the model writes tool calls in, parsed into a chat answer's tool_calls: hermes (<tool_call>{json}"
+        "</tool_call>: Hermes, Qwen, SmolLM) or llama3_json (a JSON object with name and parameters: Llama 3)",
+        COORDINATOR_COMMANDS,
+        SERVICE,
+        choices=("hermes", "llama3_json"),
+        passes_to=TO_COORDINATOR,
+    )
     step_trace: str | None = flag(
         None,
         "--step-trace",

@@ -56,6 +56,8 @@ class Decode:
     admitted: int = 0  # its place in the order of admissions (the latest is preempted first)
     preemptions: int = 0
     cached_prompt_tokens: int = 0  # of its first prefill on the target, from the prefix cache
+    # Of its first prefill, with prompt_logprobs asked: sent with its first message, then dropped
+    prompt_logprobs: Sequence[generation_pb2.TokenLogprob] = ()
     first_token_at: float | None = None
 
 
@@ -196,10 +198,12 @@ class RequestState:
         """Admitted `order`-th: the latest admitted is preempted first."""
         self.decode.admitted = order
 
-    def prefilled(self, cached_prompt_tokens: int) -> None:
-        """Its prefill on the target found `cached_prompt_tokens` in the prefix cache (counted at its first)."""
+    def prefilled(self, cached_prompt_tokens: int, prompt_logprobs: Sequence[generation_pb2.TokenLogprob] = ()) -> None:
+        """Its prefill on the target found `cached_prompt_tokens` in the prefix cache and reported the prompt's
+        log-probabilities where asked (both taken at its first prefill, not after a preemption)."""
         if not self.decode.preemptions:
             self.decode.cached_prompt_tokens = cached_prompt_tokens
+            self.decode.prompt_logprobs = prompt_logprobs
 
     def drafted_from_here(self) -> None:
         """A draft service was handed it with its output so far but the last token, which the next proposal feeds."""
@@ -262,7 +266,9 @@ class RequestState:
             finish_reason=finish_reason,  # type: ignore[arg-type]
             index=self.index,
             logprobs=logprobs,
+            prompt_logprobs=d.prompt_logprobs,
         )
+        d.prompt_logprobs = ()
         if self.finished:
             message.usage.CopyFrom(self.usage())
         if outbox is None:

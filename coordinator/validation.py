@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from jinja2 import TemplateError
 
-from minedraft.engine.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingConfig
+from minedraft.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingConfig
 from minedraft.errors import InvalidRequest as InvalidRequest  # (samples.py imports it from here)
 from minedraft.proto import generation_pb2
 
@@ -84,19 +85,26 @@ def chat_prompt_ids(messages: Sequence[generation_pb2.ChatMessage], tokenizer: o
     """`messages` rendered with the tokenizer's chat template, the assistant's turn opened, as token ids (exactly
     what `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` gives)."""
     tokenizer = _tokenizer(tokenizer, "messages")
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InvalidRequest(f"messages[{i}] has no role", "messages")
+    return render_chat([{"role": m.role, "content": m.content} for m in messages], tokenizer)
+
+
+def render_chat(
+    conversation: list[dict[str, Any]], tokenizer: object, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """`conversation` rendered with the tokenizer's chat template (its `tools` too, where given), the assistant's
+    turn opened, as token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest(
             "this model's tokenizer has no chat template, so messages cannot be formatted: send the prompt as text "
             "or token ids (prompt_token_ids), formatted as the model expects",
             "messages",
         )
-    for i, message in enumerate(messages):
-        if not message.role:
-            raise InvalidRequest(f"messages[{i}] has no role", "messages")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
         ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            conversation, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except TemplateError as exc:  # the template's own refusal (raise_exception), e.g. roles that do not alternate
         raise InvalidRequest(f"the chat template refused these messages: {exc}", "messages") from exc
@@ -143,6 +151,7 @@ def sampling_config(
         )
     _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab_size, "stop_token_ids")
     _check_penalties(params, max_tokens)
+    _check_logit_bias(params.logit_bias, vocab_size)
     return SamplingConfig.from_proto(params, max_tokens=max_tokens, seed=secrets.randbits(63))
 
 
@@ -150,6 +159,9 @@ def _check_penalties(params: generation_pb2.SamplingParams, max_tokens: int) -> 
     """logprobs, min_tokens, min_p and the penalties in their ranges (OpenAI's for presence and frequency)."""
     if params.HasField("logprobs") and params.logprobs > MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}", "logprobs")
+    if params.HasField("prompt_logprobs") and params.prompt_logprobs > MAX_LOGPROBS:
+        message = f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}"
+        raise InvalidRequest(message, "prompt_logprobs")
     if params.min_tokens > max_tokens:
         raise InvalidRequest(
             f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
@@ -167,6 +179,16 @@ def _check_penalties(params: generation_pb2.SamplingParams, max_tokens: int) -> 
         value = getattr(params, name)
         if not -2 <= value <= 2:
             raise InvalidRequest(f"{name} must be in [-2, 2] (0 disables it), got {value}", name)
+
+
+def _check_logit_bias(bias: Mapping[int, float], vocab_size: int) -> None:
+    """At most MAX_LOGIT_BIAS token ids of the vocabulary, each biased within [-100, 100] (OpenAI's limits)."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}", "logit_bias")
+    _check_in_vocabulary("logit_bias token ids", list(bias), vocab_size, "logit_bias")
+    for token, value in bias.items():
+        if not -100 <= value <= 100:  # (a NaN fails too)
+            raise InvalidRequest(f"logit_bias[{token}] must be in [-100, 100], got {value}", "logit_bias")
 
 
 def _check_length(prompt_length: int, max_tokens: int, context: int) -> None:

@@ -70,6 +70,7 @@ class Flag:
     switch: bool = False  # given bare, it sets True
     const: str | None = None  # the value when given bare (its value is optional)
     repeat: bool = False  # each use adds a value to a list, empty by default
+    nargs: str | None = None  # "+": one or more values after the flag, a list (MINEDRAFT_<FLAG>: space-separated)
     required: bool = False  # unless its environment variable is set
     one_of: str | None = None  # exactly one flag of each one_of group must be given
     environment: tuple[str, ...] | None = None  # commands where MINEDRAFT_<FLAG> sets it; None: the services'

@@ -23,7 +23,14 @@ from minedraft.flag_spec import FLAG_KEY
 from minedraft.rpc.lease import new_secret
 from minedraft.rpc.security import bearer_metadata, client_tls, read_api_key, sync_channel, worker_credentials
 from minedraft_app.flags import COMMANDS, LOOPBACK, SERVICE_COMMANDS, add_flags
-from minedraft_app.stack import check_stack_tls, drain_process, service_args, start_stack, stop_processes
+from minedraft_app.stack import (
+    check_stack_tls,
+    drain_process,
+    ports_taken,
+    service_args,
+    start_stack,
+    stop_processes,
+)
 
 if TYPE_CHECKING:
     from coordinator.options import CoordinatorOptions
@@ -155,8 +162,8 @@ async def _coordinator_main(args: argparse.Namespace) -> None:
 
     options = coordinator_options(args)
     tracing = setup_tracing("minedraft-coordinator")
-    metrics = CoordinatorMetrics() if args.metrics_port else None
-    if metrics is not None:  # on loopback unless asked: --host is the public port's
+    metrics = CoordinatorMetrics() if args.metrics_port or args.http_port else None  # (the HTTP port's /metrics too)
+    if args.metrics_port and metrics is not None:  # on loopback unless asked: --host is the public port's
         start_metrics_server(args.metrics_port, args.metrics_host or LOOPBACK, metrics.registry)
     try:
         server, port, coordinator = await serve(options, args.port, args.host, tracing, metrics)
@@ -169,6 +176,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     """The whole stack in one process: each worker on its own thread and CUDA stream, drafts over `local`."""
     from coordinator.main import serve as serve_coordinator
     from draft_service.server import serve as serve_draft
+    from minedraft.observability.metrics import CoordinatorMetrics
     from target_service.server import serve as serve_target
 
     # Each model runner captures its CUDA graphs on a stream of its own: two threads capturing on the one stream
@@ -186,7 +194,10 @@ async def _single_process_main(args: argparse.Namespace) -> None:
     )
     if coordinator_args.channel == "auto":
         coordinator_args.channel = "local"
-    server, port, coordinator = await serve_coordinator(coordinator_options(coordinator_args), args.port, args.host)
+    metrics = CoordinatorMetrics() if args.http_port else None  # (its /metrics)
+    server, port, coordinator = await serve_coordinator(
+        coordinator_options(coordinator_args), args.port, args.host, metrics=metrics
+    )
     print(
         f"minedraft serving {args.mode} on localhost:{port} in one process (target {args.target}, draft {args.draft})",
         flush=True,
@@ -218,6 +229,10 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    taken = ports_taken(args.host, {"--port": args.port, "--http-port": args.http_port})
+    if taken:  # before any model loads: the coordinator, started last, would fail only after both had
+        print(f"error: {taken}", file=sys.stderr)
+        return 1
     if args.api_key:  # the coordinator reads it from its environment: a command line is visible to every user
         os.environ["MINEDRAFT_API_KEY"] = args.api_key
     # All three services read it there: only a coordinator of this stack leases its workers.
@@ -330,23 +345,19 @@ def _generated_json(token_ids: list[int], text: str, finish: int, usage: Any) ->
     from minedraft.proto import generation_pb2
 
     u = usage or generation_pb2.Usage()
+    usage_fields: dict[str, Any] = {}
+    for field in u.DESCRIPTOR.fields:  # every field of the proto's Usage, as it grows
+        value = getattr(u, field.name)
+        if not isinstance(value, int | float):  # a repeated field
+            value = list(value)
+        elif isinstance(value, float):
+            value = round(value, 6)
+        usage_fields[field.name] = value
     return {
         "token_ids": token_ids,
         "text": text,
         "finish_reason": generation_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower(),
-        "usage": {
-            "prompt_tokens": u.prompt_tokens,
-            "completion_tokens": u.completion_tokens,
-            "draft_tokens": u.draft_tokens,
-            "accepted_tokens": u.accepted_tokens,
-            "steps": u.steps,
-            "drafted_steps": u.drafted_steps,
-            "mean_accepted_length": round(u.mean_accepted_length, 4),
-            "acceptance_rate": round(u.acceptance_rate, 4),
-            "accepted_per_position": list(u.accepted_per_position),
-            "time_to_first_token_s": round(u.time_to_first_token_s, 6),
-            "time_per_output_token_s": round(u.time_per_output_token_s, 6),
-        },
+        "usage": usage_fields,
     }
 
 

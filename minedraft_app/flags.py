@@ -73,7 +73,7 @@ FLAGS: tuple[Flag, ...] = (
     # ---------------------------------------------------------------- models
     Flag(
         "--target",
-        "target model directory",
+        "target model directory, or a .gguf file (dequantized; the gguf extra)",
         STACKS,
         MODELS,
         str(TARGET_DIR),
@@ -81,7 +81,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--draft",
-        "draft model directory",
+        "draft model directory, or a .gguf file (dequantized; the gguf extra)",
         STACKS,
         MODELS,
         str(DRAFT_DIR),
@@ -150,6 +150,8 @@ FLAGS: tuple[Flag, ...] = (
     COORDINATOR_FLAGS["target"],
     COORDINATOR_FLAGS["draft"],
     COORDINATOR_FLAGS["tokenizer"],
+    COORDINATOR_FLAGS["served_model_name"],
+    COORDINATOR_FLAGS["tool_call_parser"],
     Flag(
         "--port",
         "port to listen on (0: any free port)",
@@ -447,6 +449,8 @@ def env_default(flag: Flag, command: str) -> object:
         if switch not in SWITCH_VALUES:
             raise SystemExit(f"{flag.env}={value!r}: expected true or false")
         return SWITCH_VALUES[switch]
+    if flag.nargs is not None:
+        return value.split()
     if flag.choices is not None and value not in flag.choices:  # argparse checks given values only, not defaults
         raise SystemExit(f"{flag.env}={value!r}: expected one of {', '.join(flag.choices)}")
     return value  # argparse converts a default that is a string with the flag's type
@@ -472,6 +476,8 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
             kwargs.update(action="append", default=[])
         else:
             kwargs.update(type=flag.type, choices=flag.choices)
+            if flag.nargs is not None:
+                kwargs["nargs"] = flag.nargs
             if flag.const is not None:
                 kwargs.update(nargs="?", const=flag.const)
         if flag.required:

@@ -28,6 +28,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def ports_taken(host: str, ports: dict[str, int]) -> str | None:
+    """What says the first of `ports` (flag -> port, 0: none) that cannot be listened on at `host` ("[::]": every
+    address) is taken; None if each can be."""
+    address = host.strip("[]")
+    every = address in ("", "::")
+    family = socket.AF_INET6 if every or ":" in address else socket.AF_INET
+    for name, port in ports.items():
+        if not port:
+            continue
+        try:
+            dual = every and socket.has_dualstack_ipv6()
+            with socket.create_server((address or "::", port), family=family, dualstack_ipv6=dual):
+                pass
+        except OSError as exc:
+            return f"cannot listen on {host} port {port} ({name}; another process may hold it): {exc}"
+    return None
+
+
 def _raise_if_one_exited(processes: Sequence[subprocess.Popen]) -> None:
     for proc in processes:
         if proc.poll() is not None:
@@ -212,6 +230,8 @@ def command_line(values: dict[str, object]) -> list[str]:
     for name, value in values.items():
         if value is True:
             line.append(name)
+        elif isinstance(value, list | tuple):  # (a flag of several values)
+            line += [name, *map(str, value)]
         elif value is not False:
             line += [name, str(value)]
     return line

@@ -55,6 +55,13 @@ def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.Seq
                 )
                 for lp, top in reported or ()
             )
+    for message, prompt in zip(results, result.prompt_logprobs or (), strict=False):
+        message.prompt_logprobs.extend(
+            generation_pb2.TokenLogprob(
+                logprob=lp, top=[generation_pb2.TopLogprob(token_id=i, logprob=v) for i, v in top]
+            )
+            for lp, top in prompt or ()
+        )
     return results
 
 

@@ -42,6 +42,9 @@ class StepResult:
     # float32 below 2**24), one copy to the host; and per row how many top ones it asked for (None: none)
     logprobs: torch.Tensor | None = None
     top_n: Sequence[int | None] = ()
+    # A prefill's, per row that asked (SamplingConfig.prompt_logprobs), else None: each prompt token after the first,
+    # its log-probability and its top ones' (id, log-probability)
+    prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
     _emitted: list[int] | None = None
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
@@ -257,16 +260,21 @@ class Verifier:
         prompts a step (`SequenceTable.prefill`) that decides and commits as a verify without drafts would, as if
         the last prompt token had been pending."""
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size, configs)
-        body = functools.partial(self._prefill_step, kind=kind)
+        asked = {s: c.prompt_logprobs for s, c in zip(seq_ids, configs) if c.prompt_logprobs is not None}
+        reported: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}  # by row, filled by the bodies
+        body = functools.partial(self._prefill_step, kind=kind, asked=asked, reported=reported)
         _, _, (packed, *logprobs), cached = self.table.prefill(
             seq_ids, prompts, configs, kind=_step_kind(kind), body=body
         )
         rows = self.table.row_list(seq_ids)
         # (the last token of each prompt is pending)
         recorder = self._recorder(rows, [len(p) - 1 for p in prompts])
-        if not logprobs:
-            return StepResult(packed, recorder, cached)
-        return StepResult(packed, recorder, cached, logprobs[0], [c.logprobs for c in configs])
+        result = StepResult(packed, recorder, cached)
+        if logprobs:
+            result.logprobs, result.top_n = logprobs[0], [c.logprobs for c in configs]
+        if asked:
+            result.prompt_logprobs = [reported.get(row) for row in rows]
+        return result
 
     def verify(
         self,
@@ -356,13 +364,31 @@ class Verifier:
         )
 
     def _prefill_step(
-        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape, *, kind: SamplingKind
+        self,
+        rows: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        shape: StepShape,
+        *,
+        kind: SamplingKind,
+        asked: dict[int, int] | None = None,
+        reported: dict[int, list[tuple[float, list[tuple[int, float]]]]] | None = None,
     ) -> list[torch.Tensor]:
         """A prefill's body: the prompts -> the forward -> each sequence's first token decided and committed
-        (`_decide`, without drafts)."""
+        (`_decide`, without drafts). Rows of the sequences `asked` for prompt log-probabilities (seq id -> top ones)
+        get them in `reported` (by row): such a group's forward keeps the logits of every position (a prefill runs
+        eagerly, so the host reads them here)."""
         prompts, lengths = inputs
         before = self.runner.cache.lengths[rows]
-        logits = self.runner.step_forward(rows, prompts, lengths, shape=shape, last_only=True)
+        wanted = {self.table.rows_by_id[s]: top for s, top in (asked or {}).items()}
+        host_rows = rows.tolist() if wanted else []
+        if any(row in wanted for row in host_rows):
+            every = self.runner.step_forward(rows, prompts, lengths, shape=shape, last_only=False)
+            logits = every[torch.arange(len(host_rows), device=every.device), lengths - 1]
+            for b, row in enumerate(host_rows):
+                if row in wanted and reported is not None:
+                    reported[row] = _prompt_logprobs(every[b], prompts[b], int(lengths[b]), wanted[row])
+        else:
+            logits = self.runner.step_forward(rows, prompts, lengths, shape=shape, last_only=True)
         return self.acceptance.decide(
             rows,
             tokens=prompts,
@@ -414,6 +440,18 @@ class Verifier:
         """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""
         missing = self.runner.vocab_size - draft_probs.shape[-1]
         return torch.nn.functional.pad(draft_probs, (0, missing)) if missing > 0 else draft_probs
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, prompt: torch.Tensor, length: int, top: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each prompt token after the first: its log-probability under the raw logits [n, V] at the position before it,
+    and the `top` most likely tokens' (id, log-probability) there."""
+    logprobs = logits[: length - 1].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, prompt[1:length, None].to(logprobs.device).long())[:, 0].tolist()
+    best = logprobs.topk(max(top, 1), dim=-1)
+    ids, values = best.indices.tolist(), best.values.tolist()
+    return [(c, list(zip(i[:top], v[:top], strict=True))) for c, i, v in zip(chosen, ids, values, strict=True)]
 
 
 def _step_kind(kind: SamplingKind) -> str:

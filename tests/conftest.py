@@ -191,10 +191,24 @@ class PresenceFrequency(LogitsProcessor):
         return scores - self.presence * (counts > 0) - self.frequency * counts  # type: ignore[return-value]
 
 
+class LogitBias(LogitsProcessor):
+    """OpenAI's logit_bias: a value added to the logits of some token ids (before the penalties, as vLLM)."""
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids, self.values = torch.tensor(list(bias)), torch.tensor(list(bias.values()))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        biased = scores.clone()
+        biased[:, self.ids] += self.values
+        return biased  # type: ignore[return-value]
+
+
 def hf_processors(prompt_length: int, config: SamplingConfig, eos: list[int]) -> LogitsProcessorList:
     """Hugging Face's logits processors that mean what `config`'s penalties, min_tokens and min_p ask (min_tokens
     holding back `eos` and the stop token ids)."""
     processors = LogitsProcessorList()
+    if config.logit_bias:
+        processors.append(LogitBias(dict(config.logit_bias)))
     if config.min_tokens:
         stops = eos + list(config.stop_token_ids)
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_tokens, stops))

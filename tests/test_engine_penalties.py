@@ -76,6 +76,7 @@ PENALTIES = {
     "presence-frequency": {"presence_penalty": -0.5, "frequency_penalty": 1.2},
     "min_tokens": {"min_tokens": 12},
     "min_p": {"min_p": 0.3},
+    "logit_bias": {"logit_bias": ((5, 6.0), (11, 3.0), (40, -100.0))},
 }
 
 

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from stack import MAX_MODEL_LEN, SERVICE_ENV, Service, Workers, coordinator_args, spawn, stop_all, wait_all
 
 from coordinator.connection_gate import ConnectionGate, GatedListener
-from coordinator.http_api import listen, start_http_server
+from coordinator.http_api import bind_http, listen
 from minedraft.observability.metrics import start_metrics_server
 from minedraft.proto import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from minedraft.rpc.lease import LEASE_METADATA, SECRET_METADATA
@@ -377,4 +377,30 @@ def test_a_port_in_use_is_named() -> None:
         with pytest.raises(OSError, match=f"127.0.0.1 port {port} \\(--port\\)"):
             asyncio.run(start_server(port, [], [], "127.0.0.1"))
         with pytest.raises(OSError, match=f"port {port} \\(--http-port"):
-            start_http_server(None, port, "127.0.0.1")  # type: ignore[arg-type]
+            bind_http("127.0.0.1", port)
+
+
+def test_a_taken_http_port_fails_the_start_before_any_model_loads(tmp_path: Path) -> None:
+    """The coordinator binds --http-port before it dials its workers (none listen here), and `minedraft serve`
+    checks it before it starts a worker: each exits at once, naming the port and the flag."""
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        dead = f"127.0.0.1:{free_port()}"
+        common = ["--host", "127.0.0.1", "--http-port", str(port), "--port", "0"]
+        for command in (
+            ["coordinator", "--target", dead, "--draft", dead],
+            ["serve", "--target", str(tmp_path / "no-model"), "--draft", str(tmp_path / "no-model")],
+        ):
+            start = time.monotonic()
+            run = subprocess.run(
+                [sys.executable, "-m", "minedraft_app", *command, *common],
+                env=SERVICE_ENV,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert run.returncode == 1 and f"port {port} (--http-port" in run.stderr, run.stderr
+            assert "Traceback" not in run.stderr and time.monotonic() - start < 30, run.stderr

@@ -45,7 +45,8 @@ from stack import (
     running_coordinator,
 )
 
-from coordinator.http_api import ApiError, BodyLimit
+from coordinator.http_api import ApiError, BodyLimit, _entries
+from coordinator.tool_calls import ToolCallStream, ToolChoice, parse_tool_calls
 from coordinator.validation import chat_prompt_ids
 from minedraft.engine.models import load_tokenizer
 from minedraft.engine.sampling import SamplingConfig
@@ -55,15 +56,22 @@ from minedraft_app.stack import free_port
 pytest_plugins = ["stack"]
 
 K = 4
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+TEMPLATE = (  # (tools and calls as Hermes' and Qwen's templates write them)
+    "{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+TOOLS: list[Any] = [  # (short: the tiny pair's context is 252 tokens of a 300-token vocabulary)
+    {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "time"}},
+]
 MESSAGES = [
     {"role": "system", "content": "You write Python."},
     {"role": "user", "content": "def fib(n):"},
 ]
 PROMPT = "def parse(argv):\n    "
+NAMES = ("tiny-chat", "tiny-alias")  # --served-model-name
 LONG = 230  # output tokens that take seconds: a request that must be cut short by its client going away
 
 
@@ -113,7 +121,7 @@ def stack(
     with contextlib.ExitStack() as stop:
         for attempt in range(3):  # ports picked here may be taken before the coordinator binds them
             http_port, metrics_port = free_port(), free_port()
-            extra = ["--tokenizer", str(tokenizer_dir), "--speculation", "always"]
+            extra = ["--tokenizer", str(tokenizer_dir), "--speculation", "always", "--served-model-name", *NAMES]
             extra += ["--http-port", str(http_port), "--metrics-port", str(metrics_port)]
             try:
                 coordinator = stop.enter_context(
@@ -138,6 +146,15 @@ def stack(
         yield Stack(coordinator, base_url, metrics_port, model, load_tokenizer(str(tokenizer_dir)), client)
 
 
+def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
 def _grpc(stack: Stack, **fields: Any) -> Any:
     params = generation_pb2.SamplingParams(max_tokens=12, ignore_eos=True)
     return asyncio.run(generate(stack.coordinator.address, generation_pb2.GenerateRequest(params=params, **fields)))
@@ -158,10 +175,16 @@ def _grpc_messages(messages: list[dict[str, str]]) -> list[generation_pb2.ChatMe
 # --------------------------------------------------------------------------------------------- answers
 
 
-def test_models_and_health(stack: Stack) -> None:
-    (model,) = stack.client.models.list().data
-    assert model.id == stack.model and model.object == "model"
+def test_models_and_health(stack: Stack, llama_workers: Workers) -> None:
+    """--served-model-name: each name listed (the first is the model's id), each taken, the answer naming it."""
+    models = stack.client.models.list().data
+    assert [m.id for m in models] == list(NAMES) == [stack.model, "tiny-alias"] and models[0].object == "model"
+    assert models[0].model_extra["root"] == str(llama_workers.pair.target)  # type: ignore[index]
     assert _get(f"{stack.base_url}/health") == (200, {"status": "serving"})
+    done = stack.client.completions.create(model="tiny-alias", prompt=PROMPT, max_tokens=2)
+    assert done.model == "tiny-alias"
+    with pytest.raises(openai.NotFoundError):
+        stack.client.completions.create(model=str(llama_workers.pair.target), prompt=PROMPT, max_tokens=2)
 
 
 def test_greedy_completion_equals_grpc_and_the_target_alone(
@@ -183,6 +206,70 @@ def test_greedy_completion_equals_grpc_and_the_target_alone(
         assert done.usage is not None
         assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 12)
         assert done.usage.total_tokens == len(ids) + 12
+
+
+def test_metrics_on_the_http_port_with_vllm_names(stack: Stack) -> None:
+    """/metrics on the HTTP port is the --metrics-port registry, with vLLM's names (model_name labels) beside."""
+    stack.client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+    with urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10) as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+
+    def value(name: str, sample: str = "", **labels: str) -> float:
+        return sum(
+            s.value
+            for s in families[name].samples
+            if s.name == (sample or name) and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    vllm = {name for name in families if name.startswith("vllm:")}
+    assert vllm >= {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_success",
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+    }, vllm
+    assert all(s.labels["model_name"] == stack.model for name in vllm for s in families[name].samples)
+    for ours, theirs in [
+        ("minedraft_generation_tokens", "vllm:generation_tokens"),
+        ("minedraft_draft_tokens", "vllm:spec_decode_num_draft_tokens"),
+        ("minedraft_accepted_tokens", "vllm:spec_decode_num_accepted_tokens"),
+        ("minedraft_verified_sequences", "vllm:spec_decode_num_drafts"),
+    ]:
+        assert value(ours, ours + "_total") == value(theirs, theirs + "_total"), ours
+    assert value("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens_total") > 0
+    ttft = "vllm:time_to_first_token_seconds"
+    assert (
+        value(ttft, ttft + "_count")
+        == value("minedraft_time_to_first_token_seconds", ttft.replace("vllm:", "minedraft_") + "_count")
+        > 0
+    )
+    assert value("vllm:request_success", "vllm:request_success_total", finished_reason="length") >= 1
+    assert 0 <= value("vllm:kv_cache_usage_perc") <= 1
+    assert value("minedraft_requests", "minedraft_requests_total") == stack.metric("minedraft_requests_total")
+
+
+def test_tokenize_detokenize_and_version(stack: Stack) -> None:
+    status, tokens = _post(f"{stack.base_url}/tokenize", {"model": stack.model, "prompt": PROMPT})
+    assert (
+        status == 200
+        and tokens["tokens"] == stack.tokenizer.encode(PROMPT)
+        and tokens["count"] == len(tokens["tokens"])
+    )
+    assert tokens["max_model_len"] > 0
+    status, chat = _post(f"{stack.base_url}/tokenize", {"messages": MESSAGES})
+    assert chat["tokens"] == stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    assert _post(f"{stack.base_url}/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": PROMPT})
+    status, error = _post(f"{stack.base_url}/detokenize", {"tokens": [10**6]})
+    assert status == 400 and error["error"]["param"] == "tokens"
+    status, version = _get(f"{stack.base_url}/version")
+    assert status == 200 and version["version"]
 
 
 def test_usage_reports_the_speculation(stack: Stack) -> None:
@@ -307,6 +394,41 @@ def test_completion_logprobs_whole_and_streamed(stack: Stack, llama_workers: Wor
     assert [o for lp in parts for o in lp.text_offset or ()] == logprobs.text_offset
 
 
+def test_echo_with_prompt_logprobs_as_lm_eval_asks(stack: Stack, llama_workers: Workers) -> None:
+    """`echo=true, max_tokens=0, logprobs=N` (lm-eval's loglikelihood): the prompt's own text, its tokens'
+    log-probabilities the target's log_softmax at each position before (the first null), even for a prompt whose
+    blocks the prefix cache holds; with max_tokens the completion follows the echoed prompt."""
+    from transformers import AutoModelForCausalLM
+
+    ids = [7 + i % 50 for i in range(40)]  # (a prompt another test had cached: its 2 full blocks)
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    with torch.inference_mode():
+        expected = target(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    want = expected.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    kwargs: dict[str, Any] = dict(model=stack.model, echo=True, logprobs=2, temperature=0)
+    for _ in range(2):  # (the second finds the prompt cached: it is computed whole all the same)
+        done = stack.client.completions.create(prompt=ids, max_tokens=0, **kwargs)
+        (choice,) = done.choices
+        assert choice.text == stack.tokenizer.decode(ids) and choice.finish_reason == "length"
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+        assert logprobs.tokens == [stack.tokenizer.decode([t]) for t in ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+        assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (40, 0)
+    plain = stack.client.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    echoed = stack.client.completions.create(prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True}, **kwargs)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    assert len(echoed.choices[0].logprobs.token_logprobs or ()) == len(stack.tokenizer.encode(PROMPT)) + 4  # type: ignore[union-attr]
+    chunks = list(stack.client.completions.create(prompt=ids, max_tokens=0, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == stack.tokenizer.decode(ids)
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs or ()]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-4)
+
+
 def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
     """`logprobs: true` and `top_logprobs` on a chat completion: OpenAI's content list, what gRPC reports."""
     templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
@@ -314,10 +436,12 @@ def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
     done = _chat(stack, MESSAGES, logprobs=True, top_logprobs=3).choices[0]
     assert done.logprobs is not None and done.logprobs.content is not None
     content = done.logprobs.content
-    assert [c.token for c in content] == [stack.tokenizer.decode([t]) for t in tokens]
-    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in over_grpc], abs=1e-5)
+    # Special tokens (an end of turn) the text leaves out are left out of the logprobs too.
+    kept = [(t, lp) for t, lp in zip(tokens, over_grpc) if t not in stack.tokenizer.all_special_ids]
+    assert [c.token for c in content] == [stack.tokenizer.decode([t]) for t, _ in kept]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for _, lp in kept], abs=1e-5)
     assert all(c.bytes == list(c.token.encode()) for c in content)
-    for c, reported in zip(content, over_grpc):
+    for c, (_, reported) in zip(content, kept):
         want = [(stack.tokenizer.decode([t.token_id]), t.logprob) for t in reported.top]
         assert_same_top([(t.token, t.logprob) for t in c.top_logprobs], want)
     chunks = list(_chat(stack, MESSAGES, logprobs=True, top_logprobs=3, stream=True))
@@ -326,8 +450,109 @@ def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
     assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = _chat(stack, MESSAGES, logprobs=True).choices[0].logprobs
     assert plain is not None and plain.content is not None
-    assert len(plain.content) == 12 and all(c.top_logprobs == [] for c in plain.content)
+    assert len(plain.content) == len(kept) and all(c.top_logprobs == [] for c in plain.content)
     assert _chat(stack, MESSAGES).choices[0].logprobs is None
+
+
+def _template_ids(stack: Stack, messages: list[Any], tools: list[Any] | None = None) -> list[int]:
+    return stack.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)["input_ids"]
+
+
+def test_tools_in_each_tool_choice_through_the_template(stack: Stack) -> None:
+    """tools and tool_choice through the official client: the template shows the tools (none: not at all, named:
+    that one); required and named open the call in the assistant's turn and answer it as tool_calls, streamed too."""
+    plain = _chat(stack, MESSAGES)
+    none = _chat(stack, MESSAGES, tools=TOOLS, tool_choice="none")
+    assert (
+        none.choices[0].message.content == plain.choices[0].message.content and not none.choices[0].message.tool_calls
+    )
+    auto = _chat(stack, MESSAGES, tools=TOOLS)  # (a random model writes no call)
+    assert auto.usage is not None and auto.usage.prompt_tokens == len(_template_ids(stack, MESSAGES, TOOLS))
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # type: ignore[union-attr]
+    named_choice: Any = {"type": "function", "function": {"name": "time"}}
+    named = _chat(stack, MESSAGES, tools=TOOLS, tool_choice=named_choice)
+    (call,) = named.choices[0].message.tool_calls or []
+    assert call.function.name == "time" and call.type == "function" and call.id.startswith("call_")
+    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "length"
+    prefix = stack.tokenizer.encode('<tool_call>\n{"name": "time", "arguments": ', add_special_tokens=False)
+    ids = _template_ids(stack, MESSAGES, TOOLS[1:]) + prefix
+    assert named.usage is not None and named.usage.prompt_tokens == len(ids)
+    assert call.function.arguments == _grpc(stack, prompt_token_ids=ids).text.strip()  # the model's own text
+    chunks = list(_chat(stack, MESSAGES, tools=TOOLS, tool_choice=named_choice, stream=True))
+    streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [  # type: ignore[union-attr]
+        (0, "time", call.function.arguments)
+    ]
+    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    required = _chat(stack, MESSAGES, tools=TOOLS, tool_choice="required")
+    assert len(required.choices[0].message.tool_calls or []) == 1
+    # A call and its result go back through the template as the model wrote and read them.
+    history: list[Any] = [
+        MESSAGES[1],
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    call_json = call.model_dump()
+    with contextlib.suppress(ValueError):
+        call_json["function"]["arguments"] = json.loads(call.function.arguments)
+    rendered = [MESSAGES[1], {"role": "assistant", "content": "", "tool_calls": [call_json]}, history[-1]]
+    again = _chat(stack, history)
+    assert again.usage is not None and again.usage.prompt_tokens == len(_template_ids(stack, rendered))
+
+
+def test_tool_call_parsing_whole_and_streamed() -> None:
+    """The Hermes/Qwen format: text before a call is the content; each call its name and arguments (a JSON text);
+    streamed, no part of a call's tag reaches the content."""
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    text += '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, ToolChoice("auto"))
+    assert content == "Let me look." and [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"name": "time", "arguments": "{}"},
+    ]
+    assert len(parse_tool_calls(text, ToolChoice("auto", parallel=False))[1]) == 1
+    assert parse_tool_calls("no call <tool_call>{not json", ToolChoice("auto")) == ("no call <tool_call>{not json", [])
+    forced = parse_tool_calls('{"city": "Rome"}}\n</tool_call>', ToolChoice("named", "get_weather"))
+    assert forced[0] is None and forced[1][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    for cut in (1, 5, 13, 14, 30):
+        stream = ToolCallStream(ToolChoice("auto"))
+        sent = stream.feed(text[:cut]) + stream.feed(text[cut:])
+        rest, streamed = stream.finish()
+        assert (sent + rest).strip() == "Let me look." and [c["function"] for c in streamed] == [
+            c["function"] for c in calls
+        ]
+    plain = ToolCallStream(ToolChoice("auto"))
+    assert plain.feed("a <tool") == "a " and plain.feed(" b") == "<tool b" and plain.finish() == ("", [])
+    # Llama 3's format (--tool-call-parser llama3_json): the answer is the calls, as JSON joined by ";"
+    llama = ToolChoice("auto", parser="llama3_json")
+    text = '{"name": "weather", "parameters": {"city": "Oslo"}}; {"name": "time", "parameters": {}}'
+    content, calls = parse_tool_calls(text, llama)
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "weather", "arguments": '{"city": "Oslo"}'},
+        {"name": "time", "arguments": "{}"},
+    ]
+    assert parse_tool_calls('It is {"name": "x"}', llama) == ('It is {"name": "x"}', [])
+    stream = ToolCallStream(llama)
+    assert stream.feed(text[:9]) == "" and stream.feed(text[9:]) == "" and len(stream.finish()[1]) == 2
+    named = ToolChoice("named", "weather", parser="llama3_json")
+    assert named.forced_prefix == '{"name": "weather", "parameters": '
+    assert parse_tool_calls('{"city": "Oslo"}}', named)[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_chat_logprobs_leave_out_the_special_tokens_the_text_leaves_out(tiny_pairs: TinyPairs) -> None:
+    """An end of turn (here the tokenizer's EOS) decodes to nothing in a chat's text: its logprobs list it not; a
+    completion's list every token, as OpenAI's and vLLM's do."""
+    tokenizer: Any = tiny_pairs.tokenizer
+    eos = tokenizer.eos_token_id
+    message = generation_pb2.GenerateResponse(
+        token_ids=[7, eos],
+        logprobs=[generation_pb2.TokenLogprob(logprob=-1.0), generation_pb2.TokenLogprob(logprob=-0.5)],
+    )
+    request = generation_pb2.GenerateRequest(params=generation_pb2.SamplingParams(logprobs=0))
+    chat, completion = (_entries(request, tokenizer, chat)(message) for chat in (True, False))  # type: ignore[misc]
+    assert chat == [(tokenizer.decode([7]), -1.0, [])]
+    assert [token for token, _, _ in completion] == [tokenizer.decode([7]), tokenizer.decode([eos])]
 
 
 def test_penalties_round_trip(stack: Stack, llama_workers: Workers) -> None:
@@ -351,6 +576,30 @@ def test_penalties_round_trip(stack: Stack, llama_workers: Workers) -> None:
     chat = _chat(stack, MESSAGES, max_tokens=16, frequency_penalty=1.5, extra_body={"ignore_eos": True})
     want = hf_processed_greedy(target, templated, SamplingConfig(max_tokens=16, frequency_penalty=1.5), [])
     assert chat.choices[0].message.content == stack.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_logit_bias_moves_the_greedy_answer_losslessly(stack: Stack, llama_workers: Workers) -> None:
+    """logit_bias on draft and target alike (psd, every step drafted): greedy output equals HF `generate()` with the
+    same bias, and differs from the unbiased one."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    ids = stack.tokenizer.encode(PROMPT)
+    unbiased = hf_processed_greedy(target, ids, SamplingConfig(max_tokens=12), [])
+    bias = {unbiased[0]: -100, unbiased[3]: -5, 7: 4}  # (the openai client's type: whole numbers)
+    expected = hf_processed_greedy(target, ids, SamplingConfig(max_tokens=12, logit_bias=tuple(bias.items())), [])
+    assert expected != unbiased
+    done = stack.client.completions.create(
+        model=stack.model,
+        prompt=ids,
+        max_tokens=12,
+        temperature=0,
+        logit_bias={str(k): v for k, v in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert done.choices[0].text == stack.tokenizer.decode(expected, skip_special_tokens=True)
+    spec = done.usage.model_extra["speculation"]  # type: ignore[union-attr,index]
+    assert spec["drafted_steps"] >= 1  # the draft proposed under the bias too
 
 
 def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
@@ -443,14 +692,14 @@ def test_n_samples_prefilled_later_find_the_prompt_cached(stack: Stack) -> None:
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", ("> 0",)),
         ({"extra_body": {"min_p": 1.5}}, "min_p", ("[0, 1]",)),
         ({"extra_body": {"min_tokens": 5}}, "min_tokens", ("max_tokens (4)",)),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", ("not supported yet",)),
-        ({"echo": True}, "echo", ("not supported yet",)),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias", ("token ids",)),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias", ("[-100, 100]",)),
+        ({"logit_bias": {str(10**6): 1.0}}, "logit_bias", ("vocabulary",)),
         ({"temperature": -1}, "temperature", ("temperature", ">= 0")),
         ({"top_p": 0}, "top_p", ("top_p", "(0, 1]")),
         ({"max_tokens": 0}, "max_tokens", ("max_tokens", ">= 1")),
         ({"max_tokens": 400}, "max_tokens", ("context",)),
         ({"prompt": ""}, "prompt", ("empty",)),
-        ({"prompt": ["a", "b"]}, "prompt", ("several prompts",)),
         ({"prompt": [1, 2, 10**6]}, "prompt", ("vocabulary",)),
         ({"seed": -1}, "seed", ("greater than or equal",)),
         ({"prompt": "a" * ((1 << 20) + 1)}, "prompt", ("--max-prompt-bytes", str(1 << 20))),
@@ -476,9 +725,10 @@ def test_bad_completion_is_400_naming_the_field(
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user", "content": "hi", "name": "me"}]}, "messages.0.name"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(v),
@@ -487,7 +737,26 @@ def test_bad_chat_completion_is_400_naming_the_field(stack: Stack, kwargs: dict[
     request = {"model": stack.model, "messages": MESSAGES, "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         stack.client.chat.completions.create(**request)
-    assert isinstance(info.value.body, dict) and info.value.body["param"] == param, info.value.body
+    assert isinstance(info.value.body, dict) and info.value.body["param"].startswith(param), info.value.body
+
+
+def test_several_prompts_in_one_completion_request(stack: Stack) -> None:
+    """A list of prompts (texts or token ids): OpenAI's choices, prompt by prompt, each prompt's n in turn."""
+    ids = stack.tokenizer.encode("import os\n")
+    kwargs: dict[str, Any] = dict(model=stack.model, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [stack.client.completions.create(prompt=p, **kwargs).choices[0].text for p in (PROMPT, "x = 1")]
+    # (Two prompts of n=1: a queue of three holds their samples whenever they come.)
+    both = stack.client.completions.create(prompt=[PROMPT, "x = 1"], **kwargs)
+    assert [(c.index, c.text) for c in both.choices] == [(0, alone[0]), (1, alone[1])]
+    assert both.usage is not None and both.usage.completion_tokens == 10
+    assert both.usage.prompt_tokens == len(stack.tokenizer.encode(PROMPT)) + len(stack.tokenizer.encode("x = 1"))
+    by_ids = stack.client.completions.create(prompt=[ids], n=2, **kwargs)
+    assert [c.index for c in by_ids.choices] == [0, 1] and by_ids.choices[0].text == by_ids.choices[1].text
+    texts = ["", ""]
+    for chunk in stack.client.completions.create(prompt=[PROMPT, "x = 1"], stream=True, **kwargs):
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+    assert texts == alone
 
 
 def test_unknown_fields_are_ignored_as_openai_and_vllm_ignore_them(stack: Stack) -> None:
@@ -506,6 +775,12 @@ def test_unknown_fields_are_ignored_as_openai_and_vllm_ignore_them(stack: Stack)
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    # continuous_usage_stats (vLLM's, what guidellm reads): every chunk its usage so far
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert len(counts) == len([c for c in chunks if c.choices]) and counts == sorted(counts) and counts[-1] == 6
+    # A message's fields this server does not know (name, OpenAI's own) are ignored too; a content part's are not.
+    named = [MESSAGES[0], MESSAGES[1] | {"name": "me", "weight": 1}]
+    assert _chat(stack, named).choices[0].message.content == _chat(stack, MESSAGES).choices[0].message.content
 
 
 def test_error_object_on_the_wire_and_unknown_model(stack: Stack) -> None:
@@ -680,6 +955,8 @@ def test_generate_cli_n(stack: Stack) -> None:
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [line["index"] for line in lines] == [0, 1, 2]
+    # Every field of the proto's Usage, cached_prompt_tokens included
+    assert set(lines[0]["usage"]) == set(generation_pb2.Usage.DESCRIPTOR.fields_by_name), lines[0]["usage"]
     assert all(line["token_ids"] == expected.token_ids and line["finish_reason"] == "length" for line in lines)
 
 

@@ -24,6 +24,8 @@ FULL = SamplingConfig(
     presence_penalty=-1.5,
     frequency_penalty=0.25,
     output_tokens=4,
+    logit_bias=((5, 1.5), (9, -100.0)),
+    prompt_logprobs=3,
 )
 
 

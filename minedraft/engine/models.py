@@ -1,4 +1,4 @@
-"""Loading Hugging Face causal LMs and tokenizers from local directories, and checking a draft fits a target."""
+"""Loading Hugging Face causal LMs and tokenizers (directories, GGUF files), and checking a draft fits a target."""
 
 from __future__ import annotations
 
@@ -47,10 +47,11 @@ def load_model(
             f"--device {device!r} lists several devices: a model over several GPUs runs tensor parallel, e.g. "
             "--device cuda:0 --tensor-parallel-size 2 (its ranks on cuda:0 and cuda:1)"
         )
-    if not os.path.isdir(path):
+    where = gguf_file(path)
+    if where is None and not os.path.isdir(path):
         raise ModelLoadError(f"model directory {path!r} does not exist")
     torch_dtype = resolve_dtype(dtype, device)
-    if tensor_parallel is not None and tensor_parallel.size > 1:
+    if tensor_parallel is not None and tensor_parallel.size > 1 and where is None:
         try:
             model = load_shard(path, torch_dtype, device, tensor_parallel)
         except WholeModel as why:
@@ -59,7 +60,11 @@ def load_model(
             return model
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
+            where[0] if where else path,
+            gguf_file=where[1] if where else None,
+            dtype=torch_dtype,
+            attn_implementation="sdpa",
+            local_files_only=True,
         )
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path!r}: {exc}") from exc
@@ -232,10 +237,31 @@ def _initialize_buffers(model: PreTrainedModel, device: torch.device) -> None:
     model.initialize_weights()
 
 
+def gguf_file(path: str) -> tuple[str, str] | None:
+    """(its directory, gguf_file=its name) as transformers' from_pretrained reads a GGUF file (dequantized), if
+    `path` names one; None for a model directory. ModelLoadError, naming the file, where it is missing or the
+    `gguf` package is (the `gguf` extra)."""
+    if not path.endswith(".gguf"):
+        return None
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file {path!r} does not exist")
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF through it)
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"{path!r} is a GGUF file, which needs the gguf package to be read: pip install 'minedraft[gguf]'"
+        ) from exc
+    return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model directory, or of a GGUF file (its vocabulary and chat template)."""
     from transformers import AutoTokenizer
 
+    where = gguf_file(path)
     try:
+        if where is not None:
+            return AutoTokenizer.from_pretrained(where[0], gguf_file=where[1], local_files_only=True)
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc

@@ -30,6 +30,7 @@ STREAM_DRAFT = 2
 
 _MASK32 = 0xFFFFFFFF
 MAX_STOP_TOKEN_IDS = 16
+MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's limit): a row of the sequence table holds as many
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for: a step computes this many for every row
 
 
@@ -51,6 +52,8 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output_tokens: int = 0  # of the prompt a worker is given, the last tokens that are output (after a preemption)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by id
+    prompt_logprobs: int | None = None  # the prompt's log-probabilities, top ones per token as `logprobs`; None: none
 
     @classmethod
     def from_proto(
@@ -73,10 +76,12 @@ class SamplingConfig:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             output_tokens=output_tokens,
+            logit_bias=tuple(sorted(params.logit_bias.items())),
+            prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
         )
 
     def to_proto(self) -> generation_pb2.SamplingParams:
-        """The parameters as a worker is sent them: every field set but stop (logprobs where not None);
+        """The parameters as a worker is sent them: every field set but stop (logprobs, prompt_logprobs where not None);
         output_tokens goes in the SequenceSpec."""
         return generation_pb2.SamplingParams(
             max_tokens=self.max_tokens,
@@ -92,6 +97,8 @@ class SamplingConfig:
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            logit_bias=dict(self.logit_bias),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property
@@ -100,9 +107,11 @@ class SamplingConfig:
 
     @property
     def penalized(self) -> bool:
-        """Whether the logits depend on the sequence's history (penalties, min_tokens)."""
+        """Whether the logits are changed before sampling: by the sequence's history (penalties, min_tokens) or a
+        logit bias."""
         return (
-            self.min_tokens > 0
+            bool(self.logit_bias)
+            or self.min_tokens > 0
             or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
@@ -134,6 +143,8 @@ class Penalties:
     min_tokens: torch.Tensor  # [B] long
     output_start: torch.Tensor  # [B] long: the sequence index of the first output token
     stop_ids: torch.Tensor  # [B, S] long: what min_tokens masks (EOS unless ignored, stop ids), -1 = none
+    bias_ids: torch.Tensor | None = None  # [B, MAX_LOGIT_BIAS] long: the token ids a row biases, -1 = none
+    bias: torch.Tensor | None = None  # [B, MAX_LOGIT_BIAS] float: what each adds to its logit
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -186,11 +197,16 @@ def penalized_logits(
     """`logits` [B, n, V] (float32) after min_tokens and the penalties, position j's seeing the row's `history`
     [B, H] up to `length` [B] and then `upcoming[:, :j]` [B, n - 1] (the drafts a verify scores, in order).
 
-    Repetition penalty as Hugging Face's (prompt and output tokens), presence and frequency as OpenAI's and vLLM's
-    (output tokens only); min_tokens masks the stop tokens while fewer than min_tokens tokens precede the position.
+    A logit bias first (as vLLM applies it), then repetition penalty as Hugging Face's (prompt and output tokens),
+    presence and frequency as OpenAI's and vLLM's (output tokens only); min_tokens masks the stop tokens while fewer
+    than min_tokens tokens precede the position.
     """
     logits = logits.float()
     batch, n, vocab = logits.shape
+    if pen.bias_ids is not None and pen.bias is not None:  # (a column past the vocabulary takes the unused slots)
+        ids = torch.where(pen.bias_ids >= 0, pen.bias_ids, vocab).clamp(max=vocab)
+        bias = logits.new_zeros(batch, vocab + 1).scatter_add_(1, ids, pen.bias.float())[:, :vocab]
+        logits = logits + bias[:, None, :]
     index = torch.arange(history.shape[1], device=logits.device)[None, :]
     valid = index < length[:, None]
     ids = history.to(torch.long).clamp(0, vocab - 1)

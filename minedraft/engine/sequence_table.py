@@ -8,7 +8,14 @@ from collections.abc import Sequence
 import torch
 
 from minedraft.engine.model_runner import ModelRunner, StepBody
-from minedraft.engine.sampling import MAX_STOP_TOKEN_IDS, Penalties, SamplingConfig, SamplingKind, seed_key
+from minedraft.engine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    Penalties,
+    SamplingConfig,
+    SamplingKind,
+    seed_key,
+)
 from minedraft.errors import InvalidRequest, UnknownSequenceError
 
 # A prefill forward's fixed cost, in prompt tokens: on an H200 one prompt of 512 tokens took 46.7 ms where each of 16
@@ -84,6 +91,8 @@ class SequenceTable:
         self.presence = torch.zeros(slots, device=device)
         self.frequency = torch.zeros(slots, device=device)
         self.min_tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self.bias_ids = torch.full((slots, MAX_LOGIT_BIAS), -1, dtype=torch.long, device=device)  # -1: none
+        self.bias = torch.zeros(slots, MAX_LOGIT_BIAS, device=device)
         self.output_start = torch.zeros(slots, dtype=torch.long, device=device)
         self.eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=device)
         # Each row's tokens, prompt and output, that penalties count: made when the first penalized sequence comes
@@ -106,6 +115,10 @@ class SequenceTable:
         for cfg in configs:
             if len(cfg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids per request")
+            if len(cfg.logit_bias) > MAX_LOGIT_BIAS or any(
+                not 0 <= i < self.runner.vocab_size for i, _ in cfg.logit_bias
+            ):
+                raise InvalidRequest(f"a logit bias takes at most {MAX_LOGIT_BIAS} token ids of the vocabulary")
         rows = self.runner.allocate(len(seq_ids))
         self._forget_batches()
         self.rows_by_id.update(zip(seq_ids, rows))
@@ -132,6 +145,12 @@ class SequenceTable:
         self.presence[index] = column([c.presence_penalty for c in configs], torch.float32)
         self.frequency[index] = column([c.frequency_penalty for c in configs], torch.float32)
         self.min_tokens[index] = column([c.min_tokens for c in configs], torch.long)
+        if any(c.logit_bias for c in configs):
+            padded = [list(c.logit_bias) + [(-1, 0.0)] * (MAX_LOGIT_BIAS - len(c.logit_bias)) for c in configs]
+            self.bias_ids[index] = column([[i for i, _ in row] for row in padded], torch.long)
+            self.bias[index] = column([[b for _, b in row] for row in padded], torch.float32)
+        else:  # (a row's earlier sequence may have left its bias)
+            self.bias_ids[index] = -1
         if self.history is None and any(c.penalized for c in configs):
             self.history = torch.zeros(self.temperature.shape[0], self.runner.max_len + 1, dtype=torch.int32)
             self.history = self.history.to(self.runner.device)
@@ -166,6 +185,8 @@ class SequenceTable:
             min_tokens=self.min_tokens[rows],
             output_start=self.output_start[rows],
             stop_ids=torch.cat([eos, self.stop_ids[rows]], dim=1),
+            bias_ids=self.bias_ids[rows],
+            bias=self.bias[rows],
         )
 
     def prefill(
@@ -196,7 +217,11 @@ class SequenceTable:
             starts = [len(p) - c.output_tokens for p, c in zip(prompts, configs)]
             self.output_start[rows] = torch.tensor(starts, dtype=torch.long, device=device)
             self.write_history(host_rows, [0] * len(prompts), prompts)
-            keys = [cache.prefix_keys(p) if cache.pool.prefix_caching else [] for p in prompts]
+            # (A prompt whose log-probabilities are asked is computed whole: cached blocks have no logits.)
+            keys = [
+                cache.prefix_keys(p) if cache.pool.prefix_caching and c.prompt_logprobs is None else []
+                for p, c in zip(prompts, configs)
+            ]
             cached = [cache.share_prefix(row, p, k) for row, p, k in zip(host_rows, prompts, keys)]
             pending, order, parts = list(range(len(prompts))), [], []
             while pending:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from minedraft.proto import generation_pb2
 
@@ -165,6 +166,12 @@ class CoordinatorMetrics:
         self.drafting.set_function(drafting)
         self.batches.set_function(batches)
 
+    def add_vllm_names(self, model_name: Callable[[], str], kv_cache_usage: Callable[[], float]) -> None:
+        """Also serve the figures vLLM's dashboards, the production stack's router and KEDA read, under vLLM's names
+        (`VllmNames`): `model_name` is the served model's, `kv_cache_usage` the target's (0 to 1), read at scrape
+        time."""
+        self.registry.register(VllmNames(self, model_name, kv_cache_usage))
+
     def worker_call(self, kind: str, size: int, start: float, end: float) -> None:
         """One prefill, propose or verify call, timed by the coordinator (perf_counter seconds)."""
         children = self._step_kinds.get(kind)
@@ -225,6 +232,62 @@ class CoordinatorMetrics:
 
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
+
+
+# vLLM's name -> (the coordinator's metric it is read from (an attribute of CoordinatorMetrics), its help). Each is
+# read at scrape time from the one metric that counts it: no second counter on the step loop's path.
+VLLM_NAMES: dict[str, tuple[str, str]] = {
+    "vllm:num_requests_running": ("running", "Sequences in the batches"),
+    "vllm:num_requests_waiting": ("queue_length", "Requests waiting for admission"),
+    "vllm:prompt_tokens": ("prompt_tokens", "Prompt tokens admitted"),
+    "vllm:generation_tokens": ("generation_tokens", "Tokens generated"),
+    "vllm:time_to_first_token_seconds": ("ttft", "Time to first token per request"),
+    "vllm:time_per_output_token_seconds": ("tpot", "Mean time per output token after the first, per request"),
+    "vllm:inter_token_latency_seconds": ("tpot", "Mean time per output token after the first, per request"),
+    "vllm:e2e_request_latency_seconds": ("request_seconds", "Arrival to end, per request"),
+    "vllm:spec_decode_num_drafts": ("verified_sequences", "Drafts verified (a sequence's drafts of one step)"),
+    "vllm:spec_decode_num_draft_tokens": ("draft_tokens", "Draft tokens verified"),
+    "vllm:spec_decode_num_accepted_tokens": ("accepted_tokens", "Draft tokens accepted"),
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("accepted_by_position", "Draft tokens accepted by position"),
+}
+# vLLM's finished_reason of a successful request, by the coordinator's finish reason
+SUCCESS_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+class VllmNames:
+    """A collector that serves the coordinator's figures under vLLM's names and labels (model_name, engine), as
+    `docs/observability.md` lists them, and the target's KV cache usage as vllm:kv_cache_usage_perc."""
+
+    def __init__(
+        self, metrics: CoordinatorMetrics, model_name: Callable[[], str], kv_cache_usage: Callable[[], float]
+    ) -> None:
+        self.metrics, self.model_name, self.kv_cache_usage = metrics, model_name, kv_cache_usage
+
+    def describe(self) -> list[Metric]:
+        return []  # (names checked at collect: the model's name is known only once the target answered)
+
+    def collect(self) -> Iterator[Metric]:
+        labels = {"model_name": self.model_name(), "engine": "0"}
+        for name, (source, help_text) in VLLM_NAMES.items():
+            for family in getattr(self.metrics, source).collect():
+                renamed = Metric(name, help_text, family.type)
+                for sample in family.samples:
+                    if sample.name.endswith("_created"):
+                        continue
+                    suffix = sample.name[len(family.name) :]
+                    renamed.add_sample(name + suffix, labels | sample.labels, sample.value)
+                yield renamed
+        kv = Metric("vllm:kv_cache_usage_perc", "The target's KV cache usage (1 = 100%)", "gauge")
+        kv.add_sample("vllm:kv_cache_usage_perc", labels, self.kv_cache_usage())
+        yield kv
+        success = Metric("vllm:request_success", "Requests finished, by finished_reason", "counter")
+        for family in self.metrics.requests.collect():
+            for sample in family.samples:
+                reason = SUCCESS_REASONS.get(sample.labels.get("finish_reason", ""))
+                if sample.name.endswith("_total") and reason is not None:
+                    value = labels | {"finished_reason": reason}
+                    success.add_sample("vllm:request_success_total", value, sample.value)
+        yield success
 
 
 class WorkerMetrics:

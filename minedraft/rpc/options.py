@@ -31,7 +31,7 @@ class WorkerOptions:
         metadata={
             FLAG_KEY: Flag(
                 "--model",
-                "Hugging Face model directory",
+                "Hugging Face model directory, or a .gguf file (dequantized; the gguf extra)",
                 WORKERS,
                 MODELS,
                 defaults={"target": str(TARGET_DIR), "draft": str(DRAFT_DIR)},

@@ -120,20 +120,22 @@ class VerifyStreamResponse(_message.Message):
     def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ..., status: _Optional[_Union[_common_pb2.CallStatus, _Mapping]] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason", "cached_prompt_tokens", "logprobs")
+    __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason", "cached_prompt_tokens", "logprobs", "prompt_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
     finish_reason: _generation_pb2.FinishReason
     cached_prompt_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TargetServiceReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
