@@ -6,6 +6,7 @@ import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from stack import (
@@ -82,7 +83,7 @@ async def served(
         await asyncio.sleep(delay)
         return list((await generate(address, request, timeout=600)).token_ids)
 
-    options = {"speculation": "always", "num_speculative_tokens": K} if mode != "ar" else {}
+    options: dict[str, Any] = {"speculation": "always", "num_speculative_tokens": K} if mode != "ar" else {}
     async with in_process_coordinator(workers, mode=mode, max_batch_size=8, **options) as (address, _):
         if alone:
             return [await one(r, 0.0, address) for r in requests]
