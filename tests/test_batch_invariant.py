@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +139,38 @@ def test_runner_logits_alike_in_decode_verify_and_prefill() -> None:
     decoded, verified, prefilled = _logits_by_step(deterministic=True)
     assert torch.equal(decoded, verified)
     assert torch.equal(verified[-1], prefilled)
+
+
+_RANK = """
+import sys, torch, torch.distributed as dist
+from minedraft.engine.tensor_parallel import ordered_all_reduce
+rank, size, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=size)
+x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(rank)).bfloat16()
+result = {}
+for name, reduce in (("plain", dist.all_reduce), ("ordered", ordered_all_reduce)):
+    sums = {}
+    for m in (1, 5, 64):
+        y = x[:m].clone()
+        reduce(y)
+        sums[m] = y
+    result[name] = [m for m in (1, 5) if not torch.equal(sums[m][0], sums[64][0])]
+if rank == 0:
+    torch.save(result, out)
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_all_reduce_rows_depend_on_size_unless_ordered(tmp_path: Path) -> None:
+    """Three gloo ranks: a row's all-reduced sum differs between buffers of 1, 5 and 64 rows (the ring's chunks
+    follow the size); `ordered_all_reduce`, what `--deterministic` runs with three ranks or more, keeps it."""
+    out = tmp_path / "result.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _RANK, str(r), "3", str(tmp_path / "rendezvous"), str(out)], env=env)
+        for r in range(3)
+    ]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0, 0]
+    result = torch.load(out)
+    assert result["plain"], "gloo summed every row alike: the test would not see a change"
+    assert result["ordered"] == []
