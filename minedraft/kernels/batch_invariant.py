@@ -2,7 +2,7 @@
 
 cuBLAS picks its kernel, and whether to split the K reduction over blocks, by the matmul's shape, so a row's bits
 change with M; PyTorch's CUDA reductions pick their block shape (and whether several blocks share a row) by the
-number of outputs. Here the matmul is persistent over fixed 128 x 128 x 64 tiles, each tile's K loop in one program
+number of outputs. Here the matmul is persistent over fixed 64 x 64 x 64 tiles, each tile's K loop in one program
 from k = 0 up (no split-K, no atomics), and every row's mean is one program's loop over fixed chunks.
 """
 
@@ -16,8 +16,11 @@ import triton
 import triton.language as tl
 
 # Fixed whatever the shape: the MMA instructions, and so each output's reduction order, follow from the tile alone.
-BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
-NUM_WARPS, NUM_STAGES = 8, 3
+# 64 x 64 output tiles rather than 128 x 128: a decode's few rows then still spread over 64-96 programs for an 8B
+# projection (cuBLAS would split K instead). Untuned: `benchmarks/deterministic_bench.py` measures the cost.
+BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 64, 64, 8
+NUM_WARPS = 4
+NUM_STAGES = {2: 4, 4: 2}  # by element size: float32 tiles take twice the shared memory
 ROW_BLOCK = 1024  # elements of a row per iteration of the mean
 
 
@@ -40,7 +43,7 @@ def _matmul_kernel(
     s_bn,
     s_cm,
     s_cn,
-    PROGRAMS: tl.constexpr,
+    PROGRAMS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -113,7 +116,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             GROUP_M=GROUP_M,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
+            num_stages=NUM_STAGES.get(a.element_size(), 2),
         )
     return out
 
