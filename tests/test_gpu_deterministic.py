@@ -122,6 +122,20 @@ def test_cublas_rows_depend_on_m() -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_runner_logits_alike_on_a_gpu(arch: str) -> None:
+    """On the runner, with CUDA graphs: a position's bf16 logits as decodes beside other rows, in one verify and at
+    the end of a prefill are bit-equal with the flag (and differ without it, at hidden 2048)."""
+    from test_batch_invariant import logits_by_step
+
+    decoded, verified, _ = logits_by_step(False, arch, "cuda", hidden=2048)
+    assert not torch.equal(decoded, verified), "cuBLAS gave equal bits here: the check below shows nothing"
+    decoded, verified, prefilled = logits_by_step(True, arch, "cuda", hidden=2048)
+    assert torch.equal(decoded, verified)
+    assert torch.equal(verified[-1], prefilled)
+
+
+@needs_gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_modes_bit_identical_through_the_services_on_a_gpu(arch: str, tmp_path: Path) -> None:
     """Random bf16 weights (a target of hidden 2048 x 4 layers, GQA 16/4), target and draft on the GPU with CUDA
     graphs and `--deterministic`: 16 staggered greedy requests of 48 tokens give the same tokens in ar, sd, psd and
