@@ -110,7 +110,7 @@ def logits_by_step(
     """The logits of 5 positions after one prompt: decoded one token a step beside 2 other rows, verified as one
     5-token step alone, and prefilled with the prompt (the last position); bf16 `arch` of `hidden` x 2 layers."""
     model = build_tiny_model(arch, 0, hidden=hidden, layers=2, vocab=512, heads=8, kv_heads=2).bfloat16()
-    model.to(torch.device(device))
+    model.to(device)  # type: ignore[arg-type]
     runner = ModelRunner(model, 8, 128, kv_cache_memory=0.05, deterministic=deterministic)
     generator = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 512, (1, 21), generator=generator)
