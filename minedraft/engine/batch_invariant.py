@@ -10,12 +10,13 @@ attention takes `fixed_split_attention` (gathered K/V) or the paged kernel with 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from minedraft.kernels import triton_runs
 
@@ -116,6 +117,14 @@ def _mean(x: torch.Tensor, dims: Any, keepdim: bool = False, dtype: torch.dtype 
     return out if keepdim else out.squeeze(-1)
 
 
+def _cumsum(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch's cumsum, except that on CUDA a tensor of one row is scanned as one of two: PyTorch scans a lone row with
+    cub's device-wide scan (another order) and several rows one per thread block (the order of any one row)."""
+    if x.is_cuda and x.numel() == x.shape[dim] and x.numel() > 1:
+        return torch.ops.aten.cumsum.default(torch.stack([x, x]), dim % x.dim() + 1, dtype=dtype)[0]
+    return torch.ops.aten.cumsum.default(x, dim, dtype=dtype)
+
+
 class InvariantMode(TorchDispatchMode):
     """Inside it, matmuls (`mm`, `addmm`, `bmm`) and, on CUDA, last-dimension means compute each row the same way
     whatever M. The rest a step runs already is per row: elementwise ops, softmax (one row per block or thread on
@@ -132,11 +141,20 @@ class InvariantMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def invariant_mode(enabled: bool) -> contextlib.AbstractContextManager[object]:
+    """An `InvariantMode` where `enabled` and none is on already (the runner's around a step's body, the forward's
+    own for calls outside one), else nothing."""
+    if not enabled or any(isinstance(mode, InvariantMode) for mode in _get_current_dispatch_mode_stack()):
+        return contextlib.nullcontext()
+    return InvariantMode()
+
+
 _REPLACED: dict[Any, Callable[..., torch.Tensor]] = {
     torch.ops.aten.mm.default: invariant_mm,
     torch.ops.aten.addmm.default: _addmm,
     torch.ops.aten.bmm.default: invariant_bmm,
     torch.ops.aten.mean.dim: _mean,
+    torch.ops.aten.cumsum.default: _cumsum,  # (sampling's top-p and inverse CDF)
     # Composite ops reach the mode whole under inference_mode (their parts do not): taken apart here.
     torch.ops.aten.linear.default: _linear,
     torch.ops.aten.matmul.default: _matmul,

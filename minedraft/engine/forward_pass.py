@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import time
@@ -20,7 +19,7 @@ from minedraft.engine.attention import (
     SHORT_QUERY,
     paged_kernel,
 )
-from minedraft.engine.batch_invariant import DETERMINISTIC, InvariantMode
+from minedraft.engine.batch_invariant import DETERMINISTIC, invariant_mode
 from minedraft.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -176,7 +175,7 @@ class ForwardPass:
                 self.cache.select(rows, positions, kv_len=shape.kv_len)
                 if self.deterministic:
                     kwargs[DETERMINISTIC] = True
-                with InvariantMode() if self.deterministic else contextlib.nullcontext():
+                with invariant_mode(self.deterministic):
                     hidden = self.model.base_model(
                         input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
                     ).last_hidden_state
@@ -185,7 +184,7 @@ class ForwardPass:
         self.cache.lengths[rows] = starts + num_valid
         if last_only:
             hidden = hidden[torch.arange(batch, device=self.device), num_valid - 1]
-        with InvariantMode() if self.deterministic else contextlib.nullcontext():
+        with invariant_mode(self.deterministic):
             logits = self.model.get_output_embeddings()(hidden).to(self.device)
         if self._softcap is not None:
             logits = torch.tanh(logits.float() / self._softcap) * self._softcap

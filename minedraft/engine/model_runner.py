@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from minedraft.engine.batch_invariant import invariant_mode
 from minedraft.engine.block_tables import TableWriter
 from minedraft.engine.cache_sizing import allocate_cache
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
@@ -313,7 +314,9 @@ class ModelRunner:
         """
         if step.graphable:
             self.step_keys.add(step.key)
-        outputs = self._launch(step, body, [step.rows, *step.inputs])
+        # The whole body under `--deterministic`'s mode: its sampling too (a lone row's cumsum)
+        with invariant_mode(self.forward_pass.deterministic):
+            outputs = self._launch(step, body, [step.rows, *step.inputs])
         return [t.clone() for t in outputs] if copy_outputs else outputs
 
     def _launch(self, step: Step, body: StepBody, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
