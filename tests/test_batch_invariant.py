@@ -109,7 +109,8 @@ def logits_by_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The logits of 5 positions after one prompt: decoded one token a step beside 2 other rows, verified as one
     5-token step alone, and prefilled with the prompt (the last position); bf16 `arch` of `hidden` x 2 layers."""
-    model = build_tiny_model(arch, 0, hidden=hidden, layers=2, vocab=512, heads=8, kv_heads=2).bfloat16()
+    window = {"sliding_window": 8} if arch == "mistral" else {}  # windows shorter than the prompt
+    model = build_tiny_model(arch, 0, hidden=hidden, layers=2, vocab=512, heads=8, kv_heads=2, **window).bfloat16()
     model.to(device)  # type: ignore[arg-type]
     runner = ModelRunner(model, 8, 128, kv_cache_memory=0.05, deterministic=deterministic)
     generator = torch.Generator().manual_seed(4)
@@ -133,11 +134,12 @@ def logits_by_step(
     return torch.stack(decoded), verified, prefilled
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_runner_logits_alike_in_decode_verify_and_prefill(arch: str) -> None:
     """A bf16 model of hidden 512: without the flag a position's logits differ between a decode beside other rows
     and a 5-token verify (what made ar, sd and psd disagree); with it they are bit-identical, and equal the
-    prompt's prefill too (Qwen3: its per-head norms; the plain path is shown on Llama only, to save time)."""
+    prompt's prefill too (Qwen3: its per-head norms; Mistral: a sliding window of 8; the plain path is shown on
+    Llama only, to save time)."""
     if arch == "llama":
         decoded, verified, _ = logits_by_step(False, arch)
         assert not torch.equal(decoded, verified), "the plain path gave equal bits: the test would not see a change"
