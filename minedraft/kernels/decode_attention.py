@@ -141,7 +141,7 @@ def _chunk_kernel(
     for start in range(first, tl.minimum(first + chunk, end), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < end
-        if WINDOW:  # (a fixed tile may start before the window, where the cache may hold anything)
+        if FIXED and WINDOW:  # (a fixed tile may start before the window, where the cache may hold anything)
             inside = inside & (n >= begin)
         seen = live[:, None] & (n[None, :] <= own[:, None])
         if WINDOW:  # transformers' sliding window: a query sees the `window` keys up to its own
