@@ -5,6 +5,7 @@
 One model of `--shape` (benchmarks/shaped_checkpoint.py: random bf16 weights) is run by a runner without the flag,
 then by one with it (CUDA graphs on in both, layers uncompiled: the flag turns compiling off); each batch's rows hold
 `--prefix` tokens first. Prints ms per step and the ratio; the served cost is `gpu_run.sh deterministic-served`.
+(`--device cpu --shape 68m` runs it on a CPU, as a check of the script.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import torch
 sys.path.insert(0, ".")
 from benchmarks.shaped_checkpoint import VOCAB, build  # noqa: E402
 from minedraft.engine.model_runner import ModelRunner  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def step_times(
@@ -37,18 +43,18 @@ def step_times(
     for first in range(0, batch, prefill_rows):
         part = rows[first : first + prefill_rows]
         runner.forward(part, ids(prefix, len(part)), torch.full((len(part),), prefix), last_only=True)
-        torch.cuda.synchronize(device)
+        sync(device)
         if first == 0:
             prefill = (time.perf_counter() - start) * 1e3
     timings = []
     for n in (1, k + 1):
         for _ in range(3):  # graphs captured, kernels compiled
             runner.forward(rows, ids(n), torch.full((batch,), n))
-        torch.cuda.synchronize(device)
+        sync(device)
         start = time.perf_counter()
         for _ in range(iters):
             runner.forward(rows, ids(n), torch.full((batch,), n))
-        torch.cuda.synchronize(device)
+        sync(device)
         timings.append((time.perf_counter() - start) / iters * 1e3)
     runner.release(rows_list)
     return timings[0], timings[1], prefill
@@ -65,7 +71,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=float, default=12.0, help="GiB of KV cache per runner")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    torch.cuda.set_device(args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(args.device)
     model = build(args.shape, args.device)
     results: dict[bool, dict[int, tuple[float, float, float]]] = {}
     for deterministic in (False, True):
@@ -82,8 +89,10 @@ def main() -> None:
             }
         del runner
         gc.collect()
-        torch.cuda.empty_cache()
-    print(f"{args.shape} on {torch.cuda.get_device_name(args.device)}, prefix {args.prefix}, k={args.k} (ms per step)")
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+    print(f"{args.shape} on {where}, prefix {args.prefix}, k={args.k} (ms per step)")
     print(f"{'batch':>5} {'step':>8} {'plain':>8} {'determ.':>8} {'ratio':>6}")
     for b in batches:
         for index, name in enumerate(("decode", f"verify{args.k + 1}", "prefill")):
