@@ -135,11 +135,11 @@ def test_runner_logits_alike_on_a_gpu(arch: str) -> None:
 
 
 @needs_gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_modes_bit_identical_through_the_services_on_a_gpu(arch: str, tmp_path: Path) -> None:
-    """Random bf16 weights (a target of hidden 2048 x 4 layers, GQA 16/4), target and draft on the GPU with CUDA
-    graphs and `--deterministic`: 16 staggered greedy requests of 48 tokens give the same tokens in ar, sd, psd and
-    each alone."""
+    """Random bf16 weights (a target of hidden 2048 x 4 layers, GQA 16/4; Gemma 3 with sliding windows of 32 between
+    full layers), target and draft on the GPU with CUDA graphs and `--deterministic`: 16 staggered requests of 48
+    tokens give the same tokens in ar, sd, psd and each alone (the 4 seeded sampled ones in sd, psd and alone)."""
     from stack import TinyPairs, start_workers
     from test_stack_deterministic import check_modes_agree, make_wide_pair, requests_of
 

@@ -33,12 +33,18 @@ K = 3
 def make_wide_pair(
     root: Path, arch: str, tokenizer: object, hidden: int, layers: int, heads: int, kv_heads: int
 ) -> TinyPair:
-    """A random `arch` ("llama" or "qwen3") target of `hidden` x `layers` and a draft of half its width and one
-    layer, in bfloat16, sharing `tokenizer`: wide enough that a bf16 matmul's rows depend on M."""
+    """A random `arch` ("llama", "qwen3" or "gemma3": sliding windows of 32 between full layers) target of `hidden` x
+    `layers` and a draft of half its width and one layer, in bfloat16, sharing `tokenizer`: wide enough that a bf16
+    matmul's rows depend on M."""
     import torch
     import transformers
 
-    config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
+    }[arch]
+    extra: dict[str, Any] = {"sliding_window": 32, "sliding_window_pattern": 2} if arch == "gemma3" else {}
     directories = []
     for name, width, depth, seed in (("target", hidden, layers, 0), ("draft", hidden // 2, 1, 1)):
         torch.manual_seed(seed)
@@ -56,6 +62,7 @@ def make_wide_pair(
             eos_token_id=0,
             bos_token_id=0,
             pad_token_id=0,
+            **extra,
         )
         model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
         directory = root / f"wide-{arch}-{hidden}-{name}"
