@@ -237,6 +237,28 @@ paged)
     grep -E "^\[|checkpoint|Error" "$OUT/run/paged.log" | cut -c1-220 | tail -30
     grep -E "^(summary|total)" "$OUT/run/paged.log"
     ;;
+deterministic)
+    # --deterministic: the kernels' and the services' tests (ar, sd, psd bit-identical in bf16), then its step cost.
+    timeout -k 10 ${TEST_SECONDS:-300} python3 -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" \
+        tests/test_gpu_deterministic.py 2>&1 | tee "$OUT/run/test_gpu_deterministic.log" | tail -5
+    timeout -k 10 ${BENCH_SECONDS:-240} python3 benchmarks/deterministic_bench.py --device "$TARGET_DEVICE" \
+        --shape "${SHAPE:-8b}" --batches "${BATCHES:-8,64}" 2>&1 | tee "$OUT/run/deterministic_bench.txt" | tail -9
+    ;;
+deterministic-served)
+    # Served throughput with and without --deterministic (8B-shaped target, 68M draft): the cost goal.
+    app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)
+    python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
+    python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
+    for flag in "" --deterministic; do
+        for batch in ${SERVED_BATCHES:-8 64}; do
+            timeout -k 10 ${BENCH_SECONDS:-120} python3 -m $app bench --modes "${MODES:-psd,ar}" $flag \
+                --target /tmp/ckpt/8b --draft /tmp/ckpt/68m ${EXTRA:-} --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --max-batch-size $batch \
+                --num-prompts $((batch * 2)) --concurrency $batch --prompt-len 64 --output-len 96 --no-progress \
+                > "$OUT/run/served_${batch}${flag}.log" 2>&1
+            echo "== batch $batch ${flag:-plain}"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/served_${batch}${flag}.log"
+        done
+    done
+    ;;
 *)
     echo "unknown stage $stage" >&2
     exit 2

@@ -103,6 +103,7 @@ FLAGS: tuple[Flag, ...] = (
         passes_to=TO_WORKERS,
     ),
     WORKER_FLAGS["compile_layers"],
+    WORKER_FLAGS["deterministic"],
     WORKER_FLAGS["precapture_graphs"],
     WORKER_FLAGS["synthetic_acceptance"],
     WORKER_FLAGS["tensor_parallel_size"],

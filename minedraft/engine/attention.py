@@ -10,6 +10,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from minedraft.engine.batch_invariant import DETERMINISTIC, fixed_split_attention
 from minedraft.kernels import triton_runs
 
 GROUPED_SDPA = "minedraft_grouped_sdpa"
@@ -50,7 +51,11 @@ def grouped_sdpa_attention(
         tables, rows, positions, windowed = paged
         window = int(kwargs.get("sliding_window") or 0) if windowed else 0
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return torch.ops.minedraft.paged_attention(query, key, value, tables, rows, positions, scale, window), None
+        fixed = bool(kwargs.get(DETERMINISTIC))
+        out = torch.ops.minedraft.paged_attention(query, key, value, tables, rows, positions, scale, window, fixed)
+        return out, None
+    if kwargs.get(DETERMINISTIC):
+        return _fixed_split(query, key, value, attention_mask, scaling, kwargs.get("softcap")), None
     groups = int(getattr(module, "num_key_value_groups", 1))
     if (
         attention_mask is None
@@ -75,6 +80,26 @@ def grouped_sdpa_attention(
     else:
         out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _fixed_split(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`--deterministic` attention over gathered K/V (`batch_invariant.fixed_split_attention`), whose mask is the
+    step's additive `[B, 1, n, L]` one (all keys seen where there is none)."""
+    if softcap:
+        raise NotImplementedError("--deterministic does not cover attention logit softcapping (Gemma 2)")
+    batch, _, n, dim = query.shape
+    length = key.shape[2]
+    mask = (
+        query.new_zeros(batch, 1, n, length) if attention_mask is None else attention_mask[:, :, :, :length]
+    ).expand(batch, 1, n, length)
+    return fixed_split_attention(query, key, value, mask, scaling if scaling is not None else dim**-0.5)
 
 
 def fused_query_tokens(config: object) -> int:

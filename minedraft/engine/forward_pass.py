@@ -19,6 +19,7 @@ from minedraft.engine.attention import (
     SHORT_QUERY,
     paged_kernel,
 )
+from minedraft.engine.batch_invariant import DETERMINISTIC, invariant_mode
 from minedraft.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,14 @@ def attention_layout(config: object) -> tuple[int | None, bool]:
     return int(window), kinds != {"sliding_attention"}
 
 
-def paged_queries(config: PretrainedConfig, cache: PagedKVCache) -> int:
+def paged_queries(config: PretrainedConfig, cache: PagedKVCache, deterministic: bool = False) -> int:
     """The most new tokens a step's rows may take and read K/V through the block tables (0: none may). Short steps
     do where the Triton kernels take the model's attention: then neither they nor their graphs depend on the key
-    length."""
+    length. `deterministic`: every step does, prefills too, so that a position's attention is computed alike
+    whichever step computes it."""
     text = config.get_text_config()
+    if deterministic and cache.device.type == "cuda" and paged_kernel(cache.specs or [], text):
+        return cache.max_len
     heads = int(getattr(text, "num_attention_heads", 1))
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)  # (the ratio a rank's shard keeps too)
     return (
@@ -68,8 +72,10 @@ class ForwardPass:
     positions and masks (or the block tables, for paged reads), the model's layers, then the logits. Owns how
     compiled layers meet a kind of step: compiled on first use until warmed up (`warm_up`), uncompiled after."""
 
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache) -> None:
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, deterministic: bool = False) -> None:
         self.model = model
+        # `--deterministic`: each row computed alike whatever the step holds (`batch_invariant`).
+        self.deterministic = deterministic
         self.cache = cache
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -167,15 +173,19 @@ class ForwardPass:
                     else:
                         mask = windowed
                 self.cache.select(rows, positions, kv_len=shape.kv_len)
-                hidden = self.model.base_model(
-                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
-                ).last_hidden_state
+                if self.deterministic:
+                    kwargs[DETERMINISTIC] = True
+                with invariant_mode(self.deterministic):
+                    hidden = self.model.base_model(
+                        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+                    ).last_hidden_state
         finally:
             config._attn_implementation = own
         self.cache.lengths[rows] = starts + num_valid
         if last_only:
             hidden = hidden[torch.arange(batch, device=self.device), num_valid - 1]
-        logits = self.model.get_output_embeddings()(hidden).to(self.device)
+        with invariant_mode(self.deterministic):
+            logits = self.model.get_output_embeddings()(hidden).to(self.device)
         if self._softcap is not None:
             logits = torch.tanh(logits.float() / self._softcap) * self._softcap
         return logits

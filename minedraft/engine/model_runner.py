@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from minedraft.engine.batch_invariant import invariant_mode
 from minedraft.engine.block_tables import TableWriter
 from minedraft.engine.cache_sizing import allocate_cache
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
@@ -116,9 +117,15 @@ class ModelRunner:
         kv_cache_memory: float | None = None,
         gpu_memory_utilization: float = 0.9,
         prefix_caching: bool = True,
+        deterministic: bool = False,
     ) -> None:
         """`max_len`: tokens per sequence (None: the model's context); `kv_cache_memory`: GiB of K/V blocks (None:
-        what `gpu_memory_utilization` of the GPU leaves after the weights, or `CPU_KV_CACHE_GIB` on a CPU)."""
+        what `gpu_memory_utilization` of the GPU leaves after the weights, or `CPU_KV_CACHE_GIB` on a CPU);
+        `deterministic`: each row's logits independent of the step's other rows and shape (`batch_invariant`)."""
+        if deterministic and compile_layers:
+            # Inductor picks its reductions' shapes (split or not) by size, and fuses the norms' means differently.
+            log.warning("--deterministic runs the layers uncompiled: --compile is ignored")
+            compile_layers = False
         fuse_projections(model)
         self.model = model
         self.tensor_parallel: TensorParallel | None = getattr(model, "_minedraft_tp", None)  # (`shard_model`)
@@ -134,7 +141,7 @@ class ModelRunner:
         self.cache = PagedKVCache(num_slots + 1, self.max_len, block_size, self.device, prefix_caching)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._free = list(range(num_slots - 1, -1, -1))
-        self.forward_pass = ForwardPass(model, self.cache)
+        self.forward_pass = ForwardPass(model, self.cache, deterministic)
         # What a step's body calls, bound once: no call in between (`ForwardPass.step_forward`).
         self.step_forward = self.forward_pass.step_forward
         self.logits_dtype = self.forward_pass.logits_dtype
@@ -164,7 +171,7 @@ class ModelRunner:
         self.cache.kernel_writes = (
             self.device.type == "cuda" and self.cache.stacked and len(layers) > 0 and len(fused) == len(layers)
         )
-        self._paged_queries = paged_queries(model.config, self.cache)
+        self._paged_queries = paged_queries(model.config, self.cache, deterministic)
         if compile_layers:
             compile_decoder_layers(model)
             self.forward_pass.compile_masks()
@@ -307,7 +314,9 @@ class ModelRunner:
         """
         if step.graphable:
             self.step_keys.add(step.key)
-        outputs = self._launch(step, body, [step.rows, *step.inputs])
+        # The whole body under `--deterministic`'s mode: its sampling too (a lone row's cumsum)
+        with invariant_mode(self.forward_pass.deterministic):
+            outputs = self._launch(step, body, [step.rows, *step.inputs])
         return [t.clone() for t in outputs] if copy_outputs else outputs
 
     def _launch(self, step: Step, body: StepBody, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

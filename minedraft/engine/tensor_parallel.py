@@ -48,6 +48,8 @@ class TensorParallel:
     size: int
     group: Any = None  # a torch.distributed ProcessGroup (None: the default group)
     progress: Progress = field(default_factory=Progress)
+    # `--deterministic`: the ranks' partial sums added in rank order (`ordered_all_reduce`), not by the collective
+    ordered_sums: bool = False
 
 
 def tp_plan(model: torch.nn.Module) -> dict[str, str]:
@@ -154,15 +156,16 @@ def _shard_linear(linear: torch.nn.Linear, tp: TensorParallel, *, rowwise: bool)
         if linear.bias is not None and tp.rank != 0:
             linear.bias = None  # type: ignore[assignment]  # (added once: the all-reduce sums the ranks' outputs)
         group, progress = tp.group, tp.progress
+        reduce = ordered_all_reduce if tp.ordered_sums and tp.size > 2 else dist.all_reduce
 
         def all_reduce(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(output, group=group)
+            reduce(output, group=group)
             return output
 
         def counted_all_reduce(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
             progress.entered += 1
             progress.waiting_since = time.monotonic()
-            dist.all_reduce(output, group=group)
+            reduce(output, group=group)
             progress.synced, progress.waiting_since = time.monotonic(), None
             return output
 
@@ -172,9 +175,25 @@ def _shard_linear(linear: torch.nn.Linear, tp: TensorParallel, *, rowwise: bool)
         linear.out_features = linear.weight.shape[0]
 
 
-def init_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float = 60.0) -> TensorParallel:
+def ordered_all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
+    """`dist.all_reduce` (a sum, in place) whose every element adds the ranks' parts in rank order. The collectives
+    cut a buffer into chunks by its size, and each chunk starts its ring at another rank: with three ranks or more an
+    element's order of additions, and its bits, follow from the buffer's size (gloo measured: a row's sum changed
+    between M = 1 and M = 64). Two operands add alike in either order, so two ranks need none of this."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    tensor.copy_(total)
+
+
+def init_group(
+    rank: int, size: int, address: str, device: torch.device, timeout_s: float = 60.0, ordered_sums: bool = False
+) -> TensorParallel:
     """Join the tensor-parallel group rendezvousing at `address` (host:port, rank 0's): NCCL on GPUs, gloo on CPUs.
-    A collective that waits longer than `timeout_s` for a rank fails rather than hangs."""
+    A collective that waits longer than `timeout_s` for a rank fails rather than hangs. `ordered_sums`:
+    `TensorParallel.ordered_sums`."""
     from datetime import timedelta
 
     if device.type == "cuda":
@@ -186,7 +205,7 @@ def init_group(rank: int, size: int, address: str, device: torch.device, timeout
         world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return TensorParallel(rank, size, dist.group.WORLD)
+    return TensorParallel(rank, size, dist.group.WORLD, ordered_sums=ordered_sums)
 
 
 def rank_device(device: str, rank: int) -> str:

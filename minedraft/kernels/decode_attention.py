@@ -12,6 +12,11 @@ own length, not the table's, and the cache past it (a trash block, garbage) is n
 depends on shapes alone, so that CUDA graphs keyed by batch size replay it; each program sizes its chunk from its
 row's actual length. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output
 projection reads, so no transpose copy follows.
+
+`fixed=True` (`--deterministic`) trades that split for one order per query row: programs take fixed blocks of
+FIXED_ROWS folded queries, each loops over its row's keys in FIXED_KEYS tiles aligned to position 0, in order, and
+nothing merges. A tile that a query cannot see leaves its running softmax exactly as it was, so each query's bits
+depend on its own position only, not on the batch, the step's query count or the other queries of its block.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ PROGRAMS_PER_SM: int | None = None
 NUM_STAGES: int | None = None
 CHUNKS: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
+# `fixed` steps: folded queries per program and keys per tile, whatever the step (tl.dot's shapes, and so each score's
+# reduction order, fixed).
+FIXED_ROWS = 16
+FIXED_KEYS = 64
 # Where each query's running maximum starts: finite, so that a tile whose keys a query cannot see (scores -inf) adds
 # exp(-inf - MASKED) = 0 and rescales by exp(0) = 1, where starting at -inf would give exp(-inf + inf) = NaN.
 MASKED: tl.constexpr = tl.constexpr(-1.0e30)
@@ -83,14 +92,19 @@ def _chunk_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
+    FIXED: tl.constexpr,
 ):
     """Program (row x K/V head, chunk): softmax(q k^T * scale) v over the chunk's visible keys, for the `folded`
-    queries of K/V head h (`_folded_offset`)."""
+    queries of K/V head h (`_folded_offset`). FIXED: program (row x K/V head, block of ROWS folded queries), all of
+    the row's keys in tiles from a multiple of BLOCK_N, no split."""
     bh = tl.program_id(0)
     c = tl.program_id(1)
     b = bh // kv_heads
     h = bh % kv_heads
     r = tl.arange(0, ROWS)
+    if FIXED:
+        r = c * ROWS + r
+        c = 0
     d = tl.arange(0, DIM)  # DIM: HEAD rounded up to a power of two (tl.dot's and tl.arange's sizes)
     live = r < folded
     # Masks along d only where the head is padded: an all-true one would still cost the loads their vector width.
@@ -107,8 +121,12 @@ def _chunk_kernel(
     begin = 0
     if WINDOW:
         begin = tl.maximum(tl.min(tl.where(live, own, end), 0) - window + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(end - begin, tl.num_programs(1)), BLOCK_N) * BLOCK_N
-    first = begin + c * chunk
+    if FIXED:
+        first = begin // BLOCK_N * BLOCK_N
+        chunk = end - first
+    else:
+        chunk = tl.cdiv(tl.cdiv(end - begin, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+        first = begin + c * chunk
     table = table_ptr + tl.load(rows_ptr + b * sr) * st_row
     k_head, v_head = k_ptr + h.to(tl.int64) * s_h, v_ptr + h.to(tl.int64) * s_h
     m_i = tl.full([ROWS], MASKED, tl.float32)
@@ -123,6 +141,8 @@ def _chunk_kernel(
     for start in range(first, tl.minimum(first + chunk, end), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < end
+        if FIXED and WINDOW:  # (a fixed tile may start before the window, where the cache may hold anything)
+            inside = inside & (n >= begin)
         seen = live[:, None] & (n[None, :] <= own[:, None])
         if WINDOW:  # transformers' sliding window: a query sees the `window` keys up to its own
             seen = seen & (n[None, :] > own[:, None] - window)
@@ -244,6 +264,7 @@ def paged_attention(
     scale: float,
     window: int = 0,
     chunks: int | None = None,
+    fixed: bool = False,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for `query` `[B, heads, n, D]` (any strides with a unit last one: the query as the
     projections leave it, transposed, is read without a copy) over one layer's pools `key_cache`/`value_cache`
@@ -253,7 +274,8 @@ def paged_attention(
     `block_tables[rows[b], p // block_size]` at `p % block_size`. Query i of entry b sees the keys at positions up to
     `positions[b, i]` (`[B, n]`), with `window` > 0 only the last `window` of them. `chunks`: how many chunks each
     K/V head's keys are cut into (default: `chunks_for` the longest row the table holds); on the host nothing depends
-    on the rows' lengths, so CUDA graphs may capture the call.
+    on the rows' lengths, so CUDA graphs may capture the call. `fixed`: each query's result independent of the
+    step's shape (module docstring), for any number of queries.
     """
     batch, heads, queries, head = query.shape
     _, kv_heads, block_size, _ = key_cache.shape
@@ -263,9 +285,12 @@ def paged_attention(
     out = torch.empty(batch, queries, heads, head, dtype=query.dtype, device=query.device)
     block_keys, programs_per_sm, stages = tiles(batch * kv_heads, queries, query.device)
     longest = block_tables.shape[1] * block_size
-    chunks = chunks or CHUNKS or chunks_for(batch * kv_heads, longest, block_keys, programs_per_sm, query.device)
-    padded_rows = max(16, triton.next_power_of_2(folded))
-    split = chunks > 1
+    if fixed:  # the second grid axis: blocks of FIXED_ROWS folded queries
+        block_keys, padded_rows, chunks = FIXED_KEYS, FIXED_ROWS, triton.cdiv(folded, FIXED_ROWS)
+    else:
+        chunks = chunks or CHUNKS or chunks_for(batch * kv_heads, longest, block_keys, programs_per_sm, query.device)
+        padded_rows = max(16, triton.next_power_of_2(folded))
+    split = chunks > 1 and not fixed
     part = torch.empty(
         batch * kv_heads * chunks * padded_rows * dim if split else 1, dtype=torch.float32, device=query.device
     )
@@ -317,6 +342,7 @@ def paged_attention(
             SPLIT=split,
             PRECISION=precision,
             WINDOW=window > 0,
+            FIXED=fixed,
             num_warps=NUM_WARPS,
             num_stages=stages,
         )
@@ -350,9 +376,10 @@ def paged_attention_op(
     positions: torch.Tensor,
     scale: float,
     window: int = 0,
+    fixed: bool = False,
 ) -> torch.Tensor:
     """`paged_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
-    return paged_attention(query, key_cache, value_cache, block_tables, rows, positions, scale, window)
+    return paged_attention(query, key_cache, value_cache, block_tables, rows, positions, scale, window, fixed=fixed)
 
 
 @paged_attention_op.register_fake
@@ -365,6 +392,7 @@ def _(
     positions: torch.Tensor,
     scale: float,
     window: int = 0,
+    fixed: bool = False,
 ) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)

@@ -104,6 +104,16 @@ class WorkerOptions:
         passes_to=TO_WORKERS,
         helm=WORKERS,
     )
+    deterministic: bool = flag(
+        False,
+        "--deterministic",
+        "bit-identical output whatever the batch and mode (ar, sd, psd): matmuls, norms and attention computed alike "
+        "for each row whatever the step holds; layers uncompiled (docs/design.md section 13)",
+        MODEL_COMMANDS,
+        MODELS,
+        environment=MODEL_COMMANDS,
+        passes_to=TO_WORKERS,
+    )
     profile_dir: str | None = flag(
         None,
         "--profile-dir",

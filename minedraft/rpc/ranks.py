@@ -163,7 +163,7 @@ class RankGroup:
         # Watching before the rendezvous: a rank that fails to start must not leave rank 0 waiting for it.
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         device = torch.device(rank_device(options.device, 0))
-        self.tp: TensorParallel = init_group(0, size, address, device, COLLECTIVE_TIMEOUT_S)
+        self.tp: TensorParallel = init_group(0, size, address, device, COLLECTIVE_TIMEOUT_S, options.deterministic)
 
     def send(self, name: str, args: Sequence[object], prefix_caching: bool) -> int:
         """Hand the call `name(*args)` to every other rank (tensors among `args` on the host), to run with prefix
@@ -326,7 +326,7 @@ def follow(
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     device = torch.device(rank_device(options.device, rank))
-    tp = init_group(rank, options.tensor_parallel_size, address, device, COLLECTIVE_TIMEOUT_S)
+    tp = init_group(rank, options.tensor_parallel_size, address, device, COLLECTIVE_TIMEOUT_S, options.deterministic)
     try:
         worker = ModelWorker(options, tp)
     except ModelLoadError as exc:  # rank 0 meets the same, and says it

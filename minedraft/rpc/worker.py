@@ -80,6 +80,7 @@ class ModelWorker:
             kv_cache_memory=options.kv_cache_memory,
             gpu_memory_utilization=options.gpu_memory_utilization,
             prefix_caching=options.prefix_caching,
+            deterministic=options.deterministic,
         )
         self.channel: Channel | None = None
         # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
