@@ -117,10 +117,12 @@ class Proposer:
 
     def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
         """How a batch of this kind drafts: greedily for every row with `greedy_drafts`; never with logprobs (the
-        target's alone). Remembered per kind: a named tuple's `_replace` cost 5 us of each proposal's host time."""
+        target's alone), never masked by a grammar. Remembered per kind: a named tuple's `_replace` cost 5 us of each
+        proposal's host time."""
         drafting = self._drafting_kinds.get(kind)
         if drafting is None:
-            drafting = kind._replace(all_greedy=kind.all_greedy or self.greedy_drafts, logprobs=False)
+            # (nor with a grammar: the target masks its distribution, which decides; the drafts are not masked)
+            drafting = kind._replace(all_greedy=kind.all_greedy or self.greedy_drafts, logprobs=False, grammar=False)
             self._drafting_kinds[kind] = drafting
         return drafting
 

@@ -24,6 +24,7 @@ FULL = SamplingConfig(
     presence_penalty=-1.5,
     frequency_penalty=0.25,
     output_tokens=4,
+    grammar=("choice", '["yes", "no"]'),
 )
 
 
@@ -53,3 +54,16 @@ def test_sampling_params_leaves_none_unset_and_other_names_out() -> None:
     params = sampling_params({"top_p": None, "seed": 0, "temperature": 0.5, "n": 3, "stop": ["x"]})
     assert not params.HasField("top_p") and params.HasField("seed")
     assert params == generation_pb2.SamplingParams(seed=0, temperature=0.5, stop=["x"])
+
+
+def test_every_structured_output_comes_back_from_its_proto() -> None:
+    for grammar in [
+        ("json_schema", '{"type": "integer"}'),
+        ("json_object", ""),
+        ("regex", "a+"),
+        ("grammar", "root ::= [0-9]+"),
+    ]:
+        config = SamplingConfig(grammar=grammar)
+        assert SamplingConfig.from_proto(config.to_proto()) == config
+    unset = generation_pb2.SamplingParams(structured_output=generation_pb2.StructuredOutput())
+    assert SamplingConfig.from_proto(unset).grammar is None  # set without a constraint: none

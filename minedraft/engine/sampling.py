@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -51,6 +52,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output_tokens: int = 0  # of the prompt a worker is given, the last tokens that are output (after a preemption)
+    grammar: tuple[str, str] | None = None  # structured output: (kind, source), `minedraft.engine.grammar.KINDS`
 
     @classmethod
     def from_proto(
@@ -73,6 +75,7 @@ class SamplingConfig:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             output_tokens=output_tokens,
+            grammar=_grammar_of(params.structured_output) if params.HasField("structured_output") else None,
         )
 
     def to_proto(self) -> generation_pb2.SamplingParams:
@@ -92,6 +95,7 @@ class SamplingConfig:
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            structured_output=None if self.grammar is None else _structured_output(*self.grammar),
         )
 
     @property
@@ -109,6 +113,26 @@ class SamplingConfig:
         )
 
 
+def _grammar_of(output: generation_pb2.StructuredOutput) -> tuple[str, str] | None:
+    """SamplingConfig.grammar of a StructuredOutput: a choice's strings as a JSON list, json_object's as nothing."""
+    kind = output.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not output.json_object):
+        return None
+    if kind == "choice":
+        return kind, json.dumps(list(output.choice.choices))
+    return kind, "" if kind == "json_object" else getattr(output, kind)
+
+
+def _structured_output(kind: str, source: str) -> generation_pb2.StructuredOutput:
+    if kind == "choice":
+        return generation_pb2.StructuredOutput(choice=generation_pb2.StructuredChoice(choices=json.loads(source)))
+    if kind == "json_object":
+        return generation_pb2.StructuredOutput(json_object=True)
+    output = generation_pb2.StructuredOutput()
+    setattr(output, kind, source)  # (json_schema, regex or grammar: a string)
+    return output
+
+
 class SamplingKind(NamedTuple):
     """What a batch's sampling needs, known on the host (`SequenceTable.sampling_kind`): each kind its own code, and
     its own CUDA graphs."""
@@ -117,11 +141,13 @@ class SamplingKind(NamedTuple):
     filtered: bool  # some row restricted by top-k, top-p or min-p
     penalized: bool = False  # some row has penalties or min_tokens: its logits depend on its history
     logprobs: bool = False  # some row reports log-probabilities (the target's steps only)
+    grammar: bool = False  # some row's output is constrained by a grammar (the target masks its logits)
 
     @property
     def name(self) -> str:
         base = "greedy" if self.all_greedy else "filtered" if self.filtered else "sampled"
-        return base + ("-penalized" if self.penalized else "") + ("-logprobs" if self.logprobs else "")
+        extras = ("-penalized", self.penalized), ("-logprobs", self.logprobs), ("-grammar", self.grammar)
+        return base + "".join(suffix for suffix, on in extras if on)
 
 
 @dataclass
