@@ -29,6 +29,7 @@ from coordinator.openai_schema import (
     TokenEntry,
     error_body,
     finish_reason,
+    structured_output,
 )
 from coordinator.sampling_params import sampling_params
 from coordinator.validation import DEFAULT_MAX_TOKENS
@@ -184,6 +185,12 @@ def _checked(body: SamplingBody, model: str) -> generation_pb2.GenerateRequest:
         "min_p": body.min_p or 0.0,
     }
     params = sampling_params({**dict(body), **openai})
+    try:
+        structured = structured_output(body)
+    except ValueError as exc:
+        raise _invalid(*exc.args) from exc
+    if structured is not None:
+        params.structured_output.CopyFrom(structured[0])
     return generation_pb2.GenerateRequest(params=params, n=body.n or 0)
 
 
@@ -197,7 +204,13 @@ async def _answer(
     route: str,
 ) -> Response:
     """Admit `generate` and answer it, whole or streamed; the request is cancelled if its client goes away."""
-    generation = await front.admit(generate, request.headers.items(), default_max_tokens, route)
+    try:
+        generation = await front.admit(generate, request.headers.items(), default_max_tokens, route)
+    except RequestRefused as exc:  # a constraint the engine cannot read: named as the client gave it
+        structured = structured_output(body) if (exc.param or "").startswith("structured_output") else None
+        if structured is not None:
+            exc.param = structured[1]
+        raise
     entries = _entries(generate, front.tokenizer)
     if body.stream:
         return EventStream(_events(front, generation, reply, entries), lambda: front.close(generation))

@@ -24,7 +24,7 @@ FULL = SamplingConfig(
     presence_penalty=-1.5,
     frequency_penalty=0.25,
     output_tokens=4,
-    grammar=("choice", '["yes", "no"]'),
+    grammar=("choice", '["yes", "no"]', True),
 )
 
 
@@ -57,13 +57,9 @@ def test_sampling_params_leaves_none_unset_and_other_names_out() -> None:
 
 
 def test_every_structured_output_comes_back_from_its_proto() -> None:
-    for grammar in [
-        ("json_schema", '{"type": "integer"}'),
-        ("json_object", ""),
-        ("regex", "a+"),
-        ("grammar", "root ::= [0-9]+"),
-    ]:
-        config = SamplingConfig(grammar=grammar)
+    kinds = [("json_schema", '{"type": "integer"}'), ("json_object", ""), ("regex", "a+"), ("grammar", "[0-9]+")]
+    for kind, source in kinds:
+        config = SamplingConfig(grammar=(kind, source, kind == "json_object"))
         assert SamplingConfig.from_proto(config.to_proto()) == config
     unset = generation_pb2.SamplingParams(structured_output=generation_pb2.StructuredOutput())
     assert SamplingConfig.from_proto(unset).grammar is None  # set without a constraint: none

@@ -19,12 +19,13 @@ if TYPE_CHECKING:
     import xgrammar
 
 # What a request may constrain its output to (SamplingParams.structured_output's fields): the source of each is a
-# JSON schema, nothing (any JSON object), a regular expression, a JSON list of strings, an EBNF grammar.
+# JSON schema, nothing (any JSON object), a regular expression, a JSON list of strings, an EBNF grammar. A spec is
+# (kind, source, compact): compact JSON allows no whitespace but one space after a comma and a colon.
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 COMPILED_GRAMMARS = 64  # distinct grammars a worker keeps compiled (least recently used dropped first)
 _ENGINE_PREFIX = re.compile(r"^\s*\[[0-9:]+\] [^:]*\.cc:\d+: (Check failed: .*? is false: )?")
 
-Spec = tuple[str, str]  # (kind, source): SamplingConfig.grammar
+Spec = tuple[str, str, bool]  # SamplingConfig.grammar
 
 
 def _engine_message(exc: Exception) -> str:
@@ -35,7 +36,7 @@ def _engine_message(exc: Exception) -> str:
 def choice_ebnf(choices: Sequence[str]) -> str:
     """An EBNF grammar whose strings are exactly `choices`."""
     if not choices:
-        raise InvalidRequest("choice needs at least one string", "choice")
+        raise InvalidRequest("choice needs at least one string", "structured_output.choice")
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
@@ -44,12 +45,14 @@ def parse(spec: Spec) -> xgrammar.Grammar:
     engine's message, when it is not one."""
     import xgrammar
 
-    kind, source = spec
+    kind, source, compact = spec
     try:
         if kind == "json_schema":
-            return xgrammar.Grammar.from_json_schema(source, strict_mode=True)
+            return xgrammar.Grammar.from_json_schema(source, strict_mode=True, any_whitespace=not compact)
         if kind == "json_object":  # any object: without strict mode a schema's object takes any properties
-            return xgrammar.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
+            return xgrammar.Grammar.from_json_schema(
+                '{"type": "object"}', strict_mode=False, any_whitespace=not compact
+            )
         if kind == "regex":
             return xgrammar.Grammar.from_regex(source)
         if kind == "choice":
@@ -59,7 +62,7 @@ def parse(spec: Spec) -> xgrammar.Grammar:
     except InvalidRequest:
         raise
     except Exception as exc:  # the engine's errors are RuntimeErrors with its message
-        raise InvalidRequest(f"invalid {kind}: {_engine_message(exc)}", kind) from exc
+        raise InvalidRequest(f"invalid {kind}: {_engine_message(exc)}", f"structured_output.{kind}") from exc
     raise InvalidRequest(f"unknown structured output kind {kind!r}: one of {', '.join(KINDS)}", "structured_output")
 
 

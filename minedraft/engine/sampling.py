@@ -52,7 +52,8 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     output_tokens: int = 0  # of the prompt a worker is given, the last tokens that are output (after a preemption)
-    grammar: tuple[str, str] | None = None  # structured output: (kind, source), `minedraft.engine.grammar.KINDS`
+    # Structured output: (kind, source, compact JSON), `minedraft.engine.grammar.KINDS`
+    grammar: tuple[str, str, bool] | None = None
 
     @classmethod
     def from_proto(
@@ -113,23 +114,24 @@ class SamplingConfig:
         )
 
 
-def _grammar_of(output: generation_pb2.StructuredOutput) -> tuple[str, str] | None:
+def _grammar_of(output: generation_pb2.StructuredOutput) -> tuple[str, str, bool] | None:
     """SamplingConfig.grammar of a StructuredOutput: a choice's strings as a JSON list, json_object's as nothing."""
     kind = output.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not output.json_object):
         return None
     if kind == "choice":
-        return kind, json.dumps(list(output.choice.choices))
-    return kind, "" if kind == "json_object" else getattr(output, kind)
+        return kind, json.dumps(list(output.choice.choices)), output.disable_any_whitespace
+    return kind, "" if kind == "json_object" else getattr(output, kind), output.disable_any_whitespace
 
 
-def _structured_output(kind: str, source: str) -> generation_pb2.StructuredOutput:
+def _structured_output(kind: str, source: str, compact: bool) -> generation_pb2.StructuredOutput:
+    output = generation_pb2.StructuredOutput(disable_any_whitespace=compact)
     if kind == "choice":
-        return generation_pb2.StructuredOutput(choice=generation_pb2.StructuredChoice(choices=json.loads(source)))
-    if kind == "json_object":
-        return generation_pb2.StructuredOutput(json_object=True)
-    output = generation_pb2.StructuredOutput()
-    setattr(output, kind, source)  # (json_schema, regex or grammar: a string)
+        output.choice.choices.extend(json.loads(source))
+    elif kind == "json_object":
+        output.json_object = True
+    else:
+        setattr(output, kind, source)  # (json_schema, regex or grammar: a string)
     return output
 
 
