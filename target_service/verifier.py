@@ -197,6 +197,7 @@ class Acceptance:
         if penalized:  # each position sees the history before it, the drafts it follows included
             assert t.history is not None
             logits = penalized_logits(logits, t.history[rows, :-1], first_position, draft_ids, t.penalties(rows))
+        reported = logits  # log-probabilities without the grammar's mask, as vLLM's (its -inf is no JSON number)
         if bitmask is not None:  # a token the grammar refuses gets p = 0: as a draft it is rejected, never sampled
             logits = masked_logits(logits, bitmask)
         params = RowParams(
@@ -216,14 +217,14 @@ class Acceptance:
             all_greedy=all_greedy,
             filtered=filtered,
         )
-        reported = []
+        extra = []
         if logprobs:  # one tensor: one copy to the host
-            chosen, values, ids = token_logprobs(logits, params.temperature, sampled.tokens)
-            reported.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
+            chosen, values, ids = token_logprobs(reported, params.temperature, sampled.tokens)
+            extra.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
         packed = self._commit(rows, first_position - 1, sampled)
         if penalized:
             t.record_history(rows, first_position, sampled.tokens, packed[:, 0])
-        return [packed, *reported]
+        return [packed, *extra]
 
     def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> torch.Tensor:
         """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest. Returns

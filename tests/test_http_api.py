@@ -389,7 +389,7 @@ def test_structured_outputs_parse_and_equal_hf_with_the_same_matcher(stack: Stac
     templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
     ids = stack.tokenizer.encode(PROMPT)
 
-    def expected(prompt: list[int], spec: tuple[str, str]) -> list[int]:
+    def expected(prompt: list[int], spec: tuple[str, str, bool]) -> list[int]:
         config = SamplingConfig(max_tokens=48, grammar=spec)
         return hf_processed_greedy(target, prompt, config, [0], stack.tokenizer)
 
