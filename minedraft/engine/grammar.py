@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from minedraft.errors import InvalidRequest
+from minedraft.errors import InternalError, InvalidRequest
 
 if TYPE_CHECKING:
     import xgrammar
@@ -113,6 +113,7 @@ class Grammars:
         self._compiled: collections.OrderedDict[Spec, xgrammar.CompiledGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()  # compiles run on a thread of their own (`compile`), steps on the model's
         self.matchers: dict[int, xgrammar.GrammarMatcher] = {}
+        self.unread: set[int] = set()  # sequences whose last step's tokens the matcher has not been given
 
     def _compiler_for_tokenizer(self) -> xgrammar.GrammarCompiler:
         import xgrammar
@@ -164,6 +165,9 @@ class Grammars:
             matcher = self.matchers.get(seq_id)
             if matcher is None:
                 continue
+            if seq_id in self.unread:  # (a failed call's result: what it committed is unknown here)
+                raise InternalError(f"sequence {seq_id}: its grammar's state is lost (a step's result was not read)")
+            self.unread.add(seq_id)
             row = masks[b]
             taken = 0
             for j in range(k + 1):
@@ -186,6 +190,7 @@ class Grammars:
         for seq_id, tokens in zip(seq_ids, emitted, strict=True):
             matcher = self.matchers.get(seq_id)
             if matcher is not None:
+                self.unread.discard(seq_id)
                 for token in tokens:
                     if matcher.is_terminated():  # (with ignore_eos: the grammar ended; what follows is free)
                         break
@@ -194,6 +199,7 @@ class Grammars:
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self.matchers.pop(seq_id, None)
+            self.unread.discard(seq_id)
 
 
 def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
