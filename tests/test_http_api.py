@@ -443,6 +443,22 @@ def test_bad_structured_output_is_400_naming_the_field(
     assert all(w in error["message"] for w in words), error
 
 
+def test_structured_output_over_grpc(stack: Stack) -> None:
+    """The same constraint on the gRPC API: a choice is honoured, a bad regex is INVALID_ARGUMENT with the engine's
+    message."""
+    output = generation_pb2.StructuredOutput(choice=generation_pb2.StructuredChoice(choices=CHOICES))
+    params = generation_pb2.SamplingParams(max_tokens=12, structured_output=output)
+    done = asyncio.run(
+        generate(stack.coordinator.address, generation_pb2.GenerateRequest(prompt=PROMPT, params=params))
+    )
+    assert done.text in CHOICES and done.finish_reason == generation_pb2.FINISH_REASON_STOP
+    params.structured_output.regex = "a(b"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(generate(stack.coordinator.address, generation_pb2.GenerateRequest(prompt=PROMPT, params=params)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid regex" in str(info.value.details()) and "parenthesis" in str(info.value.details())
+
+
 def test_n_completions_whole_and_streamed(stack: Stack) -> None:
     kwargs: dict[str, Any] = dict(
         model=stack.model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True}
