@@ -50,6 +50,9 @@ def test_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(demo: tuple[
     assert ok[0, 3].all() and ok[1].all()  # after a refused draft, and an unconstrained row: nothing masked
     after = allowed(grammars.first_masks([7]), len(tokenizer))[0]  # the matcher moved by `a` only
     assert after[b] and not after[a] and not after[c]
+    grammars.admit([9], [("regex", "ab+c", False)], [[a, b]])  # prefilled again after a preemption: past its output
+    again = allowed(grammars.first_masks([9]), len(tokenizer))[0]
+    assert again[b] and again[c] and not again[a]
 
 
 def _language(target: Any, grammars: Grammars, prompt: list[int]) -> dict[tuple[int, ...], float]:
