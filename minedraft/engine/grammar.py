@@ -114,6 +114,7 @@ class Grammars:
         self._lock = threading.Lock()  # compiles run on a thread of their own (`compile`), steps on the model's
         self.matchers: dict[int, xgrammar.GrammarMatcher] = {}
         self.unread: set[int] = set()  # sequences whose last step's tokens the matcher has not been given
+        self._drafts_taken: dict[int, int] = {}  # the draft's: drafts its matchers took during a proposal
 
     def _compiler_for_tokenizer(self) -> xgrammar.GrammarCompiler:
         import xgrammar
@@ -195,6 +196,27 @@ class Grammars:
                     if matcher.is_terminated():  # (with ignore_eos: the grammar ended; what follows is free)
                         break
                     matcher.accept_token(token)
+
+    def draft_masks(self, seq_ids: Sequence[int], drafted: Sequence[int] | None) -> torch.Tensor:
+        """The draft's, between its forwards: each constrained row's matcher takes its last draft (`drafted`, None
+        at a proposal's first position), then gives the bitmask [B, words] of its next position (all set where
+        unconstrained or ended). `rollback_drafts` undoes the drafts taken."""
+        masks = torch.full((len(seq_ids), self.words), -1, dtype=torch.int32)
+        for b, seq_id in enumerate(seq_ids):
+            matcher = self.matchers.get(seq_id)
+            if matcher is None:
+                continue
+            if drafted is not None and not matcher.is_terminated() and matcher.accept_token(drafted[b]):
+                self._drafts_taken[seq_id] = self._drafts_taken.get(seq_id, 0) + 1
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(masks, b)
+        return masks
+
+    def rollback_drafts(self) -> None:
+        """Each matcher back where it was before the drafts `draft_masks` took."""
+        for seq_id, taken in self._drafts_taken.items():
+            self.matchers[seq_id].rollback(taken)
+        self._drafts_taken.clear()
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
