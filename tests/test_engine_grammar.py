@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -140,3 +141,36 @@ def test_one_masked_decision_keeps_the_masked_distribution() -> None:
     counts = torch.bincount(first, minlength=vocab)
     assert int(counts[5:].sum()) == 0
     assert chisquare(counts[:5].numpy(), (p[:5] * rows).numpy()).pvalue > 1e-3, (counts, p * rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["sd", "ar"])
+def test_greedy_with_a_grammar_on_cuda_graphs_equals_eager(demo: tuple[Any, Any, Any], mode: str) -> None:
+    """On a GPU: with CUDA graphs (the verify's masks a graph input; the draft's proposal eager, masked between
+    its forwards) greedy output under a grammar equals the eager steps', and each answer is the grammar's."""
+    tokenizer = demo[2]
+
+    def on_cuda(name: str) -> Any:
+        model: Any = AutoModelForCausalLM.from_pretrained(f"{DEMO}/{name}", dtype=torch.float32)
+        return model.to("cuda")
+
+    target, draft = on_cuda("target"), on_cuda("draft")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    regex = r"def [a-z_]{1,10}\((self)?\):"
+    specs = [("json_schema", json.dumps(schema), True), ("regex", regex, False), CHOICE]
+    prompt = tokenizer.encode("import os\n# config\nx = ")
+    configs = [SamplingConfig(max_tokens=48, grammar=spec) for spec in specs]
+
+    def run(graphs: bool) -> list[list[int]]:
+        verifier = Verifier(ModelRunner(target, 4, 256, cuda_graphs=graphs), [EOS], tokenizer=tokenizer)
+        runner = ModelRunner(draft, 4, 256, cuda_graphs=graphs)
+        proposer = Proposer(runner, eos_token_ids=[EOS], tokenizer=tokenizer) if mode == "sd" else None
+        return [
+            r.tokens for r in generate_offline(verifier, proposer, [OfflineRequest(prompt, c) for c in configs], 4, 4)
+        ]
+
+    graphed = run(True)
+    assert graphed == run(False)
+    texts = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in graphed]
+    assert isinstance(json.loads(texts[0])["ok"], bool) and re.fullmatch(regex, texts[1])
+    assert texts[2] in json.loads(CHOICE[1]) and all(tokens[-1] == EOS for tokens in graphed)
