@@ -82,14 +82,14 @@ def _language(target: Any, grammars: Grammars, prompt: list[int]) -> dict[tuple[
     return language
 
 
-@pytest.mark.parametrize("draft_masked", [True, False], ids=["draft-masked", "draft-unmasked"])
-def test_sampled_output_keeps_the_masked_target_distribution(demo: tuple[Any, Any, Any], draft_masked: bool) -> None:
-    """Speculative sampling (k = 3, sampled drafts, masked by the grammar or not: a draft without a tokenizer) of a
-    choice: its outputs' frequencies against their exact probabilities under the masked target (chi-square)."""
+def test_sampled_output_keeps_the_masked_target_distribution(demo: tuple[Any, Any, Any]) -> None:
+    """Speculative sampling (k = 3, sampled drafts masked by the grammar too) of a choice: its outputs' frequencies
+    against their exact probabilities under the masked target (chi-square). (Drafts the grammar refuses, from a
+    draft without a tokenizer: `test_one_masked_decision_keeps_the_masked_distribution`.)"""
     target, draft, tokenizer = demo
     prompt = tokenizer.encode("    x =")
     verifier = Verifier(ModelRunner(target, 64, 32), [EOS], tokenizer=tokenizer)
-    proposer = Proposer(ModelRunner(draft, 64, 32), eos_token_ids=[EOS], tokenizer=tokenizer if draft_masked else None)
+    proposer = Proposer(ModelRunner(draft, 64, 32), eos_token_ids=[EOS], tokenizer=tokenizer)
     expected = _language(target, verifier.grammars, prompt)
     assert abs(sum(expected.values()) - 1) < 1e-4 and len(expected) >= 20  # (several tokenizations of each)
     samples = 400
@@ -97,7 +97,7 @@ def test_sampled_output_keeps_the_masked_target_distribution(demo: tuple[Any, An
     results = generate_offline(verifier, proposer, [OfflineRequest(prompt, c) for c in configs], 3, 64)
     assert all(r.finish == FINISHED_STOP for r in results)
     accepted = sum(r.accepted for r in results)
-    assert accepted > (samples if draft_masked else 0), accepted  # masked drafts are accepted more
+    assert accepted > samples, accepted  # masked drafts are accepted (unmasked ones, rarely)
     counts = collections.Counter(tuple(r.tokens) for r in results)
     assert set(counts) <= set(expected), set(counts) - set(expected)
     outputs = sorted(expected, key=expected.__getitem__, reverse=True)
