@@ -22,6 +22,7 @@ from coordinator.samples import make_samples, sample_count, total_usage
 from coordinator.step_loop import StepLoop, Unavailable
 from coordinator.validation import DEFAULT_MAX_TOKENS, check_limits, prompt_token_ids, sampling_config
 from coordinator.workers import Workers
+from minedraft.engine import grammar
 from minedraft.errors import InvalidRequest
 from minedraft.observability.metrics import CoordinatorMetrics, finish_reason_name
 from minedraft.observability.telemetry import end_request_span, start_request_span
@@ -218,6 +219,8 @@ class FrontDoor:
         else:
             prompt_ids = prompt_token_ids(request, self.tokenizer, vocab_size)
         config = sampling_config(request.params, len(prompt_ids), vocab_size, self.context_length, default_max_tokens)
+        if config.grammar is not None:  # a schema, regex or grammar that reads (remembered), off the event loop
+            await asyncio.to_thread(grammar.check, config.grammar)
         return RequestState(
             next(self._seq_ids),
             prompt_ids,

@@ -36,6 +36,7 @@ from coordinator.openai_schema import (
     TokenizeRequest,
     error_body,
     finish_reason,
+    structured_output,
     tool_calls_reason,
 )
 from coordinator.samples import total_usage
@@ -275,6 +276,12 @@ def _checked(body: SamplingBody, names: list[str]) -> generation_pb2.GenerateReq
         "logit_bias": _logit_bias(body),
     }
     params = sampling_params({**dict(body), **openai})
+    try:
+        structured = structured_output(body)
+    except ValueError as exc:
+        raise _invalid(*exc.args) from exc
+    if structured is not None:
+        params.structured_output.CopyFrom(structured[0])
     return generation_pb2.GenerateRequest(params=params, n=body.n or 0)
 
 
@@ -340,9 +347,13 @@ async def _answer(
     try:
         for generate in generates:
             generations.append(await front.admit(generate, request.headers.items(), default_max_tokens, route))
-    except BaseException:
+    except BaseException as exc:
         for generation in generations:
             front.close(generation)
+        if isinstance(exc, RequestRefused) and (exc.param or "").startswith("structured_output"):
+            structured = structured_output(body)  # a constraint the engine cannot read: named as the client gave it
+            if structured is not None:
+                exc.param = structured[1]
         raise
     answers = Answers(front, generations, _entries(generates[0], front.tokenizer, reply.chat), echo)
 

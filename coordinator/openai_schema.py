@@ -69,10 +69,17 @@ class SamplingBody(_Lenient):
     repetition_penalty: float | None = None  # vLLM's extensions, as SamplingParams takes them
     min_p: float | None = None
     min_tokens: int | None = Field(None, ge=0, lt=UINT32)
-    # Not supported yet: each may be left out or given its value that asks for nothing (NEUTRAL), else a 400.
+    # Structured outputs (`structured_output`): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {}  # (logit_bias is served: `logit_bias_of`)
+    # Fields not supported yet: each may be left out or given its value that asks for nothing, else a 400.
+    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {}
 
     def logit_bias_of(self) -> dict[int, float] | None:
         """logit_bias by token id (its keys are token ids as strings, as OpenAI's); ValueError for a key that is not
@@ -183,15 +190,11 @@ class ChatCompletionRequest(SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=0, lt=UINT32)  # OpenAI's newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, lt=UINT32)  # with logprobs: the top ones per token
-    response_format: dict[str, Any] | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {
-        **SamplingBody.NEUTRAL,
-        "response_format": ({"type": "text"},),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = SamplingBody.NEUTRAL
 
     def tool_choice_of(self, parser: str = "hermes") -> ToolChoice | None:
         """How the request's tools are used (`coordinator.tool_calls`; calls the model writes as `parser` reads
@@ -233,6 +236,62 @@ class DetokenizeRequest(_Lenient):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+# vLLM's structured_outputs keys (and the guided_* fields') -> StructuredOutput's fields
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def structured_output(body: SamplingBody) -> tuple[generation_pb2.StructuredOutput, str] | None:
+    """The constraint a body asks for, and the field that asked (its errors' param); None if none. ValueError
+    (message, field) where it asks for two, or gives one a shape it cannot have."""
+    given: list[tuple[str, str, Any]] = []  # (field, kind, value)
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        if fmt.get("type") == "json_object":
+            given.append(("response_format", "json_object", True))
+        elif fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+                raise ValueError("response_format.json_schema.schema: a JSON schema is required", "response_format")
+            given.append(("response_format", "json_schema", spec["schema"]))
+        else:
+            message = f"response_format.type {fmt.get('type')!r}: one of text, json_object, json_schema"
+            raise ValueError(message, "response_format")
+    for key, value in (body.structured_outputs or {}).items():
+        if key == "disable_any_whitespace":  # (how JSON is written, for whichever field asks for JSON)
+            continue
+        if key == "json_object" and value:
+            given.append((f"structured_outputs.{key}", "json_object", True))
+        elif key in _VLLM_KINDS and value is not None:
+            given.append((f"structured_outputs.{key}", _VLLM_KINDS[key], value))
+        elif value not in (None, False):
+            raise ValueError(f"structured_outputs.{key} is not supported by this server", f"structured_outputs.{key}")
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{key}")
+        if value is not None:
+            given.append((f"guided_{key}", _VLLM_KINDS[key], value))
+    if not given:
+        return None
+    if len(given) > 1:
+        fields = ", ".join(f for f, _, _ in given)
+        raise ValueError(f"give one structured output, not {len(given)}: {fields}", given[1][0])
+    field, kind, value = given[0]
+    compact = (body.structured_outputs or {}).get("disable_any_whitespace")
+    output = generation_pb2.StructuredOutput(disable_any_whitespace=bool(compact))
+    if kind == "json_schema":
+        output.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "json_object":
+        output.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ValueError(f"{field}: a non-empty list of strings", field)
+        output.choice.choices.extend(value)
+    elif isinstance(value, str):
+        setattr(output, kind, value)  # (regex or grammar)
+    else:
+        raise ValueError(f"{field}: a string", field)
+    return output, field
 
 
 FINISH_REASONS: dict[int, str] = {

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from minedraft.engine.attention import fused_query_tokens
+from minedraft.engine.grammar import Grammars, masked_logits
 from minedraft.engine.model_runner import ModelRunner, StepShape
 from minedraft.engine.sampling import (
     STREAM_DRAFT,
@@ -45,10 +46,21 @@ class Proposer:
     d_k still has to be run, before t.
     """
 
-    def __init__(self, runner: ModelRunner, greedy_drafts: bool = False, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        greedy_drafts: bool = False,
+        eos_token_ids: Sequence[int] = (),
+        tokenizer: object | None = None,
+    ) -> None:
         self.runner = runner
         self.table = SequenceTable(runner, eos_token_ids)  # (the EOS ids: what min_tokens masks in drafts too)
         self.greedy_drafts = greedy_drafts  # one-hot q for every row: no probabilities move, still lossless
+        # Structured outputs: with a tokenizer, drafts are masked by the request's grammar as the target's
+        # distribution is (acceptance; lossless either way). The matchers follow the target's verdicts, and each
+        # constrained row's last drafts, on the host.
+        self.grammars = None if tokenizer is None else Grammars(tokenizer, runner.vocab_size, eos_token_ids)
+        self.last_drafts: dict[int, list[int]] = {}
         self._drafting_kinds: dict[SamplingKind, SamplingKind] = {}
         slots, device = runner.num_slots + 1, runner.device  # with the scratch row, as the table
         self.committed = torch.zeros(slots, dtype=torch.long, device=device)
@@ -62,7 +74,16 @@ class Proposer:
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
     ) -> list[int]:
         """Cache the prompts; the prompt tokens each found in the prefix cache."""
-        rows, lengths, _, cached = self.table.prefill(seq_ids, prompts, configs, kind="prefill", body=self._cache_only)
+        if self.grammars is not None and any(c.grammar is not None for c in configs):
+            outputs = [p[len(p) - c.output_tokens :] if c.output_tokens else [] for p, c in zip(prompts, configs)]
+            self.grammars.admit(seq_ids, [c.grammar for c in configs], outputs)
+        try:
+            rows, lengths, _, cached = self.table.prefill(
+                seq_ids, prompts, configs, kind="prefill", body=self._cache_only
+            )
+        except Exception:
+            self.release(seq_ids)
+            raise
         self.committed[rows] = lengths
         self.last_k[rows] = 0
         for row, prompt in zip(self.table.row_list(seq_ids), prompts, strict=True):
@@ -91,6 +112,9 @@ class Proposer:
         than here: on a GPU a proposal's reply goes once its graph is launched, and the target waits for it."""
         if k < 1:
             raise ValueError("a proposal drafts at least one token")
+        kind = self._drafting_kind(self.table.sampling_kind(seq_ids, self.runner.vocab_size))
+        if kind.grammar:  # (before the catch-up, which forgets the last proposal)
+            self._follow_verdicts(seq_ids, num_accepted.tolist(), next_tokens.tolist(), missed)
         if any(missed):
             self._catch_up(seq_ids, num_accepted.tolist(), missed)
         _, rows = self.table.batch_rows(seq_ids, batch_id)
@@ -105,9 +129,10 @@ class Proposer:
             kept, _ = self._kept_and_tail(index, num_accepted.numpy())
             ends = np.maximum(ends, kept + TAIL_TOKENS)
         self.runner.cache.reserve(index, ends)
-        kind = self._drafting_kind(self.table.sampling_kind(seq_ids, self.runner.vocab_size))
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
-        outputs = self._run_proposal(rows, verdicts, k=k, kind=kind, needed=int(ends.max()), lane=batch_id)
+        outputs = self._run_proposal(
+            rows, verdicts, k=k, kind=kind, needed=int(ends.max()), lane=batch_id, seq_ids=seq_ids
+        )
         # The next reach: kept' <= kept + tail + k - 1, tail' <= 2, so ends' <= kept + tail + 2k <= ends + k + 1.
         upkeep = functools.partial(self.runner.cache.keep_ahead, index, ends + k + 1)
         self.committed_host[index], self.last_k_host[index] = committed, k
@@ -117,10 +142,13 @@ class Proposer:
 
     def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
         """How a batch of this kind drafts: greedily for every row with `greedy_drafts`; never with logprobs (the
-        target's alone). Remembered per kind: a named tuple's `_replace` cost 5 us of each proposal's host time."""
+        target's alone); masked by a grammar where this draft has a tokenizer. Remembered per kind: a named tuple's
+        `_replace` cost 5 us of each proposal's host time."""
         drafting = self._drafting_kinds.get(kind)
         if drafting is None:
-            drafting = kind._replace(all_greedy=kind.all_greedy or self.greedy_drafts, logprobs=False)
+            # (nor with a grammar: the target masks its distribution, which decides; the drafts are not masked)
+            masked = kind.grammar and self.grammars is not None
+            drafting = kind._replace(all_greedy=kind.all_greedy or self.greedy_drafts, logprobs=False, grammar=masked)
             self._drafting_kinds[kind] = drafting
         return drafting
 
@@ -133,9 +161,11 @@ class Proposer:
         kind: SamplingKind,
         needed: int,
         lane: int | None,
+        seq_ids: Sequence[int] = (),
     ) -> list[torch.Tensor]:
         """The proposal step: prepared on the target's verdicts `[B, 2]` (accepted count, emitted token), then run;
-        `needed` is the longest row after its last forward."""
+        `needed` is the longest row after its last forward. With a grammar it runs eagerly: its masks are made on
+        the host between its forwards, from the drafts before."""
         step = self.runner.prepare(
             kind=kind.name,
             rows=rows,
@@ -145,10 +175,19 @@ class Proposer:
             forwards=k,
             lane=lane,
         )
-        return self.runner.run(step, functools.partial(self._proposal_step, k=k, kind=kind))
+        if kind.grammar:
+            step.graphable = False
+        return self.runner.run(step, functools.partial(self._proposal_step, k=k, kind=kind, seq_ids=seq_ids))
 
     def _proposal_step(
-        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape, *, k: int, kind: SamplingKind
+        self,
+        rows: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        shape: StepShape,
+        *,
+        k: int,
+        kind: SamplingKind,
+        seq_ids: Sequence[int] = (),
     ) -> list[torch.Tensor]:
         """A proposal's body, inside its graph (a draft's forwards are too small to pay for a launch from Python
         each): each row rolled back to what the target kept (`_reconcile`), then k forwards, each drafting a token
@@ -159,9 +198,14 @@ class Proposer:
         if kind.penalized:  # the tail's tokens where the penalties of the drafts count them
             self.table.record_history(rows, self.committed[rows] - num_valid, tokens, num_valid)
         drafts, probs = [], []
+        drafted: list[int] | None = None  # with a grammar: the last drafts on the host
         for position in range(k):
             logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=True)
+            if kind.grammar:
+                logits = self._masked(logits, seq_ids, drafted)
             draft, q = self._choose(rows, logits, position=position, kind=kind)
+            if kind.grammar:
+                drafted = draft[: len(seq_ids)].tolist()
             if kind.penalized:
                 self.table.record_history(rows, self.committed[rows] + position, draft[:, None], torch.ones_like(draft))
             drafts.append(draft)
@@ -170,7 +214,36 @@ class Proposer:
             tokens, num_valid = draft[:, None], torch.ones_like(num_valid)
         self.final_draft[rows] = draft
         self.last_k.index_fill_(0, rows, k)  # (an assignment would copy k from the host: not in a graph)
-        return [torch.stack(drafts, dim=1)] + ([torch.stack(probs, dim=1)] if probs else [])
+        stacked = torch.stack(drafts, dim=1)
+        if kind.grammar:
+            assert self.grammars is not None
+            self.grammars.rollback_drafts()
+            host = stacked[: len(seq_ids)].tolist()
+            self.last_drafts.update((s, host[b]) for b, s in enumerate(seq_ids) if s in self.grammars.matchers)
+        return [stacked] + ([torch.stack(probs, dim=1)] if probs else [])
+
+    def _masked(self, logits: torch.Tensor, seq_ids: Sequence[int], drafted: list[int] | None) -> torch.Tensor:
+        """A proposal's logits `[B, V]` (B padded past the sequences) masked by each row's grammar after its drafts
+        so far (`Grammars.draft_masks`)."""
+        assert self.grammars is not None
+        masks = self.grammars.draft_masks(seq_ids, drafted)
+        if len(masks) < len(logits):  # padding rows: nothing masked
+            masks = torch.cat([masks, masks.new_full((len(logits) - len(masks), masks.shape[1]), -1)])
+        return masked_logits(logits[:, None], masks.to(logits.device)[:, None])[:, 0]
+
+    def _follow_verdicts(
+        self, seq_ids: Sequence[int], num_accepted: list[int], next_tokens: list[int], missed: Sequence[Sequence[int]]
+    ) -> None:
+        """Each constrained row's matcher past what the target committed since: the drafts it accepted of the last
+        proposal, the tokens decoded without drafts (`missed`), the token it emitted."""
+        assert self.grammars is not None
+        rows = self.table.row_list(seq_ids)
+        committed = []
+        for i, (seq_id, row) in enumerate(zip(seq_ids, rows, strict=True)):
+            accepted = min(num_accepted[i], int(self.last_k_host[row]))
+            drafts = self.last_drafts.get(seq_id, [])[:accepted]
+            committed.append(drafts + list(missed[i] if missed else ()) + [next_tokens[i]])
+        self.grammars.advance(seq_ids, committed)
 
     def _catch_up(self, seq_ids: Sequence[int], num_accepted: list[int], missed: Sequence[Sequence[int]]) -> None:
         """Rows that missed tokens: the verdict on their last proposal applied, then what it leaves uncached (d_k
@@ -303,3 +376,7 @@ class Proposer:
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.table.remove(seq_ids)
+        if self.grammars is not None:
+            self.grammars.release(seq_ids)
+        for seq_id in seq_ids:
+            self.last_drafts.pop(seq_id, None)

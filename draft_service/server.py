@@ -49,11 +49,19 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         ranks = RankGroup(options, calls, "draft service") if options.tensor_parallel_size > 1 else None
         worker = ModelWorker(options, ranks.tp if ranks is not None else None)
         proposer = make_proposer(worker, greedy_drafts)
+        self.grammars = proposer.grammars
         self.proposer: Proposer | MirroredProposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
         super().__init__(worker, self.proposer, ranks)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self, server)
+
+    async def before_prefill(self, configs: list[SamplingConfig]) -> None:
+        """The sequences' grammars (whose masks the drafts take) compiled on a thread of their own, while the compute
+        thread goes on with the other sequences' proposals."""
+        if self.grammars is not None:
+            for spec in {c.grammar for c in configs if c.grammar is not None}:
+                await asyncio.to_thread(self.grammars.compile, spec)
 
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
         return {"cached_prompt_tokens": self.proposer.prefill(seq_ids, prompts, configs)}

@@ -16,7 +16,7 @@ from minedraft.rpc.worker import ModelWorker
 
 
 def make_proposer(worker: ModelWorker, greedy_drafts: bool) -> Proposer:
-    return Proposer(worker.runner, greedy_drafts, worker.vocab.eos_token_ids)
+    return Proposer(worker.runner, greedy_drafts, worker.vocab.eos_token_ids, worker.tokenizer)
 
 
 def proposer_calls(worker: ModelWorker, greedy_drafts: bool) -> RunCall:

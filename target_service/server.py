@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -91,6 +92,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
                 options.synthetic_acceptance,
             )
         verifier = make_verifier(worker)
+        self.grammars = verifier.grammars
         self.verifier: Verifier | MirroredVerifier = verifier if ranks is None else MirroredVerifier(verifier, ranks)
         super().__init__(worker, self.verifier, ranks)
 
@@ -101,6 +103,12 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         """The acceptance compiled (with --compile), then the step shapes run (with --precapture-graphs): each once."""
         await self.worker.run(self.verifier.warm_up, k)
         await super().prepare(k, max_batch_size)
+
+    async def before_prefill(self, configs: list[SamplingConfig]) -> None:
+        """The sequences' grammars compiled on a thread of their own (a new one may take a while), while the compute
+        thread goes on with the other sequences' steps; the prefill then finds them compiled."""
+        for spec in {c.grammar for c in configs if c.grammar is not None}:
+            await asyncio.to_thread(self.grammars.compile, spec)
 
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
         # The results are read on the compute thread: its CUDA stream is the one that made them.

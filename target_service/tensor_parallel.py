@@ -17,7 +17,8 @@ from target_service.verifier import StepResult, Verifier
 
 
 def make_verifier(worker: ModelWorker) -> Verifier:
-    return Verifier(worker.runner, worker.vocab.eos_token_ids, worker.options.synthetic_acceptance)
+    options = worker.options
+    return Verifier(worker.runner, worker.vocab.eos_token_ids, options.synthetic_acceptance, worker.tokenizer)
 
 
 def verifier_calls(worker: ModelWorker) -> RunCall:

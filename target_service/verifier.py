@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minedraft.engine.grammar import Grammars, masked_logits
 from minedraft.engine.model_runner import ModelRunner, StepShape
 from minedraft.engine.sampling import SamplingConfig, SamplingKind, penalized_logits, token_logprobs
 from minedraft.engine.sequence_table import SequenceTable
@@ -45,6 +46,7 @@ class StepResult:
     # A prefill's, per row that asked (SamplingConfig.prompt_logprobs), else None: each prompt token after the first,
     # its log-probability and its top ones' (id, log-probability)
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
+    on_tokens: Callable[[list[list[int]]], None] | None = None  # told each row's emitted tokens (grammar matchers)
     _emitted: list[int] | None = None
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
@@ -54,7 +56,10 @@ class StepResult:
         self._emitted = [n for n, *_ in rows]
         if self.on_read is not None:
             self.on_read(self._emitted)
-        return [(row[:n], a, f) for n, a, f, *row in rows]
+        per_row = [(row[:n], a, f) for n, a, f, *row in rows]
+        if self.on_tokens is not None:
+            self.on_tokens([tokens for tokens, _, _ in per_row])
+        return per_row
 
     def logprobs_per_row(self) -> list[list[tuple[float, list[tuple[int, float]]]] | None]:
         """After `per_row`: per row that asked, each emitted token's log-probability and its top ones' (id,
@@ -147,10 +152,12 @@ class Acceptance:
         draft_probs: torch.Tensor | None,
         drafts: int,
         kind: SamplingKind,
+        bitmask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
         `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
-        its arguments and the table's tensors. Returns `StepResult.packed`, then its `logprobs` when the kind has
+        its arguments and the table's tensors. `bitmask` `[B, drafts + 1, words]`: the tokens each position's grammar
+        allows (`Grammars.masks`), with a grammar. Returns `StepResult.packed`, then its `logprobs` when the kind has
         them."""
         # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
         draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
@@ -170,6 +177,7 @@ class Acceptance:
                 filtered=kind.filtered,
                 penalized=kind.penalized,
                 logprobs=kind.logprobs,
+                bitmask=bitmask,
             )
 
     def _accept_and_commit_eagerly(
@@ -183,14 +191,18 @@ class Acceptance:
         filtered: bool,
         penalized: bool,
         logprobs: bool,
+        bitmask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """The penalties applied (with `penalized`), `rejection_sample`, the emitted tokens' log-probabilities (with
-        `logprobs`), then `_commit`; `first_position` is each row's sequence index of its first draft (or of its next
-        token). Compiled with the layers (`_accept_and_commit`)."""
+        """The penalties applied (with `penalized`), the grammar's mask (with a `bitmask`), `rejection_sample`, the
+        emitted tokens' log-probabilities (with `logprobs`), then `_commit`; `first_position` is each row's sequence
+        index of its first draft (or of its next token). Compiled with the layers (`_accept_and_commit`)."""
         t = self.table
         if penalized:  # each position sees the history before it, the drafts it follows included
             assert t.history is not None
             logits = penalized_logits(logits, t.history[rows, :-1], first_position, draft_ids, t.penalties(rows))
+        reported = logits  # log-probabilities without the grammar's mask, as vLLM's (its -inf is no JSON number)
+        if bitmask is not None:  # a token the grammar refuses gets p = 0: as a draft it is rejected, never sampled
+            logits = masked_logits(logits, bitmask)
         params = RowParams(
             temperature=t.temperature[rows],
             top_k=t.top_k[rows],
@@ -208,14 +220,14 @@ class Acceptance:
             all_greedy=all_greedy,
             filtered=filtered,
         )
-        reported = []
+        extra = []
         if logprobs:  # one tensor: one copy to the host
-            chosen, values, ids = token_logprobs(logits, params.temperature, sampled.tokens)
-            reported.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
+            chosen, values, ids = token_logprobs(reported, params.temperature, sampled.tokens)
+            extra.append(torch.cat([chosen[..., None], values, ids.to(values.dtype)], dim=-1))
         packed = self._commit(rows, first_position - 1, sampled)
         if penalized:
             t.record_history(rows, first_position, sampled.tokens, packed[:, 0])
-        return [packed, *reported]
+        return [packed, *extra]
 
     def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> torch.Tensor:
         """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest. Returns
@@ -242,10 +254,17 @@ class Verifier:
     which waits in `pending` to be the first input of the next verify."""
 
     def __init__(
-        self, runner: ModelRunner, eos_token_ids: Sequence[int], synthetic_acceptance: float | None = None
+        self,
+        runner: ModelRunner,
+        eos_token_ids: Sequence[int],
+        synthetic_acceptance: float | None = None,
+        tokenizer: object | None = None,
     ) -> None:
         self.runner = runner
         self.table = SequenceTable(runner, eos_token_ids)
+        # Structured outputs: the matchers on the host; each row's first mask (a prefill's) where its step reads it.
+        self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids)
+        self.row_masks: torch.Tensor | None = None
         self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
         # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
         # length without waiting for the device (-1: unknown, which costs one host sync).
@@ -263,18 +282,36 @@ class Verifier:
         asked = {s: c.prompt_logprobs for s, c in zip(seq_ids, configs) if c.prompt_logprobs is not None}
         reported: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}  # by row, filled by the bodies
         body = functools.partial(self._prefill_step, kind=kind, asked=asked, reported=reported)
-        _, _, (packed, *logprobs), cached = self.table.prefill(
-            seq_ids, prompts, configs, kind=_step_kind(kind), body=body
-        )
+        on_rows = None
+        if kind.grammar:  # each matcher past the output a preempted sequence had; its first mask in its row
+            outputs = [p[len(p) - c.output_tokens :] if c.output_tokens else [] for p, c in zip(prompts, configs)]
+            self.grammars.admit(seq_ids, [c.grammar for c in configs], outputs)
+            on_rows = functools.partial(self._write_row_masks, masks=self.grammars.first_masks(seq_ids))
+        try:
+            _, _, (packed, *logprobs), cached = self.table.prefill(
+                seq_ids, prompts, configs, kind=_step_kind(kind), body=body, on_rows=on_rows
+            )
+        except Exception:
+            self.grammars.release(seq_ids)
+            raise
         rows = self.table.row_list(seq_ids)
         # (the last token of each prompt is pending)
-        recorder = self._recorder(rows, [len(p) - 1 for p in prompts])
-        result = StepResult(packed, recorder, cached)
+        result = StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]), cached)
         if logprobs:
             result.logprobs, result.top_n = logprobs[0], [c.logprobs for c in configs]
         if asked:
             result.prompt_logprobs = [reported.get(row) for row in rows]
+        if kind.grammar:
+            result.on_tokens = functools.partial(self.grammars.advance, list(seq_ids))
         return result
+
+    def _write_row_masks(self, rows: torch.Tensor, masks: torch.Tensor) -> None:
+        """Each row's first grammar mask, where its prefill's step reads it (all set: unconstrained)."""
+        if self.row_masks is None:
+            slots = self.table.temperature.shape[0]
+            shape = (slots, self.grammars.words)
+            self.row_masks = torch.full(shape, -1, dtype=torch.int32, device=self.runner.device)
+        self.row_masks[rows] = masks.to(self.runner.device)
 
     def verify(
         self,
@@ -297,7 +334,11 @@ class Verifier:
             before = self.runner.cache.lengths[rows.to(self.runner.device)].numpy(force=True)
         self.runner.cache.reserve(index, before + k + 1)
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
-        probs = () if draft_probs is None else (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
+        probs: tuple[torch.Tensor, ...] = ()
+        if draft_probs is not None:
+            probs = (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
+        if kind.grammar:  # the masks of every verified position, after the drafts before it (`Grammars.masks`)
+            probs += (self.grammars.masks(seq_ids, draft_ids.cpu().numpy()),)
         packed, *logprobs = self._run_verify(
             rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id
         )
@@ -307,9 +348,12 @@ class Verifier:
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
         recorder = self._recorder(index, before, ahead=2 * (k + 1))
-        if not logprobs:
-            return StepResult(packed, recorder)
-        return StepResult(packed, recorder, logprobs=logprobs[0], top_n=top_n)
+        result = StepResult(packed, recorder)
+        if logprobs:
+            result.logprobs, result.top_n = logprobs[0], top_n
+        if kind.grammar:  # the matchers move on by what was emitted once the host reads it
+            result.on_tokens = functools.partial(self.grammars.advance, list(seq_ids))
+        return result
 
     def held_seq_ids(self) -> list[int]:
         """Every sequence it holds (what a worker frees when its lease ends)."""
@@ -317,6 +361,7 @@ class Verifier:
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.cached[self.table.remove(seq_ids)] = -1
+        self.grammars.release(seq_ids)
 
     def _run_verify(
         self,
@@ -328,8 +373,9 @@ class Verifier:
         needed: int,
         lane: int | None,
     ) -> list[torch.Tensor]:
-        """The verify step: prepared on the drafts (and their probabilities), then run. The pending tokens are
-        gathered inside its graph, which leaves the host only the copies into the graph's inputs."""
+        """The verify step: prepared on the drafts (and their probabilities, and with a grammar its masks), then run.
+        The pending tokens are gathered inside its graph, which leaves the host only the copies into the graph's
+        inputs."""
         k = draft_ids.shape[1]
         step = self.runner.prepare(
             kind=_step_kind(kind),
@@ -347,6 +393,7 @@ class Verifier:
         """A verify's body, inside its graph: each row's pending token and its drafts -> the forward -> accept a
         prefix, commit it, roll back the rest (`_decide`)."""
         drafts, *probs = inputs
+        bitmask = probs.pop() if kind.grammar else None
         k = drafts.shape[1]
         tokens = torch.cat([self.pending[rows][:, None], drafts], dim=1)
         num_valid = torch.full_like(rows, k + 1)
@@ -361,6 +408,7 @@ class Verifier:
             draft_probs=probs[0] if probs else None,
             drafts=k,
             kind=kind,
+            bitmask=bitmask,
         )
 
     def _prefill_step(
@@ -389,6 +437,10 @@ class Verifier:
                     reported[row] = _prompt_logprobs(every[b], prompts[b], int(lengths[b]), wanted[row])
         else:
             logits = self.runner.step_forward(rows, prompts, lengths, shape=shape, last_only=True)
+        bitmask = None
+        if kind.grammar:
+            assert self.row_masks is not None
+            bitmask = self.row_masks[rows][:, None]
         return self.acceptance.decide(
             rows,
             tokens=prompts,
@@ -398,6 +450,7 @@ class Verifier:
             draft_probs=None,
             drafts=0,
             kind=kind,
+            bitmask=bitmask,
         )
 
     def _recorder(

@@ -203,9 +203,36 @@ class LogitBias(LogitsProcessor):
         return biased  # type: ignore[return-value]
 
 
-def hf_processors(prompt_length: int, config: SamplingConfig, eos: list[int]) -> LogitsProcessorList:
-    """Hugging Face's logits processors that mean what `config`'s penalties, min_tokens and min_p ask (min_tokens
-    holding back `eos` and the stop token ids)."""
+class GrammarMask(LogitsProcessor):
+    """Structured outputs' reference: a matcher of `spec` compiled by the same engine (xgrammar) for `tokenizer`,
+    moved on by each generated token, its bitmask applied by xgrammar's own `apply_token_bitmask_inplace`."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, spec: tuple[str, str, bool], prompt_length: int, eos: list[int]
+    ):
+        import xgrammar
+
+        from minedraft.engine.grammar import parse
+
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos)
+        compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_grammar(parse(spec))
+        self.matcher, self.prompt_length = xgrammar.GrammarMatcher(compiled), prompt_length
+        self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self.apply = xgrammar.apply_token_bitmask_inplace
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[1] > self.prompt_length:
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self.apply(scores, self.bitmask)
+        return scores
+
+
+def hf_processors(
+    prompt_length: int, config: SamplingConfig, eos: list[int], tokenizer: Any = None, vocab_size: int = 0
+) -> LogitsProcessorList:
+    """Hugging Face's logits processors that mean what `config`'s penalties, min_tokens, min_p and grammar ask
+    (min_tokens holding back `eos` and the stop token ids; a grammar compiled for `tokenizer`)."""
     processors = LogitsProcessorList()
     if config.logit_bias:
         processors.append(LogitBias(dict(config.logit_bias)))
@@ -218,12 +245,16 @@ def hf_processors(prompt_length: int, config: SamplingConfig, eos: list[int]) ->
         processors.append(PresenceFrequency(prompt_length, config.presence_penalty, config.frequency_penalty))
     if config.min_p:
         processors.append(MinPLogitsWarper(config.min_p))
+    if config.grammar is not None:
+        processors.append(GrammarMask(tokenizer, vocab_size, config.grammar, prompt_length, eos))
     return processors
 
 
-def hf_processed_greedy(model: PreTrainedModel, prompt: list[int], config: SamplingConfig, eos: list[int]) -> list[int]:
-    """Hugging Face `generate()`, greedy, with the processors of `config` (`hf_processors`), up to and including
-    the first of `eos` or the stop token ids."""
+def hf_processed_greedy(
+    model: PreTrainedModel, prompt: list[int], config: SamplingConfig, eos: list[int], tokenizer: Any = None
+) -> list[int]:
+    """Hugging Face `generate()`, greedy, with the processors of `config` (`hf_processors`; a grammar's compiled for
+    `tokenizer`), up to and including the first of `eos` or the stop token ids."""
     stops = eos + list(config.stop_token_ids)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -234,7 +265,7 @@ def hf_processed_greedy(model: PreTrainedModel, prompt: list[int], config: Sampl
             do_sample=False,
             eos_token_id=stops or None,
             pad_token_id=0,
-            logits_processor=hf_processors(len(prompt), config, eos),
+            logits_processor=hf_processors(len(prompt), config, eos, tokenizer, model.config.vocab_size),
         )
     tokens: list[int] = out[0, len(prompt) :].tolist()
     ends = [i for i, t in enumerate(tokens) if t in stops]

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -613,6 +614,98 @@ def test_the_stream_ends_with_done_on_the_wire(stack: Stack) -> None:
     connection.close()
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     assert json.loads(events[0].removeprefix("data: "))["object"] == "text_completion"
+
+
+# --------------------------------------------------------------------------------------------- structured outputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+CHOICES = ["return None", "pass", "raise"]
+
+
+def test_structured_outputs_parse_and_equal_hf_with_the_same_matcher(stack: Stack, llama_workers: Workers) -> None:
+    """A JSON schema (response_format, strict), a regex (guided_regex) and a choice (structured_outputs): greedy
+    output parses or matches, ends with "stop" where the grammar does, and equals HF `generate()` with the same
+    grammar as a logits processor, token for token (the count and the text)."""
+    import jsonschema
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+    templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    ids = stack.tokenizer.encode(PROMPT)
+
+    def expected(prompt: list[int], spec: tuple[str, str, bool]) -> list[int]:
+        config = SamplingConfig(max_tokens=48, grammar=spec)
+        return hf_processed_greedy(target, prompt, config, [0], stack.tokenizer)
+
+    def check(done: Any, text: str, want: list[int]) -> None:
+        assert text == stack.tokenizer.decode(want, skip_special_tokens=True)
+        assert done.usage.completion_tokens == len(want) and done.choices[0].finish_reason == "stop"
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    # (compact JSON: a random model's whitespace, where any is allowed, may never end)
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    chat = _chat(stack, MESSAGES, max_tokens=48, response_format=fmt, extra_body=compact)
+    jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    check(chat, chat.choices[0].message.content, expected(templated, ("json_schema", json.dumps(SCHEMA), True)))
+    regex = r"(self|cls)\.[a-z_]{1,12} = (None|0|\[\])"
+    done = stack.client.completions.create(
+        model=stack.model, prompt=ids, max_tokens=48, temperature=0, extra_body={"guided_regex": regex}
+    )
+    assert re.fullmatch(regex, done.choices[0].text), done.choices[0].text
+    check(done, done.choices[0].text, expected(ids, ("regex", regex, False)))
+    choice = {"structured_outputs": {"choice": CHOICES}}
+    done = stack.client.completions.create(
+        model=stack.model, prompt=ids, max_tokens=48, temperature=0, extra_body=choice
+    )
+    assert done.choices[0].text in CHOICES
+    check(done, done.choices[0].text, expected(ids, ("choice", json.dumps(CHOICES), False)))
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+            "response_format",
+            ("invalid json_schema", "Type should be a string"),
+        ),
+        ({"guided_regex": "a(b"}, "guided_regex", ("invalid regex", "parenthesis")),
+        ({"guided_grammar": "root ::= foo"}, "guided_grammar", ("invalid grammar", "foo")),
+        ({"guided_choice": []}, "guided_choice", ("non-empty",)),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", ("give one",)),
+        ({"response_format": {"type": "xml"}}, "response_format", ("one of text",)),
+    ],
+    ids=["schema", "regex", "grammar", "choice", "two", "format"],
+)
+def test_bad_structured_output_is_400_naming_the_field(
+    stack: Stack, extra: dict[str, Any], param: str, words: tuple[str, ...]
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        stack.client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=4, extra_body=extra)
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == param and error["code"] == "invalid_argument", error
+    assert all(w in error["message"] for w in words), error
+
+
+def test_structured_output_over_grpc(stack: Stack) -> None:
+    """The same constraint on the gRPC API: a choice is honoured, a bad regex is INVALID_ARGUMENT with the engine's
+    message."""
+    output = generation_pb2.StructuredOutput(choice=generation_pb2.StructuredChoice(choices=CHOICES))
+    params = generation_pb2.SamplingParams(max_tokens=12, structured_output=output)
+    done = asyncio.run(
+        generate(stack.coordinator.address, generation_pb2.GenerateRequest(prompt=PROMPT, params=params))
+    )
+    assert done.text in CHOICES and done.finish_reason == generation_pb2.FINISH_REASON_STOP
+    params.structured_output.regex = "a(b"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(generate(stack.coordinator.address, generation_pb2.GenerateRequest(prompt=PROMPT, params=params)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid regex" in str(info.value.details()) and "parenthesis" in str(info.value.details())
 
 
 def test_n_completions_whole_and_streamed(stack: Stack) -> None:

@@ -26,6 +26,7 @@ FULL = SamplingConfig(
     output_tokens=4,
     logit_bias=((5, 1.5), (9, -100.0)),
     prompt_logprobs=3,
+    grammar=("choice", '["yes", "no"]', True),
 )
 
 
@@ -55,3 +56,12 @@ def test_sampling_params_leaves_none_unset_and_other_names_out() -> None:
     params = sampling_params({"top_p": None, "seed": 0, "temperature": 0.5, "n": 3, "stop": ["x"]})
     assert not params.HasField("top_p") and params.HasField("seed")
     assert params == generation_pb2.SamplingParams(seed=0, temperature=0.5, stop=["x"])
+
+
+def test_every_structured_output_comes_back_from_its_proto() -> None:
+    kinds = [("json_schema", '{"type": "integer"}'), ("json_object", ""), ("regex", "a+"), ("grammar", "[0-9]+")]
+    for kind, source in kinds:
+        config = SamplingConfig(grammar=(kind, source, kind == "json_object"))
+        assert SamplingConfig.from_proto(config.to_proto()) == config
+    unset = generation_pb2.SamplingParams(structured_output=generation_pb2.StructuredOutput())
+    assert SamplingConfig.from_proto(unset).grammar is None  # set without a constraint: none

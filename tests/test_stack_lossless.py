@@ -259,6 +259,40 @@ def _logprob_requests(
     return requests, expected
 
 
+# Structured outputs: (kind, source, compact JSON) -> the field of StructuredOutput that asks for it
+GRAMMARS = [
+    (
+        "json_schema",
+        '{"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", '
+        '"items": {"enum": ["a", "b"]}, "maxItems": 3}}, "required": ["id", "tags"], "additionalProperties": false}',
+        True,
+    ),
+    ("regex", r"(if|while) [a-z]{1,6}(\.[a-z]{1,6})?:", False),
+    ("grammar", 'root ::= "return " value\nvalue ::= [0-9]+ | "None" | "self." [a-z_]+', False),
+]
+
+
+def _grammar_requests(
+    prompts: list[list[int]], target: Any, tokenizer: Any
+) -> tuple[list[generation_pb2.GenerateRequest], list[list[int]]]:
+    """Greedy requests constrained by a JSON schema, a regex and an EBNF grammar (the regex's with logprobs), each
+    with the tokens HF `generate()` gives with the same grammar as a logits processor."""
+    requests, expected = [], []
+    for prompt, (kind, source, compact) in zip(prompts, GRAMMARS):
+        want = hf_processed_greedy(
+            target, prompt, SamplingConfig(max_tokens=40, grammar=(kind, source, compact)), [EOS], tokenizer
+        )
+        assert want[-1] == EOS, f"{kind}: the grammar does not end within the test's tokens"
+        output = generation_pb2.StructuredOutput(disable_any_whitespace=compact)
+        setattr(output, kind, source)
+        params = generation_pb2.SamplingParams(
+            max_tokens=40, structured_output=output, logprobs=3 if kind == "regex" else None
+        )
+        requests.append(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params))
+        expected.append(want)
+    return requests, expected
+
+
 Reported = tuple[list[int], list[tuple[float, list[tuple[int, float]]]], int]
 
 
@@ -280,15 +314,17 @@ async def _logprobs_run(address: str, requests: list[generation_pb2.GenerateRequ
 
 def test_logprobs_and_penalties_through_the_services(llama_workers: Workers, hf_reference: Any) -> None:
     """Coordinators in this process over the session's Llama workers, psd and sd drafting every step, and ar:
-    greedy output with each penalty equals HF `generate()` with the same logits processor in every mode, and the
-    logprobs through psd and sd equal the target alone's (ar) within 1e-5, drafted positions included (without
-    penalties: log_softmax of the HF model's own logits)."""
+    greedy output with each penalty, and with a grammar (structured outputs), equals HF `generate()` with the same
+    logits processor in every mode, and the logprobs through psd and sd equal the target alone's (ar) within 1e-5,
+    drafted positions included (without penalties: log_softmax of the HF model's own logits)."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype=torch.float32)
     tokenizer = load_tokenizer(str(llama_workers.pair.target))
     prompts = text_prompts(tokenizer, 3, 6, 30, seed=5)
     requests, expected = _logprob_requests(prompts, target, hf_reference)
+    constrained, constrained_expected = _grammar_requests(prompts, target, tokenizer)
+    requests, expected = requests + constrained, expected + constrained_expected
 
     async def run(mode: str) -> list[Reported]:
         async with in_process_coordinator(llama_workers, mode=mode, speculation="always") as (address, _):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -54,6 +55,8 @@ class SamplingConfig:
     output_tokens: int = 0  # of the prompt a worker is given, the last tokens that are output (after a preemption)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by id
     prompt_logprobs: int | None = None  # the prompt's log-probabilities, top ones per token as `logprobs`; None: none
+    # Structured output: (kind, source, compact JSON), `minedraft.engine.grammar.KINDS`
+    grammar: tuple[str, str, bool] | None = None
 
     @classmethod
     def from_proto(
@@ -78,6 +81,7 @@ class SamplingConfig:
             output_tokens=output_tokens,
             logit_bias=tuple(sorted(params.logit_bias.items())),
             prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
+            grammar=_grammar_of(params.structured_output) if params.HasField("structured_output") else None,
         )
 
     def to_proto(self) -> generation_pb2.SamplingParams:
@@ -99,6 +103,7 @@ class SamplingConfig:
             frequency_penalty=self.frequency_penalty,
             logit_bias=dict(self.logit_bias),
             prompt_logprobs=self.prompt_logprobs,
+            structured_output=None if self.grammar is None else _structured_output(*self.grammar),
         )
 
     @property
@@ -118,6 +123,27 @@ class SamplingConfig:
         )
 
 
+def _grammar_of(output: generation_pb2.StructuredOutput) -> tuple[str, str, bool] | None:
+    """SamplingConfig.grammar of a StructuredOutput: a choice's strings as a JSON list, json_object's as nothing."""
+    kind = output.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not output.json_object):
+        return None
+    if kind == "choice":
+        return kind, json.dumps(list(output.choice.choices)), output.disable_any_whitespace
+    return kind, "" if kind == "json_object" else getattr(output, kind), output.disable_any_whitespace
+
+
+def _structured_output(kind: str, source: str, compact: bool) -> generation_pb2.StructuredOutput:
+    output = generation_pb2.StructuredOutput(disable_any_whitespace=compact)
+    if kind == "choice":
+        output.choice.choices.extend(json.loads(source))
+    elif kind == "json_object":
+        output.json_object = True
+    else:
+        setattr(output, kind, source)  # (json_schema, regex or grammar: a string)
+    return output
+
+
 class SamplingKind(NamedTuple):
     """What a batch's sampling needs, known on the host (`SequenceTable.sampling_kind`): each kind its own code, and
     its own CUDA graphs."""
@@ -126,11 +152,13 @@ class SamplingKind(NamedTuple):
     filtered: bool  # some row restricted by top-k, top-p or min-p
     penalized: bool = False  # some row has penalties or min_tokens: its logits depend on its history
     logprobs: bool = False  # some row reports log-probabilities (the target's steps only)
+    grammar: bool = False  # some row's output is constrained by a grammar (the target masks its logits)
 
     @property
     def name(self) -> str:
         base = "greedy" if self.all_greedy else "filtered" if self.filtered else "sampled"
-        return base + ("-penalized" if self.penalized else "") + ("-logprobs" if self.logprobs else "")
+        extras = ("-penalized", self.penalized), ("-logprobs", self.logprobs), ("-grammar", self.grammar)
+        return base + "".join(suffix for suffix, on in extras if on)
 
 
 @dataclass

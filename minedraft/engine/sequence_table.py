@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -197,6 +197,7 @@ class SequenceTable:
         *,
         kind: str,
         body: StepBody,
+        on_rows: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[int]]:
         """Take rows for new sequences and cache their prompts: each starts with the cached blocks its prompt begins
         with (prefix caching), then a step of `kind` per group of the rest of similar lengths (`prefill_groups`),
@@ -205,12 +206,15 @@ class SequenceTable:
         rounds (`prefix_followers`): one of each such family first, then the others, sharing what it cached.
 
         Returns (rows, prompt lengths, what the bodies made in the order of `prompts`, the prompt tokens of each
-        found cached, not computed for it); on failure the rows and their blocks are freed.
+        found cached, not computed for it); on failure the rows and their blocks are freed. `on_rows` is told the
+        rows taken, in the order of `prompts`, before any step.
         """
         if not prompts:
             raise InvalidRequest("a prefill needs at least one prompt")
         rows = self.add(seq_ids, configs)
         try:
+            if on_rows is not None:
+                on_rows(rows)
             cache, device = self.runner.cache, self.runner.device
             assert cache.pool is not None
             host_rows = rows.tolist()
@@ -330,6 +334,7 @@ class SequenceTable:
             filtered=any(0 < c.top_k < vocab or c.top_p < 1 or c.min_p > 0 for c in configs),
             penalized=any(c.penalized for c in configs),
             logprobs=any(c.logprobs is not None for c in configs),
+            grammar=any(c.grammar is not None for c in configs),
         )
 
     def _forget_batches(self) -> None:

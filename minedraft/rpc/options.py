@@ -108,7 +108,7 @@ class WorkerOptions:
         False,
         "--deterministic",
         "bit-identical output whatever the batch and mode (ar, sd, psd): matmuls, norms and attention computed alike "
-        "for each row whatever the step holds; layers uncompiled (docs/design.md section 13)",
+        "for each row whatever the step holds; layers uncompiled (docs/design.md section 15)",
         MODEL_COMMANDS,
         MODELS,
         environment=MODEL_COMMANDS,

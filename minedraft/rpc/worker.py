@@ -68,6 +68,7 @@ class ModelWorker:
             tokenizer = load_tokenizer(options.model)
         except ValueError:
             tokenizer = None  # a model directory without tokenizer files can still serve token ids
+        self.tokenizer = tokenizer  # (a target's grammars are compiled for it)
         self.vocab = VocabInfo.of(self.model, tokenizer)
         # Two batches of max_batch_size each live here at once (batch-parallel decoding).
         self.runner = ModelRunner(

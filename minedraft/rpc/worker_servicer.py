@@ -88,6 +88,9 @@ class WorkerServicer:
         """On the compute thread: admit the sequences; returns the reply's fields other than its timings."""
         raise NotImplementedError
 
+    async def before_prefill(self, configs: list[SamplingConfig]) -> None:
+        """What a prefill's sequences need made off the compute thread first (the target's grammars)."""
+
     async def step(self, request: Any) -> Message:
         """The service's step call (Verify, Propose), which its unary handler and each message of its stream run."""
         raise NotImplementedError
@@ -165,6 +168,7 @@ class WorkerServicer:
         start_unix = time.time()
         await self.release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prefill_inputs(request.sequences, self.worker.vocab.logits_size)
+        await self.before_prefill(configs)
         fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs)
         timed = timings(start_unix, compute_s, queue_s=queue_s)
         return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.runner.free_blocks)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dminedraft/v1/generation.proto\x12\x0cminedraft.v1\"\xb5\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12+\n\x08messages\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.ChatMessage\x12\t\n\x01n\x18\x06 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa9\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.minedraft.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.minedraft.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.minedraft.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\"\xc2\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x08 \x03(\r\x12\x1d\n\x15time_to_first_token_s\x18\t \x01(\x01\x12\x1f\n\x17time_per_output_token_s\x18\n \x01(\x01\x12\x15\n\rdrafted_steps\x18\x0b \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xdc\x01\n\x15GetServerInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xba\x01\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12X\n\rGetServerInfo\x12\".minedraft.v1.GetServerInfoRequest\x1a#.minedraft.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dminedraft/v1/generation.proto\x12\x0cminedraft.v1\"\xb5\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12+\n\x08messages\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.ChatMessage\x12\t\n\x01n\x18\x06 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.minedraft.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x05\x88\x01\x01\x12\x39\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1e.minedraft.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xc4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x30\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1e.minedraft.v1.StructuredChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"#\n\x10StructuredChoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.minedraft.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.minedraft.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\"\xc2\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x08 \x03(\r\x12\x1d\n\x15time_to_first_token_s\x18\t \x01(\x01\x12\x1f\n\x17time_per_output_token_s\x18\n \x01(\x01\x12\x15\n\rdrafted_steps\x18\x0b \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xdc\x01\n\x15GetServerInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xba\x01\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12X\n\rGetServerInfo\x12\".minedraft.v1.GetServerInfoRequest\x1a#.minedraft.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1782
-  _globals['_FINISHREASON']._serialized_end=1931
+  _globals['_FINISHREASON']._serialized_start=2077
+  _globals['_FINISHREASON']._serialized_end=2226
   _globals['_GENERATEREQUEST']._serialized_start=48
   _globals['_GENERATEREQUEST']._serialized_end=229
   _globals['_CHATMESSAGE']._serialized_start=231
   _globals['_CHATMESSAGE']._serialized_end=275
   _globals['_SAMPLINGPARAMS']._serialized_start=278
-  _globals['_SAMPLINGPARAMS']._serialized_end=831
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=693
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=741
-  _globals['_TOKENLOGPROB']._serialized_start=833
-  _globals['_TOKENLOGPROB']._serialized_end=903
-  _globals['_TOPLOGPROB']._serialized_start=905
-  _globals['_TOPLOGPROB']._serialized_end=952
-  _globals['_GENERATERESPONSE']._serialized_start=955
-  _globals['_GENERATERESPONSE']._serialized_end=1207
-  _globals['_USAGE']._serialized_start=1210
-  _globals['_USAGE']._serialized_end=1532
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1534
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1556
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1559
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1779
-  _globals['_GENERATIONSERVICE']._serialized_start=1934
-  _globals['_GENERATIONSERVICE']._serialized_end=2120
+  _globals['_SAMPLINGPARAMS']._serialized_end=890
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=752
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=800
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=893
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1089
+  _globals['_STRUCTUREDCHOICE']._serialized_start=1091
+  _globals['_STRUCTUREDCHOICE']._serialized_end=1126
+  _globals['_TOKENLOGPROB']._serialized_start=1128
+  _globals['_TOKENLOGPROB']._serialized_end=1198
+  _globals['_TOPLOGPROB']._serialized_start=1200
+  _globals['_TOPLOGPROB']._serialized_end=1247
+  _globals['_GENERATERESPONSE']._serialized_start=1250
+  _globals['_GENERATERESPONSE']._serialized_end=1502
+  _globals['_USAGE']._serialized_start=1505
+  _globals['_USAGE']._serialized_end=1827
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1829
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1851
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1854
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2074
+  _globals['_GENERATIONSERVICE']._serialized_start=2229
+  _globals['_GENERATIONSERVICE']._serialized_end=2415
 # @@protoc_insertion_point(module_scope)
