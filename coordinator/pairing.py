@@ -20,6 +20,7 @@ from minedraft.rpc.lease import Ticket
 log = logging.getLogger(__name__)
 
 LEASE_RETRY_S = 0.5  # between tries for a worker another coordinator holds, at start-up
+SETUP_CALL_SLACK_S = 10.0  # at most, a SetupChannel call's deadline past the rendezvous's bound (the call's own work)
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,12 @@ def call_detail(exc: BaseException) -> str:
     return str(exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
-async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequence[object]) -> float:
+async def prepare_worker(
+    rpc: Callable[[Any], Awaitable[object]], requests: Sequence[object], unprepared: Callable[[], None] = lambda: None
+) -> float:
     """A worker's Prepare calls, one after the other (one per draft length); returns the seconds they took. A worker
-    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel instead: a rolling upgrade
-    can start a new coordinator before its workers."""
+    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel instead (`unprepared` is told): a
+    rolling upgrade can start a new coordinator before its workers."""
     start = time.perf_counter()
     try:
         for request in requests:
@@ -94,6 +97,7 @@ async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequ
         if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
             raise
         log.info("a worker without Prepare: it prepares in SetupChannel")
+        unprepared()
     return time.perf_counter() - start
 
 
@@ -107,16 +111,22 @@ class Pair:
         draft: draft_pb2_grpc.DraftServiceStub | None,
         channel: str = "auto",
         tickets: dict[str, Ticket] | None = None,
+        endpoints: tuple[str, str] = ("the target", "the draft"),
+        channel_setup_timeout: float = 60.0,
     ) -> None:
         """`channel`: the data plane asked for ("auto": `choose_channel`'s); `tickets`: the leases the channels to
-        "target" and "draft" present (taken here, at each set-up)."""
+        "target" and "draft" present (taken here, at each set-up); `endpoints`: the two workers' addresses, for the
+        messages; `channel_setup_timeout`: seconds the channel's rendezvous may take."""
         self._target, self._draft = target, draft
+        self.endpoints = endpoints
+        self.channel_setup_timeout = channel_setup_timeout
         self.tickets = tickets if tickets is not None else {"target": Ticket(""), "draft": Ticket("")}
         self._requested_channel = channel
         self.target_info = common_pb2.WorkerInfo()
         self.draft_info = common_pb2.WorkerInfo()
         self.channel = "none"
         self._layout: Layout | None = None  # what `set_up` prepared them for, again at each set-up after a loss
+        self._setup_bounded = True  # whether the SetupChannel calls get a deadline (both workers have Prepare)
 
     @property
     def max_model_len(self) -> int:
@@ -226,29 +236,15 @@ class Pair:
         # Both workers' start-up work at once, not one after the other inside the SetupChannels below (which then
         # find it done): a compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
         # restarted draft, the target's is a no-op.
+        self._setup_bounded = True  # (not where a worker prepares in its SetupChannel: that can take minutes)
         draft_s, target_s = await asyncio.gather(
-            prepare_worker(draft.Prepare, layout.draft_prepares()), self._prepare_target()
+            prepare_worker(draft.Prepare, layout.draft_prepares(), self._unbound_setup), self._prepare_target()
         )
         start = time.perf_counter()
-        exported = draft.SetupChannel(
-            draft_pb2.DraftServiceSetupChannelRequest(
-                channel=self.channel,
-                num_speculative_tokens=layout.num_speculative_tokens,
-                max_batch_size=layout.max_batch_size,
-                num_batches=layout.num_batches,
-            )
-        )
-        # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
-        handshake = (await exported).handshake
-        await self._target.SetupChannel(
-            target_pb2.TargetServiceSetupChannelRequest(
-                channel=self.channel,
-                handshake=handshake,
-                num_speculative_tokens=layout.num_speculative_tokens,
-                max_batch_size=layout.max_batch_size,
-                num_batches=layout.num_batches,
-            )
-        )
+        try:
+            await self._link(layout)
+        except (grpc.RpcError, ValueError) as exc:
+            raise ModelLoadError(self._setup_failure(exc)) from exc
         log.info(
             "workers prepared in %.1f s (draft %.1f s, target %.1f s, at once); %s channel set up in %.1f s",
             max(draft_s, target_s),
@@ -258,10 +254,60 @@ class Pair:
             time.perf_counter() - start,
         )
 
+    async def _link(self, layout: Layout) -> None:
+        """The channel through both workers' SetupChannel: the draft exports, the target attaches (and returns the
+        reverse direction's end, where its transport has one), the draft attaches back; each call bounded."""
+        assert self._draft is not None
+        bound = self.channel_setup_timeout
+        sizes: dict[str, Any] = {
+            "channel": self.channel,
+            "num_speculative_tokens": layout.num_speculative_tokens,
+            "max_batch_size": layout.max_batch_size,
+            "num_batches": layout.num_batches,
+            "setup_timeout_s": bound,
+        }
+        deadline = self.setup_call_deadline if self._setup_bounded else None
+        exported = self._draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(**sizes), timeout=deadline)
+        # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
+        handshake = (await exported).handshake
+        request = target_pb2.TargetServiceSetupChannelRequest(handshake=handshake, **sizes)
+        back = (await self._target.SetupChannel(request, timeout=deadline)).handshake
+        if back:
+            second = draft_pb2.DraftServiceSetupChannelRequest(channel=self.channel, handshake=back, attach_back=True)
+            await self._draft.SetupChannel(second, timeout=deadline)
+
+    @property
+    def setup_call_deadline(self) -> float:
+        """A SetupChannel call's deadline: the rendezvous's bound, and as much again (10 s at most) for the rest."""
+        return self.channel_setup_timeout + min(self.channel_setup_timeout, SETUP_CALL_SLACK_S)
+
+    def _setup_failure(self, exc: BaseException) -> str:
+        """One line: which channel failed between which endpoints, why, and the flags that change it."""
+        detail = " ".join(call_detail(exc).split()) or type(exc).__name__
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            detail = f"no answer within {self.setup_call_deadline:g} s"
+        target, draft = self.endpoints
+        return (
+            f"the {self.channel} channel between the target at {target} and the draft at {draft} could not be set "
+            f"up ({detail}); pick another --channel (grpc works between any two hosts), or allow the rendezvous more "
+            f"than --channel-setup-timeout {self.channel_setup_timeout:g} s"
+        )
+
+    async def close_channel(self, worker: str, timeout: float = 2.0) -> None:
+        """Close `worker`'s end ("target" or "draft") of the channel: its peer is lost, and what the channel holds
+        (a lost draft's GPU buffers the target maps) is freed now rather than at the next set-up."""
+        if worker == "target":
+            await self._target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(close=True), timeout=timeout)
+        elif self._draft is not None:
+            await self._draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(close=True), timeout=timeout)
+
     async def _prepare_target(self) -> float:
         """The target's Prepare (its cache laid out for the batches, their step shapes run before serving); the
         seconds it took. With the draft's in `_prepare_and_link`, alone when no draft is connected (ar; a target
         back while the draft is lost): unprepared, an ar target captures each CUDA graph at its shape's first use,
         while requests wait."""
         assert self._layout is not None
-        return await prepare_worker(self._target.Prepare, self._layout.target_prepares())
+        return await prepare_worker(self._target.Prepare, self._layout.target_prepares(), self._unbound_setup)
+
+    def _unbound_setup(self) -> None:
+        self._setup_bounded = False

@@ -146,6 +146,7 @@ FLAGS: tuple[Flag, ...] = (
     COORDINATOR_FLAGS["min_speculative_tokens"],
     COORDINATOR_FLAGS["overlap"],
     COORDINATOR_FLAGS["channel"],
+    COORDINATOR_FLAGS["channel_setup_timeout"],
     COORDINATOR_FLAGS["step_calls"],
     # ---------------------------------------------------------------- service
     COORDINATOR_FLAGS["target"],
