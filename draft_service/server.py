@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
-from draft_service.proposer import Proposer
+from draft_service.drafter import MODEL_FREE_METHODS, Drafter, resolve_method
+from draft_service.ngram import NgramProposer
 from draft_service.tensor_parallel import MirroredProposer, make_proposer, proposer_calls
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import InvalidRequest, ModelLoadError
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
-    """DraftService: the lifecycle RPCs of `WorkerServicer`, and Propose over the proposer."""
+    """DraftService: the lifecycle RPCs of `WorkerServicer`, and Propose over its drafter (`--speculative-method`)."""
 
     service_name = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
     exports_channel = True
@@ -44,12 +45,23 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, options: WorkerOptions, greedy_drafts: bool = False) -> None:
         if options.tensor_parallel_size < 1:
             raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel_size}: give 1 rank or more")
+        self.method = resolve_method(options.speculative_method, options.model)
+        if self.method in ("eagle", "eagle3"):
+            raise ModelLoadError(f"--speculative-method {self.method}: EAGLE heads are not served yet (issue 61)")
+        if self.method in MODEL_FREE_METHODS:
+            if options.tensor_parallel_size > 1:
+                raise ModelLoadError(f"--speculative-method {self.method} loads no model: give no tensor parallelism")
+            worker = ModelWorker(options, vocab_from=options.target_model_for_draft or options.model)
+            ngram = NgramProposer(worker.num_slots, worker.max_len, options.ngram_min, options.ngram_max)
+            self.proposer: Drafter = ngram
+            super().__init__(worker, ngram)
+            return
         # The other ranks first: rank 0's forwards (the cache's probe already) meet theirs in each all-reduce.
         calls = functools.partial(proposer_calls, greedy_drafts=greedy_drafts)
         ranks = RankGroup(options, calls, "draft service") if options.tensor_parallel_size > 1 else None
         worker = ModelWorker(options, ranks.tp if ranks is not None else None)
         proposer = make_proposer(worker, greedy_drafts)
-        self.proposer: Proposer | MirroredProposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
+        self.proposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
         super().__init__(worker, self.proposer, ranks)
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -79,7 +91,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         missed = self._missed_tokens(request)
         (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request, missed)
         timed = timings(start_unix, compute_s, channel_s, queue_s)
-        return draft_pb2.ProposeResponse(drafts=payload, timings=timed, free_blocks=self.worker.runner.free_blocks)
+        return draft_pb2.ProposeResponse(drafts=payload, timings=timed, free_blocks=self.worker.free_blocks)
 
     def _missed_tokens(self, request: draft_pb2.ProposeRequest) -> list[list[int]]:
         """Each sequence's tokens in `missed_token_ids`, checked (none when `num_missed_tokens` is empty)."""

@@ -143,6 +143,8 @@ class WorkerServicer:
         """Prefill and release throwaway sequences, outside the prefix cache: the one-time costs of a first prefill
         (kernels loaded at their first launch, cuBLAS plans) leave the first request (120 ms of an 8B target's first
         TTFT on an H200)."""
+        if not self.worker.has_model:
+            return
         runner = self.worker.runner
         pool = runner.cache.pool
         assert pool is not None
@@ -167,7 +169,7 @@ class WorkerServicer:
         seq_ids, prompts, configs = prefill_inputs(request.sequences, self.worker.vocab.logits_size)
         fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs)
         timed = timings(start_unix, compute_s, queue_s=queue_s)
-        return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.runner.free_blocks)
+        return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.free_blocks)
 
     async def step_stream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """The step call's stream (VerifyStream, ProposeStream): each message a `step` of its own, under the lease the
@@ -190,8 +192,7 @@ class WorkerServicer:
     @leased
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         await self.worker.run(self.engine.release, list(request.seq_ids))
-        runner = self.worker.runner
-        return self.ReleaseResponse(free_slots=runner.free_slots, free_blocks=runner.free_blocks)
+        return self.ReleaseResponse(free_slots=self.worker.free_slots, free_blocks=self.worker.free_blocks)
 
     async def serve(
         self,
@@ -202,7 +203,7 @@ class WorkerServicer:
     ) -> tuple[grpc.aio.Server, int, Drain]:
         """This service's gRPC server (health and reflection come too), its free slots on /metrics, and its drain
         after a SIGTERM (`ModelWorker.drain`)."""
-        if metrics is not None:
+        if metrics is not None and self.worker.has_model:
             runner = self.worker.runner
             pool = runner.cache.pool
             assert pool is not None
