@@ -249,6 +249,7 @@ class HeadSequence:
     kv: tuple[torch.Tensor, torch.Tensor] | None = None
     kv_len: int = 0
     last_drafts: list[int] = field(default_factory=list)
+    last_out: torch.Tensor | None = None  # the head's output at position kv_len - 1
 
 
 class EagleProposer:
@@ -303,7 +304,19 @@ class EagleProposer:
         out, sequence.kv = self.head(tokens, features[:runnable], positions, sequence.kv)
         sequence.kv_len += runnable
         sequence.features = [features[runnable:]] if runnable < len(features) else []
+        sequence.last_out = out[-1]
         return out[-1]
+
+    def _run_self_fed(self, sequence: HeadSequence) -> None:
+        """Positions the target sent no hidden states for (tokens decoded while no proposal was asked for: the
+        coordinator's spells without drafts, a draft back after a loss) run on the head's own last output, as its
+        drafted positions do: a weaker guess, still verified by the target, and kept (no state will come for
+        them)."""
+        while sequence.kv_len < len(sequence.tokens) - 1 and sequence.last_out is not None:
+            position = sequence.kv_len
+            token = torch.tensor(sequence.tokens[position + 1 : position + 2])
+            out, sequence.kv = self.head(token, sequence.last_out[None], torch.tensor([position]), sequence.kv)
+            sequence.kv_len, sequence.last_out = position + 1, out[-1]
 
     @torch.inference_mode()
     def propose(
@@ -325,13 +338,11 @@ class EagleProposer:
         for b, (seq_id, accepted, token) in enumerate(zip(seq_ids, num_accepted.tolist(), next_tokens.tolist())):
             sequence = self.sequences[seq_id]
             sequence.tokens += sequence.last_drafts[:accepted] + (list(missed[b]) if missed else []) + [token]
-            last = self._run_known(sequence)
-            if last is None or sequence.kv_len != len(sequence.tokens) - 1:
-                raise InvalidRequest(
-                    f"sequence {seq_id}: the target's hidden states reach position {sequence.kv_len}, the proposal "
-                    f"needs them up to {len(sequence.tokens) - 2}"
-                )
-            rows.append(self._chain(sequence, last, k))
+            self._run_known(sequence)
+            self._run_self_fed(sequence)
+            if sequence.last_out is None:
+                raise InvalidRequest(f"sequence {seq_id}: no hidden states of the target came for its prompt")
+            rows.append(self._chain(sequence, sequence.last_out, k))
         drafts = torch.tensor(rows, dtype=torch.long)
         return Proposal(drafts, None)
 

@@ -213,3 +213,21 @@ def test_head_drafts_as_by_hand(tmp_path: Path, arch: str, eagle3: bool) -> None
     hidden = feature_of(target_hidden(target, verified, spec.layers))
     assert again == drafts_by_hand(w, eagle3, target, verified + [5], hidden, k)
     assert proposer.sequences[7].kv_len == len(verified)
+
+
+def test_positions_without_target_states_run_on_the_heads_own(tmp_path: Path) -> None:
+    """Tokens decoded while no proposal was asked for come without the target's states: the head runs them on its
+    own last output (as its drafts), and later states line up again."""
+    target_dir, target = make_target(tmp_path, "llama", 6)
+    head, spec = load_eagle_head(str(save_head(tmp_path, True, 3 * HIDDEN, None)), str(target_dir), True)
+    proposer = EagleProposer(head, spec, num_slots=2)
+    prompt = list(range(3, 14))
+    proposer.add_hidden([1], [target_hidden(target, prompt, spec.layers)])
+    proposer.prefill([1], [prompt], [])
+    drafts = proposer.propose([1], torch.tensor([0]), torch.tensor([9]), 2).draft_ids[0].tolist()
+    # The verify accepted one draft (states of 2 positions), then 3 tokens came without drafts (no states).
+    proposer.add_hidden([1], [target_hidden(target, prompt + [9, drafts[0]], spec.layers)[len(prompt) :]])
+    again = proposer.propose([1], torch.tensor([1]), torch.tensor([4]), 2, missed=[[7, 8, 9]])
+    sequence = proposer.sequences[1]
+    assert again.draft_ids.shape == (1, 2) and sequence.kv_len == len(sequence.tokens) - 1
+    assert sequence.tokens == prompt + [9, drafts[0], 7, 8, 9, 4]

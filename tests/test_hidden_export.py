@@ -55,3 +55,22 @@ def test_prefill_and_verify_export_hf_hidden_states(tiny_models: TinyModels) -> 
 def hf_next(model: torch.nn.Module, tokens: list[int]) -> int:
     with torch.inference_mode():
         return int(model(torch.tensor([tokens])).logits[0, -1].argmax())
+
+
+def test_layers_travel_once_each_and_join_in_the_heads_order() -> None:
+    from minedraft.engine.hidden_export import (
+        exported_layers,
+        joined_for_head,
+        layers_named,
+        split_by_layer,
+        tensor_names,
+    )
+
+    head_layers = (2, 3, 3)  # (2, N/2, N-3) of a 6-layer target repeats one
+    sent = exported_layers(head_layers)
+    assert sent == (2, 3) and layers_named(tensor_names(head_layers) + ["other"]) == sent
+    rows = torch.arange(5 * 8, dtype=torch.float32).view(5, 8)  # two layers of width 4
+    tensors = split_by_layer(rows, sent)
+    assert list(tensors) == ["hidden.2", "hidden.3"]
+    joined = joined_for_head(tensors, head_layers)
+    assert torch.equal(joined, torch.cat([rows[:, :4], rows[:, 4:], rows[:, 4:]], dim=-1))
