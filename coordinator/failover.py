@@ -64,6 +64,9 @@ class Failover:
         self._draft_probe: asyncio.Task[bool] | None = None
         self._next_probe = 0.0  # (time.monotonic)
         self._draft_backlog: list[int] = []  # what a lost draft may still hold: released when it is back
+        # The surviving side's end of the channel, to be closed once (`_close_end`) after its peer is lost.
+        self._close_target_end = False
+        self._close_draft_end = False
         self.liveness = Liveness(target, draft, pair, retry_interval, self)  # health streams, lease heartbeat
         self._reports: set[asyncio.Future[None]] = set()  # health reports in flight (`_lose_target`)
 
@@ -189,14 +192,15 @@ class Failover:
         call it (it would find no draft to call)."""
         self._leave_reason = reason
 
-    def before_step(self, held: Iterable[int]) -> bool:
-        """The step loop's one question before a step (`held`: what the batches hold): leave the draft if
-        `leave_draft` asked to since the last step, try a lost draft when due (`probe_draft`); whether the draft is
-        back, to be handed the running requests (`hand_over_draft`) once no drafts wait for their verify."""
+    def before_step(self, held: Iterable[int], drafts_waiting: bool = False) -> bool:
+        """The step loop's one question before a step (`held`: what the batches hold; `drafts_waiting`: whether
+        drafts wait for their verify): leave the draft if `leave_draft` asked to since the last step, try a lost
+        draft when due (`probe_draft`); whether the draft is back, to be handed the running requests
+        (`hand_over_draft`) once no drafts wait for their verify."""
         if self._leave_reason is not None:
             self._drop_draft(self._leave_reason, held)
             self._leave_reason = None
-        return self.probe_draft()
+        return self.probe_draft(drafts_waiting)
 
     def _drop_draft(self, reason: str, held: Iterable[int], level: int = logging.ERROR) -> None:
         """Decode with the target alone from now on (`reason` says why, in the log at `level`) until the draft is
@@ -204,20 +208,23 @@ class Failover:
         if self.draft.connected:
             log.log(level, "%s: continuing with the target alone", reason)
             self.draft.state = LinkState.LOST
+            self._close_target_end = True
             # Only what was admitted by now can be on the draft (at most its slots), whatever ends meanwhile.
             self._draft_backlog = [*held, *self.draft.take_unreleased()]
 
-    def probe_draft(self) -> bool:
+    def probe_draft(self, drafts_waiting: bool = False) -> bool:
         """Between steps, while the draft is lost: try it in the background when a try is due (every retry interval),
         so that a hung draft, or one capturing its CUDA graphs at the connect, never stalls the steps; whether a
-        try found it back, ready for `hand_over_draft`."""
+        try found it back, ready for `hand_over_draft`. None starts while drafts wait for their verify
+        (`drafts_waiting`): a try closes the target's end of the channel and sets a fresh one up, and those drafts
+        are on the old one (a cuda-ipc slot, an nccl send)."""
         probe, draft = self._draft_probe, self.draft
         if draft.state is LinkState.PROBING and probe is not None and probe.done():
             self._draft_probe = None
             back = not probe.cancelled() and probe.exception() is None and probe.result()
             draft.state = LinkState.HANDING_OVER if back else LinkState.LOST  # (tried again when due)
             return back
-        if draft.state is LinkState.LOST and time.monotonic() >= self._next_probe:
+        if draft.state is LinkState.LOST and not drafts_waiting and time.monotonic() >= self._next_probe:
             self._next_probe = time.monotonic() + self.retry_interval
             self._draft_probe = asyncio.create_task(self._draft_answers())
             draft.state = LinkState.PROBING
@@ -226,6 +233,9 @@ class Failover:
     async def _draft_answers(self) -> bool:
         """A probe: whether the draft answers a GetInfo within 2 s and then takes the channel set-up, which can be
         long (a restarted draft on a GPU captures its CUDA graphs then: 20-30 s for a 1B draft)."""
+        if self._close_target_end:  # (the lost draft's buffers, which the target maps, freed even if it never returns)
+            self._close_target_end = False
+            await self._close_end("target")
         if self._refusing_stopping_draft:
             return False
         try:
@@ -278,11 +288,20 @@ class Failover:
         if not self.target_lost:
             log.error("target service lost (%s): failing every request until it is back", reason)
             self.target.state = LinkState.LOST
+            self._close_draft_end = self.draft_connected
             self.wake.set()  # an idle loop reconnects at once
             # NOT_SERVING before the failed requests' clients hear of it: a load balancer moves on at once.
             report = asyncio.ensure_future(self._report_health(serving=False))
             self._reports.add(report)
             report.add_done_callback(self._reports.discard)
+
+    async def _close_end(self, worker: str) -> None:
+        """Close the surviving `worker`'s end of the channel (its peer is lost): best effort, as a worker older than
+        the close may refuse it; a set-up later replaces it anyway."""
+        try:
+            await self.pair.close_channel(worker)
+        except grpc.RpcError as exc:
+            log.info("the %s's end of the channel not closed: %s", worker, call_detail(exc))
 
     async def report_target_lost(self) -> None:
         """Health NOT_SERVING while the target is lost."""
@@ -292,6 +311,9 @@ class Failover:
         """While the target is lost (the step loop's, every retry interval): whether it answers a GetInfo within 2 s,
         serves a model the draft still pairs with, and takes the channel set-up again; if so it serves (health
         follows with `report_target_back`)."""
+        if self._close_draft_end:  # at the first try, with no step running: what the draft maps of the lost target
+            self._close_draft_end = False
+            await self._close_end("draft")
         try:
             await self.pair.set_up_target_again(with_draft=self.draft_connected)
             self.reset_ledgers()

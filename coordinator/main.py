@@ -56,6 +56,7 @@ class Coordinator:
             tracing=tracing_for(tracer),  # decided once: off, no span object is ever made
             step_streams=options.step_calls == "stream",
             channel=options.channel,
+            channel_setup_timeout=options.channel_setup_timeout,
             draft_timeout=options.draft_timeout,
             target_timeout=options.target_timeout or None,
             retry_interval=options.draft_retry_interval,

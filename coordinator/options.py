@@ -255,6 +255,16 @@ class CoordinatorOptions(PublicPortOptions):
         passes_to=TO_COORDINATOR,
         helm=_ONLY_COORDINATOR,
     )
+    channel_setup_timeout: float = flag(
+        60.0,
+        "--channel-setup-timeout",
+        "seconds the channel's set-up between target and draft may take (an nccl rendezvous, at start-up and for a "
+        "worker back after a loss) before it fails naming the channel and both workers; its calls get 10 s more",
+        POLICY_COMMANDS,
+        SPECULATION,
+        passes_to=TO_COORDINATOR,
+        helm=_ONLY_COORDINATOR,
+    )
     tokenizer: str | None = flag(
         None,
         "--tokenizer",

@@ -20,6 +20,7 @@ from minedraft.rpc.lease import Ticket
 log = logging.getLogger(__name__)
 
 LEASE_RETRY_S = 0.5  # between tries for a worker another coordinator holds, at start-up
+SETUP_CALL_SLACK_S = 10.0  # at most, a SetupChannel call's deadline past the rendezvous's bound (the call's own work)
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,15 @@ class Pair:
         draft: draft_pb2_grpc.DraftServiceStub | None,
         channel: str = "auto",
         tickets: dict[str, Ticket] | None = None,
+        endpoints: tuple[str, str] = ("the target", "the draft"),
+        channel_setup_timeout: float = 60.0,
     ) -> None:
         """`channel`: the data plane asked for ("auto": `choose_channel`'s); `tickets`: the leases the channels to
-        "target" and "draft" present (taken here, at each set-up)."""
+        "target" and "draft" present (taken here, at each set-up); `endpoints`: the two workers' addresses, for the
+        messages; `channel_setup_timeout`: seconds the channel's rendezvous may take."""
         self._target, self._draft = target, draft
+        self.endpoints = endpoints
+        self.channel_setup_timeout = channel_setup_timeout
         self.tickets = tickets if tickets is not None else {"target": Ticket(""), "draft": Ticket("")}
         self._requested_channel = channel
         self.target_info = common_pb2.WorkerInfo()
@@ -230,25 +236,10 @@ class Pair:
             prepare_worker(draft.Prepare, layout.draft_prepares()), self._prepare_target()
         )
         start = time.perf_counter()
-        exported = draft.SetupChannel(
-            draft_pb2.DraftServiceSetupChannelRequest(
-                channel=self.channel,
-                num_speculative_tokens=layout.num_speculative_tokens,
-                max_batch_size=layout.max_batch_size,
-                num_batches=layout.num_batches,
-            )
-        )
-        # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
-        handshake = (await exported).handshake
-        await self._target.SetupChannel(
-            target_pb2.TargetServiceSetupChannelRequest(
-                channel=self.channel,
-                handshake=handshake,
-                num_speculative_tokens=layout.num_speculative_tokens,
-                max_batch_size=layout.max_batch_size,
-                num_batches=layout.num_batches,
-            )
-        )
+        try:
+            await self._link(layout)
+        except (grpc.RpcError, ValueError) as exc:
+            raise ModelLoadError(self._setup_failure(exc)) from exc
         log.info(
             "workers prepared in %.1f s (draft %.1f s, target %.1f s, at once); %s channel set up in %.1f s",
             max(draft_s, target_s),
@@ -257,6 +248,53 @@ class Pair:
             self.channel,
             time.perf_counter() - start,
         )
+
+    async def _link(self, layout: Layout) -> None:
+        """The channel through both workers' SetupChannel: the draft exports, the target attaches (and returns the
+        reverse direction's end, where its transport has one), the draft attaches back; each call bounded."""
+        assert self._draft is not None
+        bound = self.channel_setup_timeout
+        sizes: dict[str, Any] = {
+            "channel": self.channel,
+            "num_speculative_tokens": layout.num_speculative_tokens,
+            "max_batch_size": layout.max_batch_size,
+            "num_batches": layout.num_batches,
+            "setup_timeout_s": bound,
+        }
+        deadline = self.setup_call_deadline
+        exported = self._draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(**sizes), timeout=deadline)
+        # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
+        handshake = (await exported).handshake
+        request = target_pb2.TargetServiceSetupChannelRequest(handshake=handshake, **sizes)
+        back = (await self._target.SetupChannel(request, timeout=deadline)).handshake
+        if back:
+            second = draft_pb2.DraftServiceSetupChannelRequest(channel=self.channel, handshake=back, attach_back=True)
+            await self._draft.SetupChannel(second, timeout=deadline)
+
+    @property
+    def setup_call_deadline(self) -> float:
+        """A SetupChannel call's deadline: the rendezvous's bound, and as much again (10 s at most) for the rest."""
+        return self.channel_setup_timeout + min(self.channel_setup_timeout, SETUP_CALL_SLACK_S)
+
+    def _setup_failure(self, exc: BaseException) -> str:
+        """One line: which channel failed between which endpoints, why, and the flags that change it."""
+        detail = " ".join(call_detail(exc).split()) or type(exc).__name__
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            detail = f"no answer within {self.setup_call_deadline:g} s"
+        target, draft = self.endpoints
+        return (
+            f"the {self.channel} channel between the target at {target} and the draft at {draft} could not be set "
+            f"up ({detail}); pick another --channel (grpc works between any two hosts), or allow the rendezvous more "
+            f"than --channel-setup-timeout {self.channel_setup_timeout:g} s"
+        )
+
+    async def close_channel(self, worker: str, timeout: float = 2.0) -> None:
+        """Close `worker`'s end ("target" or "draft") of the channel: its peer is lost, and what the channel holds
+        (a lost draft's GPU buffers the target maps) is freed now rather than at the next set-up."""
+        if worker == "target":
+            await self._target.SetupChannel(target_pb2.TargetServiceSetupChannelRequest(close=True), timeout=timeout)
+        elif self._draft is not None:
+            await self._draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(close=True), timeout=timeout)
 
     async def _prepare_target(self) -> float:
         """The target's Prepare (its cache laid out for the batches, their step shapes run before serving); the

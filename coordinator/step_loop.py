@@ -119,7 +119,8 @@ class StepLoop:
             await self._step()
 
     async def _step(self) -> None:
-        draft_back = self.failover.before_step(self._admitted_ids())
+        waiting = any(b.awaiting_verify for b in self.manager.batches)
+        draft_back = self.failover.before_step(self._admitted_ids(), waiting)
         await self._remove_finished()
         if draft_back and not any(b.awaiting_verify for b in self.manager.batches):
             # (else at a later step: the running requests are handed over with no drafts waiting for a verify)

@@ -72,6 +72,7 @@ class Workers:
         tracing: StepTracing | None = None,
         step_streams: bool = True,
         channel: str = "auto",
+        channel_setup_timeout: float = 60.0,
         draft_timeout: float | None = 30.0,
         target_timeout: float | None = 120.0,
         retry_interval: float = 5.0,
@@ -85,7 +86,8 @@ class Workers:
         tls: ClientTls | None = None,
         stubs: tuple[Any, Any] | None = None,
     ) -> None:
-        """`channel`: the data plane asked for ("auto": `choose_channel`'s). A draft call that outlives
+        """`channel`: the data plane asked for ("auto": `choose_channel`'s), whose set-up fails after
+        `channel_setup_timeout` seconds (`Pair`). A draft call that outlives
         `draft_timeout` is a lost draft (a hung process must not stall the target's decoding), a target call that
         outlives `target_timeout` a lost target (None: no deadline); a lost worker is tried again every
         `retry_interval` seconds; a worker that answers no keepalive ping for `keepalive` seconds is lost (a
@@ -123,7 +125,9 @@ class Workers:
         self.draft = WorkerLink(
             "draft", draft_channel, draft, draft_stream, draft_timeout, DRAFT_LATE_FLOOR_S, self._made
         )
-        self.pair = Pair(target, draft, channel, tickets)  # set up at start-up (`Coordinator.start`)
+        endpoints = (target_address, draft_address or "none")
+        # Set up at start-up (`Coordinator.start`).
+        self.pair = Pair(target, draft, channel, tickets, endpoints, channel_setup_timeout)
         self.failover = Failover(
             self.target,
             self.draft,

@@ -31,6 +31,11 @@ class ChannelNotSetUpError(RuntimeError):
     """A data-plane call before SetupChannel: the worker restarted since its coordinator set the channel up."""
 
 
+class ChannelSetupError(RuntimeError):
+    """A channel whose two ends cannot meet (a rendezvous refused or timed out): FAILED_PRECONDITION at SetupChannel,
+    which fails the coordinator's start."""
+
+
 class LeaseError(RuntimeError):
     """An internal call or Lease call that the worker's lease refuses (FAILED_PRECONDITION): another coordinator
     holds the worker, or the caller's lease has expired."""

@@ -404,6 +404,7 @@ class Harness:
         draft: dict[str, Any] | None = None,
         draft_timeout: float = 30.0,
         retry_interval: float = 0.0,
+        channel_setup_timeout: float = 60.0,
     ) -> Harness:
         """`target`, `draft`: the fakes' keyword arguments (`FakeWorker`, `FakeDraft`)."""
         log = CallLog()
@@ -415,6 +416,7 @@ class Harness:
             step_streams=False,
             draft_timeout=draft_timeout,
             retry_interval=retry_interval,
+            channel_setup_timeout=channel_setup_timeout,
             call_started=outbox.call_started,
             wake=wake,
             stubs=fakes,

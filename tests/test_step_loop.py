@@ -4,13 +4,19 @@ overlap, speculation, drain and a fault of the step's own."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 import pytest
-from fakes import Harness, expected, rpc_error, run
+from fakes import CallLog, FakeDraft, FakeTarget, Harness, expected, rpc_error, run
 
 from coordinator.batch_manager import Batch
+from coordinator.pairing import Layout
 from coordinator.request_state import RequestState
 from coordinator.step_loop import MODES, Unavailable
+from coordinator.workers import Workers
+from minedraft.errors import ModelLoadError
 from minedraft.proto import generation_pb2
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
@@ -149,6 +155,15 @@ def test_a_lost_draft_leaves_the_target_alone_until_a_probe_hands_it_back(fault:
         await h.step_until(lambda: failover.draft_connected)
         probes = [c.error for c in h.log.of("draft", "GetInfo") if c.start > lost_at]
         assert probes[-1] is None and (fault == "hung" or Code.UNAVAILABLE in probes)
+        # The lost draft's channel closed on the target once the drafts made before the loss were verified (they are
+        # on that channel), then a fresh one set up: the draft exports, the target attaches.
+        setups = [c for c in h.log.calls if c.method == "SetupChannel" and c.start > lost_at]
+        closes = [c for c in setups if c.request.close]
+        assert [c.worker for c in closes] == ["target"]
+        drafted = [c for c in h.log.of("target", "Verify") if c.request.num_draft_tokens]
+        assert all(c.end < closes[0].start for c in drafted if c.start < closes[0].start)
+        fresh = [(c.worker, c.error) for c in setups if not c.request.close][-2:]
+        assert fresh == [("draft", None), ("target", None)]
         handed = h.log.of("draft", "Prefill")[-1]
         assert handed.start > lost_at and handed.error is None
         assert {s.seq_id for s in handed.request.sequences} == {r.seq_id for r in requests}
@@ -183,6 +198,33 @@ def test_a_lost_target_fails_every_open_request_and_is_taken_back(code: grpc.Sta
         await h.until(lambda: not h.target.sequences and not h.draft.sequences)
 
     run(test)
+
+
+def test_a_channel_that_cannot_be_set_up_fails_the_start_in_one_line_within_its_bound() -> None:
+    """A rendezvous that never completes (the target's SetupChannel hangs): the start fails after the bound and its
+    share of slack, naming the channel, both workers and the flags to change, never hangs."""
+
+    async def start() -> None:
+        log = CallLog()
+        target, draft = FakeTarget(log), FakeDraft(log)
+        target.hang("SetupChannel")
+        workers = Workers(
+            "fake-target:1", "fake-draft:1", step_streams=False, channel_setup_timeout=0.2, stubs=(target, draft)
+        )
+        try:
+            await workers.pair.connect()
+            await workers.pair.set_up(Layout(8, 2, 3, (3,)))
+        finally:
+            await workers.close()
+
+    began = time.monotonic()
+    with pytest.raises(ModelLoadError) as failed:
+        asyncio.run(start())
+    assert time.monotonic() - began < 2.0
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith("the grpc channel between the target at fake-target:1 and the draft at fake-draft:1")
+    assert "no answer within 0.4 s" in message and "--channel" in message and "--channel-setup-timeout" in message
 
 
 def test_a_failed_precondition_for_the_model_fails_the_batch_not_the_target() -> None:

@@ -1,11 +1,13 @@
-"""The `grpc` channel: drafts ride in the control messages as raw bytes (CPU, or no GPU path between sides)."""
+"""The `grpc` channel: tensors ride in the control messages as raw bytes (CPU, or no GPU path between sides)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from minedraft.channels.base import Channel
+from minedraft.channels.base import DTYPES, Channel
 from minedraft.proto import common_pb2
 
 # bf16 has no numpy dtype: its bits travel as int16 and are reinterpreted on arrival.
@@ -49,3 +51,19 @@ class GrpcBytesChannel(Channel):
         if dtype == torch.bfloat16:
             probs = probs.view(torch.bfloat16)
         return draft_ids, probs.to(self.device)
+
+    def send_back(self, step_id: int, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TargetPayload:
+        payload = self.check_back(step_id, tensors)
+        for entry in payload.tensors:
+            # Every dtype as its bytes (bf16 has no numpy dtype): exact, whatever the element type.
+            entry.data = tensors[entry.name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        return payload
+
+    def receive_back(self, payload: common_pb2.TargetPayload) -> dict[str, torch.Tensor]:
+        out = {}
+        for entry in payload.tensors:
+            dtype = DTYPES[entry.dtype]
+            # (frombuffer refuses an empty buffer: a send of no rows)
+            flat = torch.frombuffer(bytearray(entry.data), dtype=dtype) if entry.data else torch.empty(0, dtype=dtype)
+            out[entry.name] = flat.reshape(tuple(entry.shape)).to(self.device)
+        return out

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from minedraft.errors import (
     CapacityError,
     ChannelNotSetUpError,
+    ChannelSetupError,
     InvalidRequest,
     LeaseError,
     LeaseSecretError,
@@ -62,12 +63,14 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode, str]] = [
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     (ModelLoadError, grpc.StatusCode.FAILED_PRECONDITION, "model"),
     (ChannelNotSetUpError, grpc.StatusCode.FAILED_PRECONDITION, "channel"),
+    (ChannelSetupError, grpc.StatusCode.FAILED_PRECONDITION, "channel-setup"),
     (LeaseSecretError, grpc.StatusCode.PERMISSION_DENIED, ""),
     (LeaseError, grpc.StatusCode.FAILED_PRECONDITION, "lease"),
 ]
 
 # Trailing metadata of a FAILED_PRECONDITION (and a step stream's CallStatus.reason): "lease" (this caller's lease
-# is not the worker's), "channel" (no channel set up: the worker restarted) or "model" (it cannot serve the model).
+# is not the worker's), "channel" (no channel set up: the worker restarted), "channel-setup" (SetupChannel's two
+# ends could not meet) or "model" (it cannot serve the model).
 REASON_KEY = "minedraft-reason"
 
 

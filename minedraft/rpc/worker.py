@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from minedraft.channels import Channel, make_channel
+from minedraft.channels.base import ReverseLayout
 from minedraft.engine.model_runner import ModelRunner, model_context
 from minedraft.engine.models import VocabInfo, checkpoint_vocab, load_model, load_tokenizer
 from minedraft.engine.tensor_parallel import TensorParallel, rank_device
@@ -292,16 +293,48 @@ class ModelWorker:
         gpus = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         return [str(torch.cuda.get_device_properties(gpu).uuid) for gpu in gpus]
 
-    async def setup_channel(self, name: str, handshake: bytes, k: int, max_batch_size: int, exporter: bool) -> bytes:
-        """The draft side exports (returns a handshake); the target side attaches to that handshake."""
-        if self.channel is not None:
-            self.channel.close()
+    async def setup_channel(
+        self,
+        name: str,
+        handshake: bytes,
+        k: int,
+        max_batch_size: int,
+        exporter: bool,
+        reverse: ReverseLayout | None = None,
+        setup_timeout_s: float = 0.0,
+    ) -> bytes:
+        """A fresh channel in place of any earlier one. The draft side exports (returns a handshake; `reverse`: what
+        the target sends back, if anything); the target side attaches to that handshake and returns what the reverse
+        direction's `attach_back` needs (empty if nothing). `setup_timeout_s`: the rendezvous's bound (0: 120 s)."""
+        await self.close_channel()
         channel = make_channel(name, self.device)
-        reply = await self.run(channel.export, k, max_batch_size, self.vocab.logits_size) if exporter else b""
-        if not exporter:
+        if setup_timeout_s > 0:
+            channel.setup_timeout_s = setup_timeout_s
+        if exporter:
+            reply = await self.run(channel.export, k, max_batch_size, self.vocab.logits_size, reverse)
+        else:
             await self.run(channel.attach, handshake)
+            reply = await self.run(channel.export_back)
         self.channel = channel
         return reply
+
+    async def attach_channel_back(self, handshake: bytes) -> None:
+        """The draft side's second set-up step: the reverse direction's end the target exported."""
+        await self.run(self.require_channel().attach_back, handshake)
+
+    async def close_channel(self) -> None:
+        """Close the channel (its peer is lost, or a fresh one replaces it), on the compute thread: after the calls
+        queued there that may still use it."""
+        channel = self.channel
+        if channel is None:
+            return
+
+        def close() -> None:
+            if self.channel is channel:
+                self.channel = None
+            channel.close()
+
+        await self.run(close)
 
     async def prepare(self, precapture: Callable[[int, int], int], k: int, max_batch_size: int) -> None:
         """A coordinator's Prepare (or SetupChannel): with --precapture-graphs, `precapture(k, max_batch_size)` (the

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from minedraft.channels.base import ReverseLayout
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import InvalidRequest
 from minedraft.proto import common_pb2
@@ -111,18 +112,36 @@ class WorkerServicer:
     @grpc_errors
     @leased
     async def SetupChannel(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        if request.close:  # its peer is lost: free what the channel holds (a dead draft's GPU buffers, mapped here)
+            await self.worker.close_channel()
+            return self.SetupChannelResponse()
+        if request.attach_back:  # the second step: the reverse direction's end
+            if not self.exports_channel:
+                raise InvalidRequest("attach_back is the draft's second set-up step; the target never attaches back")
+            await self.worker.attach_channel_back(request.handshake)
+            return self.SetupChannelResponse()
         k, max_batch_size = request.num_speculative_tokens, request.max_batch_size
         if self.exports_channel:
-            # Before the export (a no-op after Prepare): an nccl export waits (120 s at most) for the target, which
-            # attaches after this reply.
+            # Before the export (a no-op after Prepare): an nccl export waits (setup_timeout_s at most) for the
+            # target, which attaches after this reply.
             await self.prepare(k, max_batch_size)
         handshake = await self.worker.setup_channel(
-            request.channel, request.handshake, k, max_batch_size, self.exports_channel
+            request.channel,
+            request.handshake,
+            k,
+            max_batch_size,
+            self.exports_channel,
+            self.reverse_layout(k, max_batch_size) if self.exports_channel else None,
+            request.setup_timeout_s,
         )
         if not self.exports_channel:
             # After the attach (a no-op after Prepare): the draft's side of an nccl rendezvous is waiting for it.
             await self.prepare(k, max_batch_size)
         return self.SetupChannelResponse(handshake=handshake)
+
+    def reverse_layout(self, k: int, max_batch_size: int) -> ReverseLayout | None:
+        """The draft's: what it wants the target to send back over the channel (None: nothing)."""
+        return None
 
     @grpc_errors
     @leased

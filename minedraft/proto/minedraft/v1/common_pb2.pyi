@@ -41,6 +41,32 @@ class DraftPayload(_message.Message):
     probs_dtype: str
     def __init__(self, channel: _Optional[str] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., probs_shape: _Optional[_Iterable[int]] = ..., probs_dtype: _Optional[str] = ...) -> None: ...
 
+class TargetPayload(_message.Message):
+    __slots__ = ("channel", "step_id", "slot", "rows", "tensors")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    channel: str
+    step_id: int
+    slot: int
+    rows: int
+    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, channel: _Optional[str] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., rows: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class Timings(_message.Message):
     __slots__ = ("compute_s", "channel_s", "queue_s", "start_unix_s", "end_unix_s")
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]

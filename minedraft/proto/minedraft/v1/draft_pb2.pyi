@@ -18,18 +18,24 @@ class DraftServiceGetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class DraftServiceSetupChannelRequest(_message.Message):
-    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size", "num_batches")
+    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size", "num_batches", "setup_timeout_s", "attach_back", "close")
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SETUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_BACK_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     channel: str
     handshake: bytes
     num_speculative_tokens: int
     max_batch_size: int
     num_batches: int
-    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
+    setup_timeout_s: float
+    attach_back: bool
+    close: bool
+    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., setup_timeout_s: _Optional[float] = ..., attach_back: _Optional[bool] = ..., close: _Optional[bool] = ...) -> None: ...
 
 class DraftServiceSetupChannelResponse(_message.Message):
     __slots__ = ("handshake",)
@@ -52,12 +58,14 @@ class DraftServicePrepareResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftServicePrefillRequest(_message.Message):
-    __slots__ = ("sequences", "release_seq_ids")
+    __slots__ = ("sequences", "release_seq_ids", "from_target")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FROM_TARGET_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
     release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    from_target: _common_pb2.TargetPayload
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., from_target: _Optional[_Union[_common_pb2.TargetPayload, _Mapping]] = ...) -> None: ...
 
 class DraftServicePrefillResponse(_message.Message):
     __slots__ = ("timings", "cached_prompt_tokens", "free_blocks")
@@ -70,7 +78,7 @@ class DraftServicePrefillResponse(_message.Message):
     def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_prompt_tokens: _Optional[_Iterable[int]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids", "num_missed_tokens", "missed_token_ids")
+    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids", "num_missed_tokens", "missed_token_ids", "from_target")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +88,7 @@ class ProposeRequest(_message.Message):
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_MISSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MISSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FROM_TARGET_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -89,7 +98,8 @@ class ProposeRequest(_message.Message):
     release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_missed_tokens: _containers.RepeatedScalarFieldContainer[int]
     missed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., num_missed_tokens: _Optional[_Iterable[int]] = ..., missed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    from_target: _common_pb2.TargetPayload
+    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., num_missed_tokens: _Optional[_Iterable[int]] = ..., missed_token_ids: _Optional[_Iterable[int]] = ..., from_target: _Optional[_Union[_common_pb2.TargetPayload, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts", "timings", "free_blocks")

@@ -19,18 +19,24 @@ class TargetServiceGetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class TargetServiceSetupChannelRequest(_message.Message):
-    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size", "num_batches")
+    __slots__ = ("channel", "handshake", "num_speculative_tokens", "max_batch_size", "num_batches", "setup_timeout_s", "attach_back", "close")
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SETUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_BACK_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     channel: str
     handshake: bytes
     num_speculative_tokens: int
     max_batch_size: int
     num_batches: int
-    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
+    setup_timeout_s: float
+    attach_back: bool
+    close: bool
+    def __init__(self, channel: _Optional[str] = ..., handshake: _Optional[bytes] = ..., num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., setup_timeout_s: _Optional[float] = ..., attach_back: _Optional[bool] = ..., close: _Optional[bool] = ...) -> None: ...
 
 class TargetServiceSetupChannelResponse(_message.Message):
     __slots__ = ("handshake",)
@@ -61,14 +67,16 @@ class TargetServicePrefillRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TargetServicePrefillResponse(_message.Message):
-    __slots__ = ("results", "timings", "free_blocks")
+    __slots__ = ("results", "timings", "free_blocks", "to_draft")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TO_DRAFT_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     timings: _common_pb2.Timings
     free_blocks: int
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    to_draft: _common_pb2.TargetPayload
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., free_blocks: _Optional[int] = ..., to_draft: _Optional[_Union[_common_pb2.TargetPayload, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("step_id", "batch_id", "seq_ids", "drafts", "num_draft_tokens", "release_seq_ids")
@@ -87,14 +95,16 @@ class VerifyRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Union[_common_pb2.DraftPayload, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("results", "timings", "free_blocks")
+    __slots__ = ("results", "timings", "free_blocks", "to_draft")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TO_DRAFT_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     timings: _common_pb2.Timings
     free_blocks: int
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    to_draft: _common_pb2.TargetPayload
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., free_blocks: _Optional[int] = ..., to_draft: _Optional[_Union[_common_pb2.TargetPayload, _Mapping]] = ...) -> None: ...
 
 class VerifyStreamRequest(_message.Message):
     __slots__ = ("verify", "trace_context")
