@@ -8,6 +8,7 @@ target's last hidden state after its final norm (what its LM head sees)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from draft_service.drafter import Proposal
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import CapacityError, InvalidRequest, ModelLoadError, UnknownSequenceError
+
+log = logging.getLogger(__name__)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -264,11 +267,24 @@ class EagleProposer:
         self.sequences: dict[int, HeadSequence] = {}
         self._waiting: dict[int, list[torch.Tensor]] = {}  # hidden states that came before their sequence
 
-    def add_hidden(self, seq_ids: Sequence[int], hidden: Sequence[torch.Tensor]) -> None:
-        """The target's hidden states [n, len(layers) * H_target] of each sequence's next positions."""
+    @torch.inference_mode()
+    def add_states(self, row_seq_ids: Sequence[int], rows: torch.Tensor, admitting: bool = False) -> None:
+        """The target's hidden states as the channel brings them: rows of several sequences, each labelled with its
+        sequence's id, each sequence's in position order (`admitting`: a prefill's, for sequences it admits next)."""
+        order: dict[int, list[int]] = {}
+        for index, seq_id in enumerate(row_seq_ids):
+            order.setdefault(seq_id, []).append(index)
+        self.add_hidden(list(order), [rows[torch.tensor(indices)] for indices in order.values()], admitting)
+
+    @torch.inference_mode()
+    def add_hidden(self, seq_ids: Sequence[int], hidden: Sequence[torch.Tensor], admitting: bool = False) -> None:
+        """The target's hidden states [n, len(layers) * H_target] of each sequence's next positions; those of a
+        sequence not held are dropped (it finished in the verify that made them), unless `admitting`."""
         for seq_id, rows in zip(seq_ids, hidden, strict=True):
-            features = self.head.features(rows.to(self.head.fc.weight.dtype))
             sequence = self.sequences.get(seq_id)
+            if sequence is None and not admitting:
+                continue
+            features = self.head.features(rows.to(self.head.fc.weight.device, self.head.fc.weight.dtype))
             if sequence is None:
                 self._waiting.setdefault(seq_id, []).append(features)
             else:
@@ -283,10 +299,13 @@ class EagleProposer:
             raise InvalidRequest(f"sequence ids already held: {held or list(seq_ids)}")
         if len(self.sequences) + len(seq_ids) > self.num_slots:
             raise CapacityError(f"need {len(seq_ids)} sequence rows, {self.num_slots - len(self.sequences)} free")
-        for seq_id, prompt in zip(seq_ids, prompts, strict=True):
-            sequence = HeadSequence(list(prompt), self._waiting.pop(seq_id, []))
-            self.sequences[seq_id] = sequence
-            self._run_known(sequence)
+        try:
+            for seq_id, prompt in zip(seq_ids, prompts, strict=True):
+                sequence = HeadSequence(list(prompt), self._waiting.pop(seq_id, []))
+                self.sequences[seq_id] = sequence
+                self._run_known(sequence)
+        finally:
+            self._waiting.clear()  # (states of a prefill that failed go with it)
         return [0] * len(seq_ids)
 
     def _run_known(self, sequence: HeadSequence) -> torch.Tensor | None:
@@ -307,12 +326,31 @@ class EagleProposer:
         sequence.last_out = out[-1]
         return out[-1]
 
-    def _run_self_fed(self, sequence: HeadSequence) -> None:
+    def _align(self, sequence: HeadSequence) -> None:
+        """The states that came are those of the sequence's last positions but its newest token's (a verify's: the
+        positions it kept; a prefill's: the prompt's): positions before them that no state came for run on the
+        head's own output, or, with none yet (a sequence admitted without its prompt's states: a draft back after a
+        loss), are left out of the head's keys; states of positions already run are dropped."""
+        count = sum(len(f) for f in sequence.features)
+        start = len(sequence.tokens) - 1 - count
+        if start < sequence.kv_len:
+            features = torch.cat(sequence.features)[sequence.kv_len - start :]
+            sequence.features = [features] if len(features) else []
+        elif start > sequence.kv_len:
+            if sequence.last_out is not None:
+                waiting, sequence.features = sequence.features, []
+                self._run_self_fed(sequence, until=start)
+                sequence.features = waiting
+            else:
+                sequence.kv_len = start
+
+    def _run_self_fed(self, sequence: HeadSequence, until: int | None = None) -> None:
         """Positions the target sent no hidden states for (tokens decoded while no proposal was asked for: the
         coordinator's spells without drafts, a draft back after a loss) run on the head's own last output, as its
         drafted positions do: a weaker guess, still verified by the target, and kept (no state will come for
         them)."""
-        while sequence.kv_len < len(sequence.tokens) - 1 and sequence.last_out is not None:
+        end = len(sequence.tokens) - 1 if until is None else until
+        while sequence.kv_len < end and sequence.last_out is not None:
             position = sequence.kv_len
             token = torch.tensor(sequence.tokens[position + 1 : position + 2])
             out, sequence.kv = self.head(token, sequence.last_out[None], torch.tensor([position]), sequence.kv)
@@ -338,10 +376,15 @@ class EagleProposer:
         for b, (seq_id, accepted, token) in enumerate(zip(seq_ids, num_accepted.tolist(), next_tokens.tolist())):
             sequence = self.sequences[seq_id]
             sequence.tokens += sequence.last_drafts[:accepted] + (list(missed[b]) if missed else []) + [token]
+            self._align(sequence)
             self._run_known(sequence)
             self._run_self_fed(sequence)
-            if sequence.last_out is None:
-                raise InvalidRequest(f"sequence {seq_id}: no hidden states of the target came for its prompt")
+            if sequence.last_out is None:  # no state of the target yet (a draft back after a loss): any valid id
+                if not sequence.last_drafts:
+                    log.warning("sequence %d: no hidden states of the target yet; drafting its last token", seq_id)
+                sequence.last_drafts = [sequence.tokens[-1]] * k
+                rows.append(sequence.last_drafts)
+                continue
             rows.append(self._chain(sequence, sequence.last_out, k))
         drafts = torch.tensor(rows, dtype=torch.long)
         return Proposal(drafts, None)

@@ -197,7 +197,7 @@ def test_head_drafts_as_by_hand(tmp_path: Path, arch: str, eagle3: bool) -> None
     rng = torch.Generator().manual_seed(5)
     prompt = torch.randint(1, VOCAB, (11,), generator=rng).tolist()
 
-    proposer.add_hidden([7], [target_hidden(target, prompt, spec.layers)])  # the target's prefill
+    proposer.add_hidden([7], [target_hidden(target, prompt, spec.layers)], admitting=True)  # the target's prefill
     proposer.prefill([7], [prompt], [])
     first_token = 17
     k = 3
@@ -222,12 +222,21 @@ def test_positions_without_target_states_run_on_the_heads_own(tmp_path: Path) ->
     head, spec = load_eagle_head(str(save_head(tmp_path, True, 3 * HIDDEN, None)), str(target_dir), True)
     proposer = EagleProposer(head, spec, num_slots=2)
     prompt = list(range(3, 14))
-    proposer.add_hidden([1], [target_hidden(target, prompt, spec.layers)])
+    proposer.add_hidden([1], [target_hidden(target, prompt, spec.layers)], admitting=True)
     proposer.prefill([1], [prompt], [])
     drafts = proposer.propose([1], torch.tensor([0]), torch.tensor([9]), 2).draft_ids[0].tolist()
-    # The verify accepted one draft (states of 2 positions), then 3 tokens came without drafts (no states).
-    proposer.add_hidden([1], [target_hidden(target, prompt + [9, drafts[0]], spec.layers)[len(prompt) :]])
+    # The verify accepted one draft, then the target decoded 7, 8, 9 and 4 alone: the proposal gets the states of
+    # the last such step only (at the last 9), labelled by sequence as the channel brings them.
+    history = prompt + [9, drafts[0], 7, 8, 9]
+    proposer.add_states([1], target_hidden(target, history, spec.layers)[-1:])
     again = proposer.propose([1], torch.tensor([1]), torch.tensor([4]), 2, missed=[[7, 8, 9]])
     sequence = proposer.sequences[1]
     assert again.draft_ids.shape == (1, 2) and sequence.kv_len == len(sequence.tokens) - 1
-    assert sequence.tokens == prompt + [9, drafts[0], 7, 8, 9, 4]
+    assert sequence.tokens == history + [4]
+    # A sequence admitted without its prompt's states (a draft back after a loss) drafts valid ids, then takes up
+    # the states that come, its earlier positions left out of the head's keys.
+    proposer.prefill([2], [prompt], [])
+    assert proposer.propose([2], torch.tensor([0]), torch.tensor([9]), 2).draft_ids.tolist() == [[9, 9]]
+    proposer.add_states([2, 2, 2], target_hidden(target, prompt + [9, 9, 9], spec.layers)[-3:])
+    proposer.propose([2], torch.tensor([2]), torch.tensor([6]), 2)
+    assert proposer.sequences[2].kv_len == len(prompt) + 3

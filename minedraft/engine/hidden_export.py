@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 PREFIX = "hidden."  # a reverse-layout tensor named hidden.<i>: the target's `output_hidden_states[i]`
+SEQ_ID = "seq_id"  # [rows, 1] int64: the sequence each row of the hidden states is of
 
 
 def exported_layers(layers: Sequence[int]) -> tuple[int, ...]:

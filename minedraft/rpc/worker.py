@@ -68,7 +68,11 @@ class ModelWorker:
     account) and has no `runner`."""
 
     def __init__(
-        self, options: WorkerOptions, tensor_parallel: TensorParallel | None = None, vocab_from: str | None = None
+        self,
+        options: WorkerOptions,
+        tensor_parallel: TensorParallel | None = None,
+        vocab_from: str | None = None,
+        device: str = "cpu",
     ) -> None:
         """`tensor_parallel`: this process's rank of a group that shards the model (its device: `rank_device`)."""
         self.options = options
@@ -76,7 +80,7 @@ class ModelWorker:
         self._runner: ModelRunner | None = None
         if vocab_from is not None:
             self.vocab, config = checkpoint_vocab(vocab_from)
-            self._device = torch.device("cpu")
+            self._device = torch.device(device)  # (where a drafter of its own weights runs them: an EAGLE head)
             self.num_slots = 2 * options.max_batch_size
             context = model_context(config)
             self.max_len = min(options.max_model_len or context, context)

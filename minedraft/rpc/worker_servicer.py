@@ -85,8 +85,11 @@ class WorkerServicer:
         """Register this servicer with `server` (the service's generated `add_..._to_server`)."""
         raise NotImplementedError
 
-    def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
-        """On the compute thread: admit the sequences; returns the reply's fields other than its timings."""
+    def prefill(
+        self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig], request: Any = None
+    ) -> dict[str, Any]:
+        """On the compute thread: admit the sequences (`request`: the Prefill's, for what else it carries; None for
+        a warm-up); returns the reply's fields other than its timings."""
         raise NotImplementedError
 
     async def step(self, request: Any) -> Message:
@@ -186,7 +189,7 @@ class WorkerServicer:
         start_unix = time.time()
         await self.release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prefill_inputs(request.sequences, self.worker.vocab.logits_size)
-        fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs)
+        fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs, request)
         timed = timings(start_unix, compute_s, queue_s=queue_s)
         return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.free_blocks)
 
