@@ -153,6 +153,7 @@ FLAGS: tuple[Flag, ...] = (
     WORKER_FLAGS["ngram_max"],
     COORDINATOR_FLAGS["overlap"],
     COORDINATOR_FLAGS["channel"],
+    COORDINATOR_FLAGS["channel_setup_timeout"],
     COORDINATOR_FLAGS["step_calls"],
     # ---------------------------------------------------------------- service
     COORDINATOR_FLAGS["target"],

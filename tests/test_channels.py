@@ -46,28 +46,31 @@ def _step(step: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor
     return torch.randint(0, V, (B, K), generator=gen), torch.rand(B, K, V, generator=gen), back
 
 
-def _assert_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+def _assert_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], device: torch.device = CPU) -> None:
     assert got.keys() == want.keys()
     for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert got[name].device == device and got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name].cpu(), tensor), name
 
 
 def _draft_steps(draft: Channel, send: Callable[[bytes], None], receive: Callable[[], bytes]) -> None:
-    """The draft's side of three steps: proposes (with probabilities but at the middle step), reads the target's."""
+    """The draft's side of three steps (on its device): proposes (with probabilities but at the middle step), reads
+    the target's tensors. Also the GPU tests' (tests/test_gpu_channels.py)."""
     for step in range(3):
         ids, probs, back = _step(step)
-        send(draft.send(step, ids, None if step == 1 else probs).SerializeToString())
-        _assert_exact(draft.receive_back(common_pb2.TargetPayload.FromString(receive())), back)
+        device = draft.device
+        send(draft.send(step, ids.to(device), None if step == 1 else probs.to(device)).SerializeToString())
+        _assert_exact(draft.receive_back(common_pb2.TargetPayload.FromString(receive())), back, device)
 
 
 def _target_steps(target: Channel, send: Callable[[bytes], None], receive: Callable[[], bytes]) -> None:
-    """The target's side of three steps: reads the drafts, sends its tensors back."""
+    """The target's side of three steps (on its device): reads the drafts, sends its tensors back."""
     for step in range(3):
         ids, probs, back = _step(step)
         got_ids, got_probs = target.receive(common_pb2.DraftPayload.FromString(receive()))
-        assert got_ids.dtype == torch.long and torch.equal(got_ids, ids)
-        assert got_probs is None if step == 1 else got_probs is not None and torch.equal(got_probs, probs)
-        send(target.send_back(step, back).SerializeToString())
+        assert got_ids.device == target.device and got_ids.dtype == torch.long and torch.equal(got_ids.cpu(), ids)
+        assert got_probs is None if step == 1 else got_probs is not None and torch.equal(got_probs.cpu(), probs)
+        send(target.send_back(step, {name: t.to(target.device) for name, t in back.items()}).SerializeToString())
 
 
 @pytest.mark.parametrize("name", ["local", "grpc"])

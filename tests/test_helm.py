@@ -389,7 +389,8 @@ def test_split_layout() -> None:
         assert control["ports"] == [{"port": "grpc", "protocol": "TCP"}]
         (peer,) = nccl["from"]
         other = "draft" if component == "target" else "target"
-        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == other and "ports" not in nccl
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
+        assert nccl["ports"] == [{"protocol": "TCP"}]  # any port: NCCL picks them at run time
         assert scrape["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     public = objs[("NetworkPolicy", f"{RELEASE}-minedraft-coordinator")]["spec"]
     assert public["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
@@ -520,6 +521,32 @@ def test_tensor_parallel_split_layout() -> None:
             assert e.get("MINEDRAFT_TENSOR_PARALLEL_SIZE") == (str(n) if n > 1 else None)
         coordinator = env(objs, "coordinator")
         assert gpus(objs, "coordinator") is None and not any("TENSOR_PARALLEL" in name for name in coordinator)
+
+
+@needs_helm
+def test_split_layout_with_a_tensor_parallel_target_over_nccl() -> None:
+    """The paper's layout: a target over several GPUs, the draft on a GPU of its own, nccl between them. The
+    workers' policies open them to each other on TCP only (and to nothing else beyond the coordinator's control
+    calls and the scraper); a grpc channel needs no such rule and gets none."""
+    objs = render("layout=split", "target.gpus=2", "coordinator.channel=nccl", "coordinator.channelSetupTimeout=30")
+    check_secure(objs)
+    assert gpus(objs, "target") == 2 and env(objs, "target")["MINEDRAFT_TENSOR_PARALLEL_SIZE"] == "2"
+    assert gpus(objs, "draft") == 1
+    coordinator = env(objs, "coordinator")
+    assert coordinator["MINEDRAFT_CHANNEL"] == "nccl" and coordinator["MINEDRAFT_CHANNEL_SETUP_TIMEOUT"] == "30"
+    for component, other in (("target", "draft"), ("draft", "target")):
+        rules = objs[("NetworkPolicy", f"{RELEASE}-minedraft-{component}")]["spec"]["ingress"]
+        peers = [rule for rule in rules if rule.get("ports") == [{"protocol": "TCP"}]]
+        (pair_rule,) = peers
+        (peer,) = pair_rule["from"]
+        assert set(peer) == {"podSelector"}  # no namespace or address block beside the pair's pod
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
+        assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+        assert all(rule.get("ports") for rule in rules)  # no rule opens every port to anyone
+    grpc_only = render("layout=split", "target.gpus=2", "coordinator.channel=grpc")
+    for component in ("target", "draft"):
+        rules = grpc_only[("NetworkPolicy", f"{RELEASE}-minedraft-{component}")]["spec"]["ingress"]
+        assert all(port.get("port") for rule in rules for port in rule["ports"]), rules
 
 
 @needs_helm

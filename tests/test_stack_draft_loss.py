@@ -145,14 +145,15 @@ def test_a_draft_lost_while_the_target_decodes_alone_costs_nothing(tiny_pairs: T
 
 
 def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
-    """Lost, then restarted on its address: the coordinator hands the running requests over and drafts again."""
+    """Lost, then restarted on its address: the coordinator closes the target's end of the lost draft's channel,
+    sets a fresh one up with the new draft (nccl over gloo: a rendezvous of its own), hands the running requests
+    over and drafts again."""
     pair = tiny_pairs["llama"]
     workers = start_workers(pair, stack_logs / "draft-back")
     try:
         requests = _requests(tiny_pairs, 200)
-        with running_coordinator(
-            workers, stack_logs, "psd", extra=[*DRAFT_ALWAYS, "--draft-retry-interval", "0.2"]
-        ) as coordinator:
+        extra = [*DRAFT_ALWAYS, "--draft-retry-interval", "0.2", "--channel", "nccl"]
+        with running_coordinator(workers, stack_logs, "psd", extra=extra) as coordinator:
             expected = _wave(coordinator.address, requests)
             assert workers.draft is not None
             workers.draft.proc.send_signal(signal.SIGKILL)
@@ -160,6 +161,11 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
             # The coordinator finds the draft gone and goes on with the target alone.
             lost = _wave(coordinator.address, requests)
             assert all(c.usage.draft_tokens == 0 for c in lost[1:])
+            closed = "nccl channel closed (the coordinator lost its other end)"
+            deadline = time.monotonic() + 10  # (the first probe after the loss closes it, in the background)
+            while closed not in workers.target.log_tail(10**6) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert closed in workers.target.log_tail(10**6)
             # Restarted with the target's own weights as the draft: then a request handed over correctly (its whole
             # sequence so far in the draft's cache) has every draft accepted, and one handed over wrongly would not.
             # It runs its step shapes at the connect, as on a GPU (where that takes 20-30 s): meanwhile the target

@@ -326,12 +326,14 @@ class ModelWorker:
         """The draft side's second set-up step: the reverse direction's end the target exported."""
         await self.run(self.require_channel().attach_back, handshake)
 
-    async def close_channel(self) -> None:
+    async def close_channel(self, reason: str = "") -> None:
         """Close the channel (its peer is lost, or a fresh one replaces it), on the compute thread: after the calls
-        queued there that may still use it."""
+        queued there that may still use it. `reason`: said in the log, where the coordinator asked for it."""
         channel = self.channel
         if channel is None:
             return
+        if reason:
+            log.info("%s channel closed (%s)", channel.name, reason)
 
         def close() -> None:
             if self.channel is channel:

@@ -116,7 +116,7 @@ class WorkerServicer:
     @leased
     async def SetupChannel(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         if request.close:  # its peer is lost: free what the channel holds (a dead draft's GPU buffers, mapped here)
-            await self.worker.close_channel()
+            await self.worker.close_channel("the coordinator lost its other end")
             return self.SetupChannelResponse()
         if request.attach_back:  # the second step: the reverse direction's end
             if not self.exports_channel:
