@@ -120,12 +120,15 @@ Timed = list[tuple[generation_pb2.GenerateRequest, float]]  # requests, each wit
 
 
 def _requests(pairs: TinyPairs, arch: str) -> tuple[Timed, list[list[int]]]:
-    """Greedy requests with start delays (they join and leave mid-flight), and each one's HF `generate()` tokens."""
+    """Greedy requests with start delays (they join and leave mid-flight), two of them with a prompt that starts
+    as the other's (a prefix-cache hit on the target), and each one's HF `generate()` tokens."""
     from transformers import AutoModelForCausalLM
 
     pair = pairs[arch]
     rng = random.Random(5)
     prompts = text_prompts(load_tokenizer(str(pair.target)), NUM_REQUESTS, 4, 40, seed=6)
+    shared = text_prompts(load_tokenizer(str(pair.target)), 1, 40, 40, seed=7)[0]
+    prompts[-2:] = [shared + prompts[-2][:3], shared + prompts[-1][:5]]  # a cached prefix's states are needed too
     model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
     requests, expected = [], []
     for prompt in prompts:
