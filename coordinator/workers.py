@@ -205,7 +205,10 @@ class Workers:
         resume: bool = False,
         from_target: common_pb2.TargetPayload | None = None,
     ) -> None:
-        """The draft's prefill (`from_target`: the target's prefill's states for it)."""
+        """The draft's prefill (`from_target`: the target's prefill's states for it); with `resume`, a draft back
+        after a loss: states kept for a proposal may name buffers of the channel it had, so they go."""
+        if resume:
+            self._to_draft.clear()
         specs = [sequence_spec(r, resume) for r in requests]
         link = self.draft
         blocks = sum(link.ledger.for_prompt(len(s.prompt_token_ids)) for s in specs)
