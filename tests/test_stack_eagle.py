@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ WORKER_BATCH = 4
 NUM_REQUESTS = 8
 K = 3
 HEADS = {"llama": True, "qwen3": False}  # arch -> EAGLE-3 (else EAGLE-1)
+DRAFT_ARGS: dict[str, list[str]] = {}  # arch -> its draft service's arguments (a restart takes them again)
 
 
 def write_head(directory: Path, target: Path, eagle3: bool) -> Path:
@@ -99,21 +101,19 @@ def write_head(directory: Path, target: Path, eagle3: bool) -> Path:
 def eagle_workers(tiny_pairs: TinyPairs, stack_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """Per architecture: its target, and a draft service running an EAGLE head on it (`--speculative-method auto`)."""
     root = tmp_path_factory.mktemp("eagle-heads")
-    services = []
     workers: dict[str, Workers] = {}
     try:
         for arch, eagle3 in HEADS.items():
             pair = tiny_pairs[arch]
             head = write_head(root / arch, pair.target, eagle3)
             target = spawn(f"eagle-{arch}-target", worker_args("target", pair.target, WORKER_BATCH), stack_logs)
-            draft_args = worker_args("draft", head, WORKER_BATCH) + ["--target-model-for-draft", str(pair.target)]
-            draft = spawn(f"eagle-{arch}-draft", draft_args, stack_logs)
-            services += [target, draft]
+            DRAFT_ARGS[arch] = worker_args("draft", head, WORKER_BATCH) + ["--target-model-for-draft", str(pair.target)]
+            draft = spawn(f"eagle-{arch}-draft", DRAFT_ARGS[arch], stack_logs)
             workers[arch] = Workers(pair, target, draft, WORKER_BATCH)
-        wait_all(services)
+        wait_all([s for w in workers.values() for s in (w.target, w.draft) if s is not None])
         yield workers
     finally:
-        stop_all(services)
+        stop_all([s for w in workers.values() for s in (w.draft, w.target)])  # (a restarted draft: the current one)
 
 
 Timed = list[tuple[generation_pb2.GenerateRequest, float]]  # requests, each with its start delay
@@ -179,3 +179,41 @@ def test_eagle_greedy_matches_target_alone(arch: str, eagle_workers: dict[str, W
     assert_all_slots_free(workers)
     # Every proposal ran on the target's states: none drafted blind (what a draft back after a loss does).
     assert "no hidden states of the target" not in workers.draft.log_tail(10**7)
+
+
+def test_eagle_draft_killed_and_restarted(
+    eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs, stack_logs: Path
+) -> None:
+    """kill -9 of the EAGLE draft mid-flight: nothing is lost (the target decodes alone); restarted on its address,
+    it is taken back, the running requests handed over without their prompts' states (it drafts their last token
+    until a verify's come), and drafts again from the target's states, the output `generate()`'s throughout."""
+    workers = eagle_workers["llama"]
+    assert workers.draft is not None
+    requests, expected = _requests(tiny_pairs, "llama")
+    old, restarted = workers.draft, None
+
+    async def run() -> tuple[list[Any], list[Any], list[Any]]:
+        nonlocal restarted
+        options: dict[str, Any] = dict(
+            mode="psd", num_speculative_tokens=K, speculation="always", draft_retry_interval=0.2
+        )
+        async with in_process_coordinator(workers, **options) as (address, _):
+            first = asyncio.create_task(_run(address, requests))
+            await asyncio.sleep(0.3)
+            old.proc.send_signal(signal.SIGKILL)
+            lost = await first
+            restarted = spawn("eagle-llama-draft-again", DRAFT_ARGS["llama"], stack_logs, port=old.port)
+            await asyncio.to_thread(wait_all, [restarted])
+            # Requests running while the draft is taken back, then a wave after.
+            during = await _run(address, [(r, 0.1 * i) for i, (r, _) in enumerate(requests)])
+            return lost, during, await _run(address, requests)
+
+    try:
+        lost, during, after = run_async(run())
+    finally:
+        if restarted is not None:
+            workers.draft = restarted
+    assert old.proc.wait() == -signal.SIGKILL
+    for done in (lost, during, after):
+        assert [c.token_ids for c in done] == expected
+    assert sum(c.usage.draft_tokens for c in after) > 0
