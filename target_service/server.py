@@ -86,6 +86,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
             )
         verifier = make_verifier(worker)
         self.verifier: Verifier | MirroredVerifier = verifier if ranks is None else MirroredVerifier(verifier, ranks)
+        self._warned_blind = False
         super().__init__(worker, self.verifier, ranks)
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -113,7 +114,12 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         channel = self.worker.channel
         names = [name for name, _, _ in channel.reverse.tensors] if channel is not None and channel.reverse else []
         layers = layers_named(names)
-        if isinstance(self.verifier, Verifier) and layers != self.verifier.runner.forward_pass.export_layers:
+        if not isinstance(self.verifier, Verifier):  # (tensor parallel: its ranks' forwards export nothing yet)
+            if layers and not self._warned_blind:
+                log.warning("a tensor-parallel target exports no hidden states yet: the EAGLE head drafts blind")
+                self._warned_blind = True
+            return ()
+        if layers != self.verifier.runner.forward_pass.export_layers:
             self.verifier.export_hidden(layers)
         return layers
 
