@@ -129,6 +129,10 @@ check)
         | grep -vE "Warn|warn|^$|softmax|important use|split the reduction" | tail -8
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
+    # The reverse direction's cost a step (batch 64, 5 positions, 4096-wide bf16: 2.6 MB); nccl on two GPUs with CuPy.
+    for channel in cuda-ipc $( [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && python3 -c "import cupy" 2>/dev/null && echo nccl ); do
+        timeout -k 10 120 python3 benchmarks/channel_bench.py --channel "$channel" 2>&1 | tail -1 | tee -a "$OUT/run/channel_bench.log"
+    done
     [ "${BATCHES-1,8,32,64}" = "" ] && { tar czf "$OUT/$stage.tgz" -C "$OUT" run && rm -rf "$OUT/run"; exit 0; }  # tests only
     timeout -s USR1 -k 20 ${BENCH_SECONDS:-300} python3 -X faulthandler benchmarks/step_bench.py --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --drafts 68m,1b --batch-sizes "${BATCHES:-1,8,32,64}" --ks "${KS:-2,4,6}" \

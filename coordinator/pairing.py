@@ -83,10 +83,12 @@ def call_detail(exc: BaseException) -> str:
     return str(exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
-async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequence[object]) -> float:
+async def prepare_worker(
+    rpc: Callable[[Any], Awaitable[object]], requests: Sequence[object], unprepared: Callable[[], None] = lambda: None
+) -> float:
     """A worker's Prepare calls, one after the other (one per draft length); returns the seconds they took. A worker
-    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel instead: a rolling upgrade
-    can start a new coordinator before its workers."""
+    older than that RPC answers UNIMPLEMENTED and prepares in its SetupChannel instead (`unprepared` is told): a
+    rolling upgrade can start a new coordinator before its workers."""
     start = time.perf_counter()
     try:
         for request in requests:
@@ -95,6 +97,7 @@ async def prepare_worker(rpc: Callable[[Any], Awaitable[object]], requests: Sequ
         if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
             raise
         log.info("a worker without Prepare: it prepares in SetupChannel")
+        unprepared()
     return time.perf_counter() - start
 
 
@@ -123,6 +126,7 @@ class Pair:
         self.draft_info = common_pb2.WorkerInfo()
         self.channel = "none"
         self._layout: Layout | None = None  # what `set_up` prepared them for, again at each set-up after a loss
+        self._setup_bounded = True  # whether the SetupChannel calls get a deadline (both workers have Prepare)
 
     @property
     def max_model_len(self) -> int:
@@ -232,8 +236,9 @@ class Pair:
         # Both workers' start-up work at once, not one after the other inside the SetupChannels below (which then
         # find it done): a compiled 8B/1B pair spent 53 s in the draft's and then 75 s in the target's. For a
         # restarted draft, the target's is a no-op.
+        self._setup_bounded = True  # (not where a worker prepares in its SetupChannel: that can take minutes)
         draft_s, target_s = await asyncio.gather(
-            prepare_worker(draft.Prepare, layout.draft_prepares()), self._prepare_target()
+            prepare_worker(draft.Prepare, layout.draft_prepares(), self._unbound_setup), self._prepare_target()
         )
         start = time.perf_counter()
         try:
@@ -261,7 +266,7 @@ class Pair:
             "num_batches": layout.num_batches,
             "setup_timeout_s": bound,
         }
-        deadline = self.setup_call_deadline
+        deadline = self.setup_call_deadline if self._setup_bounded else None
         exported = self._draft.SetupChannel(draft_pb2.DraftServiceSetupChannelRequest(**sizes), timeout=deadline)
         # Some transports (nccl) rendezvous: the draft's export and the target's attach must overlap.
         handshake = (await exported).handshake
@@ -302,4 +307,7 @@ class Pair:
         back while the draft is lost): unprepared, an ar target captures each CUDA graph at its shape's first use,
         while requests wait."""
         assert self._layout is not None
-        return await prepare_worker(self._target.Prepare, self._layout.target_prepares())
+        return await prepare_worker(self._target.Prepare, self._layout.target_prepares(), self._unbound_setup)
+
+    def _unbound_setup(self) -> None:
+        self._setup_bounded = False
