@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -61,6 +61,20 @@ class Admission:
             request.admit(next(self._order))
         return admitted
 
+    async def _prefill_in_turn(self, admitted: Sequence[RequestState]) -> tuple[Any, Any]:
+        """The target's prefill, then the draft's with the target's states for it (a draft that reads them): the
+        replies or errors, as `asyncio.gather` gives them (the draft's is None when the target's failed)."""
+        try:
+            target_reply = await self.workers.prefill_target(admitted)
+        except Exception as exc:
+            return exc, None
+        states = target_reply.to_draft if target_reply.HasField("to_draft") else None
+        try:
+            await self.workers.prefill_draft(admitted, from_target=states)
+        except Exception as exc:
+            return target_reply, exc
+        return target_reply, None
+
     async def admit(
         self,
         lose_target: Callable[[BaseException], bool],
@@ -74,10 +88,13 @@ class Admission:
         if not admitted:
             return True
         workers = self.workers
-        drafting = workers.prefill_draft(admitted) if workers.failover.draft_connected else asyncio.sleep(0)
-        target_reply, draft_reply = await asyncio.gather(
-            workers.prefill_target(admitted), drafting, return_exceptions=True
-        )
+        if workers.failover.draft_connected and workers.draft_reads_target:
+            target_reply, draft_reply = await self._prefill_in_turn(admitted)
+        else:
+            drafting = workers.prefill_draft(admitted) if workers.failover.draft_connected else asyncio.sleep(0)
+            target_reply, draft_reply = await asyncio.gather(
+                workers.prefill_target(admitted), drafting, return_exceptions=True
+            )
         if isinstance(target_reply, grpc.aio.AioRpcError) and _out_of_room(target_reply):
             if isinstance(draft_reply, BaseException) and not _out_of_room(draft_reply):
                 lose_draft(draft_reply)  # (while the group is in the batches: what the draft may hold)

@@ -127,6 +127,8 @@ class Workers:
         )
         endpoints = (target_address, draft_address or "none")
         # Set up at start-up (`Coordinator.start`).
+        # Per batch: the target's states of its last verify, for its next proposal (`draft_reads_target`)
+        self._to_draft: dict[int, common_pb2.TargetPayload] = {}
         self.pair = Pair(target, draft, channel, tickets, endpoints, channel_setup_timeout)
         self.failover = Failover(
             self.target,
@@ -191,18 +193,34 @@ class Workers:
         self._record("prefill", -1, len(requests), start, reply.timings)
         return reply
 
-    async def prefill_draft(self, requests: Sequence[RequestState], resume: bool = False) -> None:
+    @property
+    def draft_reads_target(self) -> bool:
+        """Whether the draft reads the target's hidden states (an EAGLE head): its prefill waits for the target's,
+        and each proposal carries its batch's last verify's states."""
+        return self.pair.draft_info.reads_target_states
+
+    async def prefill_draft(
+        self,
+        requests: Sequence[RequestState],
+        resume: bool = False,
+        from_target: common_pb2.TargetPayload | None = None,
+    ) -> None:
+        """The draft's prefill (`from_target`: the target's prefill's states for it); with `resume`, a draft back
+        after a loss: states kept for a proposal may name buffers of the channel it had, so they go."""
+        if resume:
+            self._to_draft.clear()
         specs = [sequence_spec(r, resume) for r in requests]
         link = self.draft
         blocks = sum(link.ledger.for_prompt(len(s.prompt_token_ids)) for s in specs)
+
+        def request(released: list[int]) -> draft_pb2.DraftServicePrefillRequest:
+            message = draft_pb2.DraftServicePrefillRequest(sequences=specs, release_seq_ids=released)
+            if from_target is not None:
+                message.from_target.CopyFrom(from_target)
+            return message
+
         with self.tracing.call("prefill", "draft", requests, resume=resume):
-            await link.call(
-                lambda released: link.stub.Prefill(
-                    draft_pb2.DraftServicePrefillRequest(sequences=specs, release_seq_ids=released),
-                    timeout=link.timeout,
-                ),
-                blocks,
-            )
+            await link.call(lambda released: link.stub.Prefill(request(released), timeout=link.timeout), blocks)
 
     async def propose(
         self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
@@ -218,6 +236,9 @@ class Workers:
             next_token_ids=[r.last_token for r in members],
             num_draft_tokens=k,
         )
+        states = self._to_draft.pop(batch_id, None)
+        if states is not None:  # (a draft that reads the target's states: its batch's last verify's)
+            request.from_target.CopyFrom(states)
         missed = [r.missed_by_draft for r in members]
         if any(missed):  # (after steps decoded without drafts)
             request.num_missed_tokens.extend(len(m) for m in missed)
@@ -243,7 +264,12 @@ class Workers:
             request.drafts.CopyFrom(drafts)
 
         blocks = len(members) * link.ledger.for_tokens(k + 1)
-        return await self._step_call("verify", link, link.stub.Verify, request, members, k, blocks, start)
+        reply: target_pb2.VerifyResponse = await self._step_call(
+            "verify", link, link.stub.Verify, request, members, k, blocks, start
+        )
+        if reply.HasField("to_draft"):  # for the batch's next proposal
+            self._to_draft[batch_id] = reply.to_draft
+        return reply
 
     async def _step_call(
         self,

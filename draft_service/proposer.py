@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from draft_service.drafter import Proposal
 from minedraft.engine.attention import fused_query_tokens
 from minedraft.engine.grammar import Grammars, masked_logits
 from minedraft.engine.model_runner import ModelRunner, StepShape
@@ -28,17 +28,8 @@ from minedraft.engine.sequence_table import SequenceTable
 TAIL_TOKENS = 2
 
 
-@dataclass
-class Proposal:
-    draft_ids: torch.Tensor  # [B, k]
-    draft_probs: torch.Tensor | None  # [B, k, V] processed q, or None when every row drafted greedily
-    # With `defer_upkeep`: host work the proposal left, for the caller to run after replying and before the
-    # proposer's next call (`Proposer.propose`).
-    upkeep: Callable[[], None] | None = None
-
-
 class Proposer:
-    """Holds the draft model's sequences.
+    """The draft model's drafter (`Drafter`): holds its sequences in the model's paged KV cache.
 
     Per row it remembers its last proposal: `committed` (tokens cached when it began), how many drafts it made and
     the last of them, d_k. The target's answer (accepted count a, emitted token t) then says which cached drafts

@@ -11,9 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
-from draft_service.proposer import Proposer
+from draft_service.drafter import MODEL_FREE_METHODS, Drafter, resolve_method
+from draft_service.eagle import EagleProposer, load_eagle_head
+from draft_service.ngram import NgramProposer
 from draft_service.tensor_parallel import MirroredProposer, make_proposer, proposer_calls
+from minedraft.channels.base import ReverseLayout
+from minedraft.engine.grammar import Grammars
+from minedraft.engine.hidden_export import SEQ_ID, joined_for_head, tensor_names
+from minedraft.engine.models import resolve_dtype
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import InvalidRequest, ModelLoadError
 from minedraft.proto import common_pb2, draft_pb2, draft_pb2_grpc
@@ -28,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
-    """DraftService: the lifecycle RPCs of `WorkerServicer`, and Propose over the proposer."""
+    """DraftService: the lifecycle RPCs of `WorkerServicer`, and Propose over its drafter (`--speculative-method`)."""
 
     service_name = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
     exports_channel = True
@@ -44,13 +51,44 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, options: WorkerOptions, greedy_drafts: bool = False) -> None:
         if options.tensor_parallel_size < 1:
             raise ModelLoadError(f"--tensor-parallel-size {options.tensor_parallel_size}: give 1 rank or more")
+        self.method = resolve_method(options.speculative_method, options.model)
+        self.proposer: Drafter
+        self.eagle: EagleProposer | None = None
+        self.grammars: Grammars | None = (
+            None  # (a draft model's, which masks its drafts; other drafters draft unmasked)
+        )
+        if self.method in ("eagle", "eagle3"):
+            if options.tensor_parallel_size > 1:
+                raise ModelLoadError(f"--speculative-method {self.method}: an EAGLE head runs on one device")
+            target_dir = options.target_model_for_draft or ""
+            if not target_dir:
+                raise ModelLoadError(
+                    f"--speculative-method {self.method}: give --target-model-for-draft, the target's model directory "
+                    "(the head's embeddings are the target's)"
+                )
+            worker = ModelWorker(options, vocab_from=target_dir, device=options.device)
+            head, spec = load_eagle_head(
+                options.model, target_dir, self.method == "eagle3", resolve_dtype(options.dtype, options.device)
+            )
+            self.eagle = EagleProposer(head.to(worker.device), spec, worker.num_slots)
+            self.proposer = self.eagle
+            super().__init__(worker, self.eagle)
+            return
+        if self.method in MODEL_FREE_METHODS:
+            if options.tensor_parallel_size > 1:
+                raise ModelLoadError(f"--speculative-method {self.method} loads no model: give no tensor parallelism")
+            worker = ModelWorker(options, vocab_from=options.target_model_for_draft or options.model)
+            ngram = NgramProposer(worker.num_slots, worker.max_len, options.ngram_min, options.ngram_max)
+            self.proposer = ngram
+            super().__init__(worker, ngram)
+            return
         # The other ranks first: rank 0's forwards (the cache's probe already) meet theirs in each all-reduce.
         calls = functools.partial(proposer_calls, greedy_drafts=greedy_drafts)
         ranks = RankGroup(options, calls, "draft service") if options.tensor_parallel_size > 1 else None
         worker = ModelWorker(options, ranks.tp if ranks is not None else None)
         proposer = make_proposer(worker, greedy_drafts)
         self.grammars = proposer.grammars
-        self.proposer: Proposer | MirroredProposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
+        self.proposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
         super().__init__(worker, self.proposer, ranks)
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -63,7 +101,35 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
             for spec in {c.grammar for c in configs if c.grammar is not None}:
                 await asyncio.to_thread(self.grammars.compile, spec)
 
-    def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
+    @grpc_errors
+    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        info = self.worker.info()
+        info.reads_target_states = self.eagle is not None
+        return self.GetInfoResponse(info=info)
+
+    def reverse_layout(self, k: int, max_batch_size: int) -> ReverseLayout | None:
+        """An EAGLE head's: each layer it reads, [rows, H] in the head's dtype, and each row's sequence id; at most
+        every position the draft's sequences may hold (a prefill of all of them, prompts whole)."""
+        if self.eagle is None:
+            return None
+        width = self.eagle.head.embed.embedding_dim  # (the target's embeddings: its hidden size)
+        dtype = self.eagle.head.fc.weight.dtype
+        hidden = tuple((name, width, dtype) for name in tensor_names(self.eagle.spec.layers))
+        rows = self.worker.num_slots * self.worker.max_len
+        return ReverseLayout(max_rows=rows, tensors=(*hidden, (SEQ_ID, 1, torch.int64)))
+
+    def _take_states(self, payload: common_pb2.TargetPayload, admitting: bool = False) -> None:
+        """The target's hidden states a Prefill or Propose brought, handed to the EAGLE head."""
+        assert self.eagle is not None
+        tensors = self.worker.require_channel().receive_back(payload)
+        rows = joined_for_head(tensors, self.eagle.spec.layers)
+        self.eagle.add_states(tensors[SEQ_ID][:, 0].tolist(), rows, admitting)
+
+    def prefill(
+        self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig], request: Any = None
+    ) -> dict[str, Any]:
+        if self.eagle is not None and request is not None and request.HasField("from_target"):
+            self._take_states(request.from_target, admitting=True)
         return {"cached_prompt_tokens": self.proposer.prefill(seq_ids, prompts, configs)}
 
     @grpc_errors
@@ -87,7 +153,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         missed = self._missed_tokens(request)
         (payload, channel_s), queue_s, compute_s = await self.worker.run_timed(self._propose, request, missed)
         timed = timings(start_unix, compute_s, channel_s, queue_s)
-        return draft_pb2.ProposeResponse(drafts=payload, timings=timed, free_blocks=self.worker.runner.free_blocks)
+        return draft_pb2.ProposeResponse(drafts=payload, timings=timed, free_blocks=self.worker.free_blocks)
 
     def _missed_tokens(self, request: draft_pb2.ProposeRequest) -> list[list[int]]:
         """Each sequence's tokens in `missed_token_ids`, checked (none when `num_missed_tokens` is empty)."""
@@ -108,6 +174,8 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         self, request: draft_pb2.ProposeRequest, missed: list[list[int]]
     ) -> tuple[common_pb2.DraftPayload, float]:
         channel = self.worker.require_channel()
+        if self.eagle is not None and request.HasField("from_target"):
+            self._take_states(request.from_target)
         proposal = self.proposer.propose(
             list(request.seq_ids),
             torch.tensor(list(request.num_accepted), dtype=torch.long),

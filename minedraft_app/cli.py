@@ -92,6 +92,12 @@ def coordinator_options(args: argparse.Namespace) -> CoordinatorOptions:
     return _from_args(CoordinatorOptions, args)
 
 
+def _drafter(args: argparse.Namespace) -> str:
+    """What drafts in a serve stack, for its start-up line."""
+    method = getattr(args, "speculative_method", "auto")
+    return "drafts by n-gram lookup" if method == "ngram" else f"draft {args.draft}"
+
+
 def _run_until_signal(main: Coroutine[Any, Any, None]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(main)
@@ -199,7 +205,7 @@ async def _single_process_main(args: argparse.Namespace) -> None:
         coordinator_options(coordinator_args), args.port, args.host, metrics=metrics
     )
     print(
-        f"minedraft serving {args.mode} on localhost:{port} in one process (target {args.target}, draft {args.draft})",
+        f"minedraft serving {args.mode} on localhost:{port} in one process (target {args.target}, {_drafter(args)})",
         flush=True,
     )
     if args.generate:
@@ -251,7 +257,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         port = start_stack(args, lambda command: subprocess.Popen(command, start_new_session=True), processes)
         public = f"localhost:{port}"
-        print(f"minedraft serving {args.mode} on {public} (target {args.target}, draft {args.draft})", flush=True)
+        print(f"minedraft serving {args.mode} on {public} (target {args.target}, {_drafter(args)})", flush=True)
         if args.http_port:
             scheme = "https" if args.tls_cert else "http"
             print(f"OpenAI-compatible HTTP API on {scheme}://localhost:{args.http_port}/v1", flush=True)

@@ -77,7 +77,11 @@ FLAGS: tuple[Flag, ...] = (
         STACKS,
         MODELS,
         str(TARGET_DIR),
-        passes_to=(PassTo("target", "--model"), PassTo("coordinator", "--tokenizer")),
+        passes_to=(
+            PassTo("target", "--model"),
+            PassTo("coordinator", "--tokenizer"),
+            PassTo("draft", "--target-model-for-draft"),
+        ),
     ),
     Flag(
         "--draft",
@@ -117,6 +121,7 @@ FLAGS: tuple[Flag, ...] = (
         passes_to=(PassTo("draft", "--tensor-parallel-size"),),
     ),
     Flag("--greedy-drafts", "draft greedily even for sampled requests", ("draft",), MODELS, False, switch=True),
+    WORKER_FLAGS["target_model_for_draft"],
     WORKER_FLAGS["profile_dir"],
     WORKER_FLAGS["profile_after"],
     # ---------------------------------------------------------------- batches
@@ -144,6 +149,9 @@ FLAGS: tuple[Flag, ...] = (
     COORDINATOR_FLAGS["num_speculative_tokens"],
     COORDINATOR_FLAGS["speculation"],
     COORDINATOR_FLAGS["min_speculative_tokens"],
+    WORKER_FLAGS["speculative_method"],
+    WORKER_FLAGS["ngram_min"],
+    WORKER_FLAGS["ngram_max"],
     COORDINATOR_FLAGS["overlap"],
     COORDINATOR_FLAGS["channel"],
     COORDINATOR_FLAGS["channel_setup_timeout"],

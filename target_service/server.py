@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
+from minedraft.engine.hidden_export import SEQ_ID, layers_named, split_by_layer
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import InternalError, ModelLoadError
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
@@ -94,6 +95,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         verifier = make_verifier(worker)
         self.grammars = verifier.grammars
         self.verifier: Verifier | MirroredVerifier = verifier if ranks is None else MirroredVerifier(verifier, ranks)
+        self._warned_blind = False
         super().__init__(worker, self.verifier, ranks)
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -110,9 +112,46 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         for spec in {c.grammar for c in configs if c.grammar is not None}:
             await asyncio.to_thread(self.grammars.compile, spec)
 
-    def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
+    def prefill(
+        self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig], request: Any = None
+    ) -> dict[str, Any]:
+        exporting = self._exporting() if request is not None else ()
+        result = self.verifier.prefill(seq_ids, prompts, configs)
         # The results are read on the compute thread: its CUDA stream is the one that made them.
-        return {"results": results_proto(seq_ids, self.verifier.prefill(seq_ids, prompts, configs))}
+        fields: dict[str, Any] = {"results": results_proto(seq_ids, result)}
+        if exporting:
+            fields["to_draft"] = self._send_back(0, seq_ids, result, exporting)
+        return fields
+
+    def _exporting(self) -> tuple[int, ...]:
+        """The layers whose hidden states the draft asked for at the channel's set-up (an EAGLE head), the verifier
+        made to export them; none without such a draft."""
+        channel = self.worker.channel
+        names = [name for name, _, _ in channel.reverse.tensors] if channel is not None and channel.reverse else []
+        layers = layers_named(names)
+        if not isinstance(self.verifier, Verifier):  # (tensor parallel: its ranks' forwards export nothing yet)
+            if layers and not self._warned_blind:
+                log.warning("a tensor-parallel target exports no hidden states yet: the EAGLE head drafts blind")
+                self._warned_blind = True
+            return ()
+        if layers != self.verifier.runner.forward_pass.export_layers:
+            self.verifier.export_hidden(layers)
+        return layers
+
+    def _send_back(
+        self, step_id: int, seq_ids: list[int], result: StepResult, layers: tuple[int, ...]
+    ) -> common_pb2.TargetPayload:
+        """The hidden states a step kept (after `results_proto` read its result), each row labelled with its
+        sequence, over the channel's reverse direction in the layout's dtypes."""
+        channel = self.worker.require_channel()
+        assert channel.reverse is not None
+        rows, counts = result.hidden_rows()
+        tensors = split_by_layer(rows, layers)
+        tensors[SEQ_ID] = torch.tensor(
+            [seq_id for seq_id, n in zip(seq_ids, counts, strict=True) for _ in range(n)], dtype=torch.int64
+        )[:, None]
+        dtypes = {name: dtype for name, _, dtype in channel.reverse.tensors}
+        return channel.send_back(step_id, {name: t.to(dtypes[name]) for name, t in tensors.items()})
 
     @grpc_errors
     @leased
@@ -126,15 +165,18 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         await self.release_first(request.release_seq_ids)
         seq_ids = list(request.seq_ids)
         check_batch_id(request.batch_id)
-        (results, channel_s), queue_s, compute_s = await self.worker.run_timed(
-            self._verify, seq_ids, request.drafts, request.num_draft_tokens, request.batch_id
+        (results, to_draft, channel_s), queue_s, compute_s = await self.worker.run_timed(
+            self._verify, seq_ids, request.drafts, request.num_draft_tokens, request.batch_id, request.step_id
         )
         timed = timings(start_unix, compute_s, channel_s, queue_s)
-        return target_pb2.VerifyResponse(results=results, timings=timed, free_blocks=self.worker.runner.free_blocks)
+        reply = target_pb2.VerifyResponse(results=results, timings=timed, free_blocks=self.worker.runner.free_blocks)
+        if to_draft is not None:
+            reply.to_draft.CopyFrom(to_draft)
+        return reply
 
     def _verify(
-        self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int, batch_id: int
-    ) -> tuple[list[target_pb2.SequenceResult], float]:
+        self, seq_ids: list[int], payload: common_pb2.DraftPayload, k: int, batch_id: int, step_id: int = 0
+    ) -> tuple[list[target_pb2.SequenceResult], common_pb2.TargetPayload | None, float]:
         start = time.perf_counter()
         if k == 0:  # target-only decoding: nothing travels
             draft_ids, draft_probs = torch.zeros(len(seq_ids), 0, dtype=torch.long), None
@@ -143,8 +185,15 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
             if tuple(draft_ids.shape) != (len(seq_ids), k):
                 raise InternalError(f"drafts of shape {tuple(draft_ids.shape)} for {len(seq_ids)} sequences, k={k}")
         channel_s = elapsed(start)
+        exporting = self._exporting()
+        result = self.verifier.verify(seq_ids, draft_ids, draft_probs, batch_id)
         # Read on the compute thread, whose CUDA stream made the results (another stream could read them unfinished).
-        return results_proto(seq_ids, self.verifier.verify(seq_ids, draft_ids, draft_probs, batch_id)), channel_s
+        results = results_proto(seq_ids, result)
+        if not exporting:
+            return results, None, channel_s
+        start = time.perf_counter()
+        to_draft = self._send_back(step_id, seq_ids, result, exporting)
+        return results, to_draft, channel_s + elapsed(start)
 
 
 async def serve(

@@ -47,7 +47,20 @@ class StepResult:
     # its log-probability and its top ones' (id, log-probability)
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] | None = None
     on_tokens: Callable[[list[list[int]]], None] | None = None  # told each row's emitted tokens (grammar matchers)
+    # Exporting hidden states (`Verifier.export_hidden`): [B, m, width] per row's positions, valid up to each
+    # prompt's length (a prefill: `hidden_counts`) or each row's emitted count (a verify)
+    hidden: torch.Tensor | None = None
+    hidden_counts: list[int] | None = None
     _emitted: list[int] | None = None
+
+    def hidden_rows(self) -> tuple[torch.Tensor, list[int]]:
+        """After `per_row`: the exported hidden states of every position a row keeps, the rows one after the other
+        [sum(counts), width], and each row's count (a prefill: every prompt position; a verify: the positions of the
+        pending token and the accepted drafts, each the one before an emitted token)."""
+        assert self.hidden is not None
+        counts = self.hidden_counts if self.hidden_counts is not None else self._emitted
+        assert counts is not None, "per_row first"
+        return torch.cat([self.hidden[b, :n] for b, n in enumerate(counts)]), list(counts)
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
         """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step (a second one,
@@ -271,6 +284,20 @@ class Verifier:
         self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
         eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         self.acceptance = Acceptance(runner, self.table, self.pending, eos, synthetic_acceptance)
+        self._prefill_hidden: dict[int, torch.Tensor] = {}  # row -> its prompt's exported states, while prefilling
+
+    @property
+    def exports(self) -> bool:
+        return bool(self.runner.forward_pass.export_layers)
+
+    def export_hidden(self, layers: Sequence[int]) -> None:
+        """From now on every prefill and verify also returns the hidden states of `layers` (indices into HF's
+        `output_hidden_states`, what an EAGLE head reads) at the positions it keeps (`StepResult.hidden_rows`).
+        A prefill then computes its whole prompt, a cached prefix too: the head needs every position's state."""
+        count = int(self.runner.model.config.get_text_config().num_hidden_layers)
+        if any(not 0 <= i <= count for i in layers):
+            raise ValueError(f"hidden states of layers {list(layers)} asked for; the target has {count} layers")
+        self.runner.forward_pass.export_layers = tuple(layers)
 
     def prefill(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
@@ -287,13 +314,22 @@ class Verifier:
             outputs = [p[len(p) - c.output_tokens :] if c.output_tokens else [] for p, c in zip(prompts, configs)]
             self.grammars.admit(seq_ids, [c.grammar for c in configs], outputs)
             on_rows = functools.partial(self._write_row_masks, masks=self.grammars.first_masks(seq_ids))
+        pool = self.runner.cache.pool
+        assert pool is not None
+        caching = pool.prefix_caching
+        if self.exports:  # every prompt position computed: a cached prefix has no hidden states to export
+            pool.prefix_caching = False
         try:
-            _, _, (packed, *logprobs), cached = self.table.prefill(
-                seq_ids, prompts, configs, kind=_step_kind(kind), body=body, on_rows=on_rows
+            step_rows, _, (packed, *logprobs), cached = self.table.prefill(
+                seq_ids, prompts, configs, kind=self._step_kind(kind), body=body, on_rows=on_rows
             )
+            hidden = self._gathered_prefill_hidden(step_rows, prompts) if self.exports else None
         except Exception:
             self.grammars.release(seq_ids)
             raise
+        finally:
+            pool.prefix_caching = caching
+            self._prefill_hidden.clear()
         rows = self.table.row_list(seq_ids)
         # (the last token of each prompt is pending)
         result = StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]), cached)
@@ -303,6 +339,8 @@ class Verifier:
             result.prompt_logprobs = [reported.get(row) for row in rows]
         if kind.grammar:
             result.on_tokens = functools.partial(self.grammars.advance, list(seq_ids))
+        if hidden is not None:
+            result.hidden, result.hidden_counts = hidden, [len(p) for p in prompts]
         return result
 
     def _write_row_masks(self, rows: torch.Tensor, masks: torch.Tensor) -> None:
@@ -312,6 +350,14 @@ class Verifier:
             shape = (slots, self.grammars.words)
             self.row_masks = torch.full(shape, -1, dtype=torch.int32, device=self.runner.device)
         self.row_masks[rows] = masks.to(self.runner.device)
+
+    def _gathered_prefill_hidden(self, rows: torch.Tensor, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The prompts' exported states that the prefill's steps left (`_prefill_step`), [B, longest, width]."""
+        parts = [self._prefill_hidden[row] for row in rows.tolist()]
+        hidden = parts[0].new_zeros(len(parts), max(len(p) for p in prompts), parts[0].shape[-1])
+        for b, part in enumerate(parts):
+            hidden[b, : len(part)] = part
+        return hidden
 
     def verify(
         self,
@@ -342,13 +388,14 @@ class Verifier:
         packed, *logprobs = self._run_verify(
             rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id
         )
+        hidden = logprobs.pop() if self.exports else None
         # The next verify of k drafts reaches 2(k + 1) past `before` at most; the recorder trims past the same reach,
         # so no block is freed and taken again from step to step.
         self.runner.cache.keep_ahead(index, before + 2 * (k + 1))
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
         recorder = self._recorder(index, before, ahead=2 * (k + 1))
-        result = StepResult(packed, recorder)
+        result = StepResult(packed, recorder, hidden=hidden)
         if logprobs:
             result.logprobs, result.top_n = logprobs[0], top_n
         if kind.grammar:  # the matchers move on by what was emitted once the host reads it
@@ -378,7 +425,7 @@ class Verifier:
         inputs."""
         k = draft_ids.shape[1]
         step = self.runner.prepare(
-            kind=_step_kind(kind),
+            kind=self._step_kind(kind),
             rows=rows,
             inputs=(draft_ids, *probs),
             needed=needed,
@@ -399,7 +446,8 @@ class Verifier:
         num_valid = torch.full_like(rows, k + 1)
         before = self.runner.cache.lengths[rows]
         logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=False)
-        return self.acceptance.decide(
+        exported = self.runner.forward_pass.exported if self.exports else None
+        decided = self.acceptance.decide(
             rows,
             tokens=tokens,
             num_valid=num_valid,
@@ -410,6 +458,7 @@ class Verifier:
             kind=kind,
             bitmask=bitmask,
         )
+        return decided if exported is None else [*decided, exported]
 
     def _prefill_step(
         self,
@@ -441,6 +490,10 @@ class Verifier:
         if kind.grammar:
             assert self.row_masks is not None
             bitmask = self.row_masks[rows][:, None]
+        exported = self.runner.forward_pass.exported
+        if self.exports and exported is not None:  # (a prefill runs eagerly: the host may keep what it made)
+            for b, (row, length) in enumerate(zip(rows.tolist(), lengths.tolist(), strict=True)):
+                self._prefill_hidden[row] = exported[b, :length].clone()
         return self.acceptance.decide(
             rows,
             tokens=prompts,
@@ -489,6 +542,11 @@ class Verifier:
         steps before serving (`Acceptance.warm_up`)."""
         self.acceptance.warm_up(k)
 
+    def _step_kind(self, kind: SamplingKind) -> str:
+        """The kind of a verify (or prefill) step of a batch of this kind: its graphs' key (one that exports hidden
+        states returns them too)."""
+        return "verify-" + kind.name + ("-export" if self.exports else "")
+
     def _padded(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""
         missing = self.runner.vocab_size - draft_probs.shape[-1]
@@ -505,8 +563,3 @@ def _prompt_logprobs(
     best = logprobs.topk(max(top, 1), dim=-1)
     ids, values = best.indices.tolist(), best.values.tolist()
     return [(c, list(zip(i[:top], v[:top], strict=True))) for c, i, v in zip(chosen, ids, values, strict=True)]
-
-
-def _step_kind(kind: SamplingKind) -> str:
-    """The kind of a verify (or prefill) step of a batch of this kind: its graphs' key."""
-    return "verify-" + kind.name

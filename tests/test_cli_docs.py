@@ -26,8 +26,9 @@ PAIR_TEMPLATE = "pair.yaml"  # the pair layout's pod runs `minedraft serve`
 # Fields cli.worker_options derives from a flag of another name
 WORKER_FIELDS_FROM_SWITCHES = {"cuda_graphs": "--eager", "prefix_caching": "--enable-prefix-caching"}
 OPTIONS = (WorkerOptions, CoordinatorOptions)
-# The one place a serve stack gives a service other than that service's own default (both mean the target's dir)
-STACK_DEFAULTS_OF_THEIR_OWN = {("--target", "coordinator")}
+# Where a serve stack gives a service other than that service's own default: the target's dir (the coordinator's
+# tokenizer, the draft's --target-model-for-draft, whose own default falls back to its --model)
+STACK_DEFAULTS_OF_THEIR_OWN = {("--target", "coordinator"), ("--target", "draft")}
 
 
 def load_generator() -> ModuleType:

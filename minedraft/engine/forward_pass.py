@@ -98,6 +98,10 @@ class ForwardPass:
         # a step on a compile (tests make it fail instead).
         self.unseen_step_stance = "eager_on_recompile"
         self._masks = self._step_masks
+        # The layers each forward exports (indices into HF's `output_hidden_states`: an EAGLE head's), concatenated
+        # into `exported` [B, n, len * H] for the step's body to return; none: nothing is recorded.
+        self.export_layers: tuple[int, ...] = ()
+        self.exported: torch.Tensor | None = None
 
     def compile_masks(self) -> None:
         """Compile the masks with the layers (`_step_masks`)."""
@@ -175,10 +179,15 @@ class ForwardPass:
                 self.cache.select(rows, positions, kv_len=shape.kv_len)
                 if self.deterministic:
                     kwargs[DETERMINISTIC] = True
+                if self.export_layers:
+                    kwargs["output_hidden_states"] = True
                 with invariant_mode(self.deterministic):
-                    hidden = self.model.base_model(
+                    output = self.model.base_model(
                         input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
-                    ).last_hidden_state
+                    )
+                hidden = output.last_hidden_state
+                if self.export_layers:
+                    self.exported = torch.cat([output.hidden_states[i] for i in self.export_layers], dim=-1)
         finally:
             config._attn_implementation = own
         self.cache.lengths[rows] = starts + num_valid

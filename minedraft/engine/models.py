@@ -289,9 +289,40 @@ class VocabInfo:
         return VocabInfo(logits_size, len(tokenizer), digest, eos)
 
 
+def checkpoint_vocab(path: str) -> tuple[VocabInfo, Any]:
+    """The vocabulary of the checkpoint in `path` and its config, read without its weights: what a drafter that
+    loads no model (n-gram lookup) reports, taken from the target's checkpoint."""
+    import hashlib
+
+    from transformers import AutoConfig, GenerationConfig
+
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model directory {path!r} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read a model config from {path!r}: {exc}") from exc
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    logits_size = int(text.vocab_size)
+    try:
+        generation: Any = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        generation = None
+    tokenizer = load_tokenizer(path)
+    eos = _eos_ids((generation, config), tokenizer)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
+    return VocabInfo(logits_size, len(tokenizer), digest, eos), config
+
+
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    return _eos_ids((getattr(model, "generation_config", None), model.config), tokenizer)
+
+
+def _eos_ids(sources: tuple[Any, ...], tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    """The EOS ids a generation config, a model config and a tokenizer name, together."""
     ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), model.config):
+    for source in sources:
         value: Any = getattr(source, "eos_token_id", None) if source is not None else None
         if value is not None:
             ids.extend([value] if isinstance(value, int) else list(value))

@@ -12,6 +12,7 @@ from minedraft.flag_spec import (
     MODEL_COMMANDS,
     MODELS,
     SERVICE,
+    SPECULATION,
     STACKS,
     TO_WORKERS,
     WORKERS,
@@ -21,6 +22,9 @@ from minedraft.flag_spec import (
 )
 
 PRECAPTURE_CHOICES = ("auto", "on", "off")
+# The draft service's drafters (draft_service.drafter.SPECULATIVE_METHODS: this layer cannot import it)
+SPECULATIVE_METHOD_CHOICES = ("auto", "draft-model", "eagle", "eagle3", "ngram")
+DRAFTER_COMMANDS = ("serve", "draft", "bench")
 
 
 @dataclass
@@ -187,6 +191,40 @@ class WorkerOptions:
         MODELS,
         helps={s: "the target's --tensor-parallel-size" for s in STACKS},
         passes_to=(PassTo("target"),),
+    )
+    speculative_method: str = flag(
+        "auto",
+        "--speculative-method",
+        "what drafts: a draft model, an EAGLE-1 or EAGLE-3 head over the target's hidden states, or n-gram lookup "
+        "in each request's own tokens (no model, on the CPU); auto: read from the draft checkpoint's config",
+        DRAFTER_COMMANDS,
+        SPECULATION,
+        choices=SPECULATIVE_METHOD_CHOICES,
+        passes_to=(PassTo("draft"),),
+    )
+    target_model_for_draft: str | None = flag(
+        None,
+        "--target-model-for-draft",
+        "the target's model directory, which a drafter without a vocabulary of its own reads (n-gram: the tokenizer; "
+        "an EAGLE head: the embeddings); default: --model",
+        ("draft",),
+        MODELS,
+    )
+    ngram_min: int = flag(
+        1,
+        "--ngram-min",
+        "n-gram drafting: the shortest match it looks up",
+        DRAFTER_COMMANDS,
+        SPECULATION,
+        passes_to=(PassTo("draft"),),
+    )
+    ngram_max: int = flag(
+        4,
+        "--ngram-max",
+        "n-gram drafting: the longest match it looks up (the longest found wins)",
+        DRAFTER_COMMANDS,
+        SPECULATION,
+        passes_to=(PassTo("draft"),),
     )
     lease_secret: str | None = flag(  # (also the coordinator's: `coordinator.options`)
         None,

@@ -15,19 +15,22 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from minedraft.channels import Channel, make_channel
 from minedraft.channels.base import ReverseLayout
-from minedraft.engine.model_runner import ModelRunner
-from minedraft.engine.models import VocabInfo, load_model, load_tokenizer
+from minedraft.engine.model_runner import ModelRunner, model_context
+from minedraft.engine.models import VocabInfo, checkpoint_vocab, load_model, load_tokenizer
 from minedraft.engine.tensor_parallel import TensorParallel, rank_device
 from minedraft.errors import ChannelNotSetUpError
 from minedraft.proto import common_pb2
 from minedraft.rpc.options import WorkerOptions
 from minedraft.rpc.server_utils import Health
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 T = TypeVar("T")
 # After a SIGTERM, what a server does before it stops; given an event that cuts it short (`ModelWorker.drain`)
@@ -58,36 +61,36 @@ def host_id() -> str:
 
 
 class ModelWorker:
-    """A model on its device with a paged KV cache for two batches; all model work runs on one thread, in order."""
+    """A model on its device with a paged KV cache for two batches; all model work runs on one thread, in order.
 
-    def __init__(self, options: WorkerOptions, tensor_parallel: TensorParallel | None = None) -> None:
+    Without a model (`vocab_from`: a drafter that reads no weights, n-gram lookup), it holds only the vocabulary of
+    the checkpoint there and runs its work on the CPU; it then reports no KV blocks (nothing for the coordinator to
+    account) and has no `runner`."""
+
+    def __init__(
+        self,
+        options: WorkerOptions,
+        tensor_parallel: TensorParallel | None = None,
+        vocab_from: str | None = None,
+        device: str = "cpu",
+    ) -> None:
         """`tensor_parallel`: this process's rank of a group that shards the model (its device: `rank_device`)."""
         self.options = options
-        device = options.device if tensor_parallel is None else rank_device(options.device, tensor_parallel.rank)
-        self.model = load_model(options.model, device, options.dtype, tensor_parallel)
-        try:
-            tokenizer = load_tokenizer(options.model)
-        except ValueError:
-            tokenizer = None  # a model directory without tokenizer files can still serve token ids
-        self.tokenizer = tokenizer  # (a target's grammars are compiled for it)
-        self.vocab = VocabInfo.of(self.model, tokenizer)
-        # Two batches of max_batch_size each live here at once (batch-parallel decoding).
-        self.runner = ModelRunner(
-            self.model,
-            2 * options.max_batch_size,
-            options.max_model_len,
-            cuda_graphs=options.cuda_graphs,
-            compile_layers=options.compile_layers,
-            block_size=options.block_size,
-            kv_cache_memory=options.kv_cache_memory,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            prefix_caching=options.prefix_caching,
-            deterministic=options.deterministic,
-        )
+        self._model: PreTrainedModel | None = None
+        self._runner: ModelRunner | None = None
+        self.tokenizer: Any = None
+        if vocab_from is not None:
+            self.vocab, config = checkpoint_vocab(vocab_from)
+            self._device = torch.device(device)  # (where a drafter of its own weights runs them: an EAGLE head)
+            self.num_slots = 2 * options.max_batch_size
+            context = model_context(config)
+            self.max_len = min(options.max_model_len or context, context)
+        else:
+            self._load(options, tensor_parallel)
         self.channel: Channel | None = None
         # Its own CUDA stream: with target and draft in one process (`serve --single-process`) the two models'
         # kernels then overlap on the GPU instead of queueing on the default stream.
-        self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=self._on_device)
         # Work calls left for after their replies (`after_reply`), numbered in order; only the compute thread
         # touches it.
@@ -99,9 +102,60 @@ class ModelWorker:
         self._last_call = time.monotonic()
         self._precaptured: set[tuple[int, int]] = set()  # (k, max batch size)
 
+    def _load(self, options: WorkerOptions, tensor_parallel: TensorParallel | None) -> None:
+        """The model, its vocabulary and its runner."""
+        device = options.device if tensor_parallel is None else rank_device(options.device, tensor_parallel.rank)
+        self._model = model = load_model(options.model, device, options.dtype, tensor_parallel)
+        try:
+            tokenizer = load_tokenizer(options.model)
+        except ValueError:
+            tokenizer = None  # a model directory without tokenizer files can still serve token ids
+        self.tokenizer = tokenizer  # (a target's grammars are compiled for it)
+        self.vocab = VocabInfo.of(model, tokenizer)
+        # Two batches of max_batch_size each live here at once (batch-parallel decoding).
+        self._runner = runner = ModelRunner(
+            model,
+            2 * options.max_batch_size,
+            options.max_model_len,
+            cuda_graphs=options.cuda_graphs,
+            compile_layers=options.compile_layers,
+            block_size=options.block_size,
+            kv_cache_memory=options.kv_cache_memory,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            prefix_caching=options.prefix_caching,
+            deterministic=options.deterministic,
+        )
+        self._device = runner.device
+        self.num_slots, self.max_len = runner.num_slots, runner.max_len
+
     @property
     def device(self) -> torch.device:
-        return self.runner.device
+        return self._device
+
+    @property
+    def model(self) -> PreTrainedModel:
+        if self._model is None:
+            raise RuntimeError("this worker holds no model (a drafter without weights)")
+        return self._model
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise RuntimeError("this worker holds no model (a drafter without weights)")
+        return self._runner
+
+    @property
+    def has_model(self) -> bool:
+        return self._runner is not None
+
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks a sequence can take now (none without a model: nothing to account)."""
+        return self._runner.free_blocks if self._runner is not None else 0
+
+    @property
+    def free_slots(self) -> int:
+        return self._runner.free_slots if self._runner is not None else self.num_slots
 
     def _on_device(self) -> None:
         """The compute thread's current CUDA device is the model's, so that whatever CUDA work names no device (a
@@ -109,7 +163,7 @@ class ModelWorker:
         current stream is the worker's, set once rather than by a context around each call (whose device lookups
         rank high among a step's host calls)."""
         if self.stream is not None:
-            torch.cuda.set_device(self.runner.device)
+            torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.stream)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -223,26 +277,27 @@ class ModelWorker:
             model=self.options.model,
             device=str(self.device),
             host_id=host_id(),
-            num_slots=self.runner.num_slots,
-            max_model_len=self.runner.max_len,
+            num_slots=self.num_slots,
+            max_model_len=self.max_len,
             logits_size=self.vocab.logits_size,
             tokenizer_size=self.vocab.tokenizer_size,
             tokenizer_hash=self.vocab.tokenizer_hash,
             eos_token_ids=list(self.vocab.eos_token_ids),
-            free_slots=self.runner.free_slots,
+            free_slots=self.free_slots,
             channels=channels,
             gpu_uuid=self.gpu_uuids[0] if self.gpu_uuids else "",
             gpu_uuids=self.gpu_uuids,
-            block_size=self.runner.block_size,
-            num_blocks=self.runner.num_blocks,
-            free_blocks=self.runner.free_blocks,
-            prefix_caching=self.runner.cache.prefix_caching,
+            block_size=self._runner.block_size if self._runner is not None else 0,
+            num_blocks=self._runner.num_blocks if self._runner is not None else 0,
+            free_blocks=self.free_blocks,
+            prefix_caching=self._runner.cache.prefix_caching if self._runner is not None else False,
         )
 
     @functools.cached_property
     def gpu_uuids(self) -> list[str]:
         """The UUIDs of the GPUs the model's weights are on (this rank's: one)."""
-        gpus = sorted({p.device.index or 0 for p in self.runner.model.parameters() if p.device.type == "cuda"})
+        params = self._model.parameters() if self._model is not None else iter(())
+        gpus = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         return [str(torch.cuda.get_device_properties(gpu).uuid) for gpu in gpus]
 
     async def setup_channel(

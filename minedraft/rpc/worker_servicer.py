@@ -85,8 +85,11 @@ class WorkerServicer:
         """Register this servicer with `server` (the service's generated `add_..._to_server`)."""
         raise NotImplementedError
 
-    def prefill(self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig]) -> dict[str, Any]:
-        """On the compute thread: admit the sequences; returns the reply's fields other than its timings."""
+    def prefill(
+        self, seq_ids: list[int], prompts: list[list[int]], configs: list[SamplingConfig], request: Any = None
+    ) -> dict[str, Any]:
+        """On the compute thread: admit the sequences (`request`: the Prefill's, for what else it carries; None for
+        a warm-up); returns the reply's fields other than its timings."""
         raise NotImplementedError
 
     async def before_prefill(self, configs: list[SamplingConfig]) -> None:
@@ -165,6 +168,8 @@ class WorkerServicer:
         """Prefill and release throwaway sequences, outside the prefix cache: the one-time costs of a first prefill
         (kernels loaded at their first launch, cuBLAS plans) leave the first request (120 ms of an 8B target's first
         TTFT on an H200)."""
+        if not self.worker.has_model:
+            return
         runner = self.worker.runner
         pool = runner.cache.pool
         assert pool is not None
@@ -188,9 +193,9 @@ class WorkerServicer:
         await self.release_first(request.release_seq_ids)
         seq_ids, prompts, configs = prefill_inputs(request.sequences, self.worker.vocab.logits_size)
         await self.before_prefill(configs)
-        fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs)
+        fields, queue_s, compute_s = await self.worker.run_timed(self.prefill, seq_ids, prompts, configs, request)
         timed = timings(start_unix, compute_s, queue_s=queue_s)
-        return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.runner.free_blocks)
+        return self.PrefillResponse(**fields, timings=timed, free_blocks=self.worker.free_blocks)
 
     async def step_stream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """The step call's stream (VerifyStream, ProposeStream): each message a `step` of its own, under the lease the
@@ -213,8 +218,7 @@ class WorkerServicer:
     @leased
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         await self.worker.run(self.engine.release, list(request.seq_ids))
-        runner = self.worker.runner
-        return self.ReleaseResponse(free_slots=runner.free_slots, free_blocks=runner.free_blocks)
+        return self.ReleaseResponse(free_slots=self.worker.free_slots, free_blocks=self.worker.free_blocks)
 
     async def serve(
         self,
@@ -225,7 +229,7 @@ class WorkerServicer:
     ) -> tuple[grpc.aio.Server, int, Drain]:
         """This service's gRPC server (health and reflection come too), its free slots on /metrics, and its drain
         after a SIGTERM (`ModelWorker.drain`)."""
-        if metrics is not None:
+        if metrics is not None and self.worker.has_model:
             runner = self.worker.runner
             pool = runner.cache.pool
             assert pool is not None

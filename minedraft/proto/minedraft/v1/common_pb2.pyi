@@ -82,7 +82,7 @@ class Timings(_message.Message):
     def __init__(self, compute_s: _Optional[float] = ..., channel_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., start_unix_s: _Optional[float] = ..., end_unix_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "device", "host_id", "num_slots", "max_model_len", "logits_size", "tokenizer_size", "tokenizer_hash", "eos_token_ids", "free_slots", "channels", "gpu_uuid", "gpu_uuids", "block_size", "num_blocks", "free_blocks", "prefix_caching")
+    __slots__ = ("model", "device", "host_id", "num_slots", "max_model_len", "logits_size", "tokenizer_size", "tokenizer_hash", "eos_token_ids", "free_slots", "channels", "gpu_uuid", "gpu_uuids", "block_size", "num_blocks", "free_blocks", "prefix_caching", "reads_target_states")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class WorkerInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    READS_TARGET_STATES_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     host_id: str
@@ -117,7 +118,8 @@ class WorkerInfo(_message.Message):
     num_blocks: int
     free_blocks: int
     prefix_caching: bool
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., host_id: _Optional[str] = ..., num_slots: _Optional[int] = ..., max_model_len: _Optional[int] = ..., logits_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ..., channels: _Optional[_Iterable[str]] = ..., gpu_uuid: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    reads_target_states: bool
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., host_id: _Optional[str] = ..., num_slots: _Optional[int] = ..., max_model_len: _Optional[int] = ..., logits_size: _Optional[int] = ..., tokenizer_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., free_slots: _Optional[int] = ..., channels: _Optional[_Iterable[str]] = ..., gpu_uuid: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., reads_target_states: _Optional[bool] = ...) -> None: ...
 
 class CallStatus(_message.Message):
     __slots__ = ("code", "message", "reason")

@@ -1,0 +1,242 @@
+"""EAGLE-1 and EAGLE-3 heads in their published checkpoint formats: loaded and run by the drafter, they draft what
+the same head computed by hand (plain tensor code over the checkpoint's tensors) on the target's HF hidden states."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
+
+from draft_service.drafter import resolve_method
+from draft_service.eagle import EagleProposer, load_eagle_head
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 128, 48
+EPS, THETA = 1e-6, 10000.0
+
+
+def make_target(root: Path, arch: str, layers: int) -> tuple[Path, PreTrainedModel]:
+    torch.manual_seed(0)
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        rms_norm_eps=EPS,
+    )
+    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    directory = root / f"{arch}-target"
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def head_tensors(eagle3: bool, fc_inputs: int) -> dict[str, torch.Tensor]:
+    """Random weights under the names the published heads use (norms not ones, so a misplaced norm shows)."""
+    g = torch.Generator().manual_seed(1 if eagle3 else 2)
+
+    def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    attn_in = 2 * HIDDEN if eagle3 else HIDDEN
+    prefix = "midlayer." if eagle3 else "layers.0."
+    tensors = {
+        "fc.weight": rand(HIDDEN, fc_inputs),
+        f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, attn_in),
+        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, attn_in),
+        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, attn_in),
+        f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+        f"{prefix}mlp.gate_proj.weight": rand(INTERMEDIATE, HIDDEN),
+        f"{prefix}mlp.up_proj.weight": rand(INTERMEDIATE, HIDDEN),
+        f"{prefix}mlp.down_proj.weight": rand(HIDDEN, INTERMEDIATE),
+        f"{prefix}post_attention_layernorm.weight": 1 + rand(HIDDEN),
+    }
+    if eagle3:
+        ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+        tensors |= {
+            "midlayer.input_layernorm.weight": 1 + rand(HIDDEN),
+            "midlayer.hidden_norm.weight": 1 + rand(HIDDEN),
+            "norm.weight": 1 + rand(HIDDEN),
+            "lm_head.weight": rand(DRAFT_VOCAB, HIDDEN, scale=1.0),
+            "d2t": ids - torch.arange(DRAFT_VOCAB),
+            "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, ids, True),
+        }
+    else:
+        tensors |= {"fc.bias": rand(HIDDEN), "embed_tokens.weight": rand(VOCAB, HIDDEN)}
+    return tensors
+
+
+def save_head(root: Path, eagle3: bool, fc_inputs: int, aux_ids: list[int] | None) -> Path:
+    directory = root / ("eagle3" if eagle3 else "eagle")
+    directory.mkdir()
+    config: dict[str, object] = dict(
+        architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        num_hidden_layers=1,
+        rms_norm_eps=EPS,
+        rope_theta=THETA,
+        max_position_embeddings=256,
+        vocab_size=VOCAB,
+        hidden_act="silu",
+    )
+    if eagle3:
+        config["draft_vocab_size"] = DRAFT_VOCAB
+        if aux_ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = head_tensors(eagle3, fc_inputs)
+    if eagle3:
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:  # the published EAGLE-1 heads are pytorch_model.bin
+        torch.save(tensors, directory / "pytorch_model.bin")
+    return directory
+
+
+# ------------------------------------------------------------------- the head by hand, over whole sequences
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    inv = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.cat([positions[:, None] * inv] * 2, dim=-1)  # [n, d]
+    half = HEAD_DIM // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * angles.cos() + rotated * angles.sin()
+
+
+def by_hand(w: dict[str, torch.Tensor], eagle3: bool, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's outputs at positions 0 .. n-1, each reading the next token's embedding and its hidden state."""
+    p = "midlayer." if eagle3 else "layers.0."
+    n = embeds.shape[0]
+    if eagle3:
+        residual = hidden
+        x = torch.cat([rms(embeds, w[p + "input_layernorm.weight"]), rms(hidden, w[p + "hidden_norm.weight"])], -1)
+    else:
+        x = residual = torch.cat([embeds, hidden], -1) @ w["fc.weight"].T + w["fc.bias"]
+    positions = torch.arange(n, dtype=torch.float32)
+    q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM).transpose(0, 1), positions)
+    k = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1), positions)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+    scores = (q @ k.transpose(1, 2)) / HEAD_DIM**0.5 + torch.full((n, n), float("-inf")).triu(1)
+    attended = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1) @ w[p + "self_attn.o_proj.weight"].T
+    residual = residual + attended
+    y = rms(residual, w[p + "post_attention_layernorm.weight"])
+    mlp = (torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[
+        p + "mlp.down_proj.weight"
+    ].T
+    return residual + mlp
+
+
+def logits_by_hand(
+    w: dict[str, torch.Tensor], eagle3: bool, out: torch.Tensor, target: PreTrainedModel
+) -> torch.Tensor:
+    if not eagle3:
+        return out @ target.lm_head.weight.T
+    full = torch.full((VOCAB,), float("-inf"))
+    ids = torch.arange(DRAFT_VOCAB) + w["d2t"]
+    full[ids] = rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
+    return full
+
+
+def drafts_by_hand(
+    w: dict[str, torch.Tensor], eagle3: bool, target: PreTrainedModel, tokens: list[int], features: torch.Tensor, k: int
+) -> list[int]:
+    """k greedy drafts after `tokens`, whose positions but the last have target `features`: each draft step
+    appends (the draft, the head's last output) and runs the whole sequence again."""
+    embed = torch.as_tensor(target.get_input_embeddings().weight)
+    next_tokens, hidden = list(tokens[1:]), features
+    drafts: list[int] = []
+    for _ in range(k):
+        out = by_hand(w, eagle3, embed[torch.tensor(next_tokens)], hidden)[-1]
+        drafts.append(int(logits_by_hand(w, eagle3, out, target).argmax()))
+        next_tokens.append(drafts[-1])
+        hidden = torch.cat([hidden, out[None]])
+    return drafts
+
+
+def target_hidden(target: PreTrainedModel, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    with torch.inference_mode():
+        states = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    return torch.cat([states[i][0] for i in layers], dim=-1)
+
+
+@pytest.mark.parametrize(("arch", "eagle3"), [("llama", True), ("qwen3", True), ("llama", False)])
+def test_head_drafts_as_by_hand(tmp_path: Path, arch: str, eagle3: bool) -> None:
+    """Through a prefill and two proposals (the second after a verify that accepted 2 of 3 drafts), the drafts equal
+    the head's by hand. Llama: EAGLE-3's default layers (2, N/2, N-3); Qwen3: the config's own ids."""
+    layers = 6
+    target_dir, target = make_target(tmp_path, arch, layers)
+    aux = [1, 3, 4] if arch == "qwen3" else None
+    fc_inputs = 3 * HIDDEN if eagle3 else 2 * HIDDEN
+    head_dir = save_head(tmp_path, eagle3, fc_inputs, aux)
+    assert resolve_method("auto", str(head_dir)) == ("eagle3" if eagle3 else "eagle")
+    head, spec = load_eagle_head(str(head_dir), str(target_dir), eagle3)
+    assert spec.layers == ((1, 3, 4) if aux else (2, 3, 3)) if eagle3 else spec.layers == (layers,)
+    w = head_tensors(eagle3, fc_inputs)
+    feature_of = (lambda h: h @ w["fc.weight"].T) if eagle3 else (lambda h: h)
+    proposer = EagleProposer(head, spec, num_slots=4)
+    rng = torch.Generator().manual_seed(5)
+    prompt = torch.randint(1, VOCAB, (11,), generator=rng).tolist()
+
+    proposer.add_hidden([7], [target_hidden(target, prompt, spec.layers)], admitting=True)  # the target's prefill
+    proposer.prefill([7], [prompt], [])
+    first_token = 17
+    k = 3
+    got = proposer.propose([7], torch.tensor([0]), torch.tensor([first_token]), k).draft_ids[0].tolist()
+    tokens = prompt + [first_token]
+    want = drafts_by_hand(w, eagle3, target, tokens, feature_of(target_hidden(target, prompt, spec.layers)), k)
+    assert got == want
+
+    # The verify ran [first_token, d1, d2, d3]; it accepted d1, d2 and emitted 5: hidden states of 3 positions.
+    verified = tokens + got[:2]
+    proposer.add_hidden([7], [target_hidden(target, verified, spec.layers)[len(prompt) :]])
+    again = proposer.propose([7], torch.tensor([2]), torch.tensor([5]), k).draft_ids[0].tolist()
+    hidden = feature_of(target_hidden(target, verified, spec.layers))
+    assert again == drafts_by_hand(w, eagle3, target, verified + [5], hidden, k)
+    assert proposer.sequences[7].kv_len == len(verified)
+
+
+def test_positions_without_target_states_run_on_the_heads_own(tmp_path: Path) -> None:
+    """Tokens decoded while no proposal was asked for come without the target's states: the head runs them on its
+    own last output (as its drafts), and later states line up again."""
+    target_dir, target = make_target(tmp_path, "llama", 6)
+    head, spec = load_eagle_head(str(save_head(tmp_path, True, 3 * HIDDEN, None)), str(target_dir), True)
+    proposer = EagleProposer(head, spec, num_slots=2)
+    prompt = list(range(3, 14))
+    proposer.add_hidden([1], [target_hidden(target, prompt, spec.layers)], admitting=True)
+    proposer.prefill([1], [prompt], [])
+    drafts = proposer.propose([1], torch.tensor([0]), torch.tensor([9]), 2).draft_ids[0].tolist()
+    # The verify accepted one draft, then the target decoded 7, 8, 9 and 4 alone: the proposal gets the states of
+    # the last such step only (at the last 9), labelled by sequence as the channel brings them.
+    history = prompt + [9, drafts[0], 7, 8, 9]
+    proposer.add_states([1], target_hidden(target, history, spec.layers)[-1:])
+    again = proposer.propose([1], torch.tensor([1]), torch.tensor([4]), 2, missed=[[7, 8, 9]])
+    sequence = proposer.sequences[1]
+    assert again.draft_ids.shape == (1, 2) and sequence.kv_len == len(sequence.tokens) - 1
+    assert sequence.tokens == history + [4]
+    # A sequence admitted without its prompt's states (a draft back after a loss) drafts valid ids, then takes up
+    # the states that come, its earlier positions left out of the head's keys.
+    proposer.prefill([2], [prompt], [])
+    assert proposer.propose([2], torch.tensor([0]), torch.tensor([9]), 2).draft_ids.tolist() == [[9, 9]]
+    proposer.add_states([2, 2, 2], target_hidden(target, prompt + [9, 9, 9], spec.layers)[-3:])
+    proposer.propose([2], torch.tensor([2]), torch.tensor([6]), 2)
+    assert proposer.sequences[2].kv_len == len(prompt) + 3

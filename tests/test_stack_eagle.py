@@ -1,0 +1,219 @@
+"""EAGLE heads through the services: greedy output equals HF `generate()` of the target in psd, sd and ar, with an
+EAGLE-3 head on a Llama target and an EAGLE-1 head on a Qwen3 target (random weights in the published formats),
+the target's hidden states travelling back to the draft over the channel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from stack import (
+    TinyPairs,
+    Workers,
+    assert_all_slots_free,
+    generate,
+    in_process_coordinator,
+    run_async,
+    spawn,
+    stop_all,
+    text_prompts,
+    wait_all,
+    worker_args,
+    worker_info,
+)
+
+from minedraft.engine.models import load_tokenizer
+from minedraft.proto import generation_pb2
+
+pytest_plugins = ["stack"]
+
+WORKER_BATCH = 4
+NUM_REQUESTS = 8
+K = 3
+HEADS = {"llama": True, "qwen3": False}  # arch -> EAGLE-3 (else EAGLE-1)
+DRAFT_ARGS: dict[str, list[str]] = {}  # arch -> its draft service's arguments (a restart takes them again)
+
+
+def write_head(directory: Path, target: Path, eagle3: bool) -> Path:
+    """A head of random weights for `target` in its published format: EAGLE-3 (safetensors, `midlayer.*`, a draft
+    vocabulary of half the target's, reading layers 0, 1 and 2) or EAGLE-1 (pytorch_model.bin, `layers.0.*`)."""
+    config = json.loads((target / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], 16
+    g = torch.Generator().manual_seed(11)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    attn_in = 2 * hidden if eagle3 else hidden
+    prefix = "midlayer." if eagle3 else "layers.0."
+    tensors = {
+        "fc.weight": rand(hidden, (3 if eagle3 else 2) * hidden),
+        prefix + "self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
+        prefix + "self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
+        prefix + "self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
+        prefix + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        prefix + "mlp.gate_proj.weight": rand(2 * hidden, hidden),
+        prefix + "mlp.up_proj.weight": rand(2 * hidden, hidden),
+        prefix + "mlp.down_proj.weight": rand(hidden, 2 * hidden),
+        prefix + "post_attention_layernorm.weight": 1 + rand(hidden),
+    }
+    head: dict[str, Any] = dict(
+        architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        vocab_size=vocab,
+    )
+    directory.mkdir()
+    if eagle3:
+        ids = torch.randperm(vocab, generator=g)[: vocab // 2].sort().values
+        tensors |= {
+            "midlayer.input_layernorm.weight": 1 + rand(hidden),
+            "midlayer.hidden_norm.weight": 1 + rand(hidden),
+            "norm.weight": 1 + rand(hidden),
+            "lm_head.weight": rand(vocab // 2, hidden) * 5,
+            "d2t": ids - torch.arange(vocab // 2),
+        }
+        head |= {"draft_vocab_size": vocab // 2, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:
+        torch.save(tensors, directory / "pytorch_model.bin")
+    (directory / "config.json").write_text(json.dumps(head))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def eagle_workers(tiny_pairs: TinyPairs, stack_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Per architecture: its target, and a draft service running an EAGLE head on it (`--speculative-method auto`)."""
+    root = tmp_path_factory.mktemp("eagle-heads")
+    workers: dict[str, Workers] = {}
+    try:
+        for arch, eagle3 in HEADS.items():
+            pair = tiny_pairs[arch]
+            head = write_head(root / arch, pair.target, eagle3)
+            target = spawn(f"eagle-{arch}-target", worker_args("target", pair.target, WORKER_BATCH), stack_logs)
+            DRAFT_ARGS[arch] = worker_args("draft", head, WORKER_BATCH) + ["--target-model-for-draft", str(pair.target)]
+            draft = spawn(f"eagle-{arch}-draft", DRAFT_ARGS[arch], stack_logs)
+            workers[arch] = Workers(pair, target, draft, WORKER_BATCH)
+        wait_all([s for w in workers.values() for s in (w.target, w.draft) if s is not None])
+        yield workers
+    finally:
+        stop_all([s for w in workers.values() for s in (w.draft, w.target)])  # (a restarted draft: the current one)
+
+
+Timed = list[tuple[generation_pb2.GenerateRequest, float]]  # requests, each with its start delay
+
+
+def _requests(pairs: TinyPairs, arch: str) -> tuple[Timed, list[list[int]]]:
+    """Greedy requests with start delays (they join and leave mid-flight), two of them with a prompt that starts
+    as the other's (a prefix-cache hit on the target), and each one's HF `generate()` tokens."""
+    from transformers import AutoModelForCausalLM
+
+    pair = pairs[arch]
+    rng = random.Random(5)
+    prompts = text_prompts(load_tokenizer(str(pair.target)), NUM_REQUESTS, 4, 40, seed=6)
+    shared = text_prompts(load_tokenizer(str(pair.target)), 1, 40, 40, seed=7)[0]
+    prompts[-2:] = [shared + prompts[-2][:3], shared + prompts[-1][:5]]  # a cached prefix's states are needed too
+    model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+    requests, expected = [], []
+    for prompt in prompts:
+        budget = rng.randint(1, 16)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=budget,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+        params = generation_pb2.SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+        requests.append((generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params), rng.uniform(0, 0.5)))
+    return requests, expected
+
+
+async def _run(address: str, requests: Timed) -> list[Any]:
+    async def one(request: generation_pb2.GenerateRequest, delay: float) -> Any:
+        await asyncio.sleep(delay)
+        return await generate(address, request, timeout=120)
+
+    return list(await asyncio.gather(*(one(r, d) for r, d in requests)))
+
+
+@pytest.mark.parametrize("arch", list(HEADS))
+def test_eagle_greedy_matches_target_alone(arch: str, eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs) -> None:
+    workers = eagle_workers[arch]
+    assert workers.draft is not None
+    assert worker_info(workers.draft.address, "draft").reads_target_states
+    requests, expected = _requests(tiny_pairs, arch)
+
+    async def run(mode: str) -> list[Any]:
+        async with in_process_coordinator(workers, mode=mode, num_speculative_tokens=K, speculation="always") as (
+            address,
+            _,
+        ):
+            return await _run(address, requests)
+
+    for mode in ("psd", "sd", "ar"):
+        done = run_async(run(mode))
+        assert [c.token_ids for c in done] == expected, mode
+        drafted = sum(c.usage.draft_tokens for c in done)
+        assert (drafted > 0) == (mode != "ar"), (mode, drafted)
+    assert_all_slots_free(workers)
+    # Every proposal ran on the target's states: none drafted blind (what a draft back after a loss does).
+    assert "no hidden states of the target" not in workers.draft.log_tail(10**7)
+
+
+def test_eagle_draft_killed_and_restarted(
+    eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs, stack_logs: Path
+) -> None:
+    """kill -9 of the EAGLE draft mid-flight: nothing is lost (the target decodes alone); restarted on its address,
+    it is taken back, the running requests handed over without their prompts' states (it drafts their last token
+    until a verify's come), and drafts again from the target's states, the output `generate()`'s throughout."""
+    workers = eagle_workers["llama"]
+    assert workers.draft is not None
+    requests, expected = _requests(tiny_pairs, "llama")
+    old, restarted = workers.draft, None
+
+    async def run() -> tuple[list[Any], list[Any], list[Any]]:
+        nonlocal restarted
+        options: dict[str, Any] = dict(
+            mode="psd", num_speculative_tokens=K, speculation="always", draft_retry_interval=0.2
+        )
+        async with in_process_coordinator(workers, **options) as (address, _):
+            first = asyncio.create_task(_run(address, requests))
+            await asyncio.sleep(0.3)
+            old.proc.send_signal(signal.SIGKILL)
+            lost = await first
+            restarted = spawn("eagle-llama-draft-again", DRAFT_ARGS["llama"], stack_logs, port=old.port)
+            await asyncio.to_thread(wait_all, [restarted])
+            # Requests running while the draft is taken back, then a wave after.
+            during = await _run(address, [(r, 0.1 * i) for i, (r, _) in enumerate(requests)])
+            return lost, during, await _run(address, requests)
+
+    try:
+        lost, during, after = run_async(run())
+    finally:
+        if restarted is not None:
+            workers.draft = restarted
+    assert old.proc.wait() == -signal.SIGKILL
+    for done in (lost, during, after):
+        assert [c.token_ids for c in done] == expected
+    assert sum(c.usage.draft_tokens for c in after) > 0

@@ -1,0 +1,107 @@
+"""N-gram drafting through the services: greedy output equals HF `generate()` of the target in psd, sd and ar."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from stack import (
+    TinyPairs,
+    Workers,
+    assert_all_slots_free,
+    generate,
+    in_process_coordinator,
+    run_async,
+    spawn,
+    text_prompts,
+    wait_all,
+    worker_args,
+    worker_info,
+)
+
+from minedraft.engine.models import load_tokenizer
+from minedraft.proto import generation_pb2
+
+pytest_plugins = ["stack"]
+
+WORKER_BATCH = 4
+NUM_REQUESTS = 12
+K = 4
+
+
+@pytest.fixture(scope="module")
+def ngram_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
+    """The Llama target, and a draft service that drafts by n-gram lookup, given the target's directory only."""
+    pair = tiny_pairs["llama"]
+    target = spawn("ngram-target", worker_args("target", pair.target, WORKER_BATCH), stack_logs)
+    draft_args = worker_args("draft", pair.target, WORKER_BATCH) + ["--speculative-method", "ngram", "--ngram-max", "3"]
+    draft = spawn("ngram-draft", draft_args, stack_logs)
+    workers = Workers(pair, target, draft, WORKER_BATCH)
+    try:
+        wait_all([target, draft])
+        yield workers
+    finally:
+        workers.stop()
+
+
+def _requests(pairs: TinyPairs) -> tuple[list[tuple[generation_pb2.GenerateRequest, float]], list[list[int]]]:
+    """Greedy requests (with start delays: they join and leave mid-flight), half of them prompts that repeat their
+    own text (what n-gram lookup finds), and each one's HF `generate()` tokens."""
+    from transformers import AutoModelForCausalLM
+
+    pair = pairs["llama"]
+    rng = random.Random(3)
+    prompts = text_prompts(load_tokenizer(str(pair.target)), NUM_REQUESTS, 6, 40, seed=4)
+    prompts = [p * 2 if i % 2 else p for i, p in enumerate(prompts)]
+    model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+    requests, expected = [], []
+    for prompt in prompts:
+        budget = rng.randint(1, 28)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            mask = torch.ones_like(ids)  # (EOS does not stop it: the requests ignore EOS)
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=budget, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+        params = generation_pb2.SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+        request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
+        requests.append((request, rng.uniform(0.0, 0.6)))
+    return requests, expected
+
+
+async def _run(address: str, requests: list[tuple[generation_pb2.GenerateRequest, float]]) -> list[Any]:
+    async def one(request: generation_pb2.GenerateRequest, delay: float) -> Any:
+        await asyncio.sleep(delay)
+        return await generate(address, request, timeout=120)
+
+    return list(await asyncio.gather(*(one(r, d) for r, d in requests)))
+
+
+def test_ngram_greedy_matches_target_alone(ngram_workers: Workers, tiny_pairs: TinyPairs) -> None:
+    """The draft loads no model (it reports no KV blocks) yet drafts: in psd and sd, drafts are made and some
+    accepted (the repeated prompts), and every mode gives `generate()`'s tokens."""
+    assert ngram_workers.draft is not None
+    info = worker_info(ngram_workers.draft.address, "draft")
+    assert info.block_size == 0 and info.device == "cpu"
+    requests, expected = _requests(tiny_pairs)
+
+    async def run(mode: str) -> list[Any]:
+        async with in_process_coordinator(ngram_workers, mode=mode, num_speculative_tokens=K) as (address, _):
+            return await _run(address, requests)
+
+    for mode in ("psd", "sd", "ar"):
+        done = run_async(run(mode))
+        assert [c.token_ids for c in done] == expected, mode
+        drafted = sum(c.usage.draft_tokens for c in done)
+        accepted = sum(c.usage.accepted_tokens for c in done)
+        if mode == "ar":
+            assert drafted == 0
+        else:
+            assert drafted > 0 and accepted > 0, (mode, drafted, accepted)
+    assert_all_slots_free(ngram_workers)
