@@ -43,6 +43,7 @@ def rejection_sample(
     *,
     all_greedy: bool,
     filtered: bool,
+    draft_lengths: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Decide every row's drafts against the target in one pass.
 
@@ -54,14 +55,23 @@ def rejection_sample(
     models say, so throughput can be measured at a realistic acceptance with random weights (as vLLM's synthetic
     rejection mode). `all_greedy` and `filtered` (some row has top-k or top-p) come from the host (the sequence
     table), so no device sync finds them out.
+
+    `draft_lengths` [B] (None: every row k) verifies only a prefix of each row's drafts, as TETRIS selects them
+    (design section 14): drafts past a row's length are never accepted, and the token after a full accept of that
+    prefix comes from p, as after k accepts; so a row's verified prefix is an ordinary shorter draft, lossless.
     """
     batch, k = draft_ids.shape
     rows = torch.arange(batch, device=draft_ids.device)
     target_argmax = greedy_tokens(target_logits)  # [B, k+1]
     accept = draft_ids == target_argmax[:, :k]
+    within = None if draft_lengths is None else torch.arange(k, device=draft_ids.device) < draft_lengths[:, None]
+    if within is not None:
+        accept &= within
     if synthetic_acceptance is not None:
         positions = first_position[:, None] + torch.arange(k, device=draft_ids.device)
         accept = seeded_uniform(params.seed_key, positions, STREAM_ACCEPT) < synthetic_acceptance
+        if within is not None:
+            accept &= within
         num_accepted = _accepted_prefix(accept)
         return _emit(draft_ids, num_accepted, target_argmax[rows, num_accepted])
     if all_greedy:  # the common serving case: no probabilities needed at all
@@ -77,12 +87,16 @@ def rejection_sample(
         q = draft_probs.to(p.dtype)
         if q.shape[-1] < vocab:  # (the verifier pads them already: a pad of nothing would still copy)
             q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+    if within is not None:  # no q past a row's prefix: the token after it is drawn from p itself
+        q = q * within[..., None]
     p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
     q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1).to(torch.float64)
     u_accept = seeded_uniform(params.seed_key, positions[:, :k], STREAM_ACCEPT)
     greedy = params.temperature == 0
     # Accept with probability min(1, p/q), written without a division: u * q < p.
     accept = torch.where(greedy[:, None], accept, u_accept * q_draft < p_draft)
+    if within is not None:
+        accept &= within
     num_accepted = _accepted_prefix(accept)
 
     # The token after the accepted prefix: from norm(max(p - q, 0)) at a rejection, from p after k accepts.
