@@ -152,7 +152,7 @@ def _chunk_kernel(
         kv = block[:, None] * s_blk + slot[:, None] * s_pos + d[None, :]
         k = tl.load(k_head + kv, mask=kv_mask, other=0.0)
         v = tl.load(v_head + kv, mask=kv_mask, other=0.0)
-        ahead = n + BLOCK_N
+        ahead = (n + BLOCK_N).to(ahead.dtype)  # (n is int64 where the loop starts at a constant: the fixed mode's 0)
         block = tl.load(table + ahead // BLOCK_SIZE, mask=ahead < end, other=0).to(tl.int64)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(seen, s, float("-inf"))
