@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.errors import ModelLoadError
+from minedraft.errors import InvalidRequest, ModelLoadError, UnknownSequenceError
 
 # --speculative-method: auto reads the --draft checkpoint's config (`resolve_method`)
 SPECULATIVE_METHODS = ("auto", "draft-model", "eagle", "eagle3", "ngram")
@@ -100,3 +100,14 @@ def _has_eagle_fc(draft_dir: str) -> bool:
     if os.path.isfile(binary):
         return "fc.weight" in torch.load(binary, map_location="meta", weights_only=True)
     return False
+
+
+def check_proposal(seq_ids: Sequence[int], held: Container[int], k: int) -> None:
+    """What a Propose must be, whatever drafts it: at least one token, each sequence held and listed once."""
+    if k < 1:
+        raise ValueError("a proposal drafts at least one token")
+    unknown = [s for s in seq_ids if s not in held]
+    if unknown:
+        raise UnknownSequenceError(f"unknown sequence ids {unknown[:8]}")
+    if len(set(seq_ids)) != len(seq_ids):
+        raise InvalidRequest("a step lists a sequence id more than once")

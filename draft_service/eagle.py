@@ -19,9 +19,9 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draft_service.drafter import Proposal
+from draft_service.drafter import Proposal, check_proposal
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.errors import CapacityError, InvalidRequest, ModelLoadError, UnknownSequenceError
+from minedraft.errors import CapacityError, InvalidRequest, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -367,11 +367,7 @@ class EagleProposer:
         missed: Sequence[Sequence[int]] = (),
         defer_upkeep: bool = False,
     ) -> Proposal:
-        if k < 1:
-            raise ValueError("a proposal drafts at least one token")
-        unknown = [s for s in seq_ids if s not in self.sequences]
-        if unknown:
-            raise UnknownSequenceError(f"unknown sequence ids {unknown[:8]}")
+        check_proposal(seq_ids, self.sequences, k)
         rows = []
         for b, (seq_id, accepted, token) in enumerate(zip(seq_ids, num_accepted.tolist(), next_tokens.tolist())):
             sequence = self.sequences[seq_id]

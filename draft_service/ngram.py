@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from draft_service.drafter import Proposal
+from draft_service.drafter import Proposal, check_proposal
 from minedraft.engine.sampling import SamplingConfig
-from minedraft.errors import CapacityError, InvalidRequest, UnknownSequenceError
+from minedraft.errors import CapacityError, InvalidRequest
 
 
 def ngram_lookup(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int) -> torch.Tensor:
@@ -73,13 +73,7 @@ class NgramProposer:
         missed: Sequence[Sequence[int]] = (),
         defer_upkeep: bool = False,
     ) -> Proposal:
-        if k < 1:
-            raise ValueError("a proposal drafts at least one token")
-        unknown = [s for s in seq_ids if s not in self.tokens]
-        if unknown:
-            raise UnknownSequenceError(f"unknown sequence ids {unknown[:8]}")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise InvalidRequest("a step lists a sequence id more than once")
+        check_proposal(seq_ids, self.tokens, k)
         histories = []
         for b, (seq_id, accepted, token) in enumerate(zip(seq_ids, num_accepted.tolist(), next_tokens.tolist())):
             tokens = self.tokens[seq_id]
