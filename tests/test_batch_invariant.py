@@ -123,10 +123,10 @@ def logits_by_step(
     decoded = []
     for i in range(5):
         step = torch.cat([follow[:, i : i + 1], others[:, i : i + 1]])
-        decoded.append(runner.forward(decode_rows, step, torch.ones(3, dtype=torch.long))[0, 0])
+        decoded.append(runner.forward(decode_rows, step, torch.ones(3, dtype=torch.long))[0, 0].clone())
     verify_row = torch.tensor(rows[3:])
     runner.forward(verify_row, prompt, torch.tensor([21]))
-    verified = runner.forward(verify_row, follow, torch.tensor([5]))[0]
+    verified = runner.forward(verify_row, follow, torch.tensor([5]))[0].clone()
     runner.release(rows)
     whole = torch.cat([prompt, follow], 1)
     (row,) = runner.allocate(1)
