@@ -33,6 +33,25 @@ class Refusal(NamedTuple):
     message: str
 
 
+def refusal_of(draining: bool, target: WorkerLink, retry_interval: float) -> Refusal | None:
+    """Why a new request is refused while the coordinator is `draining` or not and `target` is as it is, or None."""
+    if draining:
+        return Refusal("draining", "this coordinator is shutting down: send the request to another replica or retry")
+    if target.state is LinkState.LOST:
+        return Refusal(
+            "target_lost",
+            "the target service is unreachable; the coordinator "
+            f"tries it again every {retry_interval:g} s: retry shortly",
+        )
+    if target.stopping:
+        return Refusal(
+            "target_draining",
+            "the target service is shutting down; the coordinator "
+            "finishes the requests it admitted and serves again once a new one is up: retry shortly",
+        )
+    return None
+
+
 class Failover:
     """The one writer of both links' state (`WorkerLink.state`, `stopping`) and of what follows from it: whether
     new requests are refused, the target lost and taken back, the draft left, probed in the background and handed
@@ -87,23 +106,7 @@ class Failover:
 
     def refusal(self) -> Refusal | None:
         """Why a new request is refused now, or None: it is admitted."""
-        if self.draining:
-            return Refusal(
-                "draining", "this coordinator is shutting down: send the request to another replica or retry"
-            )
-        if self.target_lost:
-            return Refusal(
-                "target_lost",
-                "the target service is unreachable; the coordinator "
-                f"tries it again every {self.retry_interval:g} s: retry shortly",
-            )
-        if self.target.stopping:
-            return Refusal(
-                "target_draining",
-                "the target service is shutting down; the coordinator "
-                "finishes the requests it admitted and serves again once a new one is up: retry shortly",
-            )
-        return None
+        return refusal_of(self.draining, self.target, self.retry_interval)
 
     # ----------------------------------------------------------------------------------------------- health
 
