@@ -41,6 +41,23 @@ def check_matmul(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]],
         assert error < (1e-5 if dtype == torch.float32 else 1e-2), (k, n, error)
 
 
+def check_bmm(device: str, dtype: torch.dtype, k: int, n: int, ms: tuple[int, ...]) -> None:
+    """The batched matmul's entries are bit-equal to the lone matmul of each, whatever M and E, with strided and
+    broadcast (stride 0) operands as attention's gathered K/V give them."""
+    from minedraft.kernels.batch_invariant import bmm, matmul
+
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(5, n, k, generator=generator).to(device, dtype) / k**0.5
+    x = torch.randn(5, max(ms), k, generator=generator).to(device, dtype)
+    full = bmm(x, w.transpose(1, 2))
+    for e in range(5):
+        assert torch.equal(full[e], matmul(x[e], w[e].t())), e
+    for m in ms:
+        assert torch.equal(bmm(x[1:3, :m], w[1:3].transpose(1, 2)), full[1:3, :m]), m
+    shared = bmm(x, w[:1].transpose(1, 2).expand(5, k, n))
+    assert all(torch.equal(shared[e], matmul(x[e], w[0].t())) for e in range(5))
+
+
 def check_row_mean(device: str) -> None:
     from minedraft.kernels.batch_invariant import row_mean
 
@@ -91,6 +108,7 @@ def check_fixed_attention(device: str, dtype: torch.dtype) -> None:
 
 def check_all(device: str, dtype: torch.dtype) -> None:
     check_matmul(device, dtype, [(96, 160)] if device == "cpu" else SHAPES, (1, 5, 130) if device == "cpu" else MS)
+    check_bmm(device, dtype, *((96, 80, (1, 5, 70)) if device == "cpu" else (128, 576, (1, 5, 64, 129))))
     check_row_mean(device)
     check_fixed_attention(device, dtype)
 

@@ -64,8 +64,8 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     is E entries of ROW_CHUNK rows: oneDNN's batched kernels compute every entry alike)."""
     if a.shape[-1] == 1:  # one product per element (rotary angles): exact whatever the shape
         return torch.bmm(a, b)
-    if a.is_cuda and KERNELS is not None:
-        return torch.stack([KERNELS.matmul(x, y) for x, y in zip(a.unbind(0), b.unbind(0), strict=True)])
+    if a.is_cuda and KERNELS is not None:  # one launch for all entries, each entry's rows as `matmul` gives them
+        return KERNELS.bmm(a, b)
     padded = _padded_rows(a)
     parts = [torch.bmm(padded[:, i : i + ROW_CHUNK], b) for i in range(0, padded.shape[1], ROW_CHUNK)]
     return torch.cat(parts, 1)[:, : a.shape[1]]
