@@ -67,6 +67,24 @@ def check_row_mean(device: str) -> None:
     torch.testing.assert_close(full, x.mean(-1, keepdim=True))
 
 
+def check_rms_norm(device: str, dtype: torch.dtype) -> None:
+    """The one-kernel RMSNorm's rows are bit-equal whatever the rows, and equal Llama's norm to rounding."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from minedraft.kernels.batch_invariant import rms_norm
+
+    generator = torch.Generator().manual_seed(4)
+    for width in (4096, 128, 300):
+        x = torch.randn(70, width, generator=generator).to(device, dtype) * 3
+        norm = LlamaRMSNorm(width, eps=1e-5).to(device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+            full = rms_norm(x, norm.weight, 1e-5)
+            assert all(torch.equal(rms_norm(x[:m], norm.weight, 1e-5), full[:m]) for m in (1, 2, 5, 33)), width
+            assert torch.equal(rms_norm(x[None, 3:9], norm.weight, 1e-5)[0], full[3:9])
+            torch.testing.assert_close(full, norm(x), **({} if dtype == torch.float32 else dict(atol=0.02, rtol=0.01)))
+
+
 def _fixed_attention(inputs: Any, scale: float, window: int, batch: slice, queries: slice) -> torch.Tensor:
     """The fixed paged attention of `inputs` (`test_decode_attention.Inputs`) for some entries and queries."""
     from minedraft.kernels.decode_attention import paged_attention
@@ -110,6 +128,7 @@ def check_all(device: str, dtype: torch.dtype) -> None:
     check_matmul(device, dtype, [(96, 160)] if device == "cpu" else SHAPES, (1, 5, 130) if device == "cpu" else MS)
     check_bmm(device, dtype, *((96, 80, (1, 5, 70)) if device == "cpu" else (128, 576, (1, 5, 64, 129))))
     check_row_mean(device)
+    check_rms_norm(device, dtype)
     check_fixed_attention(device, dtype)
 
 
@@ -122,6 +141,28 @@ def test_kernels_rows_alike_in_triton_interpreter() -> None:
 def test_kernels_rows_alike_on_a_gpu() -> None:
     check_all("cuda", torch.bfloat16)
     check_all("cuda", torch.float32)
+
+
+@needs_gpu
+def test_fused_norms_only_inside_the_mode() -> None:
+    """`fuse_norms` gives Llama's norms the one kernel inside an `InvariantMode`; outside it they compute
+    as transformers does, and Gemma 3's (1 + weight) norm is left alone."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from minedraft.engine.batch_invariant import InvariantMode, fuse_norms
+    from minedraft.kernels.batch_invariant import rms_norm
+
+    small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    llama = LlamaForCausalLM(LlamaConfig(**small)).to("cuda", torch.bfloat16)
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(**small, head_dim=64)).to("cuda", torch.bfloat16)
+    assert fuse_norms(llama) == 2 * 2 + 1 and fuse_norms(gemma) == 0
+    norm = llama.model.norm
+    x = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), type(norm).forward(norm, x))
+        with InvariantMode():
+            inside = norm(x)
+        assert torch.equal(inside, rms_norm(x, norm.weight, norm.variance_epsilon))
 
 
 @needs_gpu

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from minedraft.engine.batch_invariant import invariant_mode
+from minedraft.engine.batch_invariant import fuse_norms, invariant_mode
 from minedraft.engine.block_tables import TableWriter
 from minedraft.engine.cache_sizing import allocate_cache
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
@@ -127,6 +127,8 @@ class ModelRunner:
             log.warning("--deterministic runs the layers uncompiled: --compile is ignored")
             compile_layers = False
         fuse_projections(model)
+        if deterministic:
+            fuse_norms(model)
         self.model = model
         self.tensor_parallel: TensorParallel | None = getattr(model, "_minedraft_tp", None)  # (`shard_model`)
         self.device = next(model.parameters()).device

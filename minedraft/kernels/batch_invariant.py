@@ -5,7 +5,7 @@ change with M; PyTorch's CUDA reductions pick their block shape (and whether sev
 number of outputs. Here the matmul is persistent over fixed tiles (`CONFIG`, one for every shape), each tile's K loop
 in one program from k = 0 up (no split-K, no atomics), and every row's mean is one program's loop over fixed chunks.
 A batched matmul is the same kernel with the entry on a second grid axis: each entry's rows get the bits a lone
-matmul gives them.
+matmul gives them. `rms_norm` is a Llama RMSNorm in one kernel, one program per row.
 """
 
 from __future__ import annotations
@@ -185,3 +185,37 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _row_mean_kernel[(rows.shape[0],)](rows, out, rows.stride(0), width, BLOCK=ROW_BLOCK)
     return out.view(*x.shape[:-1], 1)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_row, width, eps, BLOCK: tl.constexpr):
+    """Program r: row r's mean square summed in float32 over BLOCK-wide chunks from the row's start, then across;
+    then each element x * rsqrt(mean + eps) rounded to the output's type, times the weight, rounded again."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * s_row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        acc += x * x
+    scale = 1.0 / tl.sqrt(tl.sum(acc, 0) / width + eps)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * s_row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        normed = (x * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=cols < width)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x.float() * rsqrt(mean(x.float() ** 2, -1) + eps)).to(x.dtype)` (Llama's RMSNorm) for `weight` of
+    `x`'s type, each row in one program: 1 kernel where the norm's operations are 7."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            block = min(ROW_BLOCK, triton.next_power_of_2(width))
+            _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), width, eps, BLOCK=block)
+    return out.view(x.shape)
