@@ -24,6 +24,7 @@ sys.path.insert(0, ".")
 from benchmarks import invariant_matmul_bench  # noqa: E402
 from benchmarks.shaped_checkpoint import VOCAB, build  # noqa: E402
 from minedraft.engine.model_runner import ModelRunner  # noqa: E402
+from minedraft.kernels.batch_invariant import MatmulConfig  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -69,12 +70,11 @@ def step_times(
     return timings[0], timings[1], prefill
 
 
-def set_matmul_config(config: object) -> None:
+def set_matmul_config(config: MatmulConfig) -> None:
     """The config every deterministic matmul takes from now on (where the Triton kernels run)."""
-    from minedraft.engine import batch_invariant
+    from minedraft.kernels import batch_invariant
 
-    if batch_invariant.KERNELS is not None:
-        batch_invariant.KERNELS.CONFIG = config
+    batch_invariant.CONFIG = config
 
 
 def main() -> None:
@@ -94,7 +94,7 @@ def main() -> None:
     best = None if args.no_sweep else invariant_matmul_bench.run(args.device, args.iters)
     sys.stdout.flush()
     default = invariant_matmul_bench.CONFIG
-    runs: list[tuple[str, bool, object]] = [("plain", False, default), ("determ.", True, default)]
+    runs: list[tuple[str, bool, MatmulConfig]] = [("plain", False, default), ("determ.", True, default)]
     if best is not None and best != default:
         runs.append(("best", True, best))
     model = build(args.shape, args.device)

@@ -14,6 +14,7 @@ with the least such time over M = 8, 40, 64, 320 (decodes and verifies at batch 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -107,7 +108,7 @@ def sweep(
     for name, _, _, _ in shapes:
         x, w = operands[name]
         for m in time_ms:
-            baseline[name, m] = measure(lambda x=x, w=w, m=m: torch.mm(x[:m], w.t()), iters if m < 1024 else 3)
+            baseline[name, m] = measure(functools.partial(torch.mm, x[:m], w.t()), iters if m < 1024 else 3)
     torch_step = {m: sum(baseline[s[0], m] * s[3] for s in shapes) for m in time_ms}
     picked = [m for m in time_ms if m in PICK_MS] or list(time_ms)
     print(f"matmul configs on {where(device)}, {dtype}: us per call (torch.mm's in brackets); invariant: rows equal")
@@ -124,7 +125,7 @@ def sweep(
             try:
                 bad, full = invariant(config, x, w, check_ms)
                 times = {
-                    m: measure(lambda x=x, w=w, m=m, c=config: matmul(x[:m], w.t(), c), iters if m < 1024 else 3)
+                    m: measure(functools.partial(matmul, x[:m], w.t(), config), iters if m < 1024 else 3)
                     for m in time_ms
                 }
             except Exception as exc:  # (a tile past the GPU's shared memory: Triton's OutOfResources)

@@ -82,7 +82,8 @@ def check_rms_norm(device: str, dtype: torch.dtype) -> None:
             full = rms_norm(x, norm.weight, 1e-5)
             assert all(torch.equal(rms_norm(x[:m], norm.weight, 1e-5), full[:m]) for m in (1, 2, 5, 33)), width
             assert torch.equal(rms_norm(x[None, 3:9], norm.weight, 1e-5)[0], full[3:9])
-            torch.testing.assert_close(full, norm(x), **({} if dtype == torch.float32 else dict(atol=0.02, rtol=0.01)))
+            tolerance = (None, None) if dtype == torch.float32 else (0.01, 0.02)
+            torch.testing.assert_close(full, norm(x), rtol=tolerance[0], atol=tolerance[1])
 
 
 def _fixed_attention(inputs: Any, scale: float, window: int, batch: slice, queries: slice) -> torch.Tensor:
@@ -153,9 +154,12 @@ def test_fused_norms_only_inside_the_mode() -> None:
     from minedraft.engine.batch_invariant import InvariantMode, fuse_norms
     from minedraft.kernels.batch_invariant import rms_norm
 
-    small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
-    llama = LlamaForCausalLM(LlamaConfig(**small)).to("cuda", torch.bfloat16)
-    gemma = Gemma3ForCausalLM(Gemma3TextConfig(**small, head_dim=64)).to("cuda", torch.bfloat16)
+    small: dict[str, Any] = dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=100
+    )
+    with torch.device("cuda"):
+        llama = LlamaForCausalLM(LlamaConfig(**small)).bfloat16()
+        gemma = Gemma3ForCausalLM(Gemma3TextConfig(**small, head_dim=64)).bfloat16()
     assert fuse_norms(llama) == 2 * 2 + 1 and fuse_norms(gemma) == 0
     norm = llama.model.norm
     x = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)

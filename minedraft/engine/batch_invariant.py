@@ -4,8 +4,9 @@ In bfloat16 a matmul's per-row result depends on M on both devices: oneDNN on a 
 the order of the K reduction) by shape, 512 x 1536 weights already giving other bits at M = 8 than at M = 1; cuBLAS
 picks kernels and split-K by shape. A verify multiplies B x (k + 1) rows where a decode multiplies B, so greedy
 tokens differed between ar, sd and psd. `InvariantMode`, entered around a step's forward, routes the matmuls through
-shapes that do not depend on M (`invariant_mm`) and, on CUDA, the row means of the norms through a Triton kernel;
-attention takes `fixed_split_attention` (gathered K/V) or the paged kernel with a fixed key split.
+shapes that do not depend on M (`invariant_mm`, `invariant_bmm`) and, on CUDA, the row means of the norms through a
+Triton kernel (Llama-style norms whole: `fuse_norms`); attention takes `fixed_split_attention` (gathered K/V) or the
+paged kernel with a fixed key split.
 """
 
 from __future__ import annotations
@@ -177,19 +178,26 @@ def _llama_norm_source() -> str:
     return inspect.getsource(LlamaRMSNorm.forward)
 
 
-@functools.cache
-def _is_llama_norm(cls: type) -> bool:
+_LLAMA_NORM: dict[str, bool] = {}  # by class, qualified name
+
+
+def _is_llama_norm(cls: type[torch.nn.Module]) -> bool:
     """Whether `cls.forward` is Llama's RMSNorm as it is (Qwen2/3's and Mistral's are copies; Gemma's scales by
     1 + weight in float32: not)."""
-    try:
-        return inspect.getsource(cls.forward) == _llama_norm_source()
-    except (OSError, TypeError):
-        return False
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if name not in _LLAMA_NORM:
+        try:
+            _LLAMA_NORM[name] = inspect.getsource(cls.forward) == _llama_norm_source()
+        except (OSError, TypeError):
+            _LLAMA_NORM[name] = False
+    return _LLAMA_NORM[name]
 
 
 def _fused_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Llama's RMSNorm as one Triton kernel inside an `InvariantMode` on CUDA, else the module's own forward."""
     weight = module.weight
+    eps = module.variance_epsilon
+    assert isinstance(weight, torch.Tensor) and isinstance(eps, float | int), (type(weight), type(eps))
     if (
         KERNELS is None
         or not hidden_states.is_cuda
@@ -197,7 +205,7 @@ def _fused_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) ->
         or not invariant_mode_active()
     ):
         return type(module).forward(module, hidden_states)
-    return KERNELS.rms_norm(hidden_states, weight, float(module.variance_epsilon))
+    return KERNELS.rms_norm(hidden_states, weight, float(eps))
 
 
 def fuse_norms(model: torch.nn.Module) -> int:
