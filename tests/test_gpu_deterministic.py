@@ -109,9 +109,18 @@ def check_fixed_attention(device: str, dtype: torch.dtype) -> None:
     from test_decode_attention import Case, paged_inputs, reference
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cases = [Case(4, 8, 2, 5, 32, 300, 16, 0, None, 64), Case(3, 12, 2, 5, 64, 260, 16, 40, None, 64)]
+    # (the last: a prefill's many queries, entry 0 a fresh prompt's, over several blocks of folded queries)
+    cases = [
+        Case(4, 8, 2, 5, 32, 300, 16, 0, None, 64),
+        Case(3, 12, 2, 5, 64, 260, 16, 40, None, 64),
+        Case(3, 8, 2, 70, 64, 300, 16, 0, None, 64),
+    ]
     if device == "cpu":  # (the interpreter: fewer and shorter rows)
-        cases = [Case(3, 4, 2, 4, 32, 140, 16, 0, None, 64), Case(3, 4, 2, 4, 16, 150, 16, 40, None, 64)]
+        cases = [
+            Case(3, 4, 2, 4, 32, 140, 16, 0, None, 64),
+            Case(3, 4, 2, 4, 16, 150, 16, 40, None, 64),
+            Case(2, 4, 2, 24, 16, 90, 16, 0, None, 64),
+        ]
     for case in cases:
         inputs = paged_inputs(case, device, dtype, generator)
         scale = case.dim**-0.5
