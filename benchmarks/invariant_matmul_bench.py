@@ -42,10 +42,11 @@ PICK_MS = (8, 40, 64, 320)
 # the one the others' bits are compared with.
 CANDIDATES = [
     CONFIG,
+    MatmulConfig(64, 64, 64, 4, 4, 2),
     MatmulConfig(64, 32, 64, 4, 6, 2),
-    MatmulConfig(64, 128, 64, 4, 4, 1),
-    MatmulConfig(128, 64, 64, 4, 4, 1),
-    MatmulConfig(128, 128, 64, 8, 3, 1),
+    MatmulConfig(64, 128, 64, 4, 4, 2),
+    MatmulConfig(128, 64, 64, 4, 4, 2),
+    MatmulConfig(128, 128, 64, 8, 3, 2),
     MatmulConfig(64, 64, 128, 4, 3, 2),
     MatmulConfig(64, 32, 128, 4, 4, 2),
     MatmulConfig(64, 16, 128, 4, 5, 2),
