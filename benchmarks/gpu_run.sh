@@ -242,11 +242,18 @@ paged)
     grep -E "^(summary|total)" "$OUT/run/paged.log"
     ;;
 deterministic)
-    # --deterministic: the kernels' and the services' tests (ar, sd, psd bit-identical in bf16), then its step cost.
-    timeout -k 10 ${TEST_SECONDS:-300} python3 -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" \
-        tests/test_gpu_deterministic.py 2>&1 | tee "$OUT/run/test_gpu_deterministic.log" | tail -5
-    timeout -k 10 ${BENCH_SECONDS:-240} python3 benchmarks/deterministic_bench.py --device "$TARGET_DEVICE" \
-        --shape "${SHAPE:-8b}" --batches "${BATCHES:-8,64}" 2>&1 | tee "$OUT/run/deterministic_bench.txt" | tail -9
+    # --deterministic: the kernels' and the services' tests (ar, sd, psd bit-identical in bf16; TEST_SECONDS=0:
+    # none), then the matmul's candidate configs (invariance, time against torch.mm; EXTRA=--no-sweep: skipped) and
+    # the step cost, plain against the flag in the default config and in the best candidate (BENCH_SECONDS=0: none).
+    if [ "${TEST_SECONDS:-300}" != 0 ]; then
+        timeout -k 10 ${TEST_SECONDS:-300} python3 -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" \
+            tests/test_gpu_deterministic.py 2>&1 | tee "$OUT/run/test_gpu_deterministic.log" | tail -5
+    fi
+    if [ "${BENCH_SECONDS:-360}" != 0 ]; then
+        timeout -k 10 ${BENCH_SECONDS:-360} python3 benchmarks/deterministic_bench.py --device "$TARGET_DEVICE" \
+            --shape "${SHAPE:-8b}" --batches "${BATCHES:-8,64}" ${EXTRA:-} 2>&1 \
+            | tee "$OUT/run/deterministic_bench.txt" | grep -vE "^(WARNING|INFO)" | tail -75
+    fi
     ;;
 deterministic-served)
     # Served throughput with and without --deterministic (8B-shaped target, 68M draft): the cost goal.

@@ -41,6 +41,23 @@ def check_matmul(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]],
         assert error < (1e-5 if dtype == torch.float32 else 1e-2), (k, n, error)
 
 
+def check_bmm(device: str, dtype: torch.dtype, k: int, n: int, ms: tuple[int, ...]) -> None:
+    """The batched matmul's entries are bit-equal to the lone matmul of each, whatever M and E, with strided and
+    broadcast (stride 0) operands as attention's gathered K/V give them."""
+    from minedraft.kernels.batch_invariant import bmm, matmul
+
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(5, n, k, generator=generator).to(device, dtype) / k**0.5
+    x = torch.randn(5, max(ms), k, generator=generator).to(device, dtype)
+    full = bmm(x, w.transpose(1, 2))
+    for e in range(5):
+        assert torch.equal(full[e], matmul(x[e], w[e].t())), e
+    for m in ms:
+        assert torch.equal(bmm(x[1:3, :m], w[1:3].transpose(1, 2)), full[1:3, :m]), m
+    shared = bmm(x, w[:1].transpose(1, 2).expand(5, k, n))
+    assert all(torch.equal(shared[e], matmul(x[e], w[0].t())) for e in range(5))
+
+
 def check_row_mean(device: str) -> None:
     from minedraft.kernels.batch_invariant import row_mean
 
@@ -48,6 +65,25 @@ def check_row_mean(device: str) -> None:
     full = row_mean(x)
     assert all(torch.equal(row_mean(x[:m]), full[:m]) for m in (1, 2, 5, 33))
     torch.testing.assert_close(full, x.mean(-1, keepdim=True))
+
+
+def check_rms_norm(device: str, dtype: torch.dtype) -> None:
+    """The one-kernel RMSNorm's rows are bit-equal whatever the rows, and equal Llama's norm to rounding."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from minedraft.kernels.batch_invariant import rms_norm
+
+    generator = torch.Generator().manual_seed(4)
+    for width in (4096, 128, 300):
+        x = torch.randn(70, width, generator=generator).to(device, dtype) * 3
+        norm = LlamaRMSNorm(width, eps=1e-5).to(device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+            full = rms_norm(x, norm.weight, 1e-5)
+            assert all(torch.equal(rms_norm(x[:m], norm.weight, 1e-5), full[:m]) for m in (1, 2, 5, 33)), width
+            assert torch.equal(rms_norm(x[None, 3:9], norm.weight, 1e-5)[0], full[3:9])
+            tolerance = (None, None) if dtype == torch.float32 else (0.01, 0.02)
+            torch.testing.assert_close(full, norm(x), rtol=tolerance[0], atol=tolerance[1])
 
 
 def _fixed_attention(inputs: Any, scale: float, window: int, batch: slice, queries: slice) -> torch.Tensor:
@@ -73,9 +109,18 @@ def check_fixed_attention(device: str, dtype: torch.dtype) -> None:
     from test_decode_attention import Case, paged_inputs, reference
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cases = [Case(4, 8, 2, 5, 32, 300, 16, 0, None, 64), Case(3, 12, 2, 5, 64, 260, 16, 40, None, 64)]
+    # (the last: a prefill's many queries, entry 0 a fresh prompt's, over several blocks of folded queries)
+    cases = [
+        Case(4, 8, 2, 5, 32, 300, 16, 0, None, 64),
+        Case(3, 12, 2, 5, 64, 260, 16, 40, None, 64),
+        Case(3, 8, 2, 70, 64, 300, 16, 0, None, 64),
+    ]
     if device == "cpu":  # (the interpreter: fewer and shorter rows)
-        cases = [Case(3, 4, 2, 4, 32, 140, 16, 0, None, 64), Case(3, 4, 2, 4, 16, 150, 16, 40, None, 64)]
+        cases = [
+            Case(3, 4, 2, 4, 32, 140, 16, 0, None, 64),
+            Case(3, 4, 2, 4, 16, 150, 16, 40, None, 64),
+            Case(2, 4, 2, 24, 16, 90, 16, 0, None, 64),
+        ]
     for case in cases:
         inputs = paged_inputs(case, device, dtype, generator)
         scale = case.dim**-0.5
@@ -90,8 +135,11 @@ def check_fixed_attention(device: str, dtype: torch.dtype) -> None:
 
 
 def check_all(device: str, dtype: torch.dtype) -> None:
-    check_matmul(device, dtype, [(96, 160)] if device == "cpu" else SHAPES, (1, 5, 130) if device == "cpu" else MS)
+    cpu = device == "cpu"  # (the interpreter: small shapes, K a multiple of the tile's and not)
+    check_matmul(device, dtype, [(96, 160), (128, 80)] if cpu else SHAPES, (1, 5, 130) if cpu else MS)
+    check_bmm(device, dtype, *((96, 80, (1, 5, 70)) if device == "cpu" else (128, 576, (1, 5, 64, 129))))
     check_row_mean(device)
+    check_rms_norm(device, dtype)
     check_fixed_attention(device, dtype)
 
 
@@ -104,6 +152,31 @@ def test_kernels_rows_alike_in_triton_interpreter() -> None:
 def test_kernels_rows_alike_on_a_gpu() -> None:
     check_all("cuda", torch.bfloat16)
     check_all("cuda", torch.float32)
+
+
+@needs_gpu
+def test_fused_norms_only_inside_the_mode() -> None:
+    """`fuse_norms` gives Llama's norms the one kernel inside an `InvariantMode`; outside it they compute
+    as transformers does, and Gemma 3's (1 + weight) norm is left alone."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from minedraft.engine.batch_invariant import InvariantMode, fuse_norms
+    from minedraft.kernels.batch_invariant import rms_norm
+
+    small: dict[str, Any] = dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=100
+    )
+    with torch.device("cuda"):
+        llama = LlamaForCausalLM(LlamaConfig(**small)).bfloat16()
+        gemma = Gemma3ForCausalLM(Gemma3TextConfig(**small, head_dim=64)).bfloat16()
+    assert fuse_norms(llama) == 2 * 2 + 1 and fuse_norms(gemma) == 0
+    norm = llama.model.norm
+    x = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), type(norm).forward(norm, x))
+        with InvariantMode():
+            inside = norm(x)
+        assert torch.equal(inside, rms_norm(x, norm.weight, norm.variance_epsilon))
 
 
 @needs_gpu

@@ -4,13 +4,17 @@ In bfloat16 a matmul's per-row result depends on M on both devices: oneDNN on a 
 the order of the K reduction) by shape, 512 x 1536 weights already giving other bits at M = 8 than at M = 1; cuBLAS
 picks kernels and split-K by shape. A verify multiplies B x (k + 1) rows where a decode multiplies B, so greedy
 tokens differed between ar, sd and psd. `InvariantMode`, entered around a step's forward, routes the matmuls through
-shapes that do not depend on M (`invariant_mm`) and, on CUDA, the row means of the norms through a Triton kernel;
-attention takes `fixed_split_attention` (gathered K/V) or the paged kernel with a fixed key split.
+shapes that do not depend on M (`invariant_mm`, `invariant_bmm`) and, on CUDA, the row means of the norms through a
+Triton kernel (Llama-style norms whole: `fuse_norms`); attention takes `fixed_split_attention` (gathered K/V) or the
+paged kernel with a fixed key split.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import types
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -64,8 +68,8 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     is E entries of ROW_CHUNK rows: oneDNN's batched kernels compute every entry alike)."""
     if a.shape[-1] == 1:  # one product per element (rotary angles): exact whatever the shape
         return torch.bmm(a, b)
-    if a.is_cuda and KERNELS is not None:
-        return torch.stack([KERNELS.matmul(x, y) for x, y in zip(a.unbind(0), b.unbind(0), strict=True)])
+    if a.is_cuda and KERNELS is not None:  # one launch for all entries, each entry's rows as `matmul` gives them
+        return KERNELS.bmm(a, b)
     padded = _padded_rows(a)
     parts = [torch.bmm(padded[:, i : i + ROW_CHUNK], b) for i in range(0, padded.shape[1], ROW_CHUNK)]
     return torch.cat(parts, 1)[:, : a.shape[1]]
@@ -141,10 +145,15 @@ class InvariantMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def invariant_mode_active() -> bool:
+    """Whether an `InvariantMode` is on."""
+    return any(isinstance(mode, InvariantMode) for mode in _get_current_dispatch_mode_stack())
+
+
 def invariant_mode(enabled: bool) -> contextlib.AbstractContextManager[object]:
     """An `InvariantMode` where `enabled` and none is on already (the runner's around a step's body, the forward's
     own for calls outside one), else nothing."""
-    if not enabled or any(isinstance(mode, InvariantMode) for mode in _get_current_dispatch_mode_stack()):
+    if not enabled or invariant_mode_active():
         return contextlib.nullcontext()
     return InvariantMode()
 
@@ -160,6 +169,57 @@ _REPLACED: dict[Any, Callable[..., torch.Tensor]] = {
     torch.ops.aten.matmul.default: _matmul,
     torch.ops.aten.rms_norm.default: _rms_norm,
 }
+
+
+@functools.cache
+def _llama_norm_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return inspect.getsource(LlamaRMSNorm.forward)
+
+
+_LLAMA_NORM: dict[str, bool] = {}  # by class, qualified name
+
+
+def _is_llama_norm(cls: type[torch.nn.Module]) -> bool:
+    """Whether `cls.forward` is Llama's RMSNorm as it is (Qwen2/3's and Mistral's are copies; Gemma's scales by
+    1 + weight in float32: not)."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if name not in _LLAMA_NORM:
+        try:
+            _LLAMA_NORM[name] = inspect.getsource(cls.forward) == _llama_norm_source()
+        except (OSError, TypeError):
+            _LLAMA_NORM[name] = False
+    return _LLAMA_NORM[name]
+
+
+def _fused_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm as one Triton kernel inside an `InvariantMode` on CUDA, else the module's own forward."""
+    weight = module.weight
+    eps = module.variance_epsilon
+    assert isinstance(weight, torch.Tensor) and isinstance(eps, float | int), (type(weight), type(eps))
+    if (
+        KERNELS is None
+        or not hidden_states.is_cuda
+        or weight.dtype != hidden_states.dtype
+        or not invariant_mode_active()
+    ):
+        return type(module).forward(module, hidden_states)
+    return KERNELS.rms_norm(hidden_states, weight, float(eps))
+
+
+def fuse_norms(model: torch.nn.Module) -> int:
+    """Where the Triton kernels run: give each Llama-style RMSNorm of `model` the one-kernel forward inside an
+    `InvariantMode` (its 7 operations are 7 kernels each: 455 in an 8B step's graph); returns how many. Outside the
+    mode the norms compute as before."""
+    if KERNELS is None:
+        return 0
+    fused = 0
+    for module in model.modules():
+        if _is_llama_norm(type(module)) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            module.forward = types.MethodType(_fused_norm_forward, module)  # type: ignore[method-assign]
+            fused += 1
+    return fused
 
 
 def fixed_split_attention(

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from minedraft.engine.batch_invariant import invariant_mode
+from minedraft.engine.batch_invariant import fuse_norms, invariant_mode
 from minedraft.engine.block_tables import TableWriter
 from minedraft.engine.cache_sizing import allocate_cache
 from minedraft.engine.cuda_graphs import CudaGraphs, graphable, padded_batch
@@ -127,6 +127,8 @@ class ModelRunner:
             log.warning("--deterministic runs the layers uncompiled: --compile is ignored")
             compile_layers = False
         fuse_projections(model)
+        if deterministic:
+            fuse_norms(model)
         self.model = model
         self.tensor_parallel: TensorParallel | None = getattr(model, "_minedraft_tp", None)  # (`shard_model`)
         self.device = next(model.parameters()).device
@@ -291,9 +293,12 @@ class ModelRunner:
         padded, kv_len = self.step_shape(len(rows), needed, tokens)
         if not short:
             padded = len(rows)
-        if last_only and kv_len is None:
+        if last_only and kv_len is None and not self.forward_pass.deterministic:
             # A prefill gathers however few its tokens (a prompt's rest after cached blocks): the paged kernel would
-            # compile a new variant for its query count at first use, 0.6-0.9 s mid-load on an H200.
+            # compile a new variant for its query count at first use, 0.6-0.9 s mid-load on an H200. Not with
+            # `--deterministic`: gathered, it runs `fixed_split_attention` (a loop over 64-key splits), and the
+            # fixed paged kernel gives a position the bits its decodes and verifies give it. Its variants by query
+            # count are few (Triton specializes counts of 1 and multiples of 16), each compiled at its first use.
             kv_len = self._key_length(needed)
         key = (kind, forwards, padded, kv_len, *((tuple(t.shape[1:]), t.dtype) for t in inputs))
         shape = StepShape(padded=padded, kv_len=kv_len)

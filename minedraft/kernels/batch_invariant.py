@@ -2,25 +2,46 @@
 
 cuBLAS picks its kernel, and whether to split the K reduction over blocks, by the matmul's shape, so a row's bits
 change with M; PyTorch's CUDA reductions pick their block shape (and whether several blocks share a row) by the
-number of outputs. Here the matmul is persistent over fixed 64 x 64 x 64 tiles, each tile's K loop in one program
-from k = 0 up (no split-K, no atomics), and every row's mean is one program's loop over fixed chunks.
+number of outputs. Here the matmul is persistent over fixed tiles (`CONFIG`, one for every shape), each tile's K loop
+in one program from k = 0 up (no split-K, no atomics), and every row's mean is one program's loop over fixed chunks.
+A batched matmul is the same kernel with the entry on a second grid axis: each entry's rows get the bits a lone
+matmul gives them. `rms_norm` is a Llama RMSNorm in one kernel, one program per row.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-# Fixed whatever the shape: the MMA instructions, and so each output's reduction order, follow from the tile alone.
+
+class MatmulConfig(NamedTuple):
+    """The matmul's tile and launch shape. The tile (block_m, block_n, block_k) and num_warps fix the MMA
+    instructions and the K order of every output, so they are one for all shapes; stages and programs per SM only
+    schedule the same arithmetic (which program computes a tile does not change its bits)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4  # (float32 tiles take twice the shared memory: half as many)
+    programs_per_sm: int = 1
+
+    def __str__(self) -> str:
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} p{self.programs_per_sm}"
+        )
+
+
+# The one config every matmul takes (read at each call; `benchmarks/deterministic_bench.py` measures candidates).
 # 64 x 64 output tiles rather than 128 x 128: a decode's few rows then still spread over 64-96 programs for an 8B
-# projection (cuBLAS would split K instead). Untuned: `benchmarks/deterministic_bench.py` measures the cost.
-BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 64, 64, 8
-NUM_WARPS = 4
-NUM_STAGES = {2: 4, 4: 2}  # by element size: float32 tiles take twice the shared memory
+# projection (cuBLAS would split K instead).
+CONFIG = MatmulConfig()
+GROUP_M = 8
 ROW_BLOCK = 1024  # elements of a row per iteration of the mean
 
 
@@ -37,10 +58,13 @@ def _matmul_kernel(
     M,
     N,
     K,
+    s_ae,
     s_am,
     s_ak,
+    s_be,
     s_bk,
     s_bn,
+    s_ce,
     s_cm,
     s_cn,
     PROGRAMS,
@@ -49,10 +73,15 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    """Program p: output tiles p, p + PROGRAMS, ...; each tile's K loop from 0 in BLOCK_K steps, accumulated in
-    float32 by tl.dot of full tiles (masked loads give zeros past M, N and K)."""
+    """Program (p, e): entry e's output tiles p, p + PROGRAMS, ...; each tile's K loop from 0 in BLOCK_K steps,
+    accumulated in float32 by tl.dot of full tiles (masked loads give zeros past M, N and K)."""
     start = tl.program_id(0)
+    entry = tl.program_id(1).to(tl.int64)
+    a_ptr += entry * s_ae
+    b_ptr += entry * s_be
+    c_ptr += entry * s_ce
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     group_tiles = GROUP_M * tiles_n
@@ -67,14 +96,17 @@ def _matmul_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             rk = k + tl.arange(0, BLOCK_K)
+            k_in = rk < K
+            if EVEN_K:  # (no mask along K: the loads vectorise and pipeline alike; the same values either way)
+                k_in = tl.full((BLOCK_K,), True, tl.int1)
             a = tl.load(
                 a_ptr + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak,
-                mask=(rm < M)[:, None] & (rk < K)[None, :],
+                mask=(rm < M)[:, None] & k_in[None, :],
                 other=0.0,
             )
             b = tl.load(
                 b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
-                mask=(rk < K)[:, None] & (rn < N)[None, :],
+                mask=k_in[:, None] & (rn < N)[None, :],
                 other=0.0,
             )
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -82,21 +114,25 @@ def _matmul_kernel(
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b` for `a` `[M, K]` and `b` `[K, N]` (any strides) of one dtype: each output row's bits depend on its
-    own row of `a` and on `b` only."""
-    assert a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0] and a.dtype == b.dtype, (a.shape, b.shape)
-    m, k = a.shape
-    n = b.shape[1]
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    if m == 0 or n == 0:
+def bmm(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
+    """`a @ b` for `a` `[E, M, K]` and `b` `[E, K, N]` (any strides, a stride of 0 too) of one dtype, in one launch:
+    each output row's bits depend on its own row of `a` and on its entry's `b` only, and equal `matmul`'s."""
+    assert a.dim() == b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1], (a.shape, b.shape)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    config = config or CONFIG
+    entries, m, k = a.shape
+    n = b.shape[2]
+    out = torch.empty(entries, m, n, dtype=a.dtype, device=a.device)
+    if entries == 0 or m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    programs = min(_sm_count(a.device), tiles)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    # Programs per entry: one wave over the SMs in all (entries share it), at least one each.
+    programs = max(1, min(tiles, config.programs_per_sm * _sm_count(a.device) // entries))
+    stages = config.num_stages if a.element_size() < 4 else max(2, config.num_stages // 2)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-        _matmul_kernel[(programs,)](
+        _matmul_kernel[(programs, entries)](
             a,
             b,
             out,
@@ -105,20 +141,31 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             k,
             a.stride(0),
             a.stride(1),
+            a.stride(2),
             b.stride(0),
             b.stride(1),
+            b.stride(2),
             out.stride(0),
             out.stride(1),
+            out.stride(2),
             PROGRAMS=programs,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
             GROUP_M=GROUP_M,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES.get(a.element_size(), 2),
+            EVEN_K=k % config.block_k == 0,
+            num_warps=config.num_warps,
+            num_stages=stages,
         )
     return out
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
+    """`a @ b` for `a` `[M, K]` and `b` `[K, N]` (any strides) of one dtype: each output row's bits depend on its
+    own row of `a` and on `b` only."""
+    assert a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0] and a.dtype == b.dtype, (a.shape, b.shape)
+    return bmm(a[None], b[None], config)[0]
 
 
 @triton.jit
@@ -143,3 +190,37 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _row_mean_kernel[(rows.shape[0],)](rows, out, rows.stride(0), width, BLOCK=ROW_BLOCK)
     return out.view(*x.shape[:-1], 1)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_row, width, eps, BLOCK: tl.constexpr):
+    """Program r: row r's mean square summed in float32 over BLOCK-wide chunks from the row's start, then across;
+    then each element x * rsqrt(mean + eps) rounded to the output's type, times the weight, rounded again."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * s_row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        acc += x * x
+    scale = 1.0 / tl.sqrt(tl.sum(acc, 0) / width + eps)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * s_row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        normed = (x * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=cols < width)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x.float() * rsqrt(mean(x.float() ** 2, -1) + eps)).to(x.dtype)` (Llama's RMSNorm) for `weight` of
+    `x`'s type, each row in one program: 1 kernel where the norm's operations are 7."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            block = min(ROW_BLOCK, triton.next_power_of_2(width))
+            _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), width, eps, BLOCK=block)
+    return out.view(x.shape)
