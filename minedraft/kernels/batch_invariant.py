@@ -37,10 +37,10 @@ class MatmulConfig(NamedTuple):
         )
 
 
-# The one config every matmul takes (read at each call; `benchmarks/deterministic_bench.py` measures candidates).
-# 64 x 64 output tiles rather than 128 x 128: a decode's few rows then still spread over 64-96 programs for an 8B
-# projection (cuBLAS would split K instead).
-CONFIG = MatmulConfig()
+# The one config every matmul takes (read at each call). Chosen by `benchmarks/deterministic_bench.py` on one H100
+# (docs/benchmarks.md): of ten tiles, 64 x 128 with two programs an SM is the least slower than torch.mm over decode
+# and verify sizes (an 8B step's matmuls 1.04-1.49x cuBLAS's at M = 8-320).
+CONFIG = MatmulConfig(block_n=128, programs_per_sm=2)
 GROUP_M = 8
 ROW_BLOCK = 1024  # elements of a row per iteration of the mean
 
