@@ -242,12 +242,15 @@ paged)
     grep -E "^(summary|total)" "$OUT/run/paged.log"
     ;;
 deterministic)
-    # --deterministic: the kernels' and the services' tests (ar, sd, psd bit-identical in bf16; TEST_SECONDS=0:
-    # none), then the matmul's candidate configs (invariance, time against torch.mm; EXTRA=--no-sweep: skipped) and
+    # --deterministic: the kernels' and the services' tests (ar, sd, psd bit-identical in bf16) and
+    # test_cuda_graphs.py under the flag (TEST_SECONDS=0: none), then the matmul's candidate configs (invariance, time against torch.mm; EXTRA=--no-sweep: skipped) and
     # the step cost, plain against the flag in the default config and in the best candidate (BENCH_SECONDS=0: none).
     if [ "${TEST_SECONDS:-300}" != 0 ]; then
         timeout -k 10 ${TEST_SECONDS:-300} python3 -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" \
             tests/test_gpu_deterministic.py 2>&1 | tee "$OUT/run/test_gpu_deterministic.log" | tail -5
+        MINEDRAFT_TEST_DETERMINISTIC=1 timeout -k 10 ${TEST_SECONDS:-300} python3 -m pytest -q -p no:cacheprovider \
+            --basetemp "$OUT/run/pytest-graphs" tests/test_cuda_graphs.py 2>&1 \
+            | tee "$OUT/run/test_cuda_graphs_deterministic.log" | tail -5  # (graphs equal eager under the flag)
     fi
     if [ "${BENCH_SECONDS:-360}" != 0 ]; then
         timeout -k 10 ${BENCH_SECONDS:-360} python3 benchmarks/deterministic_bench.py --device "$TARGET_DEVICE" \

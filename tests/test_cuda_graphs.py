@@ -10,6 +10,7 @@ pytest.
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import pytest
@@ -29,6 +30,8 @@ CONFIGS = {
 }
 
 
+# `MINEDRAFT_TEST_DETERMINISTIC=1` (`gpu_run.sh deterministic`): every runner here with `--deterministic`.
+DETERMINISTIC = os.environ.get("MINEDRAFT_TEST_DETERMINISTIC") == "1"
 DEVICES = sorted({"cuda:0", f"cuda:{torch.cuda.device_count() - 1}"}) if torch.cuda.is_available() else ["cuda:0"]
 
 
@@ -55,7 +58,7 @@ def _model(device: str, seed: int) -> LlamaForCausalLM:
 
 
 def _proposals(graphs: bool, kind: str, device: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    proposer = Proposer(ModelRunner(_model(device, 0), 8, 256, cuda_graphs=graphs))
+    proposer = Proposer(ModelRunner(_model(device, 0), 8, 256, cuda_graphs=graphs, deterministic=DETERMINISTIC))
     proposer.prefill(SEQS, PROMPTS, [CONFIGS[kind]] * len(SEQS))
     accepted, last = torch.zeros(3, dtype=torch.long), torch.tensor([5, 6, 7])
     out = []
@@ -76,7 +79,9 @@ def _verifies(
     """Verifies (acceptance and commit in the step's graph) of fixed drafts: ids only when greedy, with a draft's
     probabilities otherwise. `compiled` (True or False): a float32 model, its layers and acceptance compiled or not."""
     model = _model(device, 1) if compiled is None else _model(device, 1).float()
-    verifier = Verifier(ModelRunner(model, 8, 256, cuda_graphs=graphs, compile_layers=bool(compiled)), [0])
+    verifier = Verifier(
+        ModelRunner(model, 8, 256, cuda_graphs=graphs, compile_layers=bool(compiled), deterministic=DETERMINISTIC), [0]
+    )
     configs = [CONFIGS[kind]] * len(SEQS)
     out = [verifier.prefill(SEQS, PROMPTS, configs).per_row()]
     generator = torch.Generator().manual_seed(2)
