@@ -226,6 +226,12 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
             tools = body.tool_choice_of(front.options.tool_call_parser)
         except ValueError as exc:
             raise _invalid(str(exc), "tool_choice") from exc
+        if tools is not None and tools.forced:  # the call's JSON constrained: the model cannot write an invalid one
+            if generate.params.HasField("structured_output"):
+                raise _invalid(f"tool_choice {tools.mode} makes the answer a call: give no other format", "tool_choice")
+            schema = tools.call_schema(body.tools_for_template(tools) or [])
+            generate.params.structured_output.json_schema = schema
+            generate.params.structured_output.disable_any_whitespace = True
         if tools is not None or any(m.tool_calls or m.tool_call_id for m in body.messages):
             # The template renders the tools and the calls: here, where the request's JSON is (gRPC's messages
             # carry a role and a text only).
@@ -352,8 +358,7 @@ async def _answer(
             front.close(generation)
         if isinstance(exc, RequestRefused) and (exc.param or "").startswith("structured_output"):
             structured = structured_output(body)  # a constraint the engine cannot read: named as the client gave it
-            if structured is not None:
-                exc.param = structured[1]
+            exc.param = structured[1] if structured is not None else "tools"  # (else a forced call's schema)
         raise
     answers = Answers(front, generations, _entries(generates[0], front.tokenizer, reply.chat), echo)
 

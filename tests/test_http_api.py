@@ -461,7 +461,8 @@ def _template_ids(stack: Stack, messages: list[Any], tools: list[Any] | None = N
 
 def test_tools_in_each_tool_choice_through_the_template(stack: Stack) -> None:
     """tools and tool_choice through the official client: the template shows the tools (none: not at all, named:
-    that one); required and named open the call in the assistant's turn and answer it as tool_calls, streamed too."""
+    that one); required and named open the call in the assistant's turn and constrain it to the call's schema, so
+    it parses and validates, answered as tool_calls, streamed too."""
     plain = _chat(stack, MESSAGES)
     none = _chat(stack, MESSAGES, tools=TOOLS, tool_choice="none")
     assert (
@@ -470,24 +471,45 @@ def test_tools_in_each_tool_choice_through_the_template(stack: Stack) -> None:
     auto = _chat(stack, MESSAGES, tools=TOOLS)  # (a random model writes no call)
     assert auto.usage is not None and auto.usage.prompt_tokens == len(_template_ids(stack, MESSAGES, TOOLS))
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # type: ignore[union-attr]
+    # Required and named: the call's JSON is constrained (its schema, compact JSON), so it is whole and valid, and
+    # the grammar's end ends the answer.
     named_choice: Any = {"type": "function", "function": {"name": "time"}}
-    named = _chat(stack, MESSAGES, tools=TOOLS, tool_choice=named_choice)
+    forced = {"max_tokens": 56, "extra_body": {}, "tools": TOOLS}
+    named = _chat(stack, MESSAGES, tool_choice=named_choice, **forced)
     (call,) = named.choices[0].message.tool_calls or []
     assert call.function.name == "time" and call.type == "function" and call.id.startswith("call_")
-    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "length"
-    prefix = stack.tokenizer.encode('<tool_call>\n{"name": "time", "arguments": ', add_special_tokens=False)
-    ids = _template_ids(stack, MESSAGES, TOOLS[1:]) + prefix
+    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments) == {}  # (time takes no parameters)
+    shown = TOOLS[1:]
+    ids = _template_ids(stack, MESSAGES, shown) + stack.tokenizer.encode("<tool_call>\n", add_special_tokens=False)
     assert named.usage is not None and named.usage.prompt_tokens == len(ids)
-    assert call.function.arguments == _grpc(stack, prompt_token_ids=ids).text.strip()  # the model's own text
-    chunks = list(_chat(stack, MESSAGES, tools=TOOLS, tool_choice=named_choice, stream=True))
+    schema = ToolChoice("named", "time").call_schema(shown)
+    output = generation_pb2.StructuredOutput(json_schema=schema, disable_any_whitespace=True)
+    params = generation_pb2.SamplingParams(max_tokens=56, temperature=0, structured_output=output)
+    over_grpc = asyncio.run(
+        generate(stack.coordinator.address, generation_pb2.GenerateRequest(prompt_token_ids=ids, params=params))
+    )
+    assert json.loads(over_grpc.text) == {"name": "time", "arguments": {}}
+    chunks = list(_chat(stack, MESSAGES, tool_choice=named_choice, stream=True, **forced))
     streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
     assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [  # type: ignore[union-attr]
         (0, "time", call.function.arguments)
     ]
     assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
-    assert chunks[-1].choices[0].finish_reason == "length"
-    required = _chat(stack, MESSAGES, tools=TOOLS, tool_choice="required")
-    assert len(required.choices[0].message.tool_calls or []) == 1
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # (tools without parameters: a random model's object of any properties may run past the context)
+    either: Any = {"tools": [TOOLS[1], {"type": "function", "function": {"name": "date"}}]}
+    for stream in (False, True):
+        required = _chat(stack, MESSAGES, tool_choice="required", stream=stream, **forced | either)
+        if stream:
+            parts = [c for chunk in required for c in chunk.choices[0].delta.tool_calls or ()]
+            calls = [(c.function.name, c.function.arguments) for c in parts]  # type: ignore[union-attr]
+        else:
+            calls = [(c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls or ()]
+        ((name, arguments),) = calls
+        assert name in ("time", "date") and json.loads(arguments) == {}
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        _chat(stack, MESSAGES, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     # A call and its result go back through the template as the model wrote and read them.
     history: list[Any] = [
         MESSAGES[1],
@@ -514,8 +536,11 @@ def test_tool_call_parsing_whole_and_streamed() -> None:
     ]
     assert len(parse_tool_calls(text, ToolChoice("auto", parallel=False))[1]) == 1
     assert parse_tool_calls("no call <tool_call>{not json", ToolChoice("auto")) == ("no call <tool_call>{not json", [])
-    forced = parse_tool_calls('{"city": "Rome"}}\n</tool_call>', ToolChoice("named", "get_weather"))
+    call = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    forced = parse_tool_calls(call, ToolChoice("named", "get_weather"))
     assert forced[0] is None and forced[1][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    cut = parse_tool_calls(call[:-8], ToolChoice("required"))  # (max_tokens cut the call short)
+    assert cut[1][0]["function"] == {"name": "get_weather", "arguments": '{"city":'}
     for cut in (1, 5, 13, 14, 30):
         stream = ToolCallStream(ToolChoice("auto"))
         sent = stream.feed(text[:cut]) + stream.feed(text[cut:])
@@ -537,8 +562,9 @@ def test_tool_call_parsing_whole_and_streamed() -> None:
     stream = ToolCallStream(llama)
     assert stream.feed(text[:9]) == "" and stream.feed(text[9:]) == "" and len(stream.finish()[1]) == 2
     named = ToolChoice("named", "weather", parser="llama3_json")
-    assert named.forced_prefix == '{"name": "weather", "parameters": '
-    assert parse_tool_calls('{"city": "Oslo"}}', named)[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert named.forced_prefix == "" and '"parameters"' in named.call_schema(TOOLS)
+    called = parse_tool_calls('{"name": "weather", "parameters": {"city": "Oslo"}}', named)
+    assert called[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
 
 
 def test_chat_logprobs_leave_out_the_special_tokens_the_text_leaves_out(tiny_pairs: TinyPairs) -> None:
