@@ -46,7 +46,8 @@ from stack import (
     running_coordinator,
 )
 
-from coordinator.http_api import ApiError, BodyLimit, _entries
+from coordinator.http_answers import ApiError, token_entries
+from coordinator.http_api import BodyLimit
 from coordinator.tool_calls import ToolCallStream, ToolChoice, parse_tool_calls
 from coordinator.validation import chat_prompt_ids
 from minedraft.engine.models import load_tokenizer
@@ -430,6 +431,50 @@ def test_echo_with_prompt_logprobs_as_lm_eval_asks(stack: Stack, llama_workers: 
     assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-4)
 
 
+def test_vllm_prompt_logprobs_equal_hf(stack: Stack, llama_workers: Workers) -> None:
+    """vLLM's `prompt_logprobs` field: each prompt token's log-probability (the first None) with its rank and text,
+    and the top ones, equal to HF's log_softmax; a completion's in its choice, beside an echo's fewer top ones; a
+    chat's beside its choices; refused when streamed, as vLLM refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+
+    def hf(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return target(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+
+    def check(got: list[Any], ids: list[int], top: int) -> None:
+        expected = hf(ids)
+        assert len(got) == len(ids) and got[0] is None
+        for position, (token, entries) in enumerate(zip(ids[1:], got[1:], strict=True)):
+            best = expected[position].topk(top)
+            want = {token: float(expected[position, token])} | dict(zip(best.indices.tolist(), best.values.tolist()))
+            assert {int(t): e["logprob"] for t, e in entries.items()} == pytest.approx(want, abs=1e-4)
+            assert entries[str(token)]["decoded_token"] == stack.tokenizer.decode([token])
+            ranks = {int(t): e["rank"] for t, e in entries.items()}
+            assert [ranks[t] for t in best.indices.tolist()] == list(range(1, top + 1))
+
+    ids = [9 + i % 40 for i in range(24)]
+    done = stack.client.completions.create(
+        model=stack.model,
+        prompt=ids,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 3},
+    )
+    choice = done.choices[0].model_extra or {}
+    check(choice["prompt_logprobs"], ids, 3)
+    echoed = done.choices[0].logprobs
+    assert echoed is not None and echoed.top_logprobs is not None and all(len(t) <= 1 for t in echoed.top_logprobs[1:])
+    chat = _chat(stack, MESSAGES, extra_body={"ignore_eos": True, "prompt_logprobs": 0})
+    templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    check((chat.model_extra or {})["prompt_logprobs"], templated, 0)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        stack.client.completions.create(model=stack.model, prompt=ids, stream=True, extra_body={"prompt_logprobs": 1})
+
+
 def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
     """`logprobs: true` and `top_logprobs` on a chat completion: OpenAI's content list, what gRPC reports."""
     templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
@@ -577,7 +622,7 @@ def test_chat_logprobs_leave_out_the_special_tokens_the_text_leaves_out(tiny_pai
         logprobs=[generation_pb2.TokenLogprob(logprob=-1.0), generation_pb2.TokenLogprob(logprob=-0.5)],
     )
     request = generation_pb2.GenerateRequest(params=generation_pb2.SamplingParams(logprobs=0))
-    chat, completion = (_entries(request, tokenizer, chat)(message) for chat in (True, False))  # type: ignore[misc]
+    chat, completion = (token_entries(request, tokenizer, chat)(message) for chat in (True, False))  # type: ignore[misc]
     assert chat == [(tokenizer.decode([7]), -1.0, [])]
     assert [token for token, _, _ in completion] == [tokenizer.decode([7]), tokenizer.decode([eos])]
 
