@@ -8,7 +8,12 @@ JSON schema (or the other way, alternating), so both halves meet the same proces
 
 The schema asks for an object whose `lines` list holds at least 32 strings, so every one of the `--output-len`
 tokens is constrained (`ignore_eos`, as `minedraft bench` sends). It prints, per mode, output tokens/s of each half
-(summed over rounds), their ratio and each half's accepted drafts a verify.
+(summed over rounds), their ratio, the median of the rounds' ratios, each half's accepted drafts a verify, and
+each service's CPU milliseconds an output token (from /proc: steadier than wall time on a shared host).
+
+`--acceptance` also runs the demo pair in this process (sd, greedy, k = 4, `--num-prompts` of the same prompts):
+drafts accepted a verify unconstrained, with the schema and the draft masked (as served), and with the schema and
+the draft unmasked (a draft without a tokenizer).
 """
 
 from __future__ import annotations
@@ -74,9 +79,45 @@ def _cpu_seconds(pids: list[int]) -> list[float]:
     return seconds
 
 
+def acceptance(prompts: list[str], tokenizer: Any, args: argparse.Namespace) -> None:
+    """The demo pair in process: accepted drafts a verify unconstrained, under the schema with the draft masked and
+    with it unmasked."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draft_service.proposer import Proposer
+    from minedraft.demo_models import DRAFT_DIR, TARGET_DIR
+    from minedraft.engine.model_runner import ModelRunner
+    from minedraft.engine.sampling import SamplingConfig
+    from minedraft_app.offline import OfflineRequest, generate_offline
+    from target_service.verifier import Verifier
+
+    torch.set_num_threads(args.threads or 1)
+    target, draft = (AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32) for d in (TARGET_DIR, DRAFT_DIR))
+    eos = [tokenizer.eos_token_id]
+    spec = ("json_schema", json.dumps(SCHEMA), False)
+    ids = [tokenizer.encode(p) for p in prompts]
+    length = max(len(i) for i in ids) + args.output_len + 8
+    verifier = Verifier(ModelRunner(target, args.max_batch_size, length), eos, tokenizer=tokenizer)
+    for label, grammar, masked in (
+        ("unconstrained", None, True),
+        ("schema, draft masked", spec, True),
+        ("schema, draft unmasked", spec, False),
+    ):
+        proposer = Proposer(
+            ModelRunner(draft, args.max_batch_size, length), eos_token_ids=eos, tokenizer=tokenizer if masked else None
+        )
+        config = SamplingConfig(max_tokens=args.output_len, ignore_eos=True, grammar=grammar)
+        requests = [OfflineRequest(i, config) for i in ids]
+        results = generate_offline(verifier, proposer, requests, args.num_speculative_tokens, args.max_batch_size)
+        accepted = sum(r.accepted for r in results) / sum(r.steps for r in results)
+        print(f"in process, {label}: {accepted:.2f} drafts accepted a verify", flush=True)
+
+
 def main() -> None:
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--rounds", type=int, default=4)
+    ours.add_argument("--acceptance", action="store_true", help="also the in-process acceptance, draft (un)masked")
     known, rest = ours.parse_known_args()
     args = build_parser().parse_args(["bench", *rest])
     args.concurrency = args.concurrency or 2 * args.max_batch_size
@@ -130,6 +171,8 @@ def main() -> None:
             flush=True,
         )
     print(json.dumps(report))
+    if known.acceptance:
+        acceptance(prompts, tokenizer, args)
 
 
 if __name__ == "__main__":
