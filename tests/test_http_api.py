@@ -584,8 +584,8 @@ def test_tool_call_parsing_whole_and_streamed() -> None:
     call = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
     forced = parse_tool_calls(call, ToolChoice("named", "get_weather"))
     assert forced[0] is None and forced[1][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
-    cut = parse_tool_calls(call[:-8], ToolChoice("required"))  # (max_tokens cut the call short)
-    assert cut[1][0]["function"] == {"name": "get_weather", "arguments": '{"city":'}
+    unfinished = parse_tool_calls(call[:-8], ToolChoice("required"))  # (max_tokens cut the call short)
+    assert unfinished[1][0]["function"] == {"name": "get_weather", "arguments": '{"city":'}
     for cut in (1, 5, 13, 14, 30):
         stream = ToolCallStream(ToolChoice("auto"))
         sent = stream.feed(text[:cut]) + stream.feed(text[cut:])
