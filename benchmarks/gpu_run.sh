@@ -34,6 +34,10 @@
 #   served              the demo pair served on the GPUs in psd, sd and ar (MODES): output tokens/s of 128 (PROMPTS) requests
 #                       (64 at once, batches of 32, 64-token prompts, 96 tokens out); host-bound, so it shows what a
 #                       step costs the host
+#   grammar             structured output's served cost (the goal: within 10%): an 8B-shaped target and a
+#                       68M draft (random weights, the demo tokenizer) on one GPU, psd and sd (MODES), each stack
+#                       serving the same load unconstrained and under a JSON schema in alternating rounds (ROUNDS):
+#                       tokens/s of each, accepted drafts, CPU ms a token per service (BATCH, PROMPTS)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -240,6 +244,15 @@ paged)
         > "$OUT/run/paged.log" 2>&1
     grep -E "^\[|checkpoint|Error" "$OUT/run/paged.log" | cut -c1-220 | tail -30
     grep -E "^(summary|total)" "$OUT/run/paged.log"
+    ;;
+grammar)
+    python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
+    python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
+    timeout -k 30 ${BENCH_SECONDS:-420} python3 benchmarks/grammar_served_bench.py --modes "${MODES:-psd,sd}" \
+        --target /tmp/ckpt/8b --draft /tmp/ckpt/68m --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" \
+        --max-batch-size "${BATCH:-8}" --num-prompts "${PROMPTS:-32}" --prompt-len 64 --output-len 96 \
+        --rounds "${ROUNDS:-2}" --no-progress ${EXTRA:-} > "$OUT/run/grammar.log" 2>&1
+    grep -E "^(psd|sd):|CPU ms|errors|Error|\{" "$OUT/run/grammar.log" | cut -c1-400
     ;;
 deterministic)
     # --deterministic: the kernels' and the services' tests (ar, sd, psd bit-identical in bf16) and

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import importlib.metadata
-import itertools
 import json
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,22 +22,19 @@ from starlette.types import Message, Receive, Scope, Send
 
 from coordinator.connection_gate import ConnectionGate, GatedListener, gated_protocol
 from coordinator.front_door import FrontDoor, Generation, RequestRefused
+from coordinator.http_answers import Answers, ApiError, Echo, answer_events, token_entries
 from coordinator.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     Reply,
     SamplingBody,
-    TokenEntry,
     TokenizeRequest,
     error_body,
-    finish_reason,
     structured_output,
-    tool_calls_reason,
 )
-from coordinator.samples import total_usage
 from coordinator.sampling_params import sampling_params
-from coordinator.tool_calls import ToolCallStream, ToolChoice
+from coordinator.tool_calls import ToolChoice
 from coordinator.validation import DEFAULT_MAX_TOKENS, InvalidRequest, prompt_token_ids, render_chat
 from minedraft.engine.sampling import MAX_LOGPROBS
 from minedraft.observability.metrics import CoordinatorMetrics
@@ -62,30 +55,8 @@ def _version() -> str:
         return "unknown"
 
 
-# gRPC status -> HTTP status and OpenAI's error type; anything else is a 500 server_error.
-STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-}
-# Names of gRPC request fields in the HTTP API, for an error's `param`.
-PARAMS = {"prompt_token_ids": "prompt", "stop_token_ids": "stop_token_ids"}
 VERSION = _version()
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the logs may
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's error object with this HTTP status."""
-
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, kind, param, code)
-
-    @staticmethod
-    def of(refused: RequestRefused) -> ApiError:
-        status, kind = STATUS.get(refused.code, (500, "server_error"))
-        param = PARAMS.get(refused.param, refused.param) if refused.param else None
-        return ApiError(status, refused.message, kind, param, refused.code.name.lower())
 
 
 def _invalid(message: str, param: str | None) -> ApiError:
@@ -193,12 +164,12 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
             prompts = [body.prompt]  # type: ignore[list-item]
         if body.logprobs is not None:
             generate.params.logprobs = body.logprobs
-        echo = Echo(prompts, prompt_only=bool(body.echo) and body.max_tokens == 0) if body.echo else None
+        echo = Echo(prompts, bool(body.echo) and body.max_tokens == 0, body.logprobs or 0) if body.echo else None
         if echo is not None:
             if echo.prompt_only:  # (vLLM's way: one token generated, and not answered)
                 generate.params.max_tokens = 1
-            if body.logprobs is not None:
-                generate.params.prompt_logprobs = body.logprobs
+            if body.logprobs is not None:  # (with vLLM's prompt_logprobs: the more of the two, echo's trimmed)
+                generate.params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         requests = []
         for prompt in prompts:  # each its own request; its choices follow the previous prompt's (OpenAI's order)
             one = generation_pb2.GenerateRequest()
@@ -226,6 +197,12 @@ def create_app(front: FrontDoor, metrics: CoordinatorMetrics | None = None) -> F
             tools = body.tool_choice_of(front.options.tool_call_parser)
         except ValueError as exc:
             raise _invalid(str(exc), "tool_choice") from exc
+        if tools is not None and tools.forced:  # the call's JSON constrained: the model cannot write an invalid one
+            if generate.params.HasField("structured_output"):
+                raise _invalid(f"tool_choice {tools.mode} makes the answer a call: give no other format", "tool_choice")
+            schema = tools.call_schema(body.tools_for_template(tools) or [])
+            generate.params.structured_output.json_schema = schema
+            generate.params.structured_output.disable_any_whitespace = True
         if tools is not None or any(m.tool_calls or m.tool_call_id for m in body.messages):
             # The template renders the tools and the calls: here, where the request's JSON is (gRPC's messages
             # carry a role and a text only).
@@ -258,6 +235,8 @@ def _checked(body: SamplingBody, names: list[str]) -> generation_pb2.GenerateReq
     ignored = body.ignored_fields()
     if ignored:  # (one line a request, its first names only: nothing is kept per name)
         log.warning("a request's fields this server does not know, ignored: %s", ", ".join(ignored[:8])[:200])
+    if body.prompt_logprobs is not None and body.stream:  # (as vLLM)
+        raise _invalid("prompt_logprobs is answered whole only: set stream to false", "prompt_logprobs")
     unsupported = body.unsupported()
     if unsupported is not None:
         name, value = unsupported
@@ -352,236 +331,30 @@ async def _answer(
             front.close(generation)
         if isinstance(exc, RequestRefused) and (exc.param or "").startswith("structured_output"):
             structured = structured_output(body)  # a constraint the engine cannot read: named as the client gave it
-            if structured is not None:
-                exc.param = structured[1]
+            exc.param = structured[1] if structured is not None else "tools"  # (else a forced call's schema)
         raise
-    answers = Answers(front, generations, _entries(generates[0], front.tokenizer, reply.chat), echo)
+    entries = token_entries(generates[0], front.tokenizer, reply.chat)
+    answers = Answers(front, generations, entries, echo, prompt_logprobs=body.prompt_logprobs is not None)
 
     def close() -> None:
         for generation in generations:
             front.close(generation)
 
     if body.stream:
-        return EventStream(_events(answers, reply), close)
+        return EventStream(answer_events(answers, reply), close)
     try:
         whole = await _while_connected(request.receive, answers.collect())
     finally:
         close()
     if whole is None:
         return Response(status_code=CLIENT_GONE)
-    return JSONResponse(reply.whole(whole, answers.usage()))
-
-
-Entries = Callable[[generation_pb2.GenerateResponse], list[TokenEntry]]
-
-
-def _entries(generate: generation_pb2.GenerateRequest, tokenizer: object | None, chat: bool) -> Entries | None:
-    """How a message's tokens become its logprobs' entries, each token's text decoded alone ("token_id:N" without
-    a tokenizer, as vLLM's return_tokens_as_token_ids), if the request asked for logprobs. A chat's leave out the
-    special tokens (an end of turn such as <|im_end|>) that its text, decoded without them, does not hold."""
-    if not generate.params.HasField("logprobs"):
-        return None
-    special = set(getattr(tokenizer, "all_special_ids", ())) if chat else set()
-    text = _token_text(tokenizer)
-
-    def entries(message: generation_pb2.GenerateResponse) -> list[TokenEntry]:
-        return [
-            (text(token_id), lp.logprob, [(text(top.token_id), top.logprob) for top in lp.top])
-            for token_id, lp in zip(message.token_ids, message.logprobs, strict=True)
-            if token_id not in special
-        ]
-
-    return entries
-
-
-def _token_text(tokenizer: object | None) -> Callable[[int], str]:
-    """A token's text, decoded alone ("token_id:N" without a tokenizer)."""
-
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"  # type: ignore[attr-defined]
-
-    return text
-
-
-Choice = tuple[str, str | None, list[TokenEntry] | None]
-
-
-@dataclass(frozen=True)
-class Echo:
-    """A completion's `echo`: each choice's text (and logprobs) begins with its prompt's, the first token's
-    log-probability null; `prompt_only` (max_tokens 0, what lm-eval's loglikelihood sends): nothing after it."""
-
-    prompts: list[str | list[int]]
-    prompt_only: bool = False
-
-
-class Answers:
-    """The admitted generations of one HTTP request, whose choices are numbered on from one prompt to the next."""
-
-    def __init__(
-        self, front: FrontDoor, generations: list[Generation], logprobs: Entries | None, echo: Echo | None = None
-    ) -> None:
-        self.front, self.generations, self.logprobs, self.echo = front, generations, logprobs, echo
-        self.bases = list(itertools.accumulate((_choices(g) for g in generations), initial=0))
-
-    def prompt_tokens(self, index: int) -> int:
-        """The prompt tokens of choice `index`'s prompt."""
-        return len(self.generations[bisect.bisect_right(self.bases, index) - 1].state.prompt_ids)
-
-    def echoed(self, index: int, message: generation_pb2.GenerateResponse) -> tuple[str, list[TokenEntry] | None]:
-        """Choice `index`'s prompt as its answer begins with it (`Echo`): its text, and its tokens' entries (the
-        target's, from the choice's first message) where logprobs were asked."""
-        assert self.echo is not None
-        which = bisect.bisect_right(self.bases, index) - 1
-        prompt, ids = self.echo.prompts[which], self.generations[which].state.prompt_ids
-        tokenizer: Any = self.front.tokenizer
-        text = prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if tokenizer is not None else "")
-        if self.logprobs is None:
-            return text, None
-        token = _token_text(tokenizer)
-        entries: list[TokenEntry] = [(token(ids[0]), None, None)]
-        for token_id, lp in zip(ids[1:], message.prompt_logprobs, strict=False):
-            entries.append((token(token_id), lp.logprob, [(token(top.token_id), top.logprob) for top in lp.top]))
-        return text, entries
-
-    @property
-    def count(self) -> int:
-        return self.bases[-1]
-
-    async def messages(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
-        """Every generation's messages as they come, each with its choice's index in the answer."""
-        if len(self.generations) == 1:
-            async for message in self.front.responses(self.generations[0]):
-                yield message.index, message
-            return
-        merged: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse] | BaseException | None] = asyncio.Queue()
-
-        async def pump(generation: Generation, base: int) -> None:
-            try:
-                async for message in self.front.responses(generation):
-                    merged.put_nowait((base + message.index, message))
-                merged.put_nowait(None)
-            except BaseException as exc:  # (its failure is the answer's: passed on below)
-                merged.put_nowait(exc)
-
-        pumps = [asyncio.ensure_future(pump(g, b)) for g, b in zip(self.generations, self.bases, strict=False)]
-        try:
-            running = len(pumps)
-            while running:
-                item = await merged.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in pumps:
-                task.cancel()
-
-    async def collect(self) -> list[Choice]:
-        """Each choice's text, finish reason and logprobs (when asked), by index."""
-        texts: list[list[str]] = [[] for _ in range(self.count)]
-        reasons: list[str | None] = [None] * self.count
-        entries: list[list[TokenEntry] | None] = [[] if self.logprobs else None for _ in range(self.count)]
-        echoed: set[int] = set()
-        async for index, message in self.messages():
-            reasons[index] = finish_reason(message.finish_reason)
-            if self.echo is not None and index not in echoed:
-                echoed.add(index)
-                text, prompt_entries = self.echoed(index, message)
-                texts[index].append(text)
-                entries[index] = prompt_entries
-            if self.echo is not None and self.echo.prompt_only:
-                reasons[index] = reasons[index] and "length"  # (its one token generated is not answered)
-                continue
-            texts[index].append(message.text)
-            if self.logprobs is not None:
-                entries[index] += self.logprobs(message)  # type: ignore[operator]
-        return [("".join(text), reason, e) for text, reason, e in zip(texts, reasons, entries, strict=True)]
-
-    def usage(self) -> generation_pb2.Usage | None:
-        """All prompts' usage together (each prompt's samples as `total_usage` counts them), once all finished."""
-        usages = [g.usage for g in self.generations if g.usage is not None]
-        if len(usages) < len(self.generations):
-            return None
-        if len(usages) == 1 and (self.echo is None or not self.echo.prompt_only):
-            return usages[0]
-        total = generation_pb2.Usage()
-        total.CopyFrom(total_usage(usages))
-        total.prompt_tokens = sum(u.prompt_tokens for u in usages)
-        total.cached_prompt_tokens = sum(u.cached_prompt_tokens for u in usages)
-        if self.echo is not None and self.echo.prompt_only:
-            total.completion_tokens = 0
-        return total
-
-
-def _choices(generation: Generation) -> int:
-    return max(len(generation.samples), 1)
-
-
-def _sse(body: dict[str, Any] | str) -> str:
-    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-async def _events(answers: Answers, reply: Reply) -> AsyncIterator[str]:
-    """The answer as server-sent events, as OpenAI streams it: (chat: the role first), text deltas (each with its
-    tokens' logprobs, when asked), a chunk with the finish reason, the usage if asked, then [DONE]; a failure midway
-    is an error object before [DONE]."""
-    offsets = [0] * answers.count  # each choice's text so far (a completion's text_offset)
-    calls = [ToolCallStream(reply.tools) for _ in range(answers.count)] if reply.tools is not None else None
-    echoed: set[int] = set()
-    generated = [0] * answers.count  # each choice's tokens so far (continuous usage)
-
-    def sse(chunk: dict[str, Any], i: int) -> str:
-        """A chunk of choice `i`; with continuous usage stats (vLLM's) its usage so far."""
-        if reply.continuous_usage:
-            prompt = answers.prompt_tokens(i)
-            chunk["usage"] = {
-                "prompt_tokens": prompt,
-                "completion_tokens": generated[i],
-                "total_tokens": prompt + generated[i],
-            }
-        return _sse(chunk)
-
-    for index in range(answers.count):
-        opening = reply.opening(index)
-        if opening is not None:
-            yield _sse(opening)
-    try:
-        async for i, message in answers.messages():
-            generated[i] += len(message.token_ids)
-            if answers.echo is not None and i not in echoed:
-                echoed.add(i)
-                text, prompt_entries = answers.echoed(i, message)
-                yield sse(reply.delta(text, index=i, entries=prompt_entries), i)
-                offsets[i] += sum(len(token) for token, _, _ in prompt_entries or ())
-            if answers.echo is not None and answers.echo.prompt_only:
-                if message.finish_reason:
-                    yield sse(reply.delta("", "length", i), i)
-                continue
-            logprobs = answers.logprobs
-            entries = logprobs(message) if logprobs is not None and message.token_ids else None
-            text = message.text if calls is None else calls[i].feed(message.text)
-            if text or entries:
-                yield sse(reply.delta(text, index=i, entries=entries, offset=offsets[i]), i)
-                offsets[i] += sum(len(token) for token, _, _ in entries or ())
-            reason = finish_reason(message.finish_reason)
-            if reason is not None and calls is not None:
-                rest, made = calls[i].finish()
-                if rest:
-                    yield sse(reply.delta(rest, index=i), i)
-                if made:
-                    yield sse(reply.tool_calls_delta(made, i), i)
-                    reason = tool_calls_reason(reason)
-            if reason is not None:
-                yield sse(reply.delta("", reason, i), i)
-        usage = answers.usage()
-        if reply.include_usage and usage is not None:
-            yield _sse(reply.usage_chunk(usage))
-    except RequestRefused as exc:
-        yield _sse(ApiError.of(exc).body)
-    yield _sse("[DONE]")
+    answer = reply.whole(whole, answers.usage())
+    if answers.prompt_logprobs is not None and reply.chat:  # vLLM's: a chat's (one prompt) beside its choices
+        answer["prompt_logprobs"] = answers.prompt_logprobs[0]
+    elif answers.prompt_logprobs is not None:  # a completion's in each choice
+        for choice, prompt_logprobs in zip(answer["choices"], answers.prompt_logprobs, strict=True):
+            choice["prompt_logprobs"] = prompt_logprobs
+    return JSONResponse(answer)
 
 
 class EventStream(StreamingResponse):

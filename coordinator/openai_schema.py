@@ -77,6 +77,7 @@ class SamplingBody(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, lt=UINT32)  # vLLM's: each prompt token's, and its top ones
 
     # Fields not supported yet: each may be left out or given its value that asks for nothing, else a 400.
     NEUTRAL: ClassVar[dict[str, tuple[object, ...]]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ PARSERS = ("hermes", "llama3_json")  # --tool-call-parser
 class ToolChoice:
     """How a request's tools are used: "none" (not shown to the model), "auto" (the model may call one),
     "required" (it calls one) or "named" (it calls `name`). Required and named open the call in the assistant's
-    turn (`forced_prefix`), so that the model's next tokens are the call's."""
+    turn (`forced_prefix`) and constrain what follows to the call's JSON (`call_schema`), so the call is valid."""
 
     mode: str
     name: str | None = None
@@ -24,12 +25,28 @@ class ToolChoice:
     parser: str = "hermes"  # the model's format, one of PARSERS
 
     @property
+    def forced(self) -> bool:
+        return self.mode in ("named", "required")
+
+    @property
     def forced_prefix(self) -> str:
-        """Text put at the start of the assistant's turn, after the chat template's generation prompt."""
-        opening, arguments = ("", "parameters") if self.parser == "llama3_json" else (f"{OPEN}\n", "arguments")
-        if self.mode == "named":
-            return f'{opening}{{"name": {json.dumps(self.name)}, "{arguments}": '
-        return f'{opening}{{"name": "' if self.mode == "required" else ""
+        """Text put at the start of the assistant's turn, after the chat template's generation prompt: a forced
+        call's opening tag in Hermes' format (Llama 3's call is its JSON alone)."""
+        return f"{OPEN}\n" if self.forced and self.parser == "hermes" else ""
+
+    def call_schema(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        """The JSON schema of a forced choice's call as the parser reads it, `{"name": ..., "arguments": ...}`
+        (Llama 3's: "parameters"), its arguments under the function's `parameters` schema (none: `{}`): the named
+        function's, or for "required" any one of `tools` (the tools as the template shows them)."""
+        key = "parameters" if self.parser == "llama3_json" else "arguments"
+
+        def call(function: Mapping[str, Any]) -> dict[str, Any]:
+            parameters = function.get("parameters") or {"type": "object", "properties": {}}
+            properties = {"name": {"const": function["name"]}, key: parameters}
+            return {"type": "object", "properties": properties, "required": ["name", key]}  # (strict: no others)
+
+        functions = [t["function"] for t in tools if self.mode != "named" or t["function"]["name"] == self.name]
+        return json.dumps(call(functions[0]) if len(functions) == 1 else {"anyOf": [call(f) for f in functions]})
 
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:
@@ -56,7 +73,7 @@ def _call_of(body: str) -> dict[str, Any] | None:
 def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[dict[str, Any]]]:
     """The message's content (the text before its first call; None if empty) and its calls, from the model's text
     (after the `forced_prefix`). A block that does not parse stays in the content, except under a forced choice,
-    where the call's name is the forced one (or the text up to its closing quote) and its arguments the rest."""
+    whose call the grammar kept valid but max_tokens may have cut short (`_unfinished_call`)."""
     full = choice.forced_prefix + text
     content, calls = full, list[dict[str, Any]]()
     start = full.find(OPEN)
@@ -68,16 +85,23 @@ def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[di
             call = _call_of(block.split(CLOSE)[0].strip())
             if call is not None:
                 calls.append(call)
-    if not calls and choice.mode in ("named", "required"):
-        name, _, rest = text.partition('"') if choice.mode == "required" else (choice.name or "", "", text)
-        if choice.mode == "required":
-            rest = rest.partition(":")[2]  # past `, "arguments":`
-        arguments = rest.split(CLOSE)[0].strip()
-        arguments = arguments[:-1].rstrip() if arguments.endswith("}") and _closes_twice(arguments) else arguments
-        return None, [new_call(name, arguments)]  # (cut short, or not JSON: the client sees the model's text)
+    if not calls and choice.forced:  # (cut short by max_tokens: the client sees the model's text)
+        return None, [_unfinished_call(text, choice)]
     if not calls:
         return (full or None), []
     return (content.strip() or None), calls if choice.parallel else calls[:1]
+
+
+def _unfinished_call(text: str, choice: ToolChoice) -> dict[str, Any]:
+    """A forced call the model did not finish: its name as far as written (a named choice's own), and its
+    arguments' text as far as written."""
+    body = text.split(CLOSE)[0]
+    written = body.partition('"name"')[2].partition(":")[2].strip()
+    name = choice.name or (written[1:].partition('"')[0] if written.startswith('"') else "")
+    key = '"parameters"' if choice.parser == "llama3_json" else '"arguments"'
+    arguments = body.partition(key)[2].partition(":")[2].strip()
+    arguments = arguments[:-1].rstrip() if arguments.endswith("}") and _closes_twice(arguments) else arguments
+    return new_call(name, arguments)
 
 
 def _json_calls(text: str) -> list[dict[str, Any]]:
@@ -125,7 +149,7 @@ class ToolCallStream:
     held: bool = field(init=False, default=False)  # a call began: nothing more is content
 
     def __post_init__(self) -> None:
-        self.held = self.choice.mode in ("named", "required")
+        self.held = self.choice.forced
 
     def feed(self, delta: str) -> str:
         """The content to stream now, of the model's next `delta`."""

@@ -46,7 +46,8 @@ from stack import (
     running_coordinator,
 )
 
-from coordinator.http_api import ApiError, BodyLimit, _entries
+from coordinator.http_answers import ApiError, token_entries
+from coordinator.http_api import BodyLimit
 from coordinator.tool_calls import ToolCallStream, ToolChoice, parse_tool_calls
 from coordinator.validation import chat_prompt_ids
 from minedraft.engine.models import load_tokenizer
@@ -430,6 +431,50 @@ def test_echo_with_prompt_logprobs_as_lm_eval_asks(stack: Stack, llama_workers: 
     assert streamed[0] is None and streamed[1:] == pytest.approx(want, abs=1e-4)
 
 
+def test_vllm_prompt_logprobs_equal_hf(stack: Stack, llama_workers: Workers) -> None:
+    """vLLM's `prompt_logprobs` field: each prompt token's log-probability (the first None) with its rank and text,
+    and the top ones, equal to HF's log_softmax; a completion's in its choice, beside an echo's fewer top ones; a
+    chat's beside its choices; refused when streamed, as vLLM refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(llama_workers.pair.target), dtype="float32")
+
+    def hf(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return target(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+
+    def check(got: list[Any], ids: list[int], top: int) -> None:
+        expected = hf(ids)
+        assert len(got) == len(ids) and got[0] is None
+        for position, (token, entries) in enumerate(zip(ids[1:], got[1:], strict=True)):
+            best = expected[position].topk(top)
+            want = {token: float(expected[position, token])} | dict(zip(best.indices.tolist(), best.values.tolist()))
+            assert {int(t): e["logprob"] for t, e in entries.items()} == pytest.approx(want, abs=1e-4)
+            assert entries[str(token)]["decoded_token"] == stack.tokenizer.decode([token])
+            ranks = {int(t): e["rank"] for t, e in entries.items()}
+            assert [ranks[t] for t in best.indices.tolist()] == list(range(1, top + 1))
+
+    ids = [60 + i * 7 % 150 for i in range(24)]  # (a prompt of its own: the prefix cache keeps what tests send)
+    done = stack.client.completions.create(
+        model=stack.model,
+        prompt=ids,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 3},
+    )
+    choice = done.choices[0].model_extra or {}
+    check(choice["prompt_logprobs"], ids, 3)
+    echoed = done.choices[0].logprobs
+    assert echoed is not None and echoed.top_logprobs is not None and all(len(t) <= 1 for t in echoed.top_logprobs[1:])
+    chat = _chat(stack, MESSAGES, extra_body={"ignore_eos": True, "prompt_logprobs": 0})
+    templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    check((chat.model_extra or {})["prompt_logprobs"], templated, 0)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        stack.client.completions.create(model=stack.model, prompt=ids, stream=True, extra_body={"prompt_logprobs": 1})
+
+
 def test_chat_logprobs_whole_and_streamed(stack: Stack) -> None:
     """`logprobs: true` and `top_logprobs` on a chat completion: OpenAI's content list, what gRPC reports."""
     templated = stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
@@ -461,7 +506,8 @@ def _template_ids(stack: Stack, messages: list[Any], tools: list[Any] | None = N
 
 def test_tools_in_each_tool_choice_through_the_template(stack: Stack) -> None:
     """tools and tool_choice through the official client: the template shows the tools (none: not at all, named:
-    that one); required and named open the call in the assistant's turn and answer it as tool_calls, streamed too."""
+    that one); required and named open the call in the assistant's turn and constrain it to the call's schema, so
+    it parses and validates, answered as tool_calls, streamed too."""
     plain = _chat(stack, MESSAGES)
     none = _chat(stack, MESSAGES, tools=TOOLS, tool_choice="none")
     assert (
@@ -470,24 +516,45 @@ def test_tools_in_each_tool_choice_through_the_template(stack: Stack) -> None:
     auto = _chat(stack, MESSAGES, tools=TOOLS)  # (a random model writes no call)
     assert auto.usage is not None and auto.usage.prompt_tokens == len(_template_ids(stack, MESSAGES, TOOLS))
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # type: ignore[union-attr]
+    # Required and named: the call's JSON is constrained (its schema, compact JSON), so it is whole and valid, and
+    # the grammar's end ends the answer.
     named_choice: Any = {"type": "function", "function": {"name": "time"}}
-    named = _chat(stack, MESSAGES, tools=TOOLS, tool_choice=named_choice)
+    forced = {"max_tokens": 56, "extra_body": {}, "tools": TOOLS}
+    named = _chat(stack, MESSAGES, tool_choice=named_choice, **forced)
     (call,) = named.choices[0].message.tool_calls or []
     assert call.function.name == "time" and call.type == "function" and call.id.startswith("call_")
-    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "length"
-    prefix = stack.tokenizer.encode('<tool_call>\n{"name": "time", "arguments": ', add_special_tokens=False)
-    ids = _template_ids(stack, MESSAGES, TOOLS[1:]) + prefix
+    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments) == {}  # (time takes no parameters)
+    shown = TOOLS[1:]
+    ids = _template_ids(stack, MESSAGES, shown) + stack.tokenizer.encode("<tool_call>\n", add_special_tokens=False)
     assert named.usage is not None and named.usage.prompt_tokens == len(ids)
-    assert call.function.arguments == _grpc(stack, prompt_token_ids=ids).text.strip()  # the model's own text
-    chunks = list(_chat(stack, MESSAGES, tools=TOOLS, tool_choice=named_choice, stream=True))
+    schema = ToolChoice("named", "time").call_schema(shown)
+    output = generation_pb2.StructuredOutput(json_schema=schema, disable_any_whitespace=True)
+    params = generation_pb2.SamplingParams(max_tokens=56, temperature=0, structured_output=output)
+    over_grpc = asyncio.run(
+        generate(stack.coordinator.address, generation_pb2.GenerateRequest(prompt_token_ids=ids, params=params))
+    )
+    assert json.loads(over_grpc.text) == {"name": "time", "arguments": {}}
+    chunks = list(_chat(stack, MESSAGES, tool_choice=named_choice, stream=True, **forced))
     streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
     assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == [  # type: ignore[union-attr]
         (0, "time", call.function.arguments)
     ]
     assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
-    assert chunks[-1].choices[0].finish_reason == "length"
-    required = _chat(stack, MESSAGES, tools=TOOLS, tool_choice="required")
-    assert len(required.choices[0].message.tool_calls or []) == 1
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # (tools without parameters: a random model's object of any properties may run past the context)
+    either: Any = {"tools": [TOOLS[1], {"type": "function", "function": {"name": "date"}}]}
+    for stream in (False, True):
+        required = _chat(stack, MESSAGES, tool_choice="required", stream=stream, **forced | either)
+        if stream:
+            parts = [c for chunk in required for c in chunk.choices[0].delta.tool_calls or ()]
+            calls = [(c.function.name, c.function.arguments) for c in parts]  # type: ignore[union-attr]
+        else:
+            calls = [(c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls or ()]
+        ((name, arguments),) = calls
+        assert name in ("time", "date") and json.loads(arguments) == {}
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        _chat(stack, MESSAGES, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     # A call and its result go back through the template as the model wrote and read them.
     history: list[Any] = [
         MESSAGES[1],
@@ -514,8 +581,11 @@ def test_tool_call_parsing_whole_and_streamed() -> None:
     ]
     assert len(parse_tool_calls(text, ToolChoice("auto", parallel=False))[1]) == 1
     assert parse_tool_calls("no call <tool_call>{not json", ToolChoice("auto")) == ("no call <tool_call>{not json", [])
-    forced = parse_tool_calls('{"city": "Rome"}}\n</tool_call>', ToolChoice("named", "get_weather"))
+    call = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    forced = parse_tool_calls(call, ToolChoice("named", "get_weather"))
     assert forced[0] is None and forced[1][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    unfinished = parse_tool_calls(call[:-8], ToolChoice("required"))  # (max_tokens cut the call short)
+    assert unfinished[1][0]["function"] == {"name": "get_weather", "arguments": '{"city":'}
     for cut in (1, 5, 13, 14, 30):
         stream = ToolCallStream(ToolChoice("auto"))
         sent = stream.feed(text[:cut]) + stream.feed(text[cut:])
@@ -537,8 +607,9 @@ def test_tool_call_parsing_whole_and_streamed() -> None:
     stream = ToolCallStream(llama)
     assert stream.feed(text[:9]) == "" and stream.feed(text[9:]) == "" and len(stream.finish()[1]) == 2
     named = ToolChoice("named", "weather", parser="llama3_json")
-    assert named.forced_prefix == '{"name": "weather", "parameters": '
-    assert parse_tool_calls('{"city": "Oslo"}}', named)[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert named.forced_prefix == "" and '"parameters"' in named.call_schema(TOOLS)
+    called = parse_tool_calls('{"name": "weather", "parameters": {"city": "Oslo"}}', named)
+    assert called[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
 
 
 def test_chat_logprobs_leave_out_the_special_tokens_the_text_leaves_out(tiny_pairs: TinyPairs) -> None:
@@ -551,7 +622,7 @@ def test_chat_logprobs_leave_out_the_special_tokens_the_text_leaves_out(tiny_pai
         logprobs=[generation_pb2.TokenLogprob(logprob=-1.0), generation_pb2.TokenLogprob(logprob=-0.5)],
     )
     request = generation_pb2.GenerateRequest(params=generation_pb2.SamplingParams(logprobs=0))
-    chat, completion = (_entries(request, tokenizer, chat)(message) for chat in (True, False))  # type: ignore[misc]
+    chat, completion = (token_entries(request, tokenizer, chat)(message) for chat in (True, False))  # type: ignore[misc]
     assert chat == [(tokenizer.decode([7]), -1.0, [])]
     assert [token for token, _, _ in completion] == [tokenizer.decode([7]), tokenizer.decode([eos])]
 

