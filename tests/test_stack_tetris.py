@@ -1,0 +1,124 @@
+"""TETRIS through the services: greedy output equals HF `generate()` with extra proposals and per-row lengths."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from stack import (
+    TinyPairs,
+    Workers,
+    assert_all_slots_free,
+    generate,
+    in_process_coordinator,
+    run_async,
+    start_workers,
+    text_prompts,
+)
+
+from minedraft.observability.metrics import CoordinatorMetrics
+from minedraft.proto import generation_pb2
+
+pytest_plugins = ["stack"]
+
+K, EXTRA = 3, 2
+# KV cache of the small stack: 64 blocks of 4 tokens for the tiny Llama target (512 bytes a token), so a verify's
+# k + E + 1 = 6 positions cross block boundaries, and 8 sequences of ~70 tokens need more than the pool holds.
+SMALL_BLOCKS_GIB = 64 * 4 * 512 / 2**30
+
+
+@pytest.fixture(scope="module")
+def small_blocks(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
+    extra = ["--block-size", "4", "--kv-cache-memory", str(SMALL_BLOCKS_GIB)]
+    workers = start_workers(tiny_pairs["llama"], stack_logs, extra=extra)
+    try:
+        yield workers
+    finally:
+        workers.stop()
+
+
+def _greedy_requests(
+    pairs: TinyPairs, count: int, lengths: tuple[int, int], budgets: tuple[int, int], seed: int
+) -> tuple[list[generation_pb2.GenerateRequest], list[list[int]]]:
+    """Greedy requests (half of them prompts that repeat their text, which the draft predicts better) and each
+    one's HF `generate()` tokens."""
+    from transformers import AutoModelForCausalLM
+
+    pair = pairs["llama"]
+    rng = random.Random(seed)
+    prompts = text_prompts(pairs.tokenizer, count, *lengths, seed=seed)
+    prompts = [p + p[: len(p) // 2] if i % 2 else p for i, p in enumerate(prompts)]
+    model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    requests, expected = [], []
+    for prompt in prompts:
+        budget = rng.randint(*budgets)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=budget,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+        params = generation_pb2.SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+        requests.append(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params))
+    return requests, expected
+
+
+def _verified_counts(metrics: CoordinatorMetrics) -> dict[float, float]:
+    """The histogram of drafts verified per row, as {bucket's upper bound: rows at most that}."""
+    samples = metrics.tetris_verified_drafts.collect()[0].samples
+    return {float(s.labels["le"]): s.value for s in samples if s.name.endswith("_bucket")}
+
+
+def _serve(workers: Workers, requests: list[generation_pb2.GenerateRequest], mode: str, **options: object) -> tuple:
+    metrics = CoordinatorMetrics()
+
+    async def run() -> tuple[list[list[int]], int]:
+        settings = dict(mode=mode, num_speculative_tokens=K, speculation="always", tetris=True)
+        async with in_process_coordinator(workers, metrics=metrics, **{**settings, **options}) as (address, coord):
+            done = await asyncio.gather(*(generate(address, r) for r in requests))
+            return [d.token_ids for d in done], coord.loop.admission.preemptions
+
+    outputs, preemptions = run_async(run())
+    return outputs, preemptions, metrics
+
+
+@pytest.mark.parametrize(("mode", "budget"), [("psd", 2), ("sd", 20)])
+def test_tetris_greedy_equals_generate_with_rows_of_every_length(
+    mode: str, budget: int, llama_workers: Workers, tiny_pairs: TinyPairs
+) -> None:
+    """k + E drafts a row; a budget of 2 over batches of up to 4 leaves rows of 0, 1 and 2 drafts in one verify,
+    one of 20 verifies all k + E of each row; every output is `generate()`'s. (The tiny draft is near uniform, so
+    the default budget, k a row, keeps k of each.)"""
+    requests, expected = _greedy_requests(tiny_pairs, 8, (6, 30), (8, 24), seed=5)
+    outputs, _, metrics = _serve(
+        llama_workers, requests, mode, tetris_extra_proposals=str(EXTRA), verify_token_budget=budget
+    )
+    assert outputs == expected
+    counts = _verified_counts(metrics)
+    if budget < K:
+        assert counts[0.0] > 0 and counts[1.0] > counts[0.0], "no rows of 0 and of 1 drafts: the test proves nothing"
+    else:
+        assert counts[float(K)] < counts[float("inf")], "no row verified more than k drafts"
+    assert metrics.tetris_extra_drafts._value.get() > 0
+    assert_all_slots_free(llama_workers)
+
+
+def test_tetris_across_block_boundaries_and_preemption(small_blocks: Workers, tiny_pairs: TinyPairs) -> None:
+    """Blocks of 4 tokens, a pool too small for the load (preemption), the default budget (k a row) and auto
+    extra proposals: every output is `generate()`'s, and the budget is spent in full on full batches."""
+    requests, expected = _greedy_requests(tiny_pairs, 8, (50, 80), (30, 40), seed=3)
+    outputs, preemptions, metrics = _serve(small_blocks, requests, "psd", tetris_extra_proposals="auto")
+    assert outputs == expected
+    assert preemptions > 0, "the load never ran short of blocks: the test proves nothing"
+    use = metrics.tetris_budget_use.collect()[0].samples
+    assert any(s.name.endswith("_count") and s.value > 0 for s in use)
+    assert_all_slots_free(small_blocks, timeout=15)
