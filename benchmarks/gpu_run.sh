@@ -34,6 +34,10 @@
 #   served              the demo pair served on the GPUs in psd, sd and ar (MODES): output tokens/s of 128 (PROMPTS) requests
 #                       (64 at once, batches of 32, 64-token prompts, 96 tokens out); host-bound, so it shows what a
 #                       step costs the host
+#   tetris              TETRIS served (8B-shaped target, 68M draft, one GPU or two): plain psd and sd, then psd
+#                       --tetris with E = 2 and 4 (TETRIS_EXTRAS), at batches 32 and 64 (TETRIS_BATCHES), all at a
+#                       synthetic acceptance of 0.9 or 0.3 by row that the draft's scores predict (ROW_ACCEPTANCE;
+#                       a single rate, 0.6, is the control where selection cannot help); output tokens/s of each
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -260,6 +264,29 @@ deterministic-served)
                 --num-prompts $((batch * 2)) --concurrency $batch --prompt-len 64 --output-len 96 --no-progress \
                 > "$OUT/run/served_${batch}${flag}.log" 2>&1
             echo "== batch $batch ${flag:-plain}"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/served_${batch}${flag}.log"
+        done
+    done
+    ;;
+tetris)
+    # Served TETRIS against plain psd and sd at the same concurrency (design section 14): each run its own stacks,
+    # BENCH_SECONDS each (4 runs of 2 batches: ~8 min with the 8B pair's starts; TETRIS_BATCHES=32 for half).
+    app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)
+    python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
+    python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
+    for batch in ${TETRIS_BATCHES:-32 64}; do
+        runs="plain"
+        for extra in ${TETRIS_EXTRAS:-2 4}; do runs="$runs e$extra"; done
+        for run in $runs; do
+            case $run in
+            plain) flags="--modes ${PLAIN_MODES:-psd,sd}" ;;
+            *) flags="--modes psd --tetris --tetris-extra-proposals ${run#e}" ;;
+            esac
+            timeout -k 10 ${BENCH_SECONDS:-110} python3 -m $app bench $flags --speculation always \
+                --synthetic-row-acceptance "${ROW_ACCEPTANCE:-0.9,0.3}" --target /tmp/ckpt/8b --draft /tmp/ckpt/68m \
+                ${EXTRA:-} --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --max-batch-size $batch \
+                --num-prompts $((batch * 4)) --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
+                > "$OUT/run/tetris_${batch}_${run}.log" 2>&1
+            echo "== batch $batch $run"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/tetris_${batch}_${run}.log"
         done
     done
     ;;

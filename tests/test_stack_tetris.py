@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,10 +73,14 @@ def _greedy_requests(
     return requests, expected
 
 
-def _verified_counts(metrics: CoordinatorMetrics) -> dict[float, float]:
-    """The histogram of drafts verified per row, as {bucket's upper bound: rows at most that}."""
-    samples = metrics.tetris_verified_drafts.collect()[0].samples
-    return {float(s.labels["le"]): s.value for s in samples if s.name.endswith("_bucket")}
+def _sample(metrics: CoordinatorMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def _rows_verifying_at_most(metrics: CoordinatorMetrics, drafts: float) -> float:
+    """Rows of the verifies so far that verified at most `drafts` drafts (the histogram's bucket)."""
+    bound = "+Inf" if drafts == float("inf") else str(drafts)
+    return _sample(metrics, "minedraft_tetris_verified_drafts_bucket", le=bound)
 
 
 def _serve(workers: Workers, requests: list[generation_pb2.GenerateRequest], mode: str, **options: object) -> tuple:
@@ -103,12 +108,12 @@ def test_tetris_greedy_equals_generate_with_rows_of_every_length(
         llama_workers, requests, mode, tetris_extra_proposals=str(EXTRA), verify_token_budget=budget
     )
     assert outputs == expected
-    counts = _verified_counts(metrics)
+    at_most = functools.partial(_rows_verifying_at_most, metrics)
     if budget < K:
-        assert counts[0.0] > 0 and counts[1.0] > counts[0.0], "no rows of 0 and of 1 drafts: the test proves nothing"
+        assert 0 < at_most(0.0) < at_most(1.0), "no rows of 0 and of 1 drafts in a verify: the test proves nothing"
     else:
-        assert counts[float(K)] < counts[float("inf")], "no row verified more than k drafts"
-    assert metrics.tetris_extra_drafts._value.get() > 0
+        assert at_most(float(K)) < at_most(float("inf")), "no row verified more than k drafts"
+    assert _sample(metrics, "minedraft_tetris_extra_drafts_total") > 0
     assert_all_slots_free(llama_workers)
 
 
@@ -119,6 +124,8 @@ def test_tetris_across_block_boundaries_and_preemption(small_blocks: Workers, ti
     outputs, preemptions, metrics = _serve(small_blocks, requests, "psd", tetris_extra_proposals="auto")
     assert outputs == expected
     assert preemptions > 0, "the load never ran short of blocks: the test proves nothing"
-    use = metrics.tetris_budget_use.collect()[0].samples
-    assert any(s.name.endswith("_count") and s.value > 0 for s in use)
+    assert _sample(metrics, "minedraft_tetris_budget_use_count") > 0
+    assert _sample(metrics, "minedraft_tetris_budget_use_bucket", le="0.9") < _sample(
+        metrics, "minedraft_tetris_budget_use_count"
+    ), "no verify spent its whole budget"
     assert_all_slots_free(small_blocks, timeout=15)
