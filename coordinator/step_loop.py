@@ -204,6 +204,8 @@ class StepLoop:
     async def _propose(self, batch: Batch, k: int) -> None:
         """k drafts a row of `batch` (TETRIS: k plus the extra drafts, of which the budget's are verified)."""
         extras = self.extra_proposals
+        if extras is not None and any(r.request.seeded for r in batch.members):
+            extras = None  # (a seeded request's output must not depend on what else its batch holds: `_step`)
         drafts = k + extras.choose(k) if extras is not None else k
         self.admission.make_room(batch, drafts)
         if not batch.members:
@@ -252,10 +254,10 @@ class StepLoop:
                 emitted += len(result.token_ids)
             if self.metrics is not None:
                 self.metrics.verified(reply.results, k)
-                if k and self.extra_proposals is not None:
+                if k and batch.drafts is not None and batch.drafts.selected:
                     budget = self.verify_token_budget or batch.policy_drafts * len(members)
                     self.metrics.tetris_verified(reply.results, k, batch.policy_drafts, budget)
-            if k and self.extra_proposals is not None:
+            if k and self.extra_proposals is not None and batch.drafts is not None and batch.drafts.selected:
                 self.extra_proposals.record_verify(reply.timings.compute_s)
         gone = [r for r in members + batch.joining if r.finished or r.cancelled]
         batch.open_membership()
