@@ -43,10 +43,15 @@ def small_blocks(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
 
 
 def _greedy_requests(
-    pairs: TinyPairs, count: int, lengths: tuple[int, int], budgets: tuple[int, int], seed: int
+    pairs: TinyPairs,
+    count: int,
+    lengths: tuple[int, int],
+    budgets: tuple[int, int],
+    seed: int,
+    penalty: float | None = None,
 ) -> tuple[list[generation_pb2.GenerateRequest], list[list[int]]]:
-    """Greedy requests (half of them prompts that repeat their text, which the draft predicts better) and each
-    one's HF `generate()` tokens."""
+    """Greedy requests (half of them prompts that repeat their text, which the draft predicts better; with a
+    repetition `penalty`, and log-probabilities asked for) and each one's HF `generate()` tokens."""
     from transformers import AutoModelForCausalLM
 
     pair = pairs["llama"]
@@ -66,9 +71,12 @@ def _greedy_requests(
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
+                **({} if penalty is None else {"repetition_penalty": penalty}),
             )
         expected.append(out[0, len(prompt) :].tolist())
         params = generation_pb2.SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+        if penalty is not None:
+            params.repetition_penalty, params.logprobs = penalty, 2
         requests.append(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params))
     return requests, expected
 
@@ -101,13 +109,20 @@ def test_tetris_greedy_equals_generate_with_rows_of_every_length(
     mode: str, budget: int, llama_workers: Workers, tiny_pairs: TinyPairs
 ) -> None:
     """k + E drafts a row; a budget of 2 over batches of up to 4 leaves rows of 0, 1 and 2 drafts in one verify,
-    one of 20 verifies all k + E of each row; every output is `generate()`'s. (The tiny draft is near uniform, so
+    one of 20 verifies all k + E of each row; every greedy output is `generate()`'s, with a repetition penalty and
+    log-probabilities too, beside a sampled request. (The tiny draft is near uniform, so
     the default budget, k a row, keeps k of each.)"""
     requests, expected = _greedy_requests(tiny_pairs, 8, (6, 30), (8, 24), seed=5)
+    penalized, expected_penalized = _greedy_requests(tiny_pairs, 2, (6, 30), (8, 24), seed=6, penalty=1.3)
+    requests, expected = requests + penalized, expected + expected_penalized
+    sampled = generation_pb2.SamplingParams(max_tokens=12, temperature=0.9, top_k=50, ignore_eos=True)
+    requests.append(generation_pb2.GenerateRequest(prompt_token_ids=requests[0].prompt_token_ids, params=sampled))
     outputs, _, metrics = _serve(
         llama_workers, requests, mode, tetris_extra_proposals=str(EXTRA), verify_token_budget=budget
     )
-    assert outputs == expected
+    assert outputs[:-1] == expected
+    assert len(outputs[-1]) == 12  # (sampled with the draft's q over selected prefixes: its distribution is the
+    # sampler's chi-square test's, tests/test_tetris.py)
     at_most = functools.partial(_rows_verifying_at_most, metrics)
     if budget < K:
         assert 0 < at_most(0.0) < at_most(1.0), "no rows of 0 and of 1 drafts in a verify: the test proves nothing"
