@@ -127,13 +127,16 @@ class Acceptance:
             else self._accept_and_commit_eagerly
         )
         self._warmed_up: set[int] = set()  # draft counts (0: prefills) whose acceptance and commit are compiled
+        self._warmed_selected: set[int] = set()  # and those whose verifies of selected drafts are
 
     @torch.inference_mode()
-    def warm_up(self, k: int) -> None:
+    def warm_up(self, k: int, selected: bool = False) -> None:
         """With compiled layers, compile the acceptance and commit of verifies of k drafts and of prefills and
         target-only steps (none), for every kind of batch, at one row and at several, before serving: afterwards a
-        kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile."""
-        if not self.runner.compiles or {0, k} <= self._warmed_up:
+        kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile. `selected`:
+        the verifies of TETRIS's selected drafts (per-row lengths) too."""
+        lengths_too = selected and k not in self._warmed_selected
+        if not self.runner.compiles or ({0, k} <= self._warmed_up and not lengths_too):
             return
         start = time.perf_counter()
         row, vocab, device = self.runner.scratch_row, self.runner.vocab_size, self.runner.device
@@ -144,19 +147,23 @@ class Acceptance:
                     tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
                     probs = torch.zeros(batch, drafts, vocab, device=device) if not kind.all_greedy and drafts else None
                     logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
-                    self.decide(
-                        rows,
-                        tokens=tokens,
-                        num_valid=torch.full_like(rows, drafts + 1),
-                        before=torch.zeros_like(rows),
-                        logits=logits,
-                        draft_probs=probs,
-                        drafts=drafts,
-                        kind=kind,
-                    )
+                    for lengths in (None, torch.full_like(rows, drafts)) if lengths_too and drafts else (None,):
+                        self.decide(
+                            rows,
+                            tokens=tokens,
+                            num_valid=torch.full_like(rows, drafts + 1),
+                            before=torch.zeros_like(rows),
+                            logits=logits,
+                            draft_probs=probs,
+                            drafts=drafts,
+                            kind=kind,
+                            draft_lengths=lengths,
+                        )
         self.table.generated[row] = 0
         self.runner.cache.lengths[row] = 0
         self._warmed_up.update({0, k})
+        if selected:
+            self._warmed_selected.add(k)
         log.info("acceptance and commit compiled for k=%d in %.1f s", k, time.perf_counter() - start)
 
     def decide(
@@ -579,8 +586,8 @@ class Verifier:
 
     def warm_up(self, k: int) -> None:
         """With compiled layers, compile the acceptance and commit of verifies of k drafts, prefills and target-only
-        steps before serving (`Acceptance.warm_up`)."""
-        self.acceptance.warm_up(k)
+        steps before serving (`Acceptance.warm_up`); with `selected_verifies`, of selected drafts too."""
+        self.acceptance.warm_up(k, self.selected_verifies)
 
     def _step_kind(self, kind: SamplingKind) -> str:
         """The kind of a verify (or prefill) step of a batch of this kind: its graphs' key (one that exports hidden
