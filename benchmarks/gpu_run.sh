@@ -268,8 +268,9 @@ deterministic-served)
     done
     ;;
 tetris)
-    # Served TETRIS against plain psd and sd at the same concurrency (design section 14): each run its own stacks,
-    # BENCH_SECONDS each (4 runs of 2 batches: ~8 min with the 8B pair's starts; TETRIS_BATCHES=32 for half).
+    # Served TETRIS against plain psd and sd at the same concurrency (design section 14): 4 stacks a batch (psd, sd,
+    # psd E=2, psd E=4), each BENCH_SECONDS at most. Graphs are captured at first use, not at the connect
+    # (PRECAPTURE=on to precapture: ~130 s more a stack), so that 8 stacks fit ~9 min; TETRIS_BATCHES=32 for half.
     app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
@@ -281,10 +282,10 @@ tetris)
             plain) flags="--modes ${PLAIN_MODES:-psd,sd}" ;;
             *) flags="--modes psd --tetris --tetris-extra-proposals ${run#e}" ;;
             esac
-            timeout -k 10 ${BENCH_SECONDS:-110} python3 -m $app bench $flags --speculation always \
+            timeout -k 10 ${BENCH_SECONDS:-100} python3 -m $app bench $flags --speculation always \
                 --synthetic-row-acceptance "${ROW_ACCEPTANCE:-0.9,0.3}" --target /tmp/ckpt/8b --draft /tmp/ckpt/68m \
-                ${EXTRA:-} --target-device "$TARGET_DEVICE" --draft-device "$DRAFT_DEVICE" --max-batch-size $batch \
-                --num-prompts $((batch * 4)) --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
+                --precapture-graphs ${PRECAPTURE:-off} ${EXTRA:-} --target-device "$TARGET_DEVICE" \
+                --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts $((batch * 4)) --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
                 > "$OUT/run/tetris_${batch}_${run}.log" 2>&1
             echo "== batch $batch $run"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/tetris_${batch}_${run}.log"
         done
