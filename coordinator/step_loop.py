@@ -248,16 +248,18 @@ class StepLoop:
                 self._fail(members, exc)
         else:
             _check_rows("verify", reply.results, members)
+            selected = bool(k and batch.drafts is not None and batch.drafts.selected)
             for request, result in zip(members, reply.results):
-                request.record_verify(k, result.num_accepted, len(result.token_ids))
+                verified = result.num_verified_drafts if selected else None
+                request.record_verify(k, result.num_accepted, len(result.token_ids), verified)
                 request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)
                 emitted += len(result.token_ids)
             if self.metrics is not None:
-                self.metrics.verified(reply.results, k)
-                if k and batch.drafts is not None and batch.drafts.selected:
+                self.metrics.verified(reply.results, k, selected)
+                if selected:
                     budget = self.verify_token_budget or batch.policy_drafts * len(members)
                     self.metrics.tetris_verified(reply.results, k, batch.policy_drafts, budget)
-            if k and self.extra_proposals is not None and batch.drafts is not None and batch.drafts.selected:
+            if selected and self.extra_proposals is not None:
                 self.extra_proposals.record_verify(reply.timings.compute_s)
         gone = [r for r in members + batch.joining if r.finished or r.cancelled]
         batch.open_membership()

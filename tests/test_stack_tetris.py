@@ -129,6 +129,8 @@ def test_tetris_greedy_equals_generate_with_rows_of_every_length(
     else:
         assert at_most(float(K)) < at_most(float("inf")), "no row verified more than k drafts"
     assert _sample(metrics, "minedraft_tetris_extra_drafts_total") > 0
+    # Drafts count as verified, not as proposed: the acceptance rate is of what the target checked.
+    assert _sample(metrics, "minedraft_draft_tokens_total") == _sample(metrics, "minedraft_tetris_verified_drafts_sum")
     assert_all_slots_free(llama_workers)
 
 

@@ -218,8 +218,9 @@ class CoordinatorMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
 
-    def verified(self, results: Sequence[Any], k: int) -> None:
-        """The results of one verify of k drafts per sequence (the same figures RequestState.record_verify adds)."""
+    def verified(self, results: Sequence[Any], k: int, selected: bool = False) -> None:
+        """The results of one verify of k drafts per sequence (the same figures RequestState.record_verify adds;
+        `selected`: TETRIS's, each row's verified drafts counted)."""
         self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
         if not k:
             return
@@ -228,7 +229,7 @@ class CoordinatorMetrics:
             counts[min(result.num_accepted, len(result.token_ids), k)] += 1
         self.verify_steps.inc()
         self.verified_sequences.inc(len(results))
-        self.draft_tokens.inc(k * len(results))
+        self.draft_tokens.inc(sum(r.num_verified_drafts for r in results) if selected else k * len(results))
         self.accepted_tokens.inc(sum(a * n for a, n in enumerate(counts)))
         while len(self._positions) < k:
             self._positions.append(self.accepted_by_position.labels(str(len(self._positions))))
