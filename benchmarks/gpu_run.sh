@@ -38,6 +38,10 @@
 #                       68M draft (random weights, the demo tokenizer) on one GPU, psd and sd (MODES), each stack
 #                       serving the same load unconstrained and under a JSON schema in alternating rounds (ROUNDS):
 #                       tokens/s of each, accepted drafts, CPU ms a token per service (BATCH, PROMPTS)
+#   tetris              TETRIS served (8B-shaped target, 68M draft, one GPU or two): plain psd and sd, then psd
+#                       --tetris with E = 2 and 4 (TETRIS_EXTRAS), at batches 32 and 64 (TETRIS_BATCHES), all at a
+#                       synthetic acceptance of 0.9 or 0.3 by row that the draft's scores predict (ROW_ACCEPTANCE;
+#                       a single rate, 0.6, is the control where selection cannot help); output tokens/s of each
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -283,6 +287,30 @@ deterministic-served)
                 --num-prompts $((batch * 2)) --concurrency $batch --prompt-len 64 --output-len 96 --no-progress \
                 > "$OUT/run/served_${batch}${flag}.log" 2>&1
             echo "== batch $batch ${flag:-plain}"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/served_${batch}${flag}.log"
+        done
+    done
+    ;;
+tetris)
+    # Served TETRIS against plain psd and sd at the same concurrency (design section 14): 4 stacks a batch (psd, sd,
+    # psd E=2, psd E=4), each BENCH_SECONDS at most. Graphs are captured at first use, not at the connect
+    # (PRECAPTURE=on to precapture: ~130 s more a stack), so that 8 stacks fit ~9 min; TETRIS_BATCHES=32 for half.
+    app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)
+    python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
+    python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
+    for batch in ${TETRIS_BATCHES:-32 64}; do
+        runs="plain"
+        for extra in ${TETRIS_EXTRAS:-2 4}; do runs="$runs e$extra"; done
+        for run in $runs; do
+            case $run in
+            plain) flags="--modes ${PLAIN_MODES:-psd,sd}" ;;
+            *) flags="--modes psd --tetris --tetris-extra-proposals ${run#e}" ;;
+            esac
+            timeout -k 10 ${BENCH_SECONDS:-100} python3 -m $app bench $flags --speculation always \
+                --synthetic-row-acceptance "${ROW_ACCEPTANCE:-0.9,0.3}" --target /tmp/ckpt/8b --draft /tmp/ckpt/68m \
+                --precapture-graphs ${PRECAPTURE:-off} ${EXTRA:-} --target-device "$TARGET_DEVICE" \
+                --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts $((batch * 4)) --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
+                > "$OUT/run/tetris_${batch}_${run}.log" 2>&1
+            echo "== batch $batch $run"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/tetris_${batch}_${run}.log"
         done
     done
     ;;

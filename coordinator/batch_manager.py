@@ -24,6 +24,7 @@ class Batch:
     joining: list[RequestState] = field(default_factory=list)
     drafts: common_pb2.DraftPayload | None = None
     num_drafts: int = 0
+    policy_drafts: int = 0  # the speculation policy's k of those drafts (TETRIS's extra drafts aside)
 
     @property
     def size(self) -> int:
@@ -43,9 +44,10 @@ class Batch:
         concurrent verify puts its surplus in `joining`, not among the members whose drafts are being made)."""
         self.drafts = common_pb2.DraftPayload()
 
-    def drafted(self, drafts: common_pb2.DraftPayload, k: int) -> None:
-        """Its members' `k` drafts each are made, to be verified."""
+    def drafted(self, drafts: common_pb2.DraftPayload, k: int, policy_k: int | None = None) -> None:
+        """Its members' `k` drafts each are made, to be verified (`policy_k`: the policy's k of them; None: k)."""
         self.drafts, self.num_drafts = drafts, k
+        self.policy_drafts = k if policy_k is None else policy_k
 
     def propose_failed(self) -> None:
         """No drafts came: failed members stay until `BatchManager.remove_finished` releases them; joiners join."""

@@ -87,6 +87,9 @@ class Coordinator:
             overlap=options.overlap,
             speculation=options.speculation,
             min_k=options.min_speculative_tokens,
+            tetris=options.tetris,
+            extra_proposals=options.tetris_extra_proposals,
+            verify_token_budget=options.verify_token_budget,
         )
         self.front_door = FrontDoor(options, self.workers, self.manager, self.loop, self.health, tracer, metrics)
         if metrics is not None:
@@ -119,8 +122,9 @@ class Coordinator:
             Layout(
                 self.manager.max_batch_size,
                 len(self.manager.batches),
-                self.options.num_speculative_tokens,
-                self.loop.draft_lengths,
+                max(self.loop.prepared_lengths, default=self.options.num_speculative_tokens),
+                self.loop.prepared_lengths,
+                tetris=self.loop.tetris,
             )
         )
         self.workers.failover.reset_ledgers()

@@ -333,6 +333,34 @@ class CoordinatorOptions(PublicPortOptions):
         passes_to=TO_COORDINATOR,
         helm=_ONLY_COORDINATOR,
     )
+    tetris: bool = flag(
+        False,
+        "--tetris",
+        "psd and sd: the draft proposes --tetris-extra-proposals more tokens a row, and of the batch's drafts only "
+        "the --verify-token-budget most likely to be accepted (by the draft's probabilities) are verified, each row "
+        "a prefix (docs/design.md section 14)",
+        POLICY_COMMANDS,
+        SPECULATION,
+        switch=True,
+        passes_to=TO_COORDINATOR,
+    )
+    tetris_extra_proposals: str = flag(
+        "2",
+        "--tetris-extra-proposals",
+        "with --tetris: extra drafts a row beyond the step's k, a count, or auto: the most of 0, 2, 4 that keep the "
+        "draft's step within the measured verify it hides behind",
+        POLICY_COMMANDS,
+        SPECULATION,
+        passes_to=TO_COORDINATOR,
+    )
+    verify_token_budget: int = flag(
+        0,
+        "--verify-token-budget",
+        "with --tetris: drafts a verify checks over its batch (0: k times the batch's sequences)",
+        POLICY_COMMANDS,
+        SPECULATION,
+        passes_to=TO_COORDINATOR,
+    )
     step_calls: str = flag(
         "stream",
         "--step-calls",

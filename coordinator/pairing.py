@@ -30,14 +30,18 @@ class Layout:
 
     max_batch_size: int
     num_batches: int
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # the longest draft (with TETRIS, its extra drafts included)
     draft_lengths: tuple[int, ...]
+    tetris: bool = False  # proposals scored and selected, verifies of selected drafts (design section 14)
 
     def target_prepares(self) -> list[target_pb2.TargetServicePrepareRequest]:
         """The target's Prepare calls: each draft length's verifies (and the target's steps alone)."""
         return [
             target_pb2.TargetServicePrepareRequest(
-                num_speculative_tokens=length, max_batch_size=self.max_batch_size, num_batches=self.num_batches
+                num_speculative_tokens=length,
+                max_batch_size=self.max_batch_size,
+                num_batches=self.num_batches,
+                tetris=self.tetris,
             )
             for length in self.draft_lengths or (0,)
         ]
@@ -45,7 +49,10 @@ class Layout:
     def draft_prepares(self) -> list[draft_pb2.DraftServicePrepareRequest]:
         return [
             draft_pb2.DraftServicePrepareRequest(
-                num_speculative_tokens=length, max_batch_size=self.max_batch_size, num_batches=self.num_batches
+                num_speculative_tokens=length,
+                max_batch_size=self.max_batch_size,
+                num_batches=self.num_batches,
+                tetris=self.tetris,
             )
             for length in self.draft_lengths
         ]

@@ -217,9 +217,10 @@ class RequestState:
         d.num_accepted, d.draft_from = 0, len(d.output_ids)
         d.preemptions += 1
 
-    def record_verify(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+    def record_verify(self, num_drafts: int, num_accepted: int, num_emitted: int, verified: int | None = None) -> None:
         """Before the verify's `num_emitted` tokens are emitted: fewer than `num_accepted` + 1 where an EOS, a stop
-        token or max_tokens cut the step short."""
+        token or max_tokens cut the step short. `verified`: of the `num_drafts` proposed, those the verify checked
+        (TETRIS's selection; None: all), which usage counts."""
         d = self.decode
         d.steps += 1
         if num_drafts:
@@ -227,7 +228,7 @@ class RequestState:
             d.num_accepted, d.draft_from = num_accepted, len(d.output_ids) + num_accepted
             emitted_drafts = min(num_accepted, num_emitted)
             d.drafted_steps += 1
-            d.draft_tokens += num_drafts
+            d.draft_tokens += num_drafts if verified is None else verified
             d.accepted_tokens += emitted_drafts
             if len(d.accepted_per_position) < num_drafts:
                 d.accepted_per_position += [0] * (num_drafts - len(d.accepted_per_position))

@@ -17,6 +17,7 @@ from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
 from coordinator.speculation_policy import SpeculationPolicy, draft_lengths
 from coordinator.stream_outbox import StreamOutbox
+from coordinator.tetris_policy import ExtraProposals
 from coordinator.workers import Workers
 from minedraft.proto import target_pb2
 
@@ -57,9 +58,14 @@ class StepLoop:
         overlap: str = "auto",
         speculation: str = "auto",
         min_k: int = 0,
+        tetris: bool = False,
+        extra_proposals: str = "2",
+        verify_token_budget: int = 0,
     ) -> None:
         """`outbox`: where what a step emits waits until the next worker calls are sent (the one `workers` tells
-        of its calls). `min_k`: the fewest tokens a step drafts under `speculation` auto (0: k, or none)."""
+        of its calls). `min_k`: the fewest tokens a step drafts under `speculation` auto (0: k, or none).
+        `tetris`: each step drafts `extra_proposals` more tokens a row and verifies `verify_token_budget` of the
+        batch's drafts (0: k a row), those the draft finds likeliest (design section 14)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         self.workers, self.manager, self.mode = workers, manager, mode
@@ -72,13 +78,21 @@ class StepLoop:
             () if self.k == 0 else draft_lengths(self.k, min_k or self.k) if speculation == "auto" else (self.k,)
         )
         self.speculation_policy = SpeculationPolicy(speculation, self.draft_lengths)
+        self.tetris = tetris and self.k > 0
+        self.extra_proposals = ExtraProposals(extra_proposals) if self.tetris else None
+        if verify_token_budget < 0:
+            raise ValueError(f"--verify-token-budget {verify_token_budget}: give 0 (k a row) or more")
+        self.verify_token_budget = verify_token_budget
+        # The lengths proposals and verifies may take, each precaptured: with TETRIS each draft length plus extras.
+        extras = self.extra_proposals.choices if self.extra_proposals is not None else (0,)
+        self.prepared_lengths = tuple(sorted({n + e for n in self.draft_lengths for e in extras}, reverse=True))
         self.outbox = outbox
         self._step_ids = itertools.count()
         self._wake = wake
         self._stopping = False
         # Verify calls sent ahead (`_send_verify_ahead`), by batch id
         self._verifying: dict[int, asyncio.Task[target_pb2.VerifyResponse]] = {}
-        self.admission = Admission(workers, manager, self.k, outbox, metrics)
+        self.admission = Admission(workers, manager, max(self.prepared_lengths, default=self.k), outbox, metrics)
 
     def wake(self) -> None:
         self._wake.set()
@@ -151,7 +165,7 @@ class StepLoop:
             if drafting and to_verify is None:  # (a step that verified drafts is not the target's alone)
                 policy.record(0, time.perf_counter() - start, emitted / sequences)
         elif to_verify is not None and to_propose is not None:
-            verified, verified_k = len(to_verify.members), to_verify.drafts_to_verify
+            verified, verified_k = len(to_verify.members), to_verify.policy_drafts
             overlap = self.overlap_policy.choose()
             if overlap:
                 emitted, _ = await _together(self._verify(to_verify), self._propose(to_propose, k))
@@ -188,18 +202,26 @@ class StepLoop:
         )
 
     async def _propose(self, batch: Batch, k: int) -> None:
-        self.admission.make_room(batch, k)
+        """k drafts a row of `batch` (TETRIS: k plus the extra drafts, of which the budget's are verified)."""
+        extras = self.extra_proposals
+        if extras is not None and any(r.request.seeded for r in batch.members):
+            extras = None  # (a seeded request's output must not depend on what else its batch holds: `_step`)
+        drafts = k + extras.choose(k) if extras is not None else k
+        self.admission.make_room(batch, drafts)
         if not batch.members:
             return
+        budget = (self.verify_token_budget or k * len(batch.members)) if extras is not None else 0
         batch.begin_propose()
         try:
-            reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, k)
+            reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, drafts, budget)
         except Exception as exc:
             if not self._lose_draft(exc):
                 self._fail(batch.members, exc)
             batch.propose_failed()
             return
-        batch.drafted(reply.drafts, k)
+        if extras is not None:
+            extras.record_propose(reply.timings.compute_s, drafts)
+        batch.drafted(reply.drafts, drafts, k)
         self._send_verify_ahead(batch)
 
     def _send_verify_ahead(self, batch: Batch) -> None:
@@ -226,12 +248,19 @@ class StepLoop:
                 self._fail(members, exc)
         else:
             _check_rows("verify", reply.results, members)
+            selected = bool(k and batch.drafts is not None and batch.drafts.selected)
             for request, result in zip(members, reply.results):
-                request.record_verify(k, result.num_accepted, len(result.token_ids))
+                verified = result.num_verified_drafts if selected else None
+                request.record_verify(k, result.num_accepted, len(result.token_ids), verified)
                 request.emit(list(result.token_ids), result.finish_reason, self.outbox, result.logprobs)
                 emitted += len(result.token_ids)
             if self.metrics is not None:
-                self.metrics.verified(reply.results, k)
+                self.metrics.verified(reply.results, k, selected)
+                if selected:
+                    budget = self.verify_token_budget or batch.policy_drafts * len(members)
+                    self.metrics.tetris_verified(reply.results, k, batch.policy_drafts, budget)
+            if selected and self.extra_proposals is not None:
+                self.extra_proposals.record_verify(reply.timings.compute_s)
         gone = [r for r in members + batch.joining if r.finished or r.cancelled]
         batch.open_membership()
         self.manager.rebalance(batch)

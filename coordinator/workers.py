@@ -223,8 +223,9 @@ class Workers:
             await link.call(lambda released: link.stub.Prefill(request(released), timeout=link.timeout), blocks)
 
     async def propose(
-        self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int
+        self, step_id: int, batch_id: int, members: Sequence[RequestState], k: int, verify_token_budget: int = 0
     ) -> draft_pb2.ProposeResponse:
+        """k drafts a row (`verify_token_budget`: TETRIS's selection over them, ProposeRequest's)."""
         link = self.draft
         assert link.connected
         start = time.perf_counter()
@@ -235,6 +236,7 @@ class Workers:
             num_accepted=[r.decode.num_accepted for r in members],
             next_token_ids=[r.last_token for r in members],
             num_draft_tokens=k,
+            verify_token_budget=verify_token_budget,
         )
         states = self._to_draft.pop(batch_id, None)
         if states is not None:  # (a draft that reads the target's states: its batch's last verify's)

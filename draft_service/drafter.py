@@ -25,6 +25,8 @@ class Proposal:
     # With `defer_upkeep`: host work the proposal left, for the caller to run after replying and before the
     # drafter's next call (`Drafter.propose`).
     upkeep: Callable[[], None] | None = None
+    # With the drafter scoring its drafts (TETRIS, `Proposer.scores_drafts`): log q of each drafted token [B, k]
+    token_logprobs: torch.Tensor | None = None
 
 
 class Drafter(Protocol):

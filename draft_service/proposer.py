@@ -52,6 +52,12 @@ class Proposer:
         # constrained row's last drafts, on the host.
         self.grammars = None if tokenizer is None else Grammars(tokenizer, runner.vocab_size, eos_token_ids)
         self.last_drafts: dict[int, list[int]] = {}
+        # TETRIS (design section 14): each proposal also returns its drafts' log q (`Proposal.token_logprobs`), for
+        # the selection; set at Prepare. `synthetic_rates` (benchmarks only): each row's score is log of the rate,
+        # of these, that its seed picks, as the target's --synthetic-row-acceptance accepts it (a draft that
+        # predicts its acceptance, as a trained one does).
+        self.scores_drafts = False
+        self.synthetic_rates: torch.Tensor | None = None
         self._drafting_kinds: dict[SamplingKind, SamplingKind] = {}
         slots, device = runner.num_slots + 1, runner.device  # with the scratch row, as the table
         self.committed = torch.zeros(slots, dtype=torch.long, device=device)
@@ -129,7 +135,9 @@ class Proposer:
         self.committed_host[index], self.last_k_host[index] = committed, k
         if not defer_upkeep:
             upkeep()
-        return Proposal(outputs[0], outputs[1] if len(outputs) > 1 else None, upkeep if defer_upkeep else None)
+        probs = None if kind.all_greedy else outputs[1]
+        scores = outputs[-1] if self.scores_drafts else None
+        return Proposal(outputs[0], probs, upkeep if defer_upkeep else None, scores)
 
     def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
         """How a batch of this kind drafts: greedily for every row with `greedy_drafts`; never with logprobs (the
@@ -158,7 +166,7 @@ class Proposer:
         `needed` is the longest row after its last forward. With a grammar it runs eagerly: its masks are made on
         the host between its forwards, from the drafts before."""
         step = self.runner.prepare(
-            kind=kind.name,
+            kind=kind.name + ("-scored" if self.scores_drafts else ""),
             rows=rows,
             inputs=(verdicts,),
             needed=needed,
@@ -183,12 +191,13 @@ class Proposer:
         """A proposal's body, inside its graph (a draft's forwards are too small to pay for a launch from Python
         each): each row rolled back to what the target kept (`_reconcile`), then k forwards, each drafting a token
         from the last logits (`_choose`) and running it in the next; the last draft is remembered as the row's d_k.
-        Returns the drafts `[B, k]`, then their distributions `[B, k, V]` unless every row drafts greedily."""
+        Returns the drafts `[B, k]`, then their distributions `[B, k, V]` unless every row drafts greedily, then
+        with `scores_drafts` each draft's log q `[B, k]`."""
         (verdicts,) = inputs
         tokens, num_valid = self._reconcile(rows, verdicts)
         if kind.penalized:  # the tail's tokens where the penalties of the drafts count them
             self.table.record_history(rows, self.committed[rows] - num_valid, tokens, num_valid)
-        drafts, probs = [], []
+        drafts, probs, scores = [], [], []
         drafted: list[int] | None = None  # with a grammar: the last drafts on the host
         for position in range(k):
             logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=True)
@@ -202,6 +211,8 @@ class Proposer:
             drafts.append(draft)
             if q is not None:
                 probs.append(q)
+            if self.scores_drafts and self.synthetic_rates is None:
+                scores.append(self._score(logits, draft, q))
             tokens, num_valid = draft[:, None], torch.ones_like(num_valid)
         self.final_draft[rows] = draft
         self.last_k.index_fill_(0, rows, k)  # (an assignment would copy k from the host: not in a graph)
@@ -211,7 +222,22 @@ class Proposer:
             self.grammars.rollback_drafts()
             host = stacked[: len(seq_ids)].tolist()
             self.last_drafts.update((s, host[b]) for b, s in enumerate(seq_ids) if s in self.grammars.matchers)
-        return [stacked] + ([torch.stack(probs, dim=1)] if probs else [])
+        outputs = [stacked] + ([torch.stack(probs, dim=1)] if probs else [])
+        if self.scores_drafts:
+            outputs.append(torch.stack(scores, dim=1) if scores else self._synthetic_scores(rows, k))
+        return outputs
+
+    def _score(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        """A draft's log q [B]: from its distribution where sampled, else from the logits it was the argmax of."""
+        if q is not None:
+            return q.gather(-1, draft[:, None])[:, 0].float().clamp(min=torch.finfo(torch.float32).tiny).log()
+        return logits.float().log_softmax(dim=-1).gather(-1, draft[:, None])[:, 0]
+
+    def _synthetic_scores(self, rows: torch.Tensor, k: int) -> torch.Tensor:
+        """Benchmarks only: each row's drafts scored log(rate), the rate its seed picks (`synthetic_rates`)."""
+        assert self.synthetic_rates is not None
+        rates = self.synthetic_rates[self.table.seed_key[rows] % len(self.synthetic_rates)]
+        return rates.log()[:, None].expand(len(rows), k).contiguous()
 
     def _masked(self, logits: torch.Tensor, seq_ids: Sequence[int], drafted: list[int] | None) -> torch.Tensor:
         """A proposal's logits `[B, V]` (B padded past the sequences) masked by each row's grammar after its drafts

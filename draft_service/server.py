@@ -16,7 +16,9 @@ from google.protobuf.message import Message
 from draft_service.drafter import MODEL_FREE_METHODS, Drafter, resolve_method
 from draft_service.eagle import EagleProposer, load_eagle_head
 from draft_service.ngram import NgramProposer
+from draft_service.proposer import Proposer
 from draft_service.tensor_parallel import MirroredProposer, make_proposer, proposer_calls
+from draft_service.tetris import draft_logprobs, selected_drafts
 from minedraft.channels.base import ReverseLayout
 from minedraft.engine.grammar import Grammars
 from minedraft.engine.hidden_export import SEQ_ID, joined_for_head, tensor_names
@@ -57,6 +59,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         self.grammars: Grammars | None = (
             None  # (a draft model's, which masks its drafts; other drafters draft unmasked)
         )
+        self.scorer: Proposer | None = None  # the drafter that scores its drafts for TETRIS (one device's draft model)
         if self.method in ("eagle", "eagle3"):
             if options.tensor_parallel_size > 1:
                 raise ModelLoadError(f"--speculative-method {self.method}: an EAGLE head runs on one device")
@@ -87,6 +90,11 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         ranks = RankGroup(options, calls, "draft service") if options.tensor_parallel_size > 1 else None
         worker = ModelWorker(options, ranks.tp if ranks is not None else None)
         proposer = make_proposer(worker, greedy_drafts)
+        if ranks is None:  # (over ranks a proposal's drafts are scored from their probabilities, or uniformly)
+            self.scorer = proposer
+            rates = options.row_acceptance_rates()
+            if rates:
+                proposer.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=worker.runner.device)
         self.grammars = proposer.grammars
         self.proposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
         super().__init__(worker, self.proposer, ranks)
@@ -100,6 +108,15 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         if self.grammars is not None:
             for spec in {c.grammar for c in configs if c.grammar is not None}:
                 await asyncio.to_thread(self.grammars.compile, spec)
+
+    @grpc_errors
+    @leased
+    async def Prepare(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        """The step shapes run, as `WorkerServicer.Prepare`; with `tetris`, the proposals' graphs score the drafts."""
+        if request.tetris and self.scorer is not None:
+            self.scorer.scores_drafts = True
+        await self.prepare(request.num_speculative_tokens, request.max_batch_size)
+        return self.PrepareResponse()
 
     @grpc_errors
     async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
@@ -185,8 +202,13 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
             missed,
             defer_upkeep=True,
         )
+        draft_ids = proposal.draft_ids
+        if request.verify_token_budget:  # TETRIS: each row's kept prefix, the rest -1 (design section 14)
+            scores = draft_logprobs(draft_ids, proposal.draft_probs, proposal.token_logprobs)
+            draft_ids = selected_drafts(draft_ids, scores, request.verify_token_budget)
         start = time.perf_counter()
-        payload = channel.send(request.step_id, proposal.draft_ids, proposal.draft_probs)
+        payload = channel.send(request.step_id, draft_ids, proposal.draft_probs)
+        payload.selected = bool(request.verify_token_budget)
         if proposal.upkeep is not None:
             self.worker.after_reply(request, proposal.upkeep)
         return payload, elapsed(start)

@@ -24,3 +24,29 @@ def select_draft_lengths(
     kept[scores.flatten().topk(min(budget, batch * width)).indices] = True
     kept = kept.view(batch, width) & scores.isfinite()
     return kept.sum(dim=-1)
+
+
+# A drafter without probabilities (n-gram): every draft the same chance, so a row's score falls with each token and
+# the budget is shared out evenly, each row a prefix of its drafts.
+UNIFORM_LOGPROB = -0.6931471805599453  # log(1/2)
+
+
+def draft_logprobs(
+    draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, token_logprobs: torch.Tensor | None
+) -> torch.Tensor:
+    """Each drafted token's log q [B, K]: the drafter's own scores where it made them (`Proposal.token_logprobs`),
+    else read from its distributions, else uniform (`UNIFORM_LOGPROB`)."""
+    if token_logprobs is not None:
+        return token_logprobs.to(torch.float32)
+    if draft_probs is not None:
+        chosen = draft_probs.gather(-1, draft_ids[..., None].to(torch.long))[..., 0].to(torch.float32)
+        return chosen.clamp(min=torch.finfo(torch.float32).tiny).log()
+    return torch.full(draft_ids.shape, UNIFORM_LOGPROB, dtype=torch.float32, device=draft_ids.device)
+
+
+def selected_drafts(draft_ids: torch.Tensor, logprobs: torch.Tensor, budget: int) -> torch.Tensor:
+    """The drafts with -1 past each row's selected length (`select_draft_lengths`), as they travel to the target
+    (DraftPayload.selected); on the device, no host sync."""
+    lengths = select_draft_lengths(logprobs, budget)
+    past = torch.arange(draft_ids.shape[1], device=draft_ids.device) >= lengths[:, None]
+    return draft_ids.masked_fill(past, -1)

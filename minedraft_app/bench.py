@@ -642,6 +642,12 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
             f"BENCHMARK ONLY: synthetic acceptance {args.synthetic_acceptance}, outputs are not the target's",
             flush=True,
         )
+    if args.synthetic_row_acceptance:
+        print(
+            f"BENCHMARK ONLY: synthetic acceptance by row ({args.synthetic_row_acceptance}, each row's rate picked by "
+            "its seed, which the draft's scores predict), outputs are not the target's",
+            flush=True,
+        )
     for mode in modes:
         stacks = mode_stacks(args, mode, log_dir)
         try:

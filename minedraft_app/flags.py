@@ -110,6 +110,7 @@ FLAGS: tuple[Flag, ...] = (
     WORKER_FLAGS["deterministic"],
     WORKER_FLAGS["precapture_graphs"],
     WORKER_FLAGS["synthetic_acceptance"],
+    WORKER_FLAGS["synthetic_row_acceptance"],
     WORKER_FLAGS["tensor_parallel_size"],
     Flag(
         "--draft-tensor-parallel-size",
@@ -149,6 +150,9 @@ FLAGS: tuple[Flag, ...] = (
     COORDINATOR_FLAGS["num_speculative_tokens"],
     COORDINATOR_FLAGS["speculation"],
     COORDINATOR_FLAGS["min_speculative_tokens"],
+    COORDINATOR_FLAGS["tetris"],
+    COORDINATOR_FLAGS["tetris_extra_proposals"],
+    COORDINATOR_FLAGS["verify_token_budget"],
     WORKER_FLAGS["speculative_method"],
     WORKER_FLAGS["ngram_min"],
     WORKER_FLAGS["ngram_max"],

@@ -39,7 +39,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     params: RowParams,
     first_position: torch.Tensor,
-    synthetic_acceptance: float | None,
+    synthetic_acceptance: float | torch.Tensor | None,
     *,
     all_greedy: bool,
     filtered: bool,
@@ -53,8 +53,8 @@ def rejection_sample(
 
     `synthetic_acceptance` (benchmarks only, NOT lossless) accepts each draft with that probability whatever the
     models say, so throughput can be measured at a realistic acceptance with random weights (as vLLM's synthetic
-    rejection mode). `all_greedy` and `filtered` (some row has top-k or top-p) come from the host (the sequence
-    table), so no device sync finds them out.
+    rejection mode); a [B, 1] tensor gives each row its own rate. `all_greedy` and `filtered` (some row has top-k
+    or top-p) come from the host (the sequence table), so no device sync finds them out.
 
     `draft_lengths` [B] (None: every row k) verifies only a prefix of each row's drafts, as TETRIS selects them
     (design section 14): drafts past a row's length are never accepted, and the token after a full accept of that

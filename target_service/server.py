@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from minedraft.engine.hidden_export import SEQ_ID, layers_named, split_by_layer
 from minedraft.engine.sampling import SamplingConfig
@@ -46,6 +47,8 @@ def results_proto(seq_ids: list[int], result: StepResult) -> list[target_pb2.Seq
     ]
     # Set only where there is something to say: a verify (most calls) has no cached tokens and mostly no logprobs,
     # and an empty field given to the constructor costs a 32-row reply ~40% more.
+    for message, verified in zip(results, result.verified or (), strict=False):
+        message.num_verified_drafts = verified
     if result.cached_tokens is not None:
         for message, hits in zip(results, result.cached_tokens, strict=True):
             message.cached_prompt_tokens = hits
@@ -93,6 +96,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
                 options.synthetic_acceptance,
             )
         verifier = make_verifier(worker)
+        self.one_rank_verifier = verifier if ranks is None else None  # (over ranks, selected verifies run uncaptured)
         self.grammars = verifier.grammars
         self.verifier: Verifier | MirroredVerifier = verifier if ranks is None else MirroredVerifier(verifier, ranks)
         self._warned_blind = False
@@ -155,6 +159,15 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
 
     @grpc_errors
     @leased
+    async def Prepare(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
+        """The step shapes run, as `WorkerServicer.Prepare`; with `tetris`, the verifies of selected drafts too."""
+        if request.tetris and self.one_rank_verifier is not None:
+            self.one_rank_verifier.selected_verifies = True
+        await self.prepare(request.num_speculative_tokens, request.max_batch_size)
+        return self.PrepareResponse()
+
+    @grpc_errors
+    @leased
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
@@ -186,7 +199,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
                 raise InternalError(f"drafts of shape {tuple(draft_ids.shape)} for {len(seq_ids)} sequences, k={k}")
         channel_s = elapsed(start)
         exporting = self._exporting()
-        result = self.verifier.verify(seq_ids, draft_ids, draft_probs, batch_id)
+        result = self.verifier.verify(seq_ids, draft_ids, draft_probs, batch_id, selected=k > 0 and payload.selected)
         # Read on the compute thread, whose CUDA stream made the results (another stream could read them unfinished).
         results = results_proto(seq_ids, result)
         if not exporting:

@@ -18,7 +18,9 @@ from target_service.verifier import StepResult, Verifier
 
 def make_verifier(worker: ModelWorker) -> Verifier:
     options = worker.options
-    return Verifier(worker.runner, worker.vocab.eos_token_ids, options.synthetic_acceptance, worker.tokenizer)
+    rates = options.row_acceptance_rates()  # (benchmarks only: each row's rate, picked by its seed)
+    synthetic = torch.tensor(rates, device=worker.runner.device) if rates else options.synthetic_acceptance
+    return Verifier(worker.runner, worker.vocab.eos_token_ids, synthetic, worker.tokenizer)
 
 
 def verifier_calls(worker: ModelWorker) -> RunCall:
@@ -43,9 +45,14 @@ class MirroredVerifier(Mirrored):
         return result
 
     def verify(
-        self, seq_ids: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, batch_id: int | None
+        self,
+        seq_ids: Sequence[int],
+        draft_ids: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        batch_id: int | None,
+        selected: bool = False,
     ) -> StepResult:
-        result: StepResult = self.call("verify", list(seq_ids), draft_ids, draft_probs, batch_id)
+        result: StepResult = self.call("verify", list(seq_ids), draft_ids, draft_probs, batch_id, selected)
         return result
 
     def warm_up(self, k: int) -> None:

@@ -51,6 +51,9 @@ class StepResult:
     # prompt's length (a prefill: `hidden_counts`) or each row's emitted count (a verify)
     hidden: torch.Tensor | None = None
     hidden_counts: list[int] | None = None
+    # A verify of selected drafts (TETRIS): packed's last column is each row's verified draft count, read by per_row
+    selected: bool = False
+    verified: list[int] | None = None
     _emitted: list[int] | None = None
 
     def hidden_rows(self) -> tuple[torch.Tensor, list[int]]:
@@ -67,6 +70,8 @@ class StepResult:
         `logprobs_per_row`, only where a row asked for logprobs)."""
         rows = self.packed.tolist()
         self._emitted = [n for n, *_ in rows]
+        if self.selected:
+            self.verified = [row[-1] for row in rows]
         if self.on_read is not None:
             self.on_read(self._emitted)
         per_row = [(row[:n], a, f) for n, a, f, *row in rows]
@@ -102,7 +107,7 @@ class Acceptance:
         table: SequenceTable,
         pending: torch.Tensor,
         eos: torch.Tensor,
-        synthetic_acceptance: float | None,
+        synthetic_acceptance: float | torch.Tensor | None,
     ) -> None:
         self.runner = runner
         self.table = table
@@ -122,13 +127,16 @@ class Acceptance:
             else self._accept_and_commit_eagerly
         )
         self._warmed_up: set[int] = set()  # draft counts (0: prefills) whose acceptance and commit are compiled
+        self._warmed_selected: set[int] = set()  # and those whose verifies of selected drafts are
 
     @torch.inference_mode()
-    def warm_up(self, k: int) -> None:
+    def warm_up(self, k: int, selected: bool = False) -> None:
         """With compiled layers, compile the acceptance and commit of verifies of k drafts and of prefills and
         target-only steps (none), for every kind of batch, at one row and at several, before serving: afterwards a
-        kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile."""
-        if not self.runner.compiles or {0, k} <= self._warmed_up:
+        kind missed here runs uncompiled (the runner's stance) rather than stall a step on a compile. `selected`:
+        the verifies of TETRIS's selected drafts (per-row lengths) too."""
+        lengths_too = selected and k not in self._warmed_selected
+        if not self.runner.compiles or ({0, k} <= self._warmed_up and not lengths_too):
             return
         start = time.perf_counter()
         row, vocab, device = self.runner.scratch_row, self.runner.vocab_size, self.runner.device
@@ -139,19 +147,23 @@ class Acceptance:
                     tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
                     probs = torch.zeros(batch, drafts, vocab, device=device) if not kind.all_greedy and drafts else None
                     logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
-                    self.decide(
-                        rows,
-                        tokens=tokens,
-                        num_valid=torch.full_like(rows, drafts + 1),
-                        before=torch.zeros_like(rows),
-                        logits=logits,
-                        draft_probs=probs,
-                        drafts=drafts,
-                        kind=kind,
-                    )
+                    for lengths in (None, torch.full_like(rows, drafts)) if lengths_too and drafts else (None,):
+                        self.decide(
+                            rows,
+                            tokens=tokens,
+                            num_valid=torch.full_like(rows, drafts + 1),
+                            before=torch.zeros_like(rows),
+                            logits=logits,
+                            draft_probs=probs,
+                            drafts=drafts,
+                            kind=kind,
+                            draft_lengths=lengths,
+                        )
         self.table.generated[row] = 0
         self.runner.cache.lengths[row] = 0
         self._warmed_up.update({0, k})
+        if selected:
+            self._warmed_selected.add(k)
         log.info("acceptance and commit compiled for k=%d in %.1f s", k, time.perf_counter() - start)
 
     def decide(
@@ -166,11 +178,13 @@ class Acceptance:
         drafts: int,
         kind: SamplingKind,
         bitmask: torch.Tensor | None = None,
+        draft_lengths: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
         `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
         its arguments and the table's tensors. `bitmask` `[B, drafts + 1, words]`: the tokens each position's grammar
-        allows (`Grammars.masks`), with a grammar. Returns `StepResult.packed`, then its `logprobs` when the kind has
+        allows (`Grammars.masks`), with a grammar. `draft_lengths` [B]: each row's verified drafts (TETRIS; None:
+        all). Returns `StepResult.packed`, then its `logprobs` when the kind has
         them."""
         # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
         draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
@@ -191,6 +205,7 @@ class Acceptance:
                 penalized=kind.penalized,
                 logprobs=kind.logprobs,
                 bitmask=bitmask,
+                draft_lengths=draft_lengths,
             )
 
     def _accept_and_commit_eagerly(
@@ -205,6 +220,7 @@ class Acceptance:
         penalized: bool,
         logprobs: bool,
         bitmask: torch.Tensor | None = None,
+        draft_lengths: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """The penalties applied (with `penalized`), the grammar's mask (with a `bitmask`), `rejection_sample`, the
         emitted tokens' log-probabilities (with `logprobs`), then `_commit`; `first_position` is each row's sequence
@@ -229,9 +245,10 @@ class Acceptance:
             draft_probs=draft_probs,
             params=params,
             first_position=first_position,
-            synthetic_acceptance=self.synthetic_acceptance,
+            synthetic_acceptance=self._synthetic(rows),
             all_greedy=all_greedy,
             filtered=filtered,
+            draft_lengths=draft_lengths,
         )
         extra = []
         if logprobs:  # one tensor: one copy to the host
@@ -240,7 +257,16 @@ class Acceptance:
         packed = self._commit(rows, first_position - 1, sampled)
         if penalized:
             t.record_history(rows, first_position, sampled.tokens, packed[:, 0])
+        if draft_lengths is not None:  # (the last column: `StepResult.per_row` reads the tokens before it)
+            packed = torch.cat([packed, draft_lengths[:, None]], dim=1)
         return [packed, *extra]
+
+    def _synthetic(self, rows: torch.Tensor) -> float | torch.Tensor | None:
+        """Benchmarks only: the acceptance rate, or each row's [B, 1] of the rates its seed picks."""
+        rates = self.synthetic_acceptance
+        if not isinstance(rates, torch.Tensor):
+            return rates
+        return rates[self.table.seed_key[rows] % len(rates)][:, None]
 
     def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> torch.Tensor:
         """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest. Returns
@@ -270,7 +296,7 @@ class Verifier:
         self,
         runner: ModelRunner,
         eos_token_ids: Sequence[int],
-        synthetic_acceptance: float | None = None,
+        synthetic_acceptance: float | torch.Tensor | None = None,
         tokenizer: object | None = None,
     ) -> None:
         self.runner = runner
@@ -283,6 +309,7 @@ class Verifier:
         # length without waiting for the device (-1: unknown, which costs one host sync).
         self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
         eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
+        self.selected_verifies = False  # TETRIS: precapture verifies of selected drafts too (set at Prepare)
         self.acceptance = Acceptance(runner, self.table, self.pending, eos, synthetic_acceptance)
         self._prefill_hidden: dict[int, torch.Tensor] = {}  # row -> its prompt's exported states, while prefilling
 
@@ -365,12 +392,15 @@ class Verifier:
         draft_ids: torch.Tensor,
         draft_probs: torch.Tensor | None,
         batch_id: int | None = None,
+        selected: bool = False,
     ) -> StepResult:
         """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest:
         all in the step's CUDA graph (`_verify_step`).
 
         k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's rows in
         graph buffers of its own. The blocks the k + 1 positions need are taken first: all, or a CapacityError.
+        `selected` (TETRIS, design section 14): each row verifies only its drafts before the first id of -1; the
+        verify still runs k + 1 positions a row (padded), the lengths mask acceptance.
         """
         _, rows = self.table.batch_rows(seq_ids, batch_id)
         k = draft_ids.shape[1]
@@ -386,7 +416,7 @@ class Verifier:
         if kind.grammar:  # the masks of every verified position, after the drafts before it (`Grammars.masks`)
             probs += (self.grammars.masks(seq_ids, draft_ids.cpu().numpy()),)
         packed, *logprobs = self._run_verify(
-            rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id
+            rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id, selected=selected
         )
         hidden = logprobs.pop() if self.exports else None
         # The next verify of k drafts reaches 2(k + 1) past `before` at most; the recorder trims past the same reach,
@@ -395,7 +425,7 @@ class Verifier:
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
         recorder = self._recorder(index, before, ahead=2 * (k + 1))
-        result = StepResult(packed, recorder, hidden=hidden)
+        result = StepResult(packed, recorder, hidden=hidden, selected=selected)
         if logprobs:
             result.logprobs, result.top_n = logprobs[0], top_n
         if kind.grammar:  # the matchers move on by what was emitted once the host reads it
@@ -419,29 +449,40 @@ class Verifier:
         kind: SamplingKind,
         needed: int,
         lane: int | None,
+        selected: bool = False,
     ) -> list[torch.Tensor]:
         """The verify step: prepared on the drafts (and their probabilities, and with a grammar its masks), then run.
         The pending tokens are gathered inside its graph, which leaves the host only the copies into the graph's
         inputs."""
         k = draft_ids.shape[1]
         step = self.runner.prepare(
-            kind=self._step_kind(kind),
+            kind=self._step_kind(kind) + ("-selected" if selected else ""),
             rows=rows,
             inputs=(draft_ids, *probs),
             needed=needed,
             tokens=k + 1,
             lane=lane,
         )
-        return self.runner.run(step, functools.partial(self._verify_step, kind=kind))
+        return self.runner.run(step, functools.partial(self._verify_step, kind=kind, selected=selected))
 
     def _verify_step(
-        self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape, *, kind: SamplingKind
+        self,
+        rows: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        shape: StepShape,
+        *,
+        kind: SamplingKind,
+        selected: bool = False,
     ) -> list[torch.Tensor]:
         """A verify's body, inside its graph: each row's pending token and its drafts -> the forward -> accept a
-        prefix, commit it, roll back the rest (`_decide`)."""
+        prefix, commit it, roll back the rest (`_decide`). `selected`: a row's drafts end at its first id of -1."""
         drafts, *probs = inputs
         bitmask = probs.pop() if kind.grammar else None
         k = drafts.shape[1]
+        draft_lengths = None
+        if selected:  # (-1 ids are never accepted; any real id runs in their place)
+            draft_lengths = (drafts >= 0).sum(dim=-1)
+            drafts = drafts.clamp(min=0)
         tokens = torch.cat([self.pending[rows][:, None], drafts], dim=1)
         num_valid = torch.full_like(rows, k + 1)
         before = self.runner.cache.lengths[rows]
@@ -457,6 +498,7 @@ class Verifier:
             drafts=k,
             kind=kind,
             bitmask=bitmask,
+            draft_lengths=draft_lengths,
         )
         return decided if exported is None else [*decided, exported]
 
@@ -528,19 +570,24 @@ class Verifier:
         for drafts, kind in itertools.product(sorted({k, 0}, reverse=True), KINDS):
             verify = functools.partial(self._scratch_verify, drafts=drafts, kind=kind)
             shapes += self.runner.precapture(max_batch=max_batch, n=drafts + 1, run_step=verify)
+            if drafts and self.selected_verifies:  # TETRIS's verifies of selected drafts, graphs of their own
+                verify = functools.partial(self._scratch_verify, drafts=drafts, kind=kind, selected=True)
+                shapes += self.runner.precapture(max_batch=max_batch, n=drafts + 1, run_step=verify)
         return shapes
 
-    def _scratch_verify(self, rows: torch.Tensor, needed: int, *, drafts: int, kind: SamplingKind) -> None:
+    def _scratch_verify(
+        self, rows: torch.Tensor, needed: int, *, drafts: int, kind: SamplingKind, selected: bool = False
+    ) -> None:
         """A verify of zero drafts (and probabilities, when sampled) on scratch rows, as `precapture` runs it."""
         draft_ids = torch.zeros(len(rows), drafts, dtype=torch.long, device=rows.device)
         vocab = self.runner.vocab_size
         probs = (torch.zeros(len(rows), drafts, vocab, device=rows.device),) if not kind.all_greedy and drafts else ()
-        self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, lane=None)
+        self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, lane=None, selected=selected)
 
     def warm_up(self, k: int) -> None:
         """With compiled layers, compile the acceptance and commit of verifies of k drafts, prefills and target-only
-        steps before serving (`Acceptance.warm_up`)."""
-        self.acceptance.warm_up(k)
+        steps before serving (`Acceptance.warm_up`); with `selected_verifies`, of selected drafts too."""
+        self.acceptance.warm_up(k, self.selected_verifies)
 
     def _step_kind(self, kind: SamplingKind) -> str:
         """The kind of a verify (or prefill) step of a batch of this kind: its graphs' key (one that exports hidden

@@ -225,3 +225,24 @@ def test_eagle_draft_killed_and_restarted(
     for done in (lost, during, after):
         assert [c.token_ids for c in done] == expected
     assert sum(c.usage.draft_tokens for c in after) > 0
+
+
+def test_eagle_with_tetris_matches_target_alone(eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs) -> None:
+    """TETRIS over an EAGLE head (greedy drafts: scored alike, design section 14): k + 2 drafts a row and a budget
+    of 5 over batches of up to 4, so rows verify different prefixes and the head reads the target's states of each
+    row's own emitted count; psd gives `generate()`'s tokens, no proposal drafting blind."""
+    workers = eagle_workers["llama"]
+    assert workers.draft is not None
+    requests, expected = _requests(tiny_pairs, "llama")
+
+    async def run() -> list[Any]:
+        options: dict[str, Any] = dict(
+            mode="psd", num_speculative_tokens=K, speculation="always", tetris=True, verify_token_budget=5
+        )
+        async with in_process_coordinator(workers, **options) as (address, _):
+            return await _run(address, requests)
+
+    done = run_async(run())
+    assert [c.token_ids for c in done] == expected
+    assert_all_slots_free(workers)
+    assert "no hidden states of the target" not in workers.draft.log_tail(10**7)

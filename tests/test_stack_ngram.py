@@ -105,3 +105,21 @@ def test_ngram_greedy_matches_target_alone(ngram_workers: Workers, tiny_pairs: T
         else:
             assert drafted > 0 and accepted > 0, (mode, drafted, accepted)
     assert_all_slots_free(ngram_workers)
+
+
+def test_ngram_with_tetris_keeps_generate_output(ngram_workers: Workers, tiny_pairs: TinyPairs) -> None:
+    """TETRIS with a drafter that has no probabilities (every draft scored alike): k + 2 drafts a row, a budget
+    of 6 over batches of up to 4, so rows verify different prefixes; psd gives `generate()`'s tokens."""
+    requests, expected = _requests(tiny_pairs)
+
+    async def run() -> list[Any]:
+        options: dict[str, Any] = dict(
+            num_speculative_tokens=K, tetris=True, tetris_extra_proposals="2", verify_token_budget=6
+        )
+        async with in_process_coordinator(ngram_workers, mode="psd", **options) as (address, _):
+            return await _run(address, requests)
+
+    done = run_async(run())
+    assert [c.token_ids for c in done] == expected
+    assert sum(c.usage.accepted_tokens for c in done) > 0
+    assert_all_slots_free(ngram_workers)

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from draft_service.tetris import select_draft_lengths
+from coordinator.tetris_policy import AUTO_CHOICES, ExtraProposals, hidden_extra, parse_extra_proposals
+from draft_service.tetris import UNIFORM_LOGPROB, draft_logprobs, select_draft_lengths, selected_drafts
 from minedraft.engine.sampling import greedy_tokens
 from target_service.rejection_sampler import RowParams, rejection_sample
 
@@ -104,3 +105,60 @@ def test_a_verified_prefix_keeps_the_target_distribution(length: int) -> None:
     if length:
         second = out.tokens[out.num_accepted >= 1, 1].tolist()
         assert chi_square_p(second, p[1]) > 1e-4
+
+
+def test_selected_drafts_end_each_row_at_its_length_with_minus_one() -> None:
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    logprobs = torch.tensor([[-0.1, -0.1, -0.1], [-3.0, -0.1, -0.1], [-0.5, -2.0, -0.1]])
+    # cumulative: row 0 -0.1 -0.2 -0.3; row 1 -3 ...; row 2 -0.5 -2.5: the top 4 are row 0's three and row 2's first
+    assert selected_drafts(ids, logprobs, 4).tolist() == [[5, 6, 7], [-1, -1, -1], [11, -1, -1]]
+
+
+def test_a_drafter_without_probabilities_shares_the_budget_out_evenly_as_prefixes() -> None:
+    ids = torch.arange(12).view(4, 3)
+    scores = draft_logprobs(ids, None, None)
+    assert torch.equal(scores, torch.full((4, 3), UNIFORM_LOGPROB))
+    assert select_draft_lengths(scores, 8).tolist() == [2, 2, 2, 2]
+    assert select_draft_lengths(scores, 6).sum() == 6 and select_draft_lengths(scores, 6).max() == 2
+
+
+def test_draft_logprobs_read_the_drafts_own_probabilities() -> None:
+    ids = torch.tensor([[1, 0]])
+    probs = torch.tensor([[[0.2, 0.8, 0.0], [0.5, 0.25, 0.25]]])
+    assert torch.allclose(draft_logprobs(ids, probs, None), torch.tensor([[0.8, 0.5]]).log())
+    given = torch.tensor([[-1.0, -2.0]])
+    assert torch.equal(draft_logprobs(ids, probs, given), given)  # the drafter's own scores first
+
+
+def test_extra_proposals_parse_a_count_or_auto_and_refuse_the_rest() -> None:
+    assert parse_extra_proposals("4") == 4 and parse_extra_proposals("0") == 0
+    assert parse_extra_proposals("auto") is None
+    for bad in ("-1", "two", ""):
+        with pytest.raises(ValueError, match="give a count of 0 or more, or auto"):
+            parse_extra_proposals(bad)
+
+
+def test_hidden_extra_is_the_most_the_verify_hides() -> None:
+    # A draft token costs 1 ms: with k = 4, 6 ms of verify hides 2 extra, 8 ms hides 4, 4.5 ms none.
+    assert hidden_extra(0.001, 0.006, 4, AUTO_CHOICES) == 2
+    assert hidden_extra(0.001, 0.008, 4, AUTO_CHOICES) == 4
+    assert hidden_extra(0.001, 0.0045, 4, AUTO_CHOICES) == 0
+    assert hidden_extra(0.002, 0.001, 4, AUTO_CHOICES) == 0  # the draft is slower already: none
+
+
+def test_auto_extra_proposals_follow_the_measured_step_times() -> None:
+    fixed = ExtraProposals("3")
+    fixed.record_propose(1.0, 4)
+    assert fixed.choose(4) == 3 and fixed.choices == (3,)
+    auto = ExtraProposals("auto")
+    assert auto.choose(4) == max(AUTO_CHOICES)  # unmeasured: the most
+    for _ in range(30):  # 1 ms a drafted token, a 6.5 ms verify
+        auto.record_propose(0.008, 8)
+        auto.record_verify(0.0065)
+    assert auto.choose(4) == 2
+    for _ in range(30):  # the verify got slower (a larger batch): more is hidden
+        auto.record_verify(0.02)
+    assert auto.choose(4) == 4
+    for _ in range(30):  # the draft got slower than the verify: no extras
+        auto.record_propose(0.08, 8)
+    assert auto.choose(4) == 0

@@ -175,7 +175,7 @@ class Grammars:
                 if matcher.is_terminated():
                     break
                 matcher.fill_next_token_bitmask(row, j)
-                if j == k or not matcher.accept_token(int(draft_ids[b, j])):
+                if j == k or draft_ids[b, j] < 0 or not matcher.accept_token(int(draft_ids[b, j])):  # (-1: unselected)
                     break
                 taken += 1
             if taken:

@@ -20,6 +20,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 EFFICIENCY = (0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
 ACCEPTED_LENGTH = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0)
 RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+VERIFIED_DRAFTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 
 
 def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> int:
@@ -76,6 +77,27 @@ class CoordinatorMetrics:
             "minedraft_verified_sequences", "Sequences verified with drafts, summed over steps", registry=r
         )
         self.verify_steps = Counter("minedraft_verify_steps", "Verify calls with drafts", registry=r)
+        # TETRIS (design section 14)
+        self.tetris_verified_drafts = Histogram(
+            "minedraft_tetris_verified_drafts",
+            "Drafts a row verified of its proposal, as the TETRIS selection kept them",
+            buckets=VERIFIED_DRAFTS,
+            registry=r,
+        )
+        self.tetris_extra_drafts = Counter(
+            "minedraft_tetris_extra_drafts", "Drafts proposed past the step's k (TETRIS's extra proposals)", registry=r
+        )
+        self.tetris_extra_accepted = Counter(
+            "minedraft_tetris_extra_accepted",
+            "Drafts accepted past the step's k (from the extra proposals)",
+            registry=r,
+        )
+        self.tetris_budget_use = Histogram(
+            "minedraft_tetris_budget_use",
+            "Drafts a TETRIS verify checked over its --verify-token-budget",
+            buckets=RATES,
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "minedraft_step_seconds", "Worker call time seen by the coordinator", ["kind"], buckets=SECONDS, registry=r
         )
@@ -196,8 +218,9 @@ class CoordinatorMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
 
-    def verified(self, results: Sequence[Any], k: int) -> None:
-        """The results of one verify of k drafts per sequence (the same figures RequestState.record_verify adds)."""
+    def verified(self, results: Sequence[Any], k: int, selected: bool = False) -> None:
+        """The results of one verify of k drafts per sequence (the same figures RequestState.record_verify adds;
+        `selected`: TETRIS's, each row's verified drafts counted)."""
         self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
         if not k:
             return
@@ -206,7 +229,7 @@ class CoordinatorMetrics:
             counts[min(result.num_accepted, len(result.token_ids), k)] += 1
         self.verify_steps.inc()
         self.verified_sequences.inc(len(results))
-        self.draft_tokens.inc(k * len(results))
+        self.draft_tokens.inc(sum(r.num_verified_drafts for r in results) if selected else k * len(results))
         self.accepted_tokens.inc(sum(a * n for a, n in enumerate(counts)))
         while len(self._positions) < k:
             self._positions.append(self.accepted_by_position.labels(str(len(self._positions))))
@@ -215,6 +238,18 @@ class CoordinatorMetrics:
             at_least += counts[i]
             if at_least:
                 self._positions[i - 1].inc(at_least)
+
+    def tetris_verified(self, results: Sequence[Any], drafted: int, policy_k: int, budget: int) -> None:
+        """A verify of TETRIS-selected drafts: `drafted` proposed a row, `policy_k` of them the step's k, `budget`
+        the drafts it could verify; each result tells its row's verified drafts (num_verified_drafts)."""
+        verified = 0
+        for result in results:
+            self.tetris_verified_drafts.observe(result.num_verified_drafts)
+            verified += result.num_verified_drafts
+        self.tetris_extra_drafts.inc((drafted - policy_k) * len(results))
+        self.tetris_extra_accepted.inc(sum(max(0, r.num_accepted - policy_k) for r in results))
+        if budget:
+            self.tetris_budget_use.observe(verified / budget)
 
     def request_finished(self, finish_reason: str, usage: generation_pb2.Usage | None, seconds: float) -> None:
         """A request ended ("stop", "length", "cancelled", "error"); `usage` is what its client got, if anything."""

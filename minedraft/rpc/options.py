@@ -134,6 +134,15 @@ class WorkerOptions:
         MODELS,
         passes_to=(PassTo("target"),),
     )
+    synthetic_row_acceptance: str | None = flag(
+        None,
+        "--synthetic-row-acceptance",
+        "BENCHMARK ONLY, not lossless: comma-separated rates (0.9,0.3); the target accepts each row's drafts with "
+        "the rate its seed picks, and the draft scores them by it for --tetris, as a draft that predicts acceptance",
+        ("target", "draft", "bench"),
+        MODELS,
+        passes_to=TO_WORKERS,
+    )
     precapture_graphs: str = flag(
         "auto",
         "--precapture-graphs",
@@ -233,3 +242,18 @@ class WorkerOptions:
         WORKERS,
         SERVICE,
     )
+
+    def row_acceptance_rates(self) -> tuple[float, ...]:
+        """--synthetic-row-acceptance's rates (none when unset), each in (0, 1]."""
+        if not self.synthetic_row_acceptance:
+            return ()
+        try:
+            rates = tuple(float(r) for r in self.synthetic_row_acceptance.split(","))
+        except ValueError:
+            rates = ()
+        if not rates or any(not 0 < r <= 1 for r in rates):
+            raise ValueError(
+                f"--synthetic-row-acceptance {self.synthetic_row_acceptance!r}: give comma-separated rates in (0, 1], "
+                "such as 0.9,0.3"
+            )
+        return rates

@@ -20,7 +20,7 @@ class SequenceSpec(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftPayload(_message.Message):
-    __slots__ = ("channel", "step_id", "slot", "batch_size", "num_tokens", "token_ids", "probs", "probs_shape", "probs_dtype")
+    __slots__ = ("channel", "step_id", "slot", "batch_size", "num_tokens", "token_ids", "probs", "probs_shape", "probs_dtype", "selected")
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DraftPayload(_message.Message):
     PROBS_FIELD_NUMBER: _ClassVar[int]
     PROBS_SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROBS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
     channel: str
     step_id: int
     slot: int
@@ -39,7 +40,8 @@ class DraftPayload(_message.Message):
     probs: bytes
     probs_shape: _containers.RepeatedScalarFieldContainer[int]
     probs_dtype: str
-    def __init__(self, channel: _Optional[str] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., probs_shape: _Optional[_Iterable[int]] = ..., probs_dtype: _Optional[str] = ...) -> None: ...
+    selected: bool
+    def __init__(self, channel: _Optional[str] = ..., step_id: _Optional[int] = ..., slot: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., probs_shape: _Optional[_Iterable[int]] = ..., probs_dtype: _Optional[str] = ..., selected: _Optional[bool] = ...) -> None: ...
 
 class TargetPayload(_message.Message):
     __slots__ = ("channel", "step_id", "slot", "rows", "tensors")

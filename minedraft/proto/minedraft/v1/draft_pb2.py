@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from minedraft.proto.minedraft.v1 import common_pb2 as minedraft_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18minedraft/v1/draft.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\"\x1c\n\x1a\x44raftServiceGetInfoRequest\"E\n\x1b\x44raftServiceGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.WorkerInfo\"\xcf\x01\n\x1f\x44raftServiceSetupChannelRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x11\n\thandshake\x18\x02 \x01(\x0c\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_batches\x18\x05 \x01(\r\x12\x17\n\x0fsetup_timeout_s\x18\x06 \x01(\x02\x12\x13\n\x0b\x61ttach_back\x18\x07 \x01(\x08\x12\r\n\x05\x63lose\x18\x08 \x01(\x08\"5\n DraftServiceSetupChannelResponse\x12\x11\n\thandshake\x18\x01 \x01(\x0c\"i\n\x1a\x44raftServicePrepareRequest\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x13\n\x0bnum_batches\x18\x03 \x01(\r\"\x1d\n\x1b\x44raftServicePrepareResponse\"\x96\x01\n\x1a\x44raftServicePrefillRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\x12\x30\n\x0b\x66rom_target\x18\x03 \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\"x\n\x1b\x44raftServicePrefillResponse\x12&\n\x07timings\x18\x01 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x03(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\"\x8c\x02\n\x0eProposeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x16\n\x0enext_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\r\x12\x17\n\x0frelease_seq_ids\x18\x07 \x03(\x04\x12\x19\n\x11num_missed_tokens\x18\x08 \x03(\r\x12\x18\n\x10missed_token_ids\x18\t \x03(\x05\x12\x30\n\x0b\x66rom_target\x18\n \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\"z\n\x0fProposeResponse\x12*\n\x06\x64rafts\x18\x01 \x01(\x0b\x32\x1a.minedraft.v1.DraftPayload\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\"\xc7\x01\n\x14ProposeStreamRequest\x12-\n\x07propose\x18\x01 \x01(\x0b\x32\x1c.minedraft.v1.ProposeRequest\x12K\n\rtrace_context\x18\x02 \x03(\x0b\x32\x34.minedraft.v1.ProposeStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"q\n\x15ProposeStreamResponse\x12.\n\x07propose\x18\x01 \x01(\x0b\x32\x1d.minedraft.v1.ProposeResponse\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.minedraft.v1.CallStatus\"-\n\x1a\x44raftServiceReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"F\n\x1b\x44raftServiceReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\"I\n\x18\x44raftServiceLeaseRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07give_up\x18\x03 \x01(\x08\"?\n\x19\x44raftServiceLeaseResponse\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.minedraft.v1.Lease2\xfd\x05\n\x0c\x44raftService\x12^\n\x07GetInfo\x12(.minedraft.v1.DraftServiceGetInfoRequest\x1a).minedraft.v1.DraftServiceGetInfoResponse\x12m\n\x0cSetupChannel\x12-.minedraft.v1.DraftServiceSetupChannelRequest\x1a..minedraft.v1.DraftServiceSetupChannelResponse\x12^\n\x07Prepare\x12(.minedraft.v1.DraftServicePrepareRequest\x1a).minedraft.v1.DraftServicePrepareResponse\x12^\n\x07Prefill\x12(.minedraft.v1.DraftServicePrefillRequest\x1a).minedraft.v1.DraftServicePrefillResponse\x12\x46\n\x07Propose\x12\x1c.minedraft.v1.ProposeRequest\x1a\x1d.minedraft.v1.ProposeResponse\x12\\\n\rProposeStream\x12\".minedraft.v1.ProposeStreamRequest\x1a#.minedraft.v1.ProposeStreamResponse(\x01\x30\x01\x12^\n\x07Release\x12(.minedraft.v1.DraftServiceReleaseRequest\x1a).minedraft.v1.DraftServiceReleaseResponse\x12X\n\x05Lease\x12&.minedraft.v1.DraftServiceLeaseRequest\x1a\'.minedraft.v1.DraftServiceLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18minedraft/v1/draft.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\"\x1c\n\x1a\x44raftServiceGetInfoRequest\"E\n\x1b\x44raftServiceGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.WorkerInfo\"\xcf\x01\n\x1f\x44raftServiceSetupChannelRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x11\n\thandshake\x18\x02 \x01(\x0c\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_batches\x18\x05 \x01(\r\x12\x17\n\x0fsetup_timeout_s\x18\x06 \x01(\x02\x12\x13\n\x0b\x61ttach_back\x18\x07 \x01(\x08\x12\r\n\x05\x63lose\x18\x08 \x01(\x08\"5\n DraftServiceSetupChannelResponse\x12\x11\n\thandshake\x18\x01 \x01(\x0c\"y\n\x1a\x44raftServicePrepareRequest\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x13\n\x0bnum_batches\x18\x03 \x01(\r\x12\x0e\n\x06tetris\x18\x04 \x01(\x08\"\x1d\n\x1b\x44raftServicePrepareResponse\"\x96\x01\n\x1a\x44raftServicePrefillRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\x12\x30\n\x0b\x66rom_target\x18\x03 \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\"x\n\x1b\x44raftServicePrefillResponse\x12&\n\x07timings\x18\x01 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x03(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\"\xa9\x02\n\x0eProposeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x16\n\x0enext_token_ids\x18\x05 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\r\x12\x17\n\x0frelease_seq_ids\x18\x07 \x03(\x04\x12\x19\n\x11num_missed_tokens\x18\x08 \x03(\r\x12\x18\n\x10missed_token_ids\x18\t \x03(\x05\x12\x30\n\x0b\x66rom_target\x18\n \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\x12\x1b\n\x13verify_token_budget\x18\x0b \x01(\r\"z\n\x0fProposeResponse\x12*\n\x06\x64rafts\x18\x01 \x01(\x0b\x32\x1a.minedraft.v1.DraftPayload\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\"\xc7\x01\n\x14ProposeStreamRequest\x12-\n\x07propose\x18\x01 \x01(\x0b\x32\x1c.minedraft.v1.ProposeRequest\x12K\n\rtrace_context\x18\x02 \x03(\x0b\x32\x34.minedraft.v1.ProposeStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"q\n\x15ProposeStreamResponse\x12.\n\x07propose\x18\x01 \x01(\x0b\x32\x1d.minedraft.v1.ProposeResponse\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.minedraft.v1.CallStatus\"-\n\x1a\x44raftServiceReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"F\n\x1b\x44raftServiceReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\"I\n\x18\x44raftServiceLeaseRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07give_up\x18\x03 \x01(\x08\"?\n\x19\x44raftServiceLeaseResponse\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.minedraft.v1.Lease2\xfd\x05\n\x0c\x44raftService\x12^\n\x07GetInfo\x12(.minedraft.v1.DraftServiceGetInfoRequest\x1a).minedraft.v1.DraftServiceGetInfoResponse\x12m\n\x0cSetupChannel\x12-.minedraft.v1.DraftServiceSetupChannelRequest\x1a..minedraft.v1.DraftServiceSetupChannelResponse\x12^\n\x07Prepare\x12(.minedraft.v1.DraftServicePrepareRequest\x1a).minedraft.v1.DraftServicePrepareResponse\x12^\n\x07Prefill\x12(.minedraft.v1.DraftServicePrefillRequest\x1a).minedraft.v1.DraftServicePrefillResponse\x12\x46\n\x07Propose\x12\x1c.minedraft.v1.ProposeRequest\x1a\x1d.minedraft.v1.ProposeResponse\x12\\\n\rProposeStream\x12\".minedraft.v1.ProposeStreamRequest\x1a#.minedraft.v1.ProposeStreamResponse(\x01\x30\x01\x12^\n\x07Release\x12(.minedraft.v1.DraftServiceReleaseRequest\x1a).minedraft.v1.DraftServiceReleaseResponse\x12X\n\x05Lease\x12&.minedraft.v1.DraftServiceLeaseRequest\x1a\'.minedraft.v1.DraftServiceLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,31 +43,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSERVICESETUPCHANNELRESPONSE']._serialized_start=380
   _globals['_DRAFTSERVICESETUPCHANNELRESPONSE']._serialized_end=433
   _globals['_DRAFTSERVICEPREPAREREQUEST']._serialized_start=435
-  _globals['_DRAFTSERVICEPREPAREREQUEST']._serialized_end=540
-  _globals['_DRAFTSERVICEPREPARERESPONSE']._serialized_start=542
-  _globals['_DRAFTSERVICEPREPARERESPONSE']._serialized_end=571
-  _globals['_DRAFTSERVICEPREFILLREQUEST']._serialized_start=574
-  _globals['_DRAFTSERVICEPREFILLREQUEST']._serialized_end=724
-  _globals['_DRAFTSERVICEPREFILLRESPONSE']._serialized_start=726
-  _globals['_DRAFTSERVICEPREFILLRESPONSE']._serialized_end=846
-  _globals['_PROPOSEREQUEST']._serialized_start=849
-  _globals['_PROPOSEREQUEST']._serialized_end=1117
-  _globals['_PROPOSERESPONSE']._serialized_start=1119
-  _globals['_PROPOSERESPONSE']._serialized_end=1241
-  _globals['_PROPOSESTREAMREQUEST']._serialized_start=1244
-  _globals['_PROPOSESTREAMREQUEST']._serialized_end=1443
-  _globals['_PROPOSESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1392
-  _globals['_PROPOSESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1443
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=1445
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=1558
-  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_start=1560
-  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_end=1605
-  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_start=1607
-  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_end=1677
-  _globals['_DRAFTSERVICELEASEREQUEST']._serialized_start=1679
-  _globals['_DRAFTSERVICELEASEREQUEST']._serialized_end=1752
-  _globals['_DRAFTSERVICELEASERESPONSE']._serialized_start=1754
-  _globals['_DRAFTSERVICELEASERESPONSE']._serialized_end=1817
-  _globals['_DRAFTSERVICE']._serialized_start=1820
-  _globals['_DRAFTSERVICE']._serialized_end=2585
+  _globals['_DRAFTSERVICEPREPAREREQUEST']._serialized_end=556
+  _globals['_DRAFTSERVICEPREPARERESPONSE']._serialized_start=558
+  _globals['_DRAFTSERVICEPREPARERESPONSE']._serialized_end=587
+  _globals['_DRAFTSERVICEPREFILLREQUEST']._serialized_start=590
+  _globals['_DRAFTSERVICEPREFILLREQUEST']._serialized_end=740
+  _globals['_DRAFTSERVICEPREFILLRESPONSE']._serialized_start=742
+  _globals['_DRAFTSERVICEPREFILLRESPONSE']._serialized_end=862
+  _globals['_PROPOSEREQUEST']._serialized_start=865
+  _globals['_PROPOSEREQUEST']._serialized_end=1162
+  _globals['_PROPOSERESPONSE']._serialized_start=1164
+  _globals['_PROPOSERESPONSE']._serialized_end=1286
+  _globals['_PROPOSESTREAMREQUEST']._serialized_start=1289
+  _globals['_PROPOSESTREAMREQUEST']._serialized_end=1488
+  _globals['_PROPOSESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1437
+  _globals['_PROPOSESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1488
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=1490
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=1603
+  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_start=1605
+  _globals['_DRAFTSERVICERELEASEREQUEST']._serialized_end=1650
+  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_start=1652
+  _globals['_DRAFTSERVICERELEASERESPONSE']._serialized_end=1722
+  _globals['_DRAFTSERVICELEASEREQUEST']._serialized_start=1724
+  _globals['_DRAFTSERVICELEASEREQUEST']._serialized_end=1797
+  _globals['_DRAFTSERVICELEASERESPONSE']._serialized_start=1799
+  _globals['_DRAFTSERVICELEASERESPONSE']._serialized_end=1862
+  _globals['_DRAFTSERVICE']._serialized_start=1865
+  _globals['_DRAFTSERVICE']._serialized_end=2630
 # @@protoc_insertion_point(module_scope)

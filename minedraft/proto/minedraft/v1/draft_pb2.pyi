@@ -44,14 +44,16 @@ class DraftServiceSetupChannelResponse(_message.Message):
     def __init__(self, handshake: _Optional[bytes] = ...) -> None: ...
 
 class DraftServicePrepareRequest(_message.Message):
-    __slots__ = ("num_speculative_tokens", "max_batch_size", "num_batches")
+    __slots__ = ("num_speculative_tokens", "max_batch_size", "num_batches", "tetris")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TETRIS_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     max_batch_size: int
     num_batches: int
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
+    tetris: bool
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., tetris: _Optional[bool] = ...) -> None: ...
 
 class DraftServicePrepareResponse(_message.Message):
     __slots__ = ()
@@ -78,7 +80,7 @@ class DraftServicePrefillResponse(_message.Message):
     def __init__(self, timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., cached_prompt_tokens: _Optional[_Iterable[int]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids", "num_missed_tokens", "missed_token_ids", "from_target")
+    __slots__ = ("step_id", "batch_id", "seq_ids", "num_accepted", "next_token_ids", "num_draft_tokens", "release_seq_ids", "num_missed_tokens", "missed_token_ids", "from_target", "verify_token_budget")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class ProposeRequest(_message.Message):
     NUM_MISSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MISSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FROM_TARGET_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -99,7 +102,8 @@ class ProposeRequest(_message.Message):
     num_missed_tokens: _containers.RepeatedScalarFieldContainer[int]
     missed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     from_target: _common_pb2.TargetPayload
-    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., num_missed_tokens: _Optional[_Iterable[int]] = ..., missed_token_ids: _Optional[_Iterable[int]] = ..., from_target: _Optional[_Union[_common_pb2.TargetPayload, _Mapping]] = ...) -> None: ...
+    verify_token_budget: int
+    def __init__(self, step_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., next_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., num_missed_tokens: _Optional[_Iterable[int]] = ..., missed_token_ids: _Optional[_Iterable[int]] = ..., from_target: _Optional[_Union[_common_pb2.TargetPayload, _Mapping]] = ..., verify_token_budget: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts", "timings", "free_blocks")

@@ -26,7 +26,7 @@ from minedraft.proto.minedraft.v1 import common_pb2 as minedraft_dot_v1_dot_comm
 from minedraft.proto.minedraft.v1 import generation_pb2 as minedraft_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/target.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\x1a\x1dminedraft/v1/generation.proto\"\x1d\n\x1bTargetServiceGetInfoRequest\"F\n\x1cTargetServiceGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.WorkerInfo\"\xd0\x01\n TargetServiceSetupChannelRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x11\n\thandshake\x18\x02 \x01(\x0c\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_batches\x18\x05 \x01(\r\x12\x17\n\x0fsetup_timeout_s\x18\x06 \x01(\x02\x12\x13\n\x0b\x61ttach_back\x18\x07 \x01(\x08\x12\r\n\x05\x63lose\x18\x08 \x01(\x08\"6\n!TargetServiceSetupChannelResponse\x12\x11\n\thandshake\x18\x01 \x01(\x0c\"j\n\x1bTargetServicePrepareRequest\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x13\n\x0bnum_batches\x18\x03 \x01(\r\"\x1e\n\x1cTargetServicePrepareResponse\"e\n\x1bTargetServicePrefillRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\"\xb9\x01\n\x1cTargetServicePrefillResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12-\n\x08to_draft\x18\x04 \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\"\xa2\x01\n\rVerifyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12*\n\x06\x64rafts\x18\x04 \x01(\x0b\x32\x1a.minedraft.v1.DraftPayload\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x17\n\x0frelease_seq_ids\x18\x06 \x03(\x04\"\xab\x01\n\x0eVerifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12-\n\x08to_draft\x18\x04 \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\"\xc3\x01\n\x13VerifyStreamRequest\x12+\n\x06verify\x18\x01 \x01(\x0b\x32\x1b.minedraft.v1.VerifyRequest\x12J\n\rtrace_context\x18\x02 \x03(\x0b\x32\x33.minedraft.v1.VerifyStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"n\n\x14VerifyStreamResponse\x12,\n\x06verify\x18\x01 \x01(\x0b\x32\x1c.minedraft.v1.VerifyResponse\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.minedraft.v1.CallStatus\"\xfd\x01\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\".\n\x1bTargetServiceReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"G\n\x1cTargetServiceReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\"J\n\x19TargetServiceLeaseRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07give_up\x18\x03 \x01(\x08\"@\n\x1aTargetServiceLeaseResponse\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.minedraft.v1.Lease2\x84\x06\n\rTargetService\x12`\n\x07GetInfo\x12).minedraft.v1.TargetServiceGetInfoRequest\x1a*.minedraft.v1.TargetServiceGetInfoResponse\x12o\n\x0cSetupChannel\x12..minedraft.v1.TargetServiceSetupChannelRequest\x1a/.minedraft.v1.TargetServiceSetupChannelResponse\x12`\n\x07Prepare\x12).minedraft.v1.TargetServicePrepareRequest\x1a*.minedraft.v1.TargetServicePrepareResponse\x12`\n\x07Prefill\x12).minedraft.v1.TargetServicePrefillRequest\x1a*.minedraft.v1.TargetServicePrefillResponse\x12\x43\n\x06Verify\x12\x1b.minedraft.v1.VerifyRequest\x1a\x1c.minedraft.v1.VerifyResponse\x12Y\n\x0cVerifyStream\x12!.minedraft.v1.VerifyStreamRequest\x1a\".minedraft.v1.VerifyStreamResponse(\x01\x30\x01\x12`\n\x07Release\x12).minedraft.v1.TargetServiceReleaseRequest\x1a*.minedraft.v1.TargetServiceReleaseResponse\x12Z\n\x05Lease\x12\'.minedraft.v1.TargetServiceLeaseRequest\x1a(.minedraft.v1.TargetServiceLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/target.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\x1a\x1dminedraft/v1/generation.proto\"\x1d\n\x1bTargetServiceGetInfoRequest\"F\n\x1cTargetServiceGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.WorkerInfo\"\xd0\x01\n TargetServiceSetupChannelRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x11\n\thandshake\x18\x02 \x01(\x0c\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x13\n\x0bnum_batches\x18\x05 \x01(\r\x12\x17\n\x0fsetup_timeout_s\x18\x06 \x01(\x02\x12\x13\n\x0b\x61ttach_back\x18\x07 \x01(\x08\x12\r\n\x05\x63lose\x18\x08 \x01(\x08\"6\n!TargetServiceSetupChannelResponse\x12\x11\n\thandshake\x18\x01 \x01(\x0c\"z\n\x1bTargetServicePrepareRequest\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x13\n\x0bnum_batches\x18\x03 \x01(\r\x12\x0e\n\x06tetris\x18\x04 \x01(\x08\"\x1e\n\x1cTargetServicePrepareResponse\"e\n\x1bTargetServicePrefillRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.minedraft.v1.SequenceSpec\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\"\xb9\x01\n\x1cTargetServicePrefillResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12-\n\x08to_draft\x18\x04 \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\"\xa2\x01\n\rVerifyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12*\n\x06\x64rafts\x18\x04 \x01(\x0b\x32\x1a.minedraft.v1.DraftPayload\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x17\n\x0frelease_seq_ids\x18\x06 \x03(\x04\"\xab\x01\n\x0eVerifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.minedraft.v1.SequenceResult\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.minedraft.v1.Timings\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12-\n\x08to_draft\x18\x04 \x01(\x0b\x32\x1b.minedraft.v1.TargetPayload\"\xc3\x01\n\x13VerifyStreamRequest\x12+\n\x06verify\x18\x01 \x01(\x0b\x32\x1b.minedraft.v1.VerifyRequest\x12J\n\rtrace_context\x18\x02 \x03(\x0b\x32\x33.minedraft.v1.VerifyStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"n\n\x14VerifyStreamResponse\x12,\n\x06verify\x18\x01 \x01(\x0b\x32\x1c.minedraft.v1.VerifyResponse\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.minedraft.v1.CallStatus\"\x9a\x02\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.minedraft.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.minedraft.v1.TokenLogprob\x12\x1b\n\x13num_verified_drafts\x18\x08 \x01(\r\".\n\x1bTargetServiceReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"G\n\x1cTargetServiceReleaseResponse\x12\x12\n\nfree_slots\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\"J\n\x19TargetServiceLeaseRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07give_up\x18\x03 \x01(\x08\"@\n\x1aTargetServiceLeaseResponse\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.minedraft.v1.Lease2\x84\x06\n\rTargetService\x12`\n\x07GetInfo\x12).minedraft.v1.TargetServiceGetInfoRequest\x1a*.minedraft.v1.TargetServiceGetInfoResponse\x12o\n\x0cSetupChannel\x12..minedraft.v1.TargetServiceSetupChannelRequest\x1a/.minedraft.v1.TargetServiceSetupChannelResponse\x12`\n\x07Prepare\x12).minedraft.v1.TargetServicePrepareRequest\x1a*.minedraft.v1.TargetServicePrepareResponse\x12`\n\x07Prefill\x12).minedraft.v1.TargetServicePrefillRequest\x1a*.minedraft.v1.TargetServicePrefillResponse\x12\x43\n\x06Verify\x12\x1b.minedraft.v1.VerifyRequest\x1a\x1c.minedraft.v1.VerifyResponse\x12Y\n\x0cVerifyStream\x12!.minedraft.v1.VerifyStreamRequest\x1a\".minedraft.v1.VerifyStreamResponse(\x01\x30\x01\x12`\n\x07Release\x12).minedraft.v1.TargetServiceReleaseRequest\x1a*.minedraft.v1.TargetServiceReleaseResponse\x12Z\n\x05Lease\x12\'.minedraft.v1.TargetServiceLeaseRequest\x1a(.minedraft.v1.TargetServiceLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETSERVICESETUPCHANNELRESPONSE']._serialized_start=415
   _globals['_TARGETSERVICESETUPCHANNELRESPONSE']._serialized_end=469
   _globals['_TARGETSERVICEPREPAREREQUEST']._serialized_start=471
-  _globals['_TARGETSERVICEPREPAREREQUEST']._serialized_end=577
-  _globals['_TARGETSERVICEPREPARERESPONSE']._serialized_start=579
-  _globals['_TARGETSERVICEPREPARERESPONSE']._serialized_end=609
-  _globals['_TARGETSERVICEPREFILLREQUEST']._serialized_start=611
-  _globals['_TARGETSERVICEPREFILLREQUEST']._serialized_end=712
-  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_start=715
-  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_end=900
-  _globals['_VERIFYREQUEST']._serialized_start=903
-  _globals['_VERIFYREQUEST']._serialized_end=1065
-  _globals['_VERIFYRESPONSE']._serialized_start=1068
-  _globals['_VERIFYRESPONSE']._serialized_end=1239
-  _globals['_VERIFYSTREAMREQUEST']._serialized_start=1242
-  _globals['_VERIFYSTREAMREQUEST']._serialized_end=1437
-  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1386
-  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1437
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=1439
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1549
-  _globals['_SEQUENCERESULT']._serialized_start=1552
-  _globals['_SEQUENCERESULT']._serialized_end=1805
-  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_start=1807
-  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_end=1853
-  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_start=1855
-  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_end=1926
-  _globals['_TARGETSERVICELEASEREQUEST']._serialized_start=1928
-  _globals['_TARGETSERVICELEASEREQUEST']._serialized_end=2002
-  _globals['_TARGETSERVICELEASERESPONSE']._serialized_start=2004
-  _globals['_TARGETSERVICELEASERESPONSE']._serialized_end=2068
-  _globals['_TARGETSERVICE']._serialized_start=2071
-  _globals['_TARGETSERVICE']._serialized_end=2843
+  _globals['_TARGETSERVICEPREPAREREQUEST']._serialized_end=593
+  _globals['_TARGETSERVICEPREPARERESPONSE']._serialized_start=595
+  _globals['_TARGETSERVICEPREPARERESPONSE']._serialized_end=625
+  _globals['_TARGETSERVICEPREFILLREQUEST']._serialized_start=627
+  _globals['_TARGETSERVICEPREFILLREQUEST']._serialized_end=728
+  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_start=731
+  _globals['_TARGETSERVICEPREFILLRESPONSE']._serialized_end=916
+  _globals['_VERIFYREQUEST']._serialized_start=919
+  _globals['_VERIFYREQUEST']._serialized_end=1081
+  _globals['_VERIFYRESPONSE']._serialized_start=1084
+  _globals['_VERIFYRESPONSE']._serialized_end=1255
+  _globals['_VERIFYSTREAMREQUEST']._serialized_start=1258
+  _globals['_VERIFYSTREAMREQUEST']._serialized_end=1453
+  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1402
+  _globals['_VERIFYSTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1453
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=1455
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1565
+  _globals['_SEQUENCERESULT']._serialized_start=1568
+  _globals['_SEQUENCERESULT']._serialized_end=1850
+  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_start=1852
+  _globals['_TARGETSERVICERELEASEREQUEST']._serialized_end=1898
+  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_start=1900
+  _globals['_TARGETSERVICERELEASERESPONSE']._serialized_end=1971
+  _globals['_TARGETSERVICELEASEREQUEST']._serialized_start=1973
+  _globals['_TARGETSERVICELEASEREQUEST']._serialized_end=2047
+  _globals['_TARGETSERVICELEASERESPONSE']._serialized_start=2049
+  _globals['_TARGETSERVICELEASERESPONSE']._serialized_end=2113
+  _globals['_TARGETSERVICE']._serialized_start=2116
+  _globals['_TARGETSERVICE']._serialized_end=2888
 # @@protoc_insertion_point(module_scope)

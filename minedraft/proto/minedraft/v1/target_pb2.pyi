@@ -45,14 +45,16 @@ class TargetServiceSetupChannelResponse(_message.Message):
     def __init__(self, handshake: _Optional[bytes] = ...) -> None: ...
 
 class TargetServicePrepareRequest(_message.Message):
-    __slots__ = ("num_speculative_tokens", "max_batch_size", "num_batches")
+    __slots__ = ("num_speculative_tokens", "max_batch_size", "num_batches", "tetris")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TETRIS_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     max_batch_size: int
     num_batches: int
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
+    tetris: bool
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., tetris: _Optional[bool] = ...) -> None: ...
 
 class TargetServicePrepareResponse(_message.Message):
     __slots__ = ()
@@ -130,7 +132,7 @@ class VerifyStreamResponse(_message.Message):
     def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ..., status: _Optional[_Union[_common_pb2.CallStatus, _Mapping]] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason", "cached_prompt_tokens", "logprobs", "prompt_logprobs")
+    __slots__ = ("seq_id", "token_ids", "num_accepted", "finish_reason", "cached_prompt_tokens", "logprobs", "prompt_logprobs", "num_verified_drafts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class SequenceResult(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
@@ -145,7 +148,8 @@ class SequenceResult(_message.Message):
     cached_prompt_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_verified_drafts: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., num_verified_drafts: _Optional[int] = ...) -> None: ...
 
 class TargetServiceReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)

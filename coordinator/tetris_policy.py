@@ -1,0 +1,57 @@
+"""How many extra drafts a TETRIS step proposes (design section 14): a fixed count, or the most the draft hides."""
+
+from __future__ import annotations
+
+AUTO_CHOICES = (0, 2, 4)  # auto's counts: each a proposal and verify length the workers precapture
+SMOOTHING = 0.2  # weight of a new measurement in the running averages
+
+
+def parse_extra_proposals(text: str) -> int | None:
+    """--tetris-extra-proposals: a count >= 0, or auto (None)."""
+    if text == "auto":
+        return None
+    try:
+        extra = int(text)
+    except ValueError:
+        extra = -1
+    if extra < 0:
+        raise ValueError(f"--tetris-extra-proposals {text!r}: give a count of 0 or more, or auto")
+    return extra
+
+
+def hidden_extra(draft_s_per_token: float, verify_s: float, k: int, choices: tuple[int, ...]) -> int:
+    """The most extra drafts whose proposal of k + e tokens still fits in the verify it hides behind (the draft's
+    step costs about one forward a token); the fewest of `choices` when none fits."""
+    fitting = [e for e in choices if draft_s_per_token * (k + e) <= verify_s]
+    return max(fitting) if fitting else min(choices)
+
+
+class ExtraProposals:
+    """The extra drafts of each TETRIS step: fixed, or under auto the most that `hidden_extra` finds hidden from the
+    running averages of the draft's seconds per drafted token and the verify's seconds (the workers' reported
+    compute time, `record_propose` and `record_verify`); the largest of AUTO_CHOICES until both are measured."""
+
+    def __init__(self, setting: str) -> None:
+        self.fixed = parse_extra_proposals(setting)
+        self.choices = AUTO_CHOICES if self.fixed is None else (self.fixed,)
+        self.draft_s_per_token: float | None = None
+        self.verify_s: float | None = None
+
+    def record_propose(self, seconds: float, tokens: int) -> None:
+        if tokens > 0 and seconds > 0:
+            self.draft_s_per_token = _averaged(self.draft_s_per_token, seconds / tokens)
+
+    def record_verify(self, seconds: float) -> None:
+        if seconds > 0:
+            self.verify_s = _averaged(self.verify_s, seconds)
+
+    def choose(self, k: int) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self.draft_s_per_token is None or self.verify_s is None:
+            return max(self.choices)
+        return hidden_extra(self.draft_s_per_token, self.verify_s, k, self.choices)
+
+
+def _averaged(average: float | None, value: float) -> float:
+    return value if average is None else (1 - SMOOTHING) * average + SMOOTHING * value
