@@ -30,6 +30,14 @@ from minedraft.engine.sampling import SamplingConfig
 
 TINY_ARCHS = ("llama", "qwen3", "mistral", "gpt2", "gpt_neox")
 
+# One intra-op thread for the whole test process, as every service the tests start has (OMP_NUM_THREADS=1): tiny
+# models gain nothing from a second thread, and on a 2-core machine whose other core is busy (a stack's services, a
+# compile) OpenMP's barriers wait on a descheduled thread. Measured on the shared 2-core machine:
+# test_precaptured_shapes_cover_what_serving_runs took 604 s with torch's default 2 threads, 16 s with 1. Tests whose
+# subject is what several threads do ask for `default_threads`.
+DEFAULT_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
+
 
 def tiny_config(
     arch: str,
@@ -148,9 +156,22 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
 
 @pytest.fixture
 def single_thread() -> Iterator[None]:
-    """One intra-op thread: tiny models on a busy 2-core machine run several times faster without thread sync."""
+    """One intra-op thread: tiny models on a busy 2-core machine run several times faster without thread sync.
+    (The session runs on one already, see above; this keeps a test's thread count whatever runs before it.)"""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def default_threads() -> Iterator[None]:
+    """torch's default intra-op thread count for one test (bf16 matmuls whose rows depend on M with several threads,
+    not with one: tests/test_batch_invariant.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(DEFAULT_THREADS)
     try:
         yield
     finally:

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from stack import (
     TinyPairs,
+    Workers,
     generate_all,
     mixed_requests,
     precapture_spans,
@@ -86,14 +87,16 @@ def test_precaptured_shapes_cover_what_serving_runs(tiny_models) -> None:
     assert verifier.runner.step_keys <= ahead[0], f"not run ahead: {verifier.runner.step_keys - ahead[0]}"
 
 
-def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+def test_workers_run_their_shapes_when_the_coordinator_connects(
+    tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path
+) -> None:
     """The flag through real services: both workers run their step shapes when a coordinator connects, once for
     each draft length and batch size (psd's two batches share them with sd's one) and both workers at once, and
-    then serve as usual (the same tokens as workers without the flag)."""
+    then serve as usual (the same tokens as workers without the flag: the session's)."""
     requests = mixed_requests(tiny_pairs.tokenizer)
     outputs: dict[str, list[object]] = {"sd": [], "psd": []}
     for extra in ([], ["--precapture-graphs"]):
-        workers = start_workers(tiny_pairs["llama"], stack_logs, extra=extra)
+        workers = start_workers(tiny_pairs["llama"], stack_logs, extra=extra) if extra else llama_workers
         try:
             for mode in ("sd", "psd", "psd"):  # psd and its reconnect find sd's shapes run
                 # (Drafting at every step: under `auto` the timing decides where drafts run, and the seeded samples
@@ -103,7 +106,8 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
                     outputs[mode].append(run_async(generate_all(coordinator.address, requests)))
             logs = [workers.target.log_tail(10**7), workers.draft.log_tail(10**7)]  # type: ignore[union-attr]
         finally:
-            workers.stop()
+            if workers is not llama_workers:
+                workers.stop()
         ran = [re.findall(r"ran (\d+) step shapes", log) for log in logs]
         # Buckets 1, 2, 4 x key lengths 64, 128, 192, 256; three kinds of verify (and of the target's step alone)
         # and of proposal.
@@ -116,14 +120,19 @@ def test_workers_run_their_shapes_when_the_coordinator_connects(tiny_pairs: Tiny
     assert all(len(set(map(repr, runs))) == 1 for runs in outputs.values()), "precapture changed the output"
 
 
-def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(
+    tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path
+) -> None:
     """With no draft to connect (ar), the coordinator still calls the target's Prepare, at its start and when it takes
     a restarted target back: the one-token steps' shapes run before serving, for one batch, and serving gives the
-    same tokens as an unprepared target's."""
+    same tokens as an unprepared target's (the session's)."""
     requests = mixed_requests(tiny_pairs.tokenizer)
     outputs, logs = [], []
     for extra in ([], ["--precapture-graphs"]):
-        workers = start_workers(tiny_pairs["llama"], stack_logs, with_draft=False, extra=extra)
+        if extra:
+            workers = start_workers(tiny_pairs["llama"], stack_logs, with_draft=False, extra=extra)
+        else:
+            workers = Workers(llama_workers.pair, llama_workers.target, None, llama_workers.max_batch_size)
         try:
             with running_coordinator(
                 workers, stack_logs, "ar", k=4, max_batch_size=4, extra=["--draft-retry-interval", "0.2"]
@@ -145,7 +154,8 @@ def test_an_ar_coordinator_prepares_its_target_and_a_restarted_one(tiny_pairs: T
                     outputs.append(_served_again(coordinator.address, requests))
             logs.append(workers.target.log_tail(10**7))
         finally:
-            workers.stop()
+            if workers.target is not llama_workers.target:
+                workers.stop()
     # Buckets 1, 2, 4 x key lengths 64, 128, 192, 256, for each of the three kinds of verify, of one token (n=1)
     ran = [re.findall(r"ran (\d+) step shapes \(n=(\d+)\)", log) for log in logs]
     assert ran == [[], [("12", "1")] * 3, [("12", "1")] * 3], logs

@@ -15,6 +15,7 @@ import pytest
 from stack import (
     Completion,
     TinyPairs,
+    Workers,
     assert_all_slots_free,
     collect,
     generate,
@@ -226,30 +227,30 @@ def test_a_restarted_draft_service_is_taken_back(tiny_pairs: TinyPairs, stack_lo
         workers.stop()
 
 
-def test_a_hung_draft_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+def test_a_hung_draft_service_is_dropped_then_taken_back(
+    tiny_pairs: TinyPairs, llama_workers: Workers, stack_logs: Path
+) -> None:
     """A draft process that stops answering (SIGSTOP) costs a --draft-timeout, not the requests; once it runs again
-    it still holds the old sequences, which the coordinator releases before handing the running ones over."""
-    workers = start_workers(tiny_pairs["llama"], stack_logs / "draft-hung")
-    try:
-        requests = _requests(tiny_pairs, 200)
-        extra = [*DRAFT_ALWAYS, "--draft-retry-interval", "0.2", "--draft-timeout", "1"]
-        with running_coordinator(workers, stack_logs, "psd", extra=extra) as coordinator:
-            expected = _wave(coordinator.address, requests)
-            assert workers.draft is not None
-            draft = workers.draft.proc
-            try:
-                stalled = _signal_midway(coordinator.address, requests, draft, signal.SIGSTOP)
-            finally:
-                draft.send_signal(signal.SIGCONT)
-            after = _wave(coordinator.address, requests)
-            # The sequences the draft held when it hung were released when it came back: no row leaks.
-            assert_all_slots_free(workers)
-        assert [c.token_ids for c in stalled] == [c.token_ids for c in expected]
-        assert [c.token_ids for c in after] == [c.token_ids for c in expected]
-        assert any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in stalled)  # drafts, then none
-        assert all(c.usage.draft_tokens > 0 for c in after), "the draft was not taken back"
-    finally:
-        workers.stop()
+    it still holds the old sequences, which the coordinator releases before handing the running ones over. The
+    draft lives on (SIGCONT): the session's workers serve it, left with every row free."""
+    workers = llama_workers
+    requests = _requests(tiny_pairs, 200)
+    extra = [*DRAFT_ALWAYS, "--draft-retry-interval", "0.2", "--draft-timeout", "1"]
+    with running_coordinator(workers, stack_logs, "psd", extra=extra) as coordinator:
+        expected = _wave(coordinator.address, requests)
+        assert workers.draft is not None
+        draft = workers.draft.proc
+        try:
+            stalled = _signal_midway(coordinator.address, requests, draft, signal.SIGSTOP)
+        finally:
+            draft.send_signal(signal.SIGCONT)
+        after = _wave(coordinator.address, requests)
+        # The sequences the draft held when it hung were released when it came back: no row leaks.
+        assert_all_slots_free(workers)
+    assert [c.token_ids for c in stalled] == [c.token_ids for c in expected]
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert any(0 < c.usage.draft_tokens < 4 * c.usage.steps for c in stalled)  # drafts, then none
+    assert all(c.usage.draft_tokens > 0 for c in after), "the draft was not taken back"
 
 
 def test_a_draft_terminated_alone_is_left_at_once_and_its_successor_taken_back(
@@ -348,13 +349,17 @@ def test_a_draft_terminated_just_before_its_coordinator_drafts_through_the_drain
 
 
 def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
-    tiny_pairs: TinyPairs, stack_logs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tiny_pairs: TinyPairs,
+    llama_workers: Workers,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The interleaving that failed a batch once in CI (the draft's health reporting its shutdown after a step had
     decided to propose, before the call), forced: a coordinator in this process is told to leave the draft from
     inside the step's proposal. That proposal goes ahead and its drafts are verified; the draft is left at the next
-    step, the target decodes alone, losslessly, and the draft is taken back once it answers."""
-    workers = start_workers(tiny_pairs["llama"], stack_logs / "left-mid-step")
+    step, the target decodes alone, losslessly, and the draft is taken back once it answers. No process dies: the
+    session's workers serve it (a start of its own cost a worker pair's start-up)."""
+    workers = llama_workers
     assert workers.draft is not None
     requests = _requests(tiny_pairs, 60)
     notices: list[bool] = []  # whether the draft was still in use when the notice came
@@ -387,15 +392,12 @@ def test_a_draft_shutdown_noticed_mid_step_is_acted_on_at_the_next_step(
             return expected, left, len(coordinator.workers.failover.draft_backlog)
 
     caplog.set_level(logging.INFO, logger="coordinator")
-    try:
-        expected, left, backlog = run_async(serve_both_waves())
-        assert notices == [True]
-        assert [c.token_ids for c in left] == [c.token_ids for c in expected]
-        assert all(c.finish_reason == expected[0].finish_reason for c in left)
-        assert any(c.usage.draft_tokens > 0 for c in left)  # the interrupted proposal's drafts were verified
-        assert "(told mid-step by the test): continuing with the target alone" in caplog.text
-        assert "step failed" not in caplog.text and "failing" not in caplog.text, caplog.text
-        assert backlog == 0
-        assert_all_slots_free(workers)
-    finally:
-        workers.stop()
+    expected, left, backlog = run_async(serve_both_waves())
+    assert notices == [True]
+    assert [c.token_ids for c in left] == [c.token_ids for c in expected]
+    assert all(c.finish_reason == expected[0].finish_reason for c in left)
+    assert any(c.usage.draft_tokens > 0 for c in left)  # the interrupted proposal's drafts were verified
+    assert "(told mid-step by the test): continuing with the target alone" in caplog.text
+    assert "step failed" not in caplog.text and "failing" not in caplog.text, caplog.text
+    assert backlog == 0
+    assert_all_slots_free(workers)

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2
 from stack import (
     Completion,
@@ -75,10 +76,24 @@ def _until_served(
         time.sleep(0.2)
 
 
+# The workers' drain timeout (a restarted target's too): what a SIGTERM'd target may take; a kill or stop ignores it.
+WORKER_EXTRA = ["--drain-timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def loss_workers(tiny_pairs: TinyPairs, stack_logs: Path) -> Iterator[Workers]:
+    """A llama pair of this module's own, its target replaced by each test that ends it (a start costs seconds)."""
+    workers = start_workers(tiny_pairs["llama"], stack_logs / "target-loss", extra=WORKER_EXTRA)
+    try:
+        yield workers
+    finally:
+        workers.stop()
+
+
 def _restart_target(workers: Workers, log_dir: Path) -> None:
     restarted = spawn(
         "llama-target-restarted",
-        worker_args("target", workers.pair.target, workers.max_batch_size),
+        worker_args("target", workers.pair.target, workers.max_batch_size) + WORKER_EXTRA,
         log_dir,
         port=workers.target.port,
     )
@@ -88,29 +103,25 @@ def _restart_target(workers: Workers, log_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _served_stack(
-    tiny_pairs: TinyPairs,
-    stack_logs: Path,
-    name: str,
-    coordinator_extra: Sequence[str],
-    worker_extra: Sequence[str] = (),
+    tiny_pairs: TinyPairs, workers: Workers, stack_logs: Path, coordinator_extra: Sequence[str]
 ) -> Iterator[tuple[Workers, Service, list[generation_pb2.GenerateRequest], list[Completion]]]:
-    """A llama pair (`worker_extra`) and a psd coordinator (`coordinator_extra`) that has served `_requests` in
-    full once: (workers, coordinator, the requests, their completions). Every KV row must be free afterwards."""
-    workers = start_workers(tiny_pairs["llama"], stack_logs / name, extra=worker_extra)
-    try:
-        requests = _requests(tiny_pairs)
-        with running_coordinator(workers, stack_logs, "psd", extra=list(coordinator_extra)) as coordinator:
-            expected = _wave(coordinator.address, requests)
-            completions = [c for c in expected if isinstance(c, Completion) and len(c.token_ids) == 120]
-            assert len(completions) == len(expected), expected
-            yield workers, coordinator, requests, completions
-        assert_all_slots_free(workers, timeout=15)
-    finally:
-        workers.stop()
+    """The module's llama pair (its target alive) and a psd coordinator (`coordinator_extra`) that has served
+    `_requests` in full once: (workers, coordinator, the requests, their completions). Every KV row must be free
+    afterwards."""
+    assert workers.target.proc.poll() is None, "a test before left the target stopped"
+    requests = _requests(tiny_pairs)
+    with running_coordinator(workers, stack_logs, "psd", extra=list(coordinator_extra)) as coordinator:
+        expected = _wave(coordinator.address, requests)
+        completions = [c for c in expected if isinstance(c, Completion) and len(c.token_ids) == 120]
+        assert len(completions) == len(expected), expected
+        yield workers, coordinator, requests, completions
+    assert_all_slots_free(workers, timeout=15)
 
 
-def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
-    stack = _served_stack(tiny_pairs, stack_logs, "target-back", ["--draft-retry-interval", "0.2"])
+def test_a_restarted_target_service_is_taken_back(
+    tiny_pairs: TinyPairs, loss_workers: Workers, stack_logs: Path
+) -> None:
+    stack = _served_stack(tiny_pairs, loss_workers, stack_logs, ["--draft-retry-interval", "0.2"])
     with stack as (workers, coordinator, requests, expected):
         address = coordinator.address
         # Killed while serving: every request it held ends with UNAVAILABLE; while it is gone, the coordinator
@@ -125,7 +136,7 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
         ), refused
 
         # Back on its address: the coordinator sets the channel up again and serves the same tokens.
-        _restart_target(workers, stack_logs / "target-back")
+        _restart_target(workers, stack_logs / "target-loss")
         wait_health(address, health_pb2.HealthCheckResponse.SERVING)
         after = _wave(address, requests)
         assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
@@ -136,17 +147,19 @@ def test_a_restarted_target_service_is_taken_back(tiny_pairs: TinyPairs, stack_l
         workers.target.proc.wait()
         wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
         assert "target service lost (its connection broke" in coordinator.log_tail(100_000)
-        _restart_target(workers, stack_logs / "target-back")
+        _restart_target(workers, stack_logs / "target-loss")
         wait_health(address, health_pb2.HealthCheckResponse.SERVING)
         again = _wave(address, requests)
         assert [c.token_ids for c in again] == [c.token_ids for c in expected]  # type: ignore[union-attr]
 
 
-def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+def test_a_hung_target_service_is_dropped_then_taken_back(
+    tiny_pairs: TinyPairs, loss_workers: Workers, stack_logs: Path
+) -> None:
     """A target process that stops answering (SIGSTOP) costs its requests after a --target-timeout, not the
     coordinator: once it runs again (still holding the old sequences, released then) the coordinator serves again."""
     stack = _served_stack(
-        tiny_pairs, stack_logs, "target-hung", ["--draft-retry-interval", "0.2", "--target-timeout", "1"]
+        tiny_pairs, loss_workers, stack_logs, ["--draft-retry-interval", "0.2", "--target-timeout", "1"]
     )
     with stack as (workers, coordinator, requests, expected):
         address = coordinator.address
@@ -161,15 +174,15 @@ def test_a_hung_target_service_is_dropped_then_taken_back(tiny_pairs: TinyPairs,
         assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
 
 
-def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPairs, stack_logs: Path) -> None:
+def test_a_target_terminated_alone_finishes_what_was_admitted(
+    tiny_pairs: TinyPairs, loss_workers: Workers, stack_logs: Path
+) -> None:
     """A SIGTERM to the target service alone (its pod replaced): the coordinator follows the target's health,
     reports NOT_SERVING (liveness SERVING) and refuses new requests, so the admitted ones finish on the draining
     target, which then stops on its own, long before its drain timeout; a new target on its address is taken back
     and serves the same tokens. Before, the coordinator kept admitting onto the draining target, whose drain timeout
     then cut off whatever was running."""
-    stack = _served_stack(
-        tiny_pairs, stack_logs, "target-replaced", ["--draft-retry-interval", "0.2"], ["--drain-timeout", "120"]
-    )
+    stack = _served_stack(tiny_pairs, loss_workers, stack_logs, ["--draft-retry-interval", "0.2"])
     with stack as (workers, coordinator, requests, expected):
         address = coordinator.address
         ended = asyncio.run(signal_while_streaming(address, requests, workers.target.proc.pid, signal.SIGTERM))[0]
@@ -183,7 +196,7 @@ def test_a_target_terminated_alone_finishes_what_was_admitted(tiny_pairs: TinyPa
         ), refused
         assert workers.target.proc.wait(timeout=30) == 0, workers.target.log_tail()
 
-        _restart_target(workers, stack_logs / "target-replaced")
+        _restart_target(workers, stack_logs / "target-loss")
         wait_health(address, health_pb2.HealthCheckResponse.SERVING)
         after = _wave(address, requests)
         assert [c.token_ids for c in after] == [c.token_ids for c in expected]  # type: ignore[union-attr]
