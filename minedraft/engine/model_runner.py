@@ -241,13 +241,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.graphs is None:  # --eager: nothing to capture
             return 0
         start = time.perf_counter()
-        lengths = sorted({(needed, self.step_shape(1, needed, n)[1]) for needed in range(n, self.max_len + 1)})
-        needs = list({kv_len: needed for needed, kv_len in lengths}.values())
-        # The rows run per graph key; on CPUs, where nothing is padded, the fewest rows of that key.
-        batches: dict[int, int] = {}
-        for batch in range(1, max_batch + 1):
-            batches.setdefault(padded_batch(batch), padded_batch(batch) if self.device.type == "cuda" else batch)
-        for rows in batches.values():
+        batches, needs = _precapture_plan(self.step_shape, self.max_len, max_batch, n, self.device.type == "cuda")
+        for rows in batches:
             for needed in needs:
                 run_step(self._scratch_rows(rows), needed)
         shapes = len(batches) * len(needs)
@@ -405,3 +400,17 @@ class ModelRunner:
     def longest_after(self, rows: torch.Tensor, n: int) -> int:
         """The longest of `rows` after appending `n` tokens each: a host sync, for callers that do not know it."""
         return int((self.cache.lengths[rows.to(self.device)] + n).max())
+
+
+def _precapture_plan(
+    step_shape: Callable[[int, int, int], tuple[int, int | None]], max_len: int, max_batch: int, n: int, cuda: bool
+) -> tuple[list[int], list[int]]:
+    """(rows, longest lengths) to run so that every graph key of an `n`-token step on up to `max_batch` rows is run
+    once: a row count per batch bucket (on CPUs, where nothing is padded, the fewest rows of that bucket) and a
+    length per key-length bucket."""
+    lengths = sorted({(needed, step_shape(1, needed, n)[1]) for needed in range(n, max_len + 1)})
+    needs = list({kv_len: needed for needed, kv_len in lengths}.values())
+    batches: dict[int, int] = {}
+    for batch in range(1, max_batch + 1):
+        batches.setdefault(padded_batch(batch), padded_batch(batch) if cuda else batch)
+    return list(batches.values()), needs
