@@ -248,7 +248,9 @@ def test_eagle_samples_of_a_prompt_preempted_by_a_small_pool(
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None
+            )
             expected.append(out[0, len(prompt) :].tolist())
     params = generation_pb2.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -277,3 +279,37 @@ def test_eagle_samples_of_a_prompt_preempted_by_a_small_pool(
         assert samples == {0: want, 1: want}
     assert sum(drafted for _, drafted in done) > 0
     assert_all_slots_free(workers, timeout=15)
+
+
+def test_eagle_long_prompts_past_the_reverse_buffer(eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs) -> None:
+    """A prefill of more prompt positions than the reverse buffer holds (4 prompts of ~110 tokens at once; the buffer
+    holds one prompt of --max-model-len 256): the target sends each sequence's latest positions, the head drafts on
+    them (the earlier ones left out of its keys), and the output is `generate()`'s."""
+    from transformers import AutoModelForCausalLM
+
+    workers = eagle_workers["qwen3"]
+    pair = tiny_pairs["qwen3"]
+    prompts = text_prompts(load_tokenizer(str(pair.target)), 4, 100, 120, seed=12)
+    model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+    requests, expected = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+            params = generation_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            requests.append((generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params), 0.0))
+
+    async def run() -> list[Any]:
+        async with in_process_coordinator(workers, mode="sd", num_speculative_tokens=K, speculation="always") as (
+            address,
+            _,
+        ):
+            return await _run(address, requests)
+
+    done = run_async(run())
+    assert [c.token_ids for c in done] == expected
+    assert sum(c.usage.draft_tokens for c in done) > 0
+    assert "prompt positions' states sent back" in workers.target.log_tail(10**7)
