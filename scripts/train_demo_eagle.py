@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head for the demo target from its own hidden states on the stdlib corpus (CPU, minutes).
 
-    python scripts/train_demo_eagle.py [--steps 300] [--out minedraft/demo_models/eagle3]
+    python scripts/train_demo_eagle.py [--steps 300] [--out minedraft/demo_models/eagle]
 
 The head reads the target's layers 1, 3 and 5 (HF `output_hidden_states` numbering, design section 13) and learns the
 target's next-token distribution (KL) on windows of the corpus and of the target's own greedy continuations of
@@ -335,7 +335,7 @@ def evaluate(target: Any, head: EagleHead, prompts: list[list[int]], k: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(REPO_ROOT / "minedraft" / "demo_models" / "eagle3"))
+    parser.add_argument("--out", default=str(REPO_ROOT / "minedraft" / "demo_models" / "eagle"))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=96)
