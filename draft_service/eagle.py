@@ -302,6 +302,9 @@ class EagleProposer:
         try:
             for seq_id, prompt in zip(seq_ids, prompts, strict=True):
                 sequence = HeadSequence(list(prompt), self._waiting.pop(seq_id, []))
+                count = sum(len(f) for f in sequence.features)
+                if count:  # states of the prompt's last positions only (a bounded reverse buffer): the rest left out
+                    sequence.kv_len = max(0, len(prompt) - count)
                 self.sequences[seq_id] = sequence
                 self._run_known(sequence)
         finally:

@@ -21,7 +21,7 @@ from draft_service.tensor_parallel import MirroredProposer, make_proposer, propo
 from draft_service.tetris import draft_logprobs, selected_drafts
 from minedraft.channels.base import ReverseLayout
 from minedraft.engine.grammar import Grammars
-from minedraft.engine.hidden_export import SEQ_ID, joined_for_head, tensor_names
+from minedraft.engine.hidden_export import SEQ_ID, joined_for_head, reverse_rows, tensor_names
 from minedraft.engine.models import resolve_dtype
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import InvalidRequest, ModelLoadError
@@ -125,14 +125,15 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
         return self.GetInfoResponse(info=info)
 
     def reverse_layout(self, k: int, max_batch_size: int) -> ReverseLayout | None:
-        """An EAGLE head's: each layer it reads, [rows, H] in the head's dtype, and each row's sequence id; at most
-        every position the draft's sequences may hold (a prefill of all of them, prompts whole)."""
+        """An EAGLE head's: each layer it reads, [rows, H] in the head's dtype, and each row's sequence id; as many
+        rows as a verify's kept positions or one long prompt (`reverse_rows`): a prefill of more sends each
+        sequence's latest positions only (the target's `_send_back`)."""
         if self.eagle is None:
             return None
         width = self.eagle.head.embed.embedding_dim  # (the target's embeddings: its hidden size)
         dtype = self.eagle.head.fc.weight.dtype
         hidden = tuple((name, width, dtype) for name in tensor_names(self.eagle.spec.layers))
-        rows = self.worker.num_slots * self.worker.max_len
+        rows = reverse_rows(max_batch_size, k, self.worker.max_len)
         return ReverseLayout(max_rows=rows, tensors=(*hidden, (SEQ_ID, 1, torch.int64)))
 
     def _take_states(self, payload: common_pb2.TargetPayload, admitting: bool = False) -> None:

@@ -1,18 +1,24 @@
 """Train an EAGLE-3 head for the demo target from its own hidden states on the stdlib corpus (CPU, minutes).
 
-    python scripts/train_demo_eagle.py [--steps 400] [--out minedraft/demo_models/eagle3]
+    python scripts/train_demo_eagle.py [--steps 300] [--out minedraft/demo_models/eagle]
 
 The head reads the target's layers 1, 3 and 5 (HF `output_hidden_states` numbering, design section 13) and learns the
-target's next-token distribution (KL), at the target's positions and, as its drafts run, on its own last output (a
-second pass: "training-time test"). Saved in the published EAGLE-3 format (`midlayer.*`, `fc`, `norm`, `lm_head`,
-`d2t`), so `minedraft serve --draft <out>` serves it. Evaluated as the demo pair is (`train_demo_pair.py`): greedy
-speculative decoding of held-out prompts at k=4, mean accepted length, beside the demo draft's on the same prompts.
+target's next-token distribution (KL) on windows of the corpus and of the target's own greedy continuations of
+training prompts. Training runs the head as the server drafts with it (`EagleProposer`), unrolled over `--unroll`
+draft steps ("training-time test"): step 0 at each position reads the target's features; step j reads the head's
+own output of step j - 1 one position earlier, at rotary position p + j, attending to the target-fed keys up to p and
+to its own keys of steps 1..j (`unrolled_forward`, checked against the serving path at start). The LM head and
+final norm start from the target's, `fc` from its last layer read. Saved in the published EAGLE-3 format
+(`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`), so `minedraft serve --draft <out>` serves it. Evaluated as the demo
+pair is (`train_demo_pair.py`): greedy speculative decoding of held-out prompts at k=4, mean accepted length and
+draft time per step (the head through `EagleProposer`, the demo draft with its KV cache), beside the demo draft's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import sysconfig
 import time
@@ -25,12 +31,11 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # its modules beside it, run from anywhere
 
-from draft_service.eagle import EagleHead, EagleProposer, HeadSpec  # noqa: E402
+from draft_service.eagle import EagleHead, EagleProposer, HeadSpec, _rotate_half  # noqa: E402
 from minedraft.demo_models import DRAFT_DIR, TARGET_DIR  # noqa: E402
 from scripts.demo_pair_data import collect_corpus, encode_docs, pick_prompts, token_stream  # noqa: E402
-from scripts.demo_pair_training import speculative_greedy  # noqa: E402
 
-LAYERS = (1, 3, 5)
+LAYERS = {True: (1, 3, 5), False: (6,)}  # EAGLE-3's three layers; EAGLE-1's last (normed)
 STARTED = time.time()
 
 
@@ -38,7 +43,9 @@ def log(msg: str) -> None:
     print(f"[{time.time() - STARTED:7.1f}s] {msg}", flush=True)
 
 
-def make_head(target: Any) -> EagleHead:
+def make_head(target: Any, eagle3: bool) -> EagleHead:
+    """A head of the target's width. EAGLE-1: `fc` starts passing the target's feature through, its LM head is the
+    target's (frozen). EAGLE-3: its LM head and final norm start as the target's, `fc` reading its last layer read."""
     from transformers import LlamaConfig
 
     tc = target.config
@@ -54,33 +61,154 @@ def make_head(target: Any) -> EagleHead:
         vocab_size=tc.vocab_size,
         initializer_range=0.02,
     )
-    config.draft_vocab_size = tc.vocab_size  # (the whole vocabulary: d2t all zeros)
-    head = EagleHead(config, eagle3=True, fc_inputs=len(LAYERS) * tc.hidden_size)
+    hidden = tc.hidden_size
+    if eagle3:
+        config.draft_vocab_size = tc.vocab_size  # (the whole vocabulary: d2t all zeros)
+    head = EagleHead(
+        config, eagle3=eagle3, fc_inputs=(len(LAYERS[eagle3]) if eagle3 else 2) * hidden, fc_bias=not eagle3
+    )
     for module in head.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+    with torch.no_grad():
+        head.fc.weight[:, -hidden:] += torch.eye(hidden)
+        head.self_attn.o_proj.weight.mul_(0.1)
+        head.mlp.down_proj.weight.mul_(0.1)
+        if eagle3:
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight.float())
+            head.norm.weight.copy_(target.model.norm.weight.float())
     head.embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().float().clone())
+    if not eagle3:
+        head.target_head = torch.nn.Linear(hidden, tc.vocab_size, bias=False).requires_grad_(False)
+        head.target_head.weight.data = target.get_output_embeddings().weight.detach().float().clone()
     return head
 
 
-def head_loss(head: EagleHead, target: Any, window: torch.Tensor) -> torch.Tensor:
-    """KL to the target's next-token distribution over one window [L + 1]: at the target's states, then on the
-    head's own previous output (as a draft's second step runs)."""
+def _rope(head: EagleHead, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, heads, n, d] at positions [n]."""
+    cos, sin = head.rotary(x.new_zeros(1, 1), positions[None])
+    return x * cos[0] + _rotate_half(x) * sin[0]
+
+
+def unrolled_forward(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs [B, n, H] for each draft step j < `steps` over windows: `aux` [B, n + steps - 1, 3H] the
+    target's layers, `tokens` [B, n + steps] with tokens[:, p + 1] the token after position p. Step j at index p is
+    the draft at position p + j of a proposal whose last target-fed position is p (as `EagleProposer._chain` runs)."""
+    attn = head.self_attn
+    batch, n = aux.shape[0], aux.shape[1] - steps + 1
+    groups = attn.heads // attn.kv_heads
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    hidden = head.features(aux[:, :n])
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outs = []
+    for j in range(steps):
+        embeds = head.embed(tokens[:, j + 1 : j + 1 + n])
+        if not head.eagle3:
+            x = residual = head.fc(torch.cat([embeds, hidden], dim=-1))
+        elif head.norm_before_residual:
+            normed = residual = head.hidden_norm(hidden)
+            x = torch.cat([head.input_layernorm(embeds), normed], dim=-1)
+        else:
+            residual, normed = hidden, head.hidden_norm(hidden)
+            x = torch.cat([head.input_layernorm(embeds), normed], dim=-1)
+        positions = torch.arange(j, j + n)
+        q = _rope(head, attn.q_proj(x).view(batch, n, attn.heads, attn.head_dim).transpose(1, 2), positions)
+        k = _rope(head, attn.k_proj(x).view(batch, n, attn.kv_heads, attn.head_dim).transpose(1, 2), positions)
+        v = attn.v_proj(x).view(batch, n, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        keys.append(k.repeat_interleave(groups, dim=1))
+        values.append(v.repeat_interleave(groups, dim=1))
+        scale = 1.0 / math.sqrt(attn.head_dim)
+        scores = (q @ keys[0].transpose(-1, -2)) * scale  # the target-fed positions up to p
+        scores = scores.masked_fill(~causal, float("-inf"))
+        own = [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]  # steps 1..j at index p
+        weights = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1)
+        mixed = weights[..., :n] @ values[0]
+        for i, value in enumerate(values[1:]):
+            mixed = mixed + weights[..., n + i : n + i + 1] * value
+        attended = attn.o_proj(mixed.transpose(1, 2).reshape(batch, n, -1))
+        residual = residual + attended
+        out = residual + head.mlp(head.post_attention_layernorm(residual))
+        outs.append(out)
+        hidden = out
+    return outs
+
+
+@torch.no_grad()
+def check_against_serving(head: EagleHead, aux: torch.Tensor, tokens: torch.Tensor, steps: int) -> None:
+    """`unrolled_forward` equals the serving path (`EagleHead.forward` with its keys, as `EagleProposer` chains)."""
+    outs = unrolled_forward(head, aux[None], tokens[None], steps)
+    n = aux.shape[0] - steps + 1
+    features = head.features(aux[:n])
+    first, kv_all = head(tokens[1 : n + 1], features, torch.arange(n), None)
+    for p in range(n):
+        kv = (kv_all[0][:, : p + 1], kv_all[1][:, : p + 1])
+        out = first[p]
+        for j in range(1, steps):
+            step, kv = head(tokens[p + j + 1 : p + j + 2], out[None], torch.tensor([p + j]), kv)
+            out = step[-1]
+            error = float((out - outs[j][0, p]).abs().max())
+            if error > 1e-4:
+                raise SystemExit(f"training forward differs from serving at position {p}, step {j}: {error}")
+    if float((first - outs[0][0]).abs().max()) > 1e-4:
+        raise SystemExit("training forward differs from serving at step 0")
+
+
+@torch.no_grad()
+def greedy_windows(target: Any, stream: torch.Tensor, count: int, prompt_len: int, new: int, seed: int):
+    """`count` windows of a training prompt and the target's greedy continuation ([count, prompt_len + new])."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    offsets = torch.randint(0, stream.numel() - prompt_len, (count,), generator=gen)
+    prompts = torch.stack([stream[o : o + prompt_len] for o in offsets.tolist()])
+    windows = []
+    for chunk in prompts.split(64):
+        out = target.generate(
+            chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+        windows.append(out[:, : prompt_len + new])
+    return torch.cat(windows)
+
+
+def batch_loss(
+    head: EagleHead,
+    target: Any,
+    windows: torch.Tensor,
+    steps: int,
+    decay: float,
+    cls_weight: float,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, float, float]:
+    """Summed over the draft steps (step j weighted decay^j): EAGLE-3, KL to the target's next-token distribution;
+    EAGLE-1, the regression of the target's next feature (smooth L1) plus `cls_weight` x that KL on a quarter of the
+    positions (the LM head is the target's, so a feature regressed exactly drafts exactly). (loss, KL, regression)"""
+    layers = LAYERS[head.eagle3]
     with torch.no_grad():
-        out = target(window[None, :-1], output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[i][0] for i in LAYERS], dim=-1)
-        want = F.log_softmax(out.logits[0, 1:].float(), dim=-1)  # the target's at p + 1, for position p
-    n = window.shape[0] - 2
-    tokens, positions = window[1:-1], torch.arange(n)
-    features = head.fc(aux[:n])
-    first, _ = head(tokens, features, positions, None)
-    own = torch.cat([features[:1], first[:-1]])  # position p on the head's output at p - 1
-    second, _ = head(tokens, own, positions, None)
-    loss = torch.zeros(())
-    for hidden, weight in ((first, 1.0), (second, 0.5)):
-        got = F.log_softmax(head.lm_head(head.norm(hidden)), dim=-1)
-        loss = loss + weight * F.kl_div(got, want[:n], log_target=True, reduction="batchmean")
-    return loss
+        out = target.model(windows, output_hidden_states=True)
+        n = windows.shape[1] - steps
+        aux = torch.cat([out.hidden_states[i][:, : n + steps - 1] for i in layers], dim=-1)
+        final = out.hidden_states[-1]  # after the target's norm: what its LM head reads
+    outs = unrolled_forward(head, aux, windows, steps)
+    lm_head = target.get_output_embeddings()
+    loss, kl_sum, reg_sum = torch.zeros(()), 0.0, 0.0
+    for j, hidden in enumerate(outs):
+        want_feature = final[:, j + 1 : j + 1 + n]  # the target's at p + j + 1, after the token there
+        if head.eagle3:
+            rows, picked = hidden.flatten(0, 1), want_feature.flatten(0, 1)
+            got = F.log_softmax(head.lm_head(head.norm(rows)), dim=-1)
+            reg = torch.zeros(())
+        else:
+            reg = F.smooth_l1_loss(hidden, want_feature)
+            pick = torch.randperm(hidden.shape[0] * n, generator=gen)[: hidden.shape[0] * n // 4]
+            rows, picked = hidden.flatten(0, 1)[pick], want_feature.flatten(0, 1)[pick]
+            got = F.log_softmax(lm_head(rows), dim=-1)
+        with torch.no_grad():
+            want = F.log_softmax(lm_head(picked).float(), dim=-1)
+        kl = F.kl_div(got, want, log_target=True, reduction="batchmean")
+        loss = loss + decay**j * (kl if head.eagle3 else reg + cls_weight * kl)
+        kl_sum, reg_sum = kl_sum + float(kl) / steps, reg_sum + float(reg) / steps
+    return loss, kl_sum, reg_sum
 
 
 def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
@@ -89,15 +217,16 @@ def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, tensor in head.state_dict().items():
-        if name.startswith(("embed.", "rotary.")):
+        if name.startswith(("embed.", "rotary.", "target_head.")):
             continue
-        top = name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t")
+        top = name in ("fc.weight", "fc.bias", "norm.weight", "lm_head.weight", "d2t")
         value = tensor if name == "d2t" else tensor.to(torch.float16)
-        tensors[name if top else "midlayer." + name] = value.contiguous()
+        prefix = "midlayer." if head.eagle3 else "layers.0."
+        tensors[name if top else prefix + name] = value.contiguous()
     save_file(tensors, str(out / "model.safetensors"))
     tc = target.config
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3" if head.eagle3 else "LlamaForCausalLMEagle"],
         "model_type": "llama",
         "hidden_size": tc.hidden_size,
         "intermediate_size": tc.intermediate_size,
@@ -108,11 +237,11 @@ def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
         "rms_norm_eps": tc.rms_norm_eps,
         "max_position_embeddings": tc.max_position_embeddings,
         "vocab_size": tc.vocab_size,
-        "draft_vocab_size": tc.vocab_size,
-        "eagle_aux_hidden_state_layer_ids": list(LAYERS),
         "torch_dtype": "float16",
         "minedraft_demo": {"command": report["command"], "target": "minedraft/demo_models/target"},
     }
+    if head.eagle3:
+        config.update(draft_vocab_size=tc.vocab_size, eagle_aux_hidden_state_layer_ids=list(LAYERS[True]))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -120,7 +249,7 @@ def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
 @torch.no_grad()
 def eagle_speculative(target: Any, proposer: EagleProposer, prompt: list[int], n: int, k: int):
     """Greedy speculative decoding with the head (the target by full recomputation, an evaluation only): (tokens,
-    verify steps, accepted drafts)."""
+    verify steps, accepted drafts, seconds in the head's proposals)."""
 
     def states(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         out = target(torch.tensor([tokens]), output_hidden_states=True)
@@ -130,9 +259,12 @@ def eagle_speculative(target: Any, proposer: EagleProposer, prompt: list[int], n
     hidden, best = states(prompt)
     proposer.add_hidden([0], [hidden], admitting=True)
     proposer.prefill([0], [prompt], [])
-    tokens, accepted_total, steps, verdict = list(prompt), 0, 0, (0, int(best[-1]))
+    tokens, accepted_total, steps, verdict, draft_s = list(prompt), 0, 0, (0, int(best[-1])), 0.0
     while len(tokens) - len(prompt) < n:
-        drafts = proposer.propose([0], torch.tensor([verdict[0]]), torch.tensor([verdict[1]]), k).draft_ids[0].tolist()
+        start = time.perf_counter()
+        proposal = proposer.propose([0], torch.tensor([verdict[0]]), torch.tensor([verdict[1]]), k)
+        draft_s += time.perf_counter() - start
+        drafts = proposal.draft_ids[0].tolist()
         tokens.append(verdict[1])
         hidden, best = states(tokens + drafts)
         choices = best[len(tokens) - 1 :].tolist()
@@ -143,22 +275,87 @@ def eagle_speculative(target: Any, proposer: EagleProposer, prompt: list[int], n
         tokens += drafts[:accepted]
         verdict = (accepted, choices[accepted])
         steps, accepted_total = steps + 1, accepted_total + accepted
-    return (tokens + [verdict[1]])[len(prompt) :][:n], steps, accepted_total
+    return (tokens + [verdict[1]])[len(prompt) :][:n], steps, accepted_total, draft_s
+
+
+@torch.no_grad()
+def draft_speculative(target: Any, draft: Any, prompt: list[int], n: int, k: int):
+    """The same with the demo draft model drafting from its KV cache (as the draft service runs it): (tokens,
+    verify steps, accepted drafts, seconds in the draft's proposals)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    best = target(torch.tensor([prompt])).logits[0].argmax(-1)
+    tokens, accepted_total, steps, draft_s = list(prompt), 0, 0, 0.0
+    pending = [int(best[-1])]
+    cached = 0  # tokens whose keys the draft's cache holds
+    while len(tokens) - len(prompt) < n:
+        start = time.perf_counter()
+        tokens.append(pending[-1])
+        feed = tokens[cached:]
+        drafts: list[int] = []
+        for _ in range(k):
+            logits = draft(torch.tensor([feed]), past_key_values=cache, use_cache=True).logits[0, -1]
+            drafts.append(int(logits.argmax()))
+            feed = drafts[-1:]
+        extra = cache.get_seq_length() - len(tokens)  # the drafts' keys (the verify decides which stay)
+        if extra:
+            cache.crop(-extra)
+        cached = len(tokens)
+        draft_s += time.perf_counter() - start
+        choices = target(torch.tensor([tokens + drafts])).logits[0].argmax(-1)[len(tokens) - 1 :].tolist()
+        accepted = 0
+        while accepted < k and drafts[accepted] == choices[accepted]:
+            accepted += 1
+        tokens += drafts[:accepted]
+        pending = [choices[accepted]]
+        steps, accepted_total = steps + 1, accepted_total + accepted
+    return (tokens + pending)[len(prompt) :][:n], steps, accepted_total, draft_s
+
+
+def evaluate(target: Any, head: EagleHead, prompts: list[list[int]], k: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    proposer = EagleProposer(head, HeadSpec(head.eagle3, LAYERS[head.eagle3]), num_slots=1)
+    draft = AutoModelForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
+    totals = {"eagle": [0, 0, 0.0], "draft": [0, 0, 0.0]}
+    same = 0
+    for prompt in prompts:
+        got, steps, accepted, seconds = eagle_speculative(target, proposer, prompt, 64, k)
+        ref, ref_steps, ref_accepted, ref_seconds = draft_speculative(target, draft, prompt, 64, k)
+        same += got == ref
+        for name, figures in (("eagle", (steps, accepted, seconds)), ("draft", (ref_steps, ref_accepted, ref_seconds))):
+            totals[name] = [a + b for a, b in zip(totals[name], figures)]
+    return {
+        "mean_accepted_length": {name: round(acc / max(st, 1) + 1, 3) for name, (st, acc, _) in totals.items()},
+        "draft_ms_per_step": {name: round(1000 * s / max(st, 1), 2) for name, (st, _, s) in totals.items()},
+        "output_equals_draft_model_run": f"{same}/{len(prompts)}",
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(REPO_ROOT / "minedraft" / "demo_models" / "eagle3"))
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--out", default=str(REPO_ROOT / "minedraft" / "demo_models" / "eagle"))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=96)
+    parser.add_argument("--unroll", type=int, default=4, help="draft steps trained per position (k at eval)")
+    parser.add_argument("--decay", type=float, default=0.8, help="weight of step j's loss: decay^j")
+    parser.add_argument("--greedy-windows", type=int, default=512, help="windows of the target's own output")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--eagle3", action="store_true", help="an EAGLE-3 head (layers 1, 3, 5) instead of EAGLE-1")
+    parser.add_argument("--cls-weight", type=float, default=0.2, help="EAGLE-1: weight of the KL beside regression")
     parser.add_argument("--eval-prompts", type=int, default=20)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", default="", help="a head this script saved, to train on from")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     target = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval().requires_grad_(False)
     tokenizer = Tokenizer.from_file(str(TARGET_DIR / "tokenizer.json"))
@@ -167,49 +364,73 @@ def main() -> None:
     stream = token_stream(encode_docs(tokenizer, train_docs), eos)
     heldout = encode_docs(tokenizer, heldout_docs)
     log(f"corpus: {len(train_docs)} train files ({stream.numel():,} tokens), {len(heldout_docs)} held out")
-    head = make_head(target)
-    params = [p for name, p in head.named_parameters() if not name.startswith("embed.")]
+    head = make_head(target, args.eagle3)
+    if args.resume:  # training goes on from a head this script saved
+        from safetensors.torch import load_file
+
+        saved = load_file(str(Path(args.resume) / "model.safetensors"))
+        state = {k.removeprefix("layers.0.").removeprefix("midlayer."): v.float() for k, v in saved.items()}
+        missing = set(head.load_state_dict(state, strict=False).missing_keys)
+        assert not {k for k in missing if not k.startswith(("embed.", "rotary.", "target_head."))}, missing
+    window = args.seq_len + args.unroll
+    probe = stream[: 12 + args.unroll]
+    with torch.no_grad():
+        probe_out = target(probe[None, :-1], output_hidden_states=True)
+    check_against_serving(
+        head, torch.cat([probe_out.hidden_states[i][0] for i in LAYERS[args.eagle3]], -1), probe, args.unroll
+    )
+    start = time.time()
+    greedy = greedy_windows(target, stream, args.greedy_windows, 48, window - 48, args.seed)
+    log(f"{len(greedy)} windows of the target's greedy output in {time.time() - start:.1f}s")
+    params = [p for name, p in head.named_parameters() if not name.startswith(("embed.", "target_head."))]
     head.embed.requires_grad_(False)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     start = time.time()
+    running = torch.zeros(3)
     for step in range(args.steps):
+        warm = min(1.0, (step + 1) / 20)
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / 20) * (1 - 0.9 * step / args.steps)
-        offset = int(torch.randint(0, stream.numel() - args.seq_len - 2, (1,), generator=gen))
-        loss = head_loss(head, target, stream[offset : offset + args.seq_len + 2])
+            group["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        half = args.batch // 2
+        offsets = torch.randint(0, stream.numel() - window, (args.batch - half,), generator=gen)
+        corpus = torch.stack([stream[o : o + window] for o in offsets.tolist()])
+        picks = torch.randint(0, len(greedy), (half,), generator=gen)
+        windows = torch.cat([corpus, greedy[picks]])
+        loss, kl, reg = batch_loss(head, target, windows, args.unroll, args.decay, args.cls_weight, gen)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % 50 == 0:
-            log(f"step {step + 1}/{args.steps}: loss {float(loss):.3f}")
+        running += torch.tensor([float(loss), kl, reg])
+        if (step + 1) % 25 == 0:
+            loss_, kl_, reg_ = (running / 25).tolist()
+            log(f"step {step + 1}/{args.steps}: loss {loss_:.3f} (KL per step {kl_:.3f}, regression {reg_:.4f})")
+            running.zero_()
     train_s = time.time() - start
     head.eval().requires_grad_(False)
-    proposer = EagleProposer(head, HeadSpec(True, LAYERS), num_slots=1)
-    draft = AutoModelForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
+    with torch.no_grad():  # evaluate the weights as shipped (float16)
+        for name, param in head.named_parameters():
+            if not name.startswith(("embed.", "target_head.")):
+                param.copy_(param.half().float())
     prompts = pick_prompts(heldout, args.eval_prompts, 64, 64, args.seed)
-    totals = {"eagle": [0, 0], "draft": [0, 0]}
-    same = 0
-    for prompt in prompts:
-        got, steps, accepted = eagle_speculative(target, proposer, prompt, 64, args.k)
-        ref, ref_steps, ref_accepted = speculative_greedy(target, draft, prompt, 64, args.k, eos, "cpu")
-        same += got == ref[: len(got)]
-        totals["eagle"] = [totals["eagle"][0] + steps, totals["eagle"][1] + accepted]
-        totals["draft"] = [totals["draft"][0] + ref_steps, totals["draft"][1] + ref_accepted]
-    lengths = {name: round(acc / max(steps, 1) + 1, 3) for name, (steps, acc) in totals.items()}
-    log(f"mean accepted length at k={args.k}: EAGLE-3 head {lengths['eagle']}, demo draft {lengths['draft']}")
-    report = {
+    report: dict[str, Any] = {
         "command": "python scripts/train_demo_eagle.py " + " ".join(sys.argv[1:]),
         "corpus": f"stdlib of Python {sys.version.split()[0]}, {stream.numel()} train tokens",
         "steps": args.steps,
+        "batch": args.batch,
         "seq_len": args.seq_len,
+        "unroll": args.unroll,
+        "format": "EAGLE-3" if args.eagle3 else "EAGLE-1",
+        "resumed_from": args.resume or None,
         "train_seconds": round(train_s, 1),
         "k": args.k,
         "prompts": len(prompts),
-        "mean_accepted_length": lengths,
-        "output_equals_draft_model_run": f"{same}/{len(prompts)}",
     }
+    save_head(head, target, Path(args.out), report)  # (before the evaluation: minutes more on a busy CPU)
+    log(f"saved {args.out}; evaluating on {len(prompts)} held-out prompts")
+    report |= evaluate(target, head, prompts, args.k)
+    log(f"k={args.k}: {json.dumps(report)}")
     save_head(head, target, Path(args.out), report)
     log(f"saved {args.out}: {json.dumps(report)}")
 

@@ -12,7 +12,7 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from minedraft.engine.hidden_export import SEQ_ID, layers_named, split_by_layer
+from minedraft.engine.hidden_export import SEQ_ID, latest_rows, layers_named, split_by_layer
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import InternalError, ModelLoadError
 from minedraft.proto import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
@@ -150,6 +150,16 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
         channel = self.worker.require_channel()
         assert channel.reverse is not None
         rows, counts = result.hidden_rows()
+        if sum(counts) > channel.reverse.max_rows:  # (a prefill of long prompts: each sequence's latest positions)
+            kept = latest_rows(counts, channel.reverse.max_rows)
+            log.info(
+                "prefill: %d of %d prompt positions' states sent back (the reverse buffer's rows)",
+                sum(kept),
+                sum(counts),
+            )
+            ends = torch.tensor(counts).cumsum(0).tolist()
+            rows = rows[torch.cat([torch.arange(end - n, end) for end, n in zip(ends, kept)]).to(rows.device)]
+            counts = kept
         tensors = split_by_layer(rows, layers)
         tensors[SEQ_ID] = torch.tensor(
             [seq_id for seq_id, n in zip(seq_ids, counts, strict=True) for _ in range(n)], dtype=torch.int64

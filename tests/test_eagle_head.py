@@ -4,6 +4,7 @@ the same head computed by hand (plain tensor code over the checkpoint's tensors)
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,42 @@ def test_positions_without_target_states_run_on_the_heads_own(tmp_path: Path) ->
     proposer.add_states([2, 2, 2], target_hidden(target, prompt + [9, 9, 9], spec.layers)[-3:])
     proposer.propose([2], torch.tensor([2]), torch.tensor([6]), 2)
     assert proposer.sequences[2].kv_len == len(prompt) + 3
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_sampled_output_with_a_head_keeps_the_targets_distribution(tiny_models: Any) -> None:
+    """Sampled speculative decoding with an EAGLE-3 head drafting from the target's exported states (in-process, as
+    the services pass them) draws sequences from exactly the target's distribution: the chi-square test of the
+    sampled tests, on a vocab-8 target, the head reading layers (0, 1, 1)."""
+    from test_engine_sampling import CONFIGS, LENGTH, P_FLOOR, PROMPT, SAMPLES, exact_distribution, goodness_of_fit
+
+    from draft_service.eagle import EagleHead, HeadSpec
+    from minedraft.engine.model_runner import ModelRunner
+    from minedraft_app.offline import OfflineRequest, generate_offline
+    from target_service.verifier import Verifier
+
+    target = tiny_models.get("llama", 0, vocab=8, hidden=32, layers=1)
+    tc = target.config
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.hidden_size // tc.num_attention_heads,
+        vocab_size=8,
+        num_hidden_layers=1,
+    )
+    torch.manual_seed(3)
+    head = EagleHead(config, eagle3=True, fc_inputs=3 * 32).eval()
+    head.embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().float())
+    name = "t0.8-topk6-topp0.9"
+    count = SAMPLES * 3 // 4  # (the head drafts row by row: fewer rows than the other sampled tests)
+    requests = [
+        OfflineRequest(PROMPT, replace(CONFIGS[name], seed=7_000_001 + i, max_tokens=LENGTH)) for i in range(count)
+    ]
+    verifier = Verifier(ModelRunner(target, count, 16), [])
+    proposer = EagleProposer(head, HeadSpec(True, (0, 1, 1)), num_slots=count)
+    results = generate_offline(verifier, proposer, requests, 2, count)
+    assert sum(r.accepted for r in results) > count // 4  # the head's drafts were verified, many accepted
+    fit = goodness_of_fit([tuple(r.tokens) for r in results], exact_distribution(target, CONFIGS[name]))
+    assert fit.impossible == 0 and fit.p_value > P_FLOOR, fit

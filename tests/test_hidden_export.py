@@ -74,3 +74,13 @@ def test_layers_travel_once_each_and_join_in_the_heads_order() -> None:
     assert list(tensors) == ["hidden.2", "hidden.3"]
     joined = joined_for_head(tensors, head_layers)
     assert torch.equal(joined, torch.cat([rows[:, :4], rows[:, 4:], rows[:, 4:]], dim=-1))
+
+
+def test_a_send_past_the_buffer_keeps_each_sequences_latest_rows() -> None:
+    from minedraft.engine.hidden_export import latest_rows, reverse_rows
+
+    assert latest_rows([20, 9], 64) == [20, 9]  # they fit
+    assert latest_rows([100, 10, 100], 90) == [40, 10, 40]  # equal shares, what the short one leaves to the others
+    assert latest_rows([5, 7, 9], 12) == [4, 4, 4]
+    assert sum(latest_rows([300] * 64, 2048)) <= 2048
+    assert reverse_rows(64, 4, 131072) == 2048 and reverse_rows(1024, 4, 8192) == 5120  # not slots x max_len

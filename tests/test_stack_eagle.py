@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -32,7 +33,7 @@ from stack import (
 )
 
 from minedraft.engine.models import load_tokenizer
-from minedraft.proto import generation_pb2
+from minedraft.proto import generation_pb2, generation_pb2_grpc
 
 pytest_plugins = ["stack"]
 
@@ -40,6 +41,9 @@ WORKER_BATCH = 4
 NUM_REQUESTS = 8
 K = 3
 HEADS = {"llama": True, "qwen3": False}  # arch -> EAGLE-3 (else EAGLE-1)
+# The Llama target's KV cache: 16 blocks of 16 tokens (512 bytes a token, one the trash block), so that the n > 1
+# test's load (8 sequences of ~100 tokens, 4 at a time) must preempt; the other tests' fit or preempt a little.
+SMALL_POOL_GIB = 16 * 16 * 512 / 2**30
 DRAFT_ARGS: dict[str, list[str]] = {}  # arch -> its draft service's arguments (a restart takes them again)
 
 
@@ -107,7 +111,8 @@ def eagle_workers(tiny_pairs: TinyPairs, stack_logs: Path, tmp_path_factory: pyt
         for arch, eagle3 in HEADS.items():
             pair = tiny_pairs[arch]
             head = write_head(root / arch, pair.target, eagle3)
-            target = spawn(f"eagle-{arch}-target", worker_args("target", pair.target, WORKER_BATCH), stack_logs)
+            pool = ["--kv-cache-memory", str(SMALL_POOL_GIB)] if arch == "llama" else []
+            target = spawn(f"eagle-{arch}-target", worker_args("target", pair.target, WORKER_BATCH) + pool, stack_logs)
             DRAFT_ARGS[arch] = worker_args("draft", head, WORKER_BATCH) + ["--target-model-for-draft", str(pair.target)]
             draft = spawn(f"eagle-{arch}-draft", DRAFT_ARGS[arch], stack_logs)
             workers[arch] = Workers(pair, target, draft, WORKER_BATCH)
@@ -225,6 +230,89 @@ def test_eagle_draft_killed_and_restarted(
     for done in (lost, during, after):
         assert [c.token_ids for c in done] == expected
     assert sum(c.usage.draft_tokens for c in after) > 0
+
+
+def test_eagle_samples_of_a_prompt_preempted_by_a_small_pool(
+    eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs
+) -> None:
+    """n = 2 greedy samples of each prompt with an EAGLE-3 head, under a KV pool too small for the load: the
+    coordinator preempts (a preempted sequence is prefilled again, prompt and output, and its states sent again);
+    every sample equals `generate()` and the head drafts throughout."""
+    from transformers import AutoModelForCausalLM
+
+    workers = eagle_workers["llama"]
+    pair = tiny_pairs["llama"]
+    prompts = text_prompts(load_tokenizer(str(pair.target)), 4, 50, 70, seed=9)
+    model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    params = generation_pb2.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def one(address: str, prompt: list[int]) -> tuple[dict[int, list[int]], int]:
+        samples: dict[int, list[int]] = {}
+        drafted = 0
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params, n=2)
+            async for message in stub.Generate(request, timeout=120):
+                samples.setdefault(message.index, []).extend(message.token_ids)
+                drafted += message.usage.draft_tokens if message.finish_reason else 0
+        return samples, drafted
+
+    async def run() -> tuple[list[tuple[dict[int, list[int]], int]], int]:
+        async with in_process_coordinator(workers, mode="psd", num_speculative_tokens=K, speculation="always") as (
+            address,
+            coordinator,
+        ):
+            done = await asyncio.gather(*(one(address, p) for p in prompts))
+            return list(done), coordinator.loop.admission.preemptions
+
+    done, preemptions = run_async(run())
+    assert preemptions > 0, "the load never ran short of blocks: the test proves nothing"
+    for (samples, _), want in zip(done, expected, strict=True):
+        assert samples == {0: want, 1: want}
+    assert sum(drafted for _, drafted in done) > 0
+    assert_all_slots_free(workers, timeout=15)
+
+
+def test_eagle_long_prompts_past_the_reverse_buffer(eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs) -> None:
+    """A prefill of more prompt positions than the reverse buffer holds (4 prompts of ~110 tokens at once; the buffer
+    holds one prompt of --max-model-len 256): the target sends each sequence's latest positions, the head drafts on
+    them (the earlier ones left out of its keys), and the output is `generate()`'s."""
+    from transformers import AutoModelForCausalLM
+
+    workers = eagle_workers["qwen3"]
+    pair = tiny_pairs["qwen3"]
+    prompts = text_prompts(load_tokenizer(str(pair.target)), 4, 100, 120, seed=12)
+    model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+    requests, expected = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+            params = generation_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            requests.append((generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params), 0.0))
+
+    async def run() -> list[Any]:
+        async with in_process_coordinator(workers, mode="sd", num_speculative_tokens=K, speculation="always") as (
+            address,
+            _,
+        ):
+            return await _run(address, requests)
+
+    done = run_async(run())
+    assert [c.token_ids for c in done] == expected
+    assert sum(c.usage.draft_tokens for c in done) > 0
+    assert "prompt positions' states sent back" in workers.target.log_tail(10**7)
 
 
 def test_eagle_with_tetris_matches_target_alone(eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs) -> None:

@@ -8,6 +8,27 @@ import torch
 
 PREFIX = "hidden."  # a reverse-layout tensor named hidden.<i>: the target's `output_hidden_states[i]`
 SEQ_ID = "seq_id"  # [rows, 1] int64: the sequence each row of the hidden states is of
+# A prefill's rows the reverse buffer holds beyond a verify's (max batch x (k + 1)): one prompt of this many tokens
+# whole, at most; at a 4096-wide target's three layers in bf16, 48 MiB a slot.
+PREFILL_ROWS = 2048
+
+
+def reverse_rows(max_batch_size: int, k: int, max_len: int) -> int:
+    """The rows of the reverse buffer: a verify's, or one prompt of up to min(max_len, PREFILL_ROWS) tokens whole,
+    whichever is more (not every position the draft's sequences may hold: too big for cuda-ipc slots at 8B)."""
+    return max(max_batch_size * (k + 1), min(max_len, PREFILL_ROWS))
+
+
+def latest_rows(counts: Sequence[int], budget: int) -> list[int]:
+    """How many of each sequence's last rows a send of at most `budget` rows keeps: all of a sequence's when they
+    fit, else an equal share each, what short sequences leave unused going to the longer ones."""
+    kept = [0] * len(counts)
+    waiting = sorted(range(len(counts)), key=lambda i: counts[i])
+    left = budget
+    for place, i in enumerate(waiting):
+        kept[i] = min(counts[i], left // (len(waiting) - place))
+        left -= kept[i]
+    return kept
 
 
 def exported_layers(layers: Sequence[int]) -> tuple[int, ...]:
