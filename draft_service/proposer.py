@@ -58,7 +58,6 @@ class Proposer:
         # predicts its acceptance, as a trained one does).
         self.scores_drafts = False
         self.synthetic_rates: torch.Tensor | None = None
-        self._drafting_kinds: dict[SamplingKind, SamplingKind] = {}
         slots, device = runner.num_slots + 1, runner.device  # with the scratch row, as the table
         self.committed = torch.zeros(slots, dtype=torch.long, device=device)
         self.last_k = torch.zeros(slots, dtype=torch.long, device=device)
@@ -109,7 +108,8 @@ class Proposer:
         than here: on a GPU a proposal's reply goes once its graph is launched, and the target waits for it."""
         if k < 1:
             raise ValueError("a proposal drafts at least one token")
-        kind = self._drafting_kind(self.table.sampling_kind(seq_ids, self.runner.vocab_size))
+        kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
+        kind = drafting_kind(kind, self.greedy_drafts, self.grammars is not None)
         if kind.grammar:  # (before the catch-up, which forgets the last proposal)
             self._follow_verdicts(seq_ids, num_accepted.tolist(), next_tokens.tolist(), missed)
         if any(missed):
@@ -120,10 +120,10 @@ class Proposer:
         # a CapacityError), the rolled-back ones a row still holds reused, mostly taken by the proposal before.
         # Once the step is launched, the blocks up to the next proposal's reach are kept (`keep_ahead`).
         index = rows.numpy()  # (a host tensor: no copy)
-        committed = self._committed_after(index, num_accepted.numpy())
+        committed = committed_after(self.committed_host, self.last_k_host, index, num_accepted.numpy())
         ends = committed + (k - 1)  # the last forward's token, k - 1 past the tail's last
         if k < TAIL_TOKENS:  # the tail's positions, written whether valid or not, may reach further
-            kept, _ = self._kept_and_tail(index, num_accepted.numpy())
+            kept, _ = kept_and_tail(self.committed_host, self.last_k_host, index, num_accepted.numpy())
             ends = np.maximum(ends, kept + TAIL_TOKENS)
         self.runner.cache.reserve(index, ends)
         verdicts = torch.stack([num_accepted, next_tokens], dim=1)  # copied straight into the graph's inputs
@@ -138,18 +138,6 @@ class Proposer:
         probs = None if kind.all_greedy else outputs[1]
         scores = outputs[-1] if self.scores_drafts else None
         return Proposal(outputs[0], probs, upkeep if defer_upkeep else None, scores)
-
-    def _drafting_kind(self, kind: SamplingKind) -> SamplingKind:
-        """How a batch of this kind drafts: greedily for every row with `greedy_drafts`; never with logprobs (the
-        target's alone); masked by a grammar where this draft has a tokenizer. Remembered per kind: a named tuple's
-        `_replace` cost 5 us of each proposal's host time."""
-        drafting = self._drafting_kinds.get(kind)
-        if drafting is None:
-            # (nor with a grammar: the target masks its distribution, which decides; the drafts are not masked)
-            masked = kind.grammar and self.grammars is not None
-            drafting = kind._replace(all_greedy=kind.all_greedy or self.greedy_drafts, logprobs=False, grammar=masked)
-            self._drafting_kinds[kind] = drafting
-        return drafting
 
     def _run_proposal(
         self,
@@ -190,7 +178,7 @@ class Proposer:
     ) -> list[torch.Tensor]:
         """A proposal's body, inside its graph (a draft's forwards are too small to pay for a launch from Python
         each): each row rolled back to what the target kept (`_reconcile`), then k forwards, each drafting a token
-        from the last logits (`_choose`) and running it in the next; the last draft is remembered as the row's d_k.
+        from the last logits (`choose_draft`) and running it in the next; the last draft is remembered as the row's d_k.
         Returns the drafts `[B, k]`, then their distributions `[B, k, V]` unless every row drafts greedily, then
         with `scores_drafts` each draft's log q `[B, k]`."""
         (verdicts,) = inputs
@@ -202,8 +190,9 @@ class Proposer:
         for position in range(k):
             logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=True)
             if kind.grammar:
-                logits = self._masked(logits, seq_ids, drafted)
-            draft, q = self._choose(rows, logits, position=position, kind=kind)
+                assert self.grammars is not None
+                logits = masked_draft_logits(self.grammars, logits, seq_ids, drafted)
+            draft, q = choose_draft(self.table, self.committed, rows, logits, position=position, kind=kind)
             if kind.grammar:
                 drafted = draft[: len(seq_ids)].tolist()
             if kind.penalized:
@@ -212,7 +201,7 @@ class Proposer:
             if q is not None:
                 probs.append(q)
             if self.scores_drafts and self.synthetic_rates is None:
-                scores.append(self._score(logits, draft, q))
+                scores.append(draft_log_q(logits, draft, q))
             tokens, num_valid = draft[:, None], torch.ones_like(num_valid)
         self.final_draft[rows] = draft
         self.last_k.index_fill_(0, rows, k)  # (an assignment would copy k from the host: not in a graph)
@@ -224,29 +213,12 @@ class Proposer:
             self.last_drafts.update((s, host[b]) for b, s in enumerate(seq_ids) if s in self.grammars.matchers)
         outputs = [stacked] + ([torch.stack(probs, dim=1)] if probs else [])
         if self.scores_drafts:
-            outputs.append(torch.stack(scores, dim=1) if scores else self._synthetic_scores(rows, k))
+            outputs.append(
+                torch.stack(scores, dim=1)
+                if scores
+                else synthetic_scores(self.synthetic_rates, self.table.seed_key[rows], k)
+            )
         return outputs
-
-    def _score(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
-        """A draft's log q [B]: from its distribution where sampled, else from the logits it was the argmax of."""
-        if q is not None:
-            return q.gather(-1, draft[:, None])[:, 0].float().clamp(min=torch.finfo(torch.float32).tiny).log()
-        return logits.float().log_softmax(dim=-1).gather(-1, draft[:, None])[:, 0]
-
-    def _synthetic_scores(self, rows: torch.Tensor, k: int) -> torch.Tensor:
-        """Benchmarks only: each row's drafts scored log(rate), the rate its seed picks (`synthetic_rates`)."""
-        assert self.synthetic_rates is not None
-        rates = self.synthetic_rates[self.table.seed_key[rows] % len(self.synthetic_rates)]
-        return rates.log()[:, None].expand(len(rows), k).contiguous()
-
-    def _masked(self, logits: torch.Tensor, seq_ids: Sequence[int], drafted: list[int] | None) -> torch.Tensor:
-        """A proposal's logits `[B, V]` (B padded past the sequences) masked by each row's grammar after its drafts
-        so far (`Grammars.draft_masks`)."""
-        assert self.grammars is not None
-        masks = self.grammars.draft_masks(seq_ids, drafted)
-        if len(masks) < len(logits):  # padding rows: nothing masked
-            masks = torch.cat([masks, masks.new_full((len(logits) - len(masks), masks.shape[1]), -1)])
-        return masked_logits(logits[:, None], masks.to(logits.device)[:, None])[:, 0]
 
     def _follow_verdicts(
         self, seq_ids: Sequence[int], num_accepted: list[int], next_tokens: list[int], missed: Sequence[Sequence[int]]
@@ -273,7 +245,9 @@ class Proposer:
         device = self.runner.device
         rows = torch.tensor(host_rows, dtype=torch.long, device=device)
         final_drafts = self.final_draft[rows].tolist()
-        kept_array, tails = self._kept_and_tail(np.asarray(host_rows), np.asarray([num_accepted[i] for i in lagging]))
+        kept_array, tails = kept_and_tail(
+            self.committed_host, self.last_k_host, np.asarray(host_rows), np.asarray([num_accepted[i] for i in lagging])
+        )
         kept = kept_array.tolist()
         appended = [
             ([final_draft] if tail == 2 else []) + list(missed[i])
@@ -320,20 +294,6 @@ class Proposer:
         verdicts = torch.zeros(len(rows), 2, dtype=torch.long, device=rows.device)
         self._run_proposal(rows, verdicts, k=k, kind=kind, needed=needed, lane=None)
 
-    def _committed_after(self, rows: np.ndarray, accepted: np.ndarray) -> np.ndarray:
-        """Per row: the tokens committed once the target's verdict is applied, kept + tail (`_kept_and_tail`), in
-        fewer array operations (each costs a GPU host ~3 us before the launch): an accept of all last_k drafts keeps
-        last_k - 1 and a tail of 2, an accept of fewer keeps them and a tail of 1, and a row that drafted nothing
-        (after a prefill or a catch-up) keeps none of a verdict that was for drafts it caught up on."""
-        return self.committed_host[rows] + np.minimum(accepted, self.last_k_host[rows]) + 1
-
-    def _kept_and_tail(self, rows: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per row: (tokens its cache keeps, tokens committed but not cached yet) after the target's verdict, from
-        the host copies (`_reconcile` does the same on the device)."""
-        last_k = self.last_k_host[rows]
-        kept = self.committed_host[rows] + np.minimum(accepted, np.maximum(last_k - 1, 0))
-        return kept, np.where((accepted == last_k) & (last_k > 0), 2, 1)
-
     def _reconcile(self, rows: torch.Tensor, verdicts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inside the proposal's graph: roll each row back to what the target kept; the first forward's tokens are
         those committed but not cached, [t] or [d_k, t] after a full accept, and how many of them are valid."""
@@ -352,35 +312,6 @@ class Proposer:
         self.committed.narrow(0, self.runner.scratch_row, 1).zero_()
         return tail, tail_len
 
-    def _choose(
-        self, rows: torch.Tensor, logits: torch.Tensor, *, position: int, kind: SamplingKind
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Inside the proposal's graph: the draft token of each row from its last logits `[B, V]`, the proposal's
-        `position`-th, and its distribution q (None when every row drafts greedily: none is made, and none moves);
-        penalized as the target's, over the row's history and the drafts before."""
-        t = self.table
-        if kind.penalized:
-            assert t.history is not None
-            length = self.committed[rows] + position
-            none = torch.zeros(len(rows), 0, dtype=torch.long, device=logits.device)
-            logits = penalized_logits(logits[:, None], t.history[rows, :-1], length, none, t.penalties(rows))[:, 0]
-        if kind.all_greedy:
-            return greedy_tokens(logits), None
-        temp = t.temperature[rows]  # (with greedy_drafts every batch is all-greedy: see `_drafting_kind`)
-        probs = processed_probs(
-            logits[:, None],
-            temperature=temp,
-            top_k=t.top_k[rows],
-            top_p=t.top_p[rows],
-            filtered=kind.filtered,
-            min_p=t.min_p[rows],
-        )[:, 0]
-        u = seeded_uniform(t.seed_key[rows], (self.committed[rows] + position)[:, None], STREAM_DRAFT)[:, 0]
-        greedy = temp == 0
-        token = torch.where(greedy, greedy_tokens(logits), sample_from(probs, u))
-        one_hot = torch.zeros_like(probs).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot
-        return token, torch.where(greedy[:, None], one_hot, probs)
-
     def _cache_only(self, rows: torch.Tensor, inputs: Sequence[torch.Tensor], shape: StepShape) -> list[torch.Tensor]:
         """The body of a draft's prefill or catch-up: the forward only caches the tokens."""
         input_ids, num_valid = inputs
@@ -397,3 +328,91 @@ class Proposer:
             self.grammars.release(seq_ids)
         for seq_id in seq_ids:
             self.last_drafts.pop(seq_id, None)
+
+
+def choose_draft(
+    table: SequenceTable,
+    committed: torch.Tensor,
+    rows: torch.Tensor,
+    logits: torch.Tensor,
+    *,
+    position: int,
+    kind: SamplingKind,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inside the proposal's graph: the draft token of each row from its last logits `[B, V]`, the proposal's
+    `position`-th (`committed`: each row's committed tokens), and its distribution q (None when every row drafts
+    greedily: none is made, and none moves); penalized as the target's, over the row's history and the drafts
+    before."""
+    t = table
+    if kind.penalized:
+        assert t.history is not None
+        length = committed[rows] + position
+        none = torch.zeros(len(rows), 0, dtype=torch.long, device=logits.device)
+        logits = penalized_logits(logits[:, None], t.history[rows, :-1], length, none, t.penalties(rows))[:, 0]
+    if kind.all_greedy:
+        return greedy_tokens(logits), None
+    temp = t.temperature[rows]  # (with greedy_drafts every batch is all-greedy: see `drafting_kind`)
+    probs = processed_probs(
+        logits[:, None],
+        temperature=temp,
+        top_k=t.top_k[rows],
+        top_p=t.top_p[rows],
+        filtered=kind.filtered,
+        min_p=t.min_p[rows],
+    )[:, 0]
+    u = seeded_uniform(t.seed_key[rows], (committed[rows] + position)[:, None], STREAM_DRAFT)[:, 0]
+    greedy = temp == 0
+    token = torch.where(greedy, greedy_tokens(logits), sample_from(probs, u))
+    one_hot = torch.zeros_like(probs).scatter_(-1, token[:, None], 1.0)  # no host sync, unlike F.one_hot
+    return token, torch.where(greedy[:, None], one_hot, probs)
+
+
+def draft_log_q(logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+    """A draft's log q [B]: from its distribution where sampled, else from the logits it was the argmax of."""
+    if q is not None:
+        return q.gather(-1, draft[:, None])[:, 0].float().clamp(min=torch.finfo(torch.float32).tiny).log()
+    return logits.float().log_softmax(dim=-1).gather(-1, draft[:, None])[:, 0]
+
+
+def masked_draft_logits(
+    grammars: Grammars, logits: torch.Tensor, seq_ids: Sequence[int], drafted: list[int] | None
+) -> torch.Tensor:
+    """A proposal's logits `[B, V]` (B padded past the sequences) masked by each row's grammar after its drafts
+    so far (`Grammars.draft_masks`)."""
+    masks = grammars.draft_masks(seq_ids, drafted)
+    if len(masks) < len(logits):  # padding rows: nothing masked
+        masks = torch.cat([masks, masks.new_full((len(logits) - len(masks), masks.shape[1]), -1)])
+    return masked_logits(logits[:, None], masks.to(logits.device)[:, None])[:, 0]
+
+
+def committed_after(committed: np.ndarray, last_k: np.ndarray, rows: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """Per row (`committed`, `last_k`: the proposer's host copies): the tokens committed once the target's verdict
+    is applied, kept + tail (`kept_and_tail`), in fewer array operations (each costs a GPU host ~3 us before the
+    launch): an accept of all last_k drafts keeps last_k - 1 and a tail of 2, an accept of fewer keeps them and a
+    tail of 1, and a row that drafted nothing (after a prefill or a catch-up) keeps none of a verdict that was for
+    drafts it caught up on."""
+    return committed[rows] + np.minimum(accepted, last_k[rows]) + 1
+
+
+def kept_and_tail(
+    committed: np.ndarray, last_k_all: np.ndarray, rows: np.ndarray, accepted: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: (tokens its cache keeps, tokens committed but not cached yet) after the target's verdict, from
+    the host copies (`_reconcile` does the same on the device)."""
+    last_k = last_k_all[rows]
+    kept = committed[rows] + np.minimum(accepted, np.maximum(last_k - 1, 0))
+    return kept, np.where((accepted == last_k) & (last_k > 0), 2, 1)
+
+
+@functools.cache
+def drafting_kind(kind: SamplingKind, greedy_drafts: bool, masks: bool) -> SamplingKind:
+    """How a batch of `kind` drafts: greedily for every row with `greedy_drafts`; never with logprobs (the target's
+    alone); masked by a grammar where the draft has a tokenizer (`masks`). Cached: a named tuple's `_replace` cost
+    5 us of each proposal's host time."""
+    return kind._replace(all_greedy=kind.all_greedy or greedy_drafts, logprobs=False, grammar=kind.grammar and masks)
+
+
+def synthetic_scores(rates: torch.Tensor | None, seed_keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Benchmarks only: each row's drafts scored log(rate), the rate its seed key picks of `rates`."""
+    assert rates is not None
+    return rates[seed_keys % len(rates)].log()[:, None].expand(len(seed_keys), k).contiguous()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from draft_service.proposer import Proposer
+from draft_service.proposer import Proposer, committed_after, kept_and_tail
 from minedraft.engine.model_runner import CapacityError, ModelRunner
 from minedraft.engine.sampling import SamplingConfig, SamplingKind
 from minedraft_app.offline import OfflineRequest, generate_offline
@@ -489,8 +489,8 @@ def test_flushes_through_the_table_writer_leave_the_tables_as_eager_writes() -> 
 
 
 def test_a_proposals_committed_count_equals_kept_plus_tail(tiny_models) -> None:
-    """The proposer's short form of what a verdict commits (`_committed_after`, before a proposal's launch) equals
-    kept + tail (`_kept_and_tail`, as the proposal's graph reconciles) for every verdict a row can get: up to its
+    """The proposer's short form of what a verdict commits (`committed_after`, before a proposal's launch) equals
+    kept + tail (`kept_and_tail`, as the proposal's graph reconciles) for every verdict a row can get: up to its
     last_k drafts accepted, and any after a catch-up or a prefill (nothing drafted)."""
     proposer = Proposer(ModelRunner(tiny_models.draft("llama"), 32, 64))
     rows = np.arange(32)
@@ -498,8 +498,9 @@ def test_a_proposals_committed_count_equals_kept_plus_tail(tiny_models) -> None:
         proposer.last_k_host[rows] = last_k
         proposer.committed_host[rows] = 7 + rows
         accepted = rows % (last_k + 1) if last_k else rows % 5
-        kept, tail = proposer._kept_and_tail(rows, accepted)
-        assert proposer._committed_after(rows, accepted).tolist() == (kept + tail).tolist()
+        host = (proposer.committed_host, proposer.last_k_host)
+        kept, tail = kept_and_tail(*host, rows, accepted)
+        assert committed_after(*host, rows, accepted).tolist() == (kept + tail).tolist()
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["upkeep-in-the-call", "upkeep-after-it"])
@@ -523,7 +524,7 @@ def test_steps_find_their_blocks_taken_by_the_step_before(tiny_models, hf_refere
     v_rows, d_rows = np.array(verifier.table.row_list(seqs)), np.array(proposer.table.row_list(seqs))
     v_cache, d_cache = verifier.runner.cache, proposer.runner.cache
     for step in range(9):
-        kept, tail = proposer._kept_and_tail(d_rows, accepted.numpy())
+        kept, tail = kept_and_tail(proposer.committed_host, proposer.last_k_host, d_rows, accepted.numpy())
         reach = np.maximum(kept + 2, kept + tail + k - 1)
         if step:
             assert (reach <= d_cache.held[d_rows] * size).all(), "a proposal's blocks not taken ahead"
