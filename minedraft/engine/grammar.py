@@ -203,8 +203,11 @@ class Grammars:
         if self.grammar_vocab % 32 and filled.any():  # (the last word's bits past the tokenizer's ids)
             last = masks[..., -1]
             last[torch.from_numpy(filled)] &= (1 << (self.grammar_vocab % 32)) - 1
-        tail = torch.from_numpy(np.where(filled, 0, -1).astype(np.int32))[..., None]
-        return torch.cat([masks, tail.expand(*masks.shape[:-1], self.words - self.grammar_words)], dim=-1)
+        # (numpy's copies: a torch one this wide may wake its threads, which then spin on a many-core host)
+        wide = np.empty((*masks.shape[:-1], self.words), dtype=np.int32)
+        wide[..., : self.grammar_words] = masks.numpy()
+        wide[..., self.grammar_words :] = np.where(filled, 0, -1)[..., None]
+        return torch.from_numpy(wide)
 
     def first_masks(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """Each sequence's bitmask [B, words] of its next token (a prefill's)."""
