@@ -37,7 +37,7 @@ from minedraft_app.offline import OfflineRequest, generate_offline  # noqa: E402
 from target_service.verifier import Verifier  # noqa: E402
 
 TIMED = ("admit", "first_masks", "masks", "advance", "draft_masks", "rollback_drafts")
-spent: collections.Counter[str] = collections.Counter()
+spent: collections.defaultdict[str, float] = collections.defaultdict(float)
 
 
 def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,7 +92,7 @@ def main() -> None:
         if k:
             proposer = Proposer(ModelRunner(draft, args.batch, length), eos_token_ids=eos, tokenizer=tokenizer)
         verifier.grammars.compile(spec)  # (once per grammar: not a step's cost)
-        if proposer is not None:
+        if proposer is not None and proposer.grammars is not None:
             proposer.grammars.compile(spec)
         for label, grammar in (("unconstrained", None), ("schema", spec)):
             config = SamplingConfig(max_tokens=args.output_len, ignore_eos=True, grammar=grammar)
