@@ -111,8 +111,11 @@ class Grammars:
     it searches one by one on every token accepted and every mask (30x slower fills, 10x slower accepts at that
     width). Ids past the tokenizer's are refused, as xgrammar refuses special tokens: their bits are 0."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], pin: bool = False) -> None:
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos_token_ids)
+        # `pin` (a CUDA model's): masks in page-locked memory, so their copy in is asynchronous; a pageable one
+        # waits for the DMA, which queues behind the other batch's forward and stalls the host
+        self.pin = pin
         self.words = math.ceil(vocab_size / 32)  # int32 words of one position's bitmask
         self.grammar_vocab = vocab_size if tokenizer is None else _tokenizer_vocab(tokenizer, vocab_size, self.eos)
         self.grammar_words = math.ceil(self.grammar_vocab / 32)  # the words xgrammar fills
@@ -168,7 +171,7 @@ class Grammars:
         positions; all set for an unconstrained row, after a draft the grammar refuses (that draft is rejected, so
         nothing after it is used), and after the grammar's end."""
         batch, k = draft_ids.shape
-        masks = torch.full((batch, k + 1, self.grammar_words), -1, dtype=torch.int32)
+        masks = self._all_set((batch, k + 1, self.grammar_words))
         filled = np.zeros((batch, k + 1), dtype=bool)
         for b, seq_id in enumerate(seq_ids):
             matcher = self.matchers.get(seq_id)
@@ -204,10 +207,18 @@ class Grammars:
             last = masks[..., -1]
             last[torch.from_numpy(filled)] &= (1 << (self.grammar_vocab % 32)) - 1
         # (numpy's copies: a torch one this wide may wake its threads, which then spin on a many-core host)
-        wide = np.empty((*masks.shape[:-1], self.words), dtype=np.int32)
-        wide[..., : self.grammar_words] = masks.numpy()
-        wide[..., self.grammar_words :] = np.where(filled, 0, -1)[..., None]
-        return torch.from_numpy(wide)
+        wide = torch.empty((*masks.shape[:-1], self.words), dtype=torch.int32, pin_memory=self.pin)
+        host = wide.numpy()
+        host[..., : self.grammar_words] = masks.numpy()
+        host[..., self.grammar_words :] = np.where(filled, 0, -1)[..., None]
+        return wide
+
+    def _all_set(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Bitmasks of `shape` (int32) allowing every token, to be filled; pinned where they go to the device as
+        they are (no widening)."""
+        masks = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin and self.grammar_vocab == self.vocab_size)
+        masks.numpy().fill(-1)
+        return masks
 
     def first_masks(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """Each sequence's bitmask [B, words] of its next token (a prefill's)."""
@@ -228,7 +239,7 @@ class Grammars:
         """The draft's, between its forwards: each constrained row's matcher takes its last draft (`drafted`, None
         at a proposal's first position), then gives the bitmask [B, words] of its next position (all set where
         unconstrained or ended). `rollback_drafts` undoes the drafts taken."""
-        masks = torch.full((len(seq_ids), self.grammar_words), -1, dtype=torch.int32)
+        masks = self._all_set((len(seq_ids), self.grammar_words))
         filled = np.zeros(len(seq_ids), dtype=bool)
         for b, seq_id in enumerate(seq_ids):
             matcher = self.matchers.get(seq_id)
