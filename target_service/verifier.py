@@ -302,7 +302,7 @@ class Verifier:
         self.runner = runner
         self.table = SequenceTable(runner, eos_token_ids)
         # Structured outputs: the matchers on the host; each row's first mask (a prefill's) where its step reads it.
-        self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids)
+        self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids, pin=runner.device.type == "cuda")
         self.row_masks: torch.Tensor | None = None
         self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
         # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
@@ -376,7 +376,7 @@ class Verifier:
             slots = self.table.temperature.shape[0]
             shape = (slots, self.grammars.words)
             self.row_masks = torch.full(shape, -1, dtype=torch.int32, device=self.runner.device)
-        self.row_masks[rows] = masks.to(self.runner.device)
+        self.row_masks[rows] = masks.to(self.runner.device, non_blocking=True)  # (pinned on CUDA)
 
     def _gathered_prefill_hidden(self, rows: torch.Tensor, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The prompts' exported states that the prefill's steps left (`_prefill_step`), [B, longest, width]."""

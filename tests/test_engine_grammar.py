@@ -56,6 +56,25 @@ def test_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(demo: tuple[
     assert again[b] and again[c] and not again[a]
 
 
+def test_a_model_wider_than_its_tokenizer_refuses_the_ids_past_it(demo: tuple[Any, Any, Any]) -> None:
+    _, _, tokenizer = demo
+    size = len(tokenizer)
+    exact = Grammars(tokenizer, size, [EOS])
+    wide = Grammars(tokenizer, size + 100, [EOS])  # (not a whole word past it: the last word's bits are split)
+    assert wide.grammar_vocab == size and wide.words == exact.words + 4
+    a, b = (tokenizer.convert_tokens_to_ids(t) for t in "ab")
+    for grammars in (exact, wide):
+        grammars.admit([1, 2], [("regex", "ab+c", False), None], [[], []])
+    drafts = np.array([[a, size + 7, b], [a, b, a]])  # a draft past the tokenizer's ids: refused
+    narrow, masks = exact.masks([1, 2], drafts), wide.masks([1, 2], drafts)
+    ok = allowed(masks, size + 100)
+    assert torch.equal(ok[..., :size], allowed(narrow, size))
+    assert not ok[0, :2, size:].any() and ok[0, 2:].all()  # refused past the tokenizer; free after the refused draft
+    assert ok[1].all()  # unconstrained
+    assert torch.equal(allowed(wide.draft_masks([1, 2], None), size + 100), ok[:, 0])
+    wide.rollback_drafts()
+
+
 def _language(target: Any, grammars: Grammars, prompt: list[int]) -> dict[tuple[int, ...], float]:
     """Every output the grammar allows and its probability under the masked target (temperature 1), by walking
     the matcher's states with the target's forward at each."""

@@ -104,11 +104,21 @@ class Grammars:
 
     A verify's masks (`masks`) follow each row's drafts: position j's is the grammar's state after the row's
     committed tokens and drafts 1..j; the drafts are accepted into the matcher only to find the masks, then rolled
-    back, and the matcher moves on by the tokens the step emitted (`advance`), once the host has read them."""
+    back, and the matcher moves on by the tokens the step emitted (`advance`), once the host has read them.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    The matchers know only the tokenizer's ids (`grammar_vocab`): a model's vocabulary may be wider (padded, or a
+    128,256-wide one with a 4,096-token tokenizer), and xgrammar takes ids it cannot decode for special tokens, which
+    it searches one by one on every token accepted and every mask (30x slower fills, 10x slower accepts at that
+    width). Ids past the tokenizer's are refused, as xgrammar refuses special tokens: their bits are 0."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], pin: bool = False) -> None:
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos_token_ids)
+        # `pin` (a CUDA model's): masks in page-locked memory, so their copy in is asynchronous; a pageable one
+        # waits for the DMA, which queues behind the other batch's forward and stalls the host
+        self.pin = pin
         self.words = math.ceil(vocab_size / 32)  # int32 words of one position's bitmask
+        self.grammar_vocab = vocab_size if tokenizer is None else _tokenizer_vocab(tokenizer, vocab_size, self.eos)
+        self.grammar_words = math.ceil(self.grammar_vocab / 32)  # the words xgrammar fills
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._compiled: collections.OrderedDict[Spec, xgrammar.CompiledGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()  # compiles run on a thread of their own (`compile`), steps on the model's
@@ -123,7 +133,7 @@ class Grammars:
             raise InvalidRequest("this worker's model has no tokenizer: it cannot constrain output to a grammar")
         if self._compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos or None
+                self.tokenizer, vocab_size=self.grammar_vocab, stop_token_ids=self.eos or None
             )
             # (the cache here is ours, bounded by count; one thread: compiles must not take the model's cores)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -153,7 +163,7 @@ class Grammars:
                 continue
             matcher = xgrammar.GrammarMatcher(self.compile(spec))
             for token in output:
-                matcher.accept_token(token)
+                self._accepts(matcher, token)
             self.matchers[seq_id] = matcher
 
     def masks(self, seq_ids: Sequence[int], draft_ids: np.ndarray) -> torch.Tensor:
@@ -161,7 +171,8 @@ class Grammars:
         positions; all set for an unconstrained row, after a draft the grammar refuses (that draft is rejected, so
         nothing after it is used), and after the grammar's end."""
         batch, k = draft_ids.shape
-        masks = torch.full((batch, k + 1, self.words), -1, dtype=torch.int32)
+        masks = self._all_set((batch, k + 1, self.grammar_words))
+        filled = np.zeros((batch, k + 1), dtype=bool)
         for b, seq_id in enumerate(seq_ids):
             matcher = self.matchers.get(seq_id)
             if matcher is None:
@@ -175,11 +186,38 @@ class Grammars:
                 if matcher.is_terminated():
                     break
                 matcher.fill_next_token_bitmask(row, j)
-                if j == k or draft_ids[b, j] < 0 or not matcher.accept_token(int(draft_ids[b, j])):  # (-1: unselected)
+                filled[b, j] = True
+                if j == k or not self._accepts(matcher, int(draft_ids[b, j])):  # (-1: unselected)
                     break
                 taken += 1
             if taken:
                 matcher.rollback(taken)
+        return self._widened(masks, filled)
+
+    def _accepts(self, matcher: xgrammar.GrammarMatcher, token: int) -> bool:
+        """Whether `matcher` took `token`; an id the tokenizer lacks (or -1) refused without asking xgrammar."""
+        return 0 <= token < self.grammar_vocab and matcher.accept_token(token)
+
+    def _widened(self, masks: torch.Tensor, filled: np.ndarray) -> torch.Tensor:
+        """Bitmasks [..., grammar_words] as [..., words]: past the tokenizer's ids, 0 where `filled` (those ids are
+        refused), all set elsewhere (unconstrained or ended)."""
+        if self.grammar_vocab == self.vocab_size:
+            return masks
+        if self.grammar_vocab % 32 and filled.any():  # (the last word's bits past the tokenizer's ids)
+            last = masks[..., -1]
+            last[torch.from_numpy(filled)] &= (1 << (self.grammar_vocab % 32)) - 1
+        # (numpy's copies: a torch one this wide may wake its threads, which then spin on a many-core host)
+        wide = torch.empty((*masks.shape[:-1], self.words), dtype=torch.int32, pin_memory=self.pin)
+        host = wide.numpy()
+        host[..., : self.grammar_words] = masks.numpy()
+        host[..., self.grammar_words :] = np.where(filled, 0, -1)[..., None]
+        return wide
+
+    def _all_set(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Bitmasks of `shape` (int32) allowing every token, to be filled; pinned where they go to the device as
+        they are (no widening)."""
+        masks = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin and self.grammar_vocab == self.vocab_size)
+        masks.numpy().fill(-1)
         return masks
 
     def first_masks(self, seq_ids: Sequence[int]) -> torch.Tensor:
@@ -195,22 +233,24 @@ class Grammars:
                 for token in tokens:
                     if matcher.is_terminated():  # (with ignore_eos: the grammar ended; what follows is free)
                         break
-                    matcher.accept_token(token)
+                    self._accepts(matcher, token)
 
     def draft_masks(self, seq_ids: Sequence[int], drafted: Sequence[int] | None) -> torch.Tensor:
         """The draft's, between its forwards: each constrained row's matcher takes its last draft (`drafted`, None
         at a proposal's first position), then gives the bitmask [B, words] of its next position (all set where
         unconstrained or ended). `rollback_drafts` undoes the drafts taken."""
-        masks = torch.full((len(seq_ids), self.words), -1, dtype=torch.int32)
+        masks = self._all_set((len(seq_ids), self.grammar_words))
+        filled = np.zeros(len(seq_ids), dtype=bool)
         for b, seq_id in enumerate(seq_ids):
             matcher = self.matchers.get(seq_id)
             if matcher is None:
                 continue
-            if drafted is not None and not matcher.is_terminated() and matcher.accept_token(drafted[b]):
+            if drafted is not None and not matcher.is_terminated() and self._accepts(matcher, int(drafted[b])):
                 self._drafts_taken[seq_id] = self._drafts_taken.get(seq_id, 0) + 1
             if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(masks, b)
-        return masks
+                filled[b] = True
+        return self._widened(masks, filled)
 
     def rollback_drafts(self) -> None:
         """Each matcher back where it was before the drafts `draft_masks` took."""
@@ -222,6 +262,12 @@ class Grammars:
         for seq_id in seq_ids:
             self.matchers.pop(seq_id, None)
             self.unread.discard(seq_id)
+
+
+def _tokenizer_vocab(tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> int:
+    """The ids a grammar's matcher knows: the tokenizer's (its stop ids included), at most the model's."""
+    ids = max(tokenizer.get_vocab().values(), default=-1) + 1
+    return min(vocab_size, max(ids, len(tokenizer), *(e + 1 for e in eos)))
 
 
 def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
