@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.request_state import RequestState
@@ -175,3 +175,11 @@ class BatchManager:
         gone = [r for r in batch.members if r.finished or r.cancelled]
         batch.members = [r for r in batch.members if not (r.finished or r.cancelled)]
         return gone
+
+    def held(self) -> list[RequestState]:
+        """The unfinished requests in the batches."""
+        return [r for b in self.batches for r in b.members + b.joining if not r.finished]
+
+    def admitted_ids(self) -> Iterator[int]:
+        """The sequences in the batches, what a worker may hold (lazily: read only where a draft is dropped)."""
+        return (r.seq_id for b in self.batches for r in b.members + b.joining)

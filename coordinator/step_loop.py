@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -17,7 +18,7 @@ from coordinator.overlap_policy import OverlapPolicy
 from coordinator.request_state import FINISH, RequestState
 from coordinator.speculation_policy import SpeculationPolicy, draft_lengths
 from coordinator.stream_outbox import StreamOutbox
-from coordinator.tetris_policy import ExtraProposals
+from coordinator.tetris_policy import ExtraProposals, checked_budget, prepared_lengths
 from coordinator.workers import Workers
 from minedraft.proto import target_pb2
 
@@ -80,13 +81,10 @@ class StepLoop:
         self.speculation_policy = SpeculationPolicy(speculation, self.draft_lengths)
         self.tetris = tetris and self.k > 0
         self.extra_proposals = ExtraProposals(extra_proposals) if self.tetris else None
-        if verify_token_budget < 0:
-            raise ValueError(f"--verify-token-budget {verify_token_budget}: give 0 (k a row) or more")
-        self.verify_token_budget = verify_token_budget
-        # The lengths proposals and verifies may take, each precaptured: with TETRIS each draft length plus extras.
-        extras = self.extra_proposals.choices if self.extra_proposals is not None else (0,)
-        self.prepared_lengths = tuple(sorted({n + e for n in self.draft_lengths for e in extras}, reverse=True))
+        self.verify_token_budget = checked_budget(verify_token_budget)
+        self.prepared_lengths = prepared_lengths(self.draft_lengths, self.extra_proposals)
         self.outbox = outbox
+        self._fail_requests = functools.partial(fail_requests, outbox)
         self._step_ids = itertools.count()
         self._wake = wake
         self._stopping = False
@@ -120,7 +118,9 @@ class StepLoop:
                 await self.step()
             except Exception as exc:  # a fault of ours: its batches fail whole (INTERNAL), never the loop
                 log.exception("step failed: failing the requests in the batches")
-                self._fail(self._held(), RuntimeError(f"internal error in the coordinator's step: {exc!r}"))
+                fail_requests(
+                    self.outbox, self.manager.held(), RuntimeError(f"internal error in the coordinator's step: {exc!r}")
+                )
                 await self._drop_batches()
 
     async def step(self) -> None:
@@ -134,12 +134,12 @@ class StepLoop:
 
     async def _step(self) -> None:
         waiting = any(b.awaiting_verify for b in self.manager.batches)
-        draft_back = self.failover.before_step(self._admitted_ids(), waiting)
+        draft_back = self.failover.before_step(self.manager.admitted_ids(), waiting)
         await self._remove_finished()
         if draft_back and not any(b.awaiting_verify for b in self.manager.batches):
             # (else at a later step: the running requests are handed over with no drafts waiting for a verify)
             await self.failover.hand_over_draft(self.manager.running(), self._prefill_draft_again)
-        if not await self.admission.admit(self._lose_target, self._lose_draft, self._fail):
+        if not await self.admission.admit(self._lose_target, self._lose_draft, self._fail_requests):
             await self._remove_finished()  # a failed prefill's requests leave before the step's calls
         if self.failover.target_lost:
             return
@@ -216,7 +216,7 @@ class StepLoop:
             reply = await self.workers.propose(next(self._step_ids), batch.batch_id, batch.members, drafts, budget)
         except Exception as exc:
             if not self._lose_draft(exc):
-                self._fail(batch.members, exc)
+                fail_requests(self.outbox, batch.members, exc)
             batch.propose_failed()
             return
         if extras is not None:
@@ -245,7 +245,7 @@ class StepLoop:
             reply = await (self._verifying.pop(batch.batch_id, None) or self._call_verify(batch))
         except Exception as exc:
             if not self._lose_target(exc):
-                self._fail(members, exc)
+                fail_requests(self.outbox, members, exc)
         else:
             _check_rows("verify", reply.results, members)
             selected = bool(k and batch.drafts is not None and batch.drafts.selected)
@@ -273,17 +273,9 @@ class StepLoop:
         for request in running:
             request.drafted_from_here()
 
-    def _held(self) -> list[RequestState]:
-        """The unfinished requests in the batches."""
-        return [r for b in self.manager.batches for r in b.members + b.joining if not r.finished]
-
-    def _admitted_ids(self) -> Iterator[int]:
-        """The sequences in the batches, what a worker may hold (lazily: read only where a draft is dropped)."""
-        return (r.seq_id for b in self.manager.batches for r in b.members + b.joining)
-
     def _lose_draft(self, exc: BaseException) -> bool:
         """Whether `exc`, from a draft call, lost the draft (`Failover.lose_draft_on`): the target decodes alone."""
-        return self.failover.lose_draft_on(exc, self._admitted_ids())
+        return self.failover.lose_draft_on(exc, self.manager.admitted_ids())
 
     def _lose_target(self, exc: BaseException) -> bool:
         """Whether `exc`, from a target call, lost the target (`Failover.lose_target_on`); if so every open request
@@ -296,9 +288,9 @@ class StepLoop:
     def _fail_open(self, message: str) -> None:
         """End every request still open, in the batches or queued, with UNAVAILABLE (`message`) after what it was
         sent: its client may send it again."""
-        held = self._held()
+        held = self.manager.held()
         if held or self.manager.waiting:
-            self._fail([*held, *self.manager.waiting], Unavailable(message))
+            fail_requests(self.outbox, [*held, *self.manager.waiting], Unavailable(message))
         self.manager.waiting.clear()
 
     async def _drop_batches(self) -> None:
@@ -324,18 +316,8 @@ class StepLoop:
             return
         await self.failover.report_target_back()
 
-    def _fail(self, requests: Sequence[RequestState], exc: BaseException) -> None:
-        log.warning("failing %d requests: %s", len(requests), exc)
-        self.outbox.flush()  # what they emitted before goes first
-        for request in requests:
-            request.fail(exc)
-
     async def _release(self, requests: Sequence[RequestState]) -> None:
-        if any(r.cancelled and not r.finished for r in requests):
-            self.outbox.flush()  # what they emitted before goes first
-        for request in requests:
-            if request.cancelled and not request.finished:
-                request.finish(FINISH.FINISH_REASON_CANCELLED)
+        finish_cancelled(self.outbox, requests)
         self.workers.release_later([r.seq_id for r in requests])
 
     async def _flush_releases(self, always: bool = False) -> None:
@@ -375,3 +357,20 @@ def _check_rows(call: str, results: Sequence[object], requests: Sequence[Request
     """A worker's reply holds one result per row it was sent, or the step fails (INTERNAL), never a silent cut."""
     if len(results) != len(requests):
         raise RuntimeError(f"the {call} reply holds {len(results)} results for {len(requests)} sequences")
+
+
+def fail_requests(outbox: StreamOutbox, requests: Sequence[RequestState], exc: BaseException) -> None:
+    """End `requests` with `exc`, after what they emitted before (flushed first)."""
+    log.warning("failing %d requests: %s", len(requests), exc)
+    outbox.flush()
+    for request in requests:
+        request.fail(exc)
+
+
+def finish_cancelled(outbox: StreamOutbox, requests: Sequence[RequestState]) -> None:
+    """End the cancelled ones of `requests` still open as CANCELLED, after what they emitted before."""
+    if any(r.cancelled and not r.finished for r in requests):
+        outbox.flush()
+    for request in requests:
+        if request.cancelled and not request.finished:
+            request.finish(FINISH.FINISH_REASON_CANCELLED)

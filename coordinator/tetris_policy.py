@@ -53,5 +53,18 @@ class ExtraProposals:
         return hidden_extra(self.draft_s_per_token, self.verify_s, k, self.choices)
 
 
+def checked_budget(verify_token_budget: int) -> int:
+    """`--verify-token-budget`, refused below 0 (0: k a row)."""
+    if verify_token_budget < 0:
+        raise ValueError(f"--verify-token-budget {verify_token_budget}: give 0 (k a row) or more")
+    return verify_token_budget
+
+
+def prepared_lengths(draft_lengths: tuple[int, ...], extra: ExtraProposals | None) -> tuple[int, ...]:
+    """The lengths proposals and verifies may take, each precaptured: with TETRIS each draft length plus extras."""
+    extras = extra.choices if extra is not None else (0,)
+    return tuple(sorted({n + e for n in draft_lengths for e in extras}, reverse=True))
+
+
 def _averaged(average: float | None, value: float) -> float:
     return value if average is None else (1 - SMOOTHING) * average + SMOOTHING * value

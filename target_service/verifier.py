@@ -350,7 +350,8 @@ class Verifier:
             step_rows, _, (packed, *logprobs), cached = self.table.prefill(
                 seq_ids, prompts, configs, kind=self._step_kind(kind), body=body, on_rows=on_rows
             )
-            hidden = self._gathered_prefill_hidden(step_rows, prompts) if self.exports else None
+            parts = [self._prefill_hidden[row] for row in step_rows.tolist()] if self.exports else None
+            hidden = None if parts is None else gathered_hidden(parts, prompts)
         except Exception:
             self.grammars.release(seq_ids)
             raise
@@ -378,14 +379,6 @@ class Verifier:
             self.row_masks = torch.full(shape, -1, dtype=torch.int32, device=self.runner.device)
         self.row_masks[rows] = masks.to(self.runner.device, non_blocking=True)  # (pinned on CUDA)
 
-    def _gathered_prefill_hidden(self, rows: torch.Tensor, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """The prompts' exported states that the prefill's steps left (`_prefill_step`), [B, longest, width]."""
-        parts = [self._prefill_hidden[row] for row in rows.tolist()]
-        hidden = parts[0].new_zeros(len(parts), max(len(p) for p in prompts), parts[0].shape[-1])
-        for b, part in enumerate(parts):
-            hidden[b, : len(part)] = part
-        return hidden
-
     def verify(
         self,
         seq_ids: Sequence[int],
@@ -412,7 +405,7 @@ class Verifier:
         kind = self.table.sampling_kind(seq_ids, self.runner.vocab_size)
         probs: tuple[torch.Tensor, ...] = ()
         if draft_probs is not None:
-            probs = (self._padded(draft_probs.to(self.runner.device, torch.float32)),)
+            probs = (padded_probs(draft_probs.to(self.runner.device, torch.float32), self.runner.vocab_size),)
         if kind.grammar:  # the masks of every verified position, after the drafts before it (`Grammars.masks`)
             probs += (self.grammars.masks(seq_ids, draft_ids.cpu().numpy()),)
         packed, *logprobs = self._run_verify(
@@ -594,11 +587,6 @@ class Verifier:
         states returns them too)."""
         return "verify-" + kind.name + ("-export" if self.exports else "")
 
-    def _padded(self, draft_probs: torch.Tensor) -> torch.Tensor:
-        """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""
-        missing = self.runner.vocab_size - draft_probs.shape[-1]
-        return torch.nn.functional.pad(draft_probs, (0, missing)) if missing > 0 else draft_probs
-
 
 def _prompt_logprobs(
     logits: torch.Tensor, prompt: torch.Tensor, length: int, top: int
@@ -610,3 +598,17 @@ def _prompt_logprobs(
     best = logprobs.topk(max(top, 1), dim=-1)
     ids, values = best.indices.tolist(), best.values.tolist()
     return [(c, list(zip(i[:top], v[:top], strict=True))) for c, i, v in zip(chosen, ids, values, strict=True)]
+
+
+def padded_probs(draft_probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draft's probabilities over the target's vocabulary (a draft's may be smaller): one graph input shape."""
+    missing = vocab - draft_probs.shape[-1]
+    return torch.nn.functional.pad(draft_probs, (0, missing)) if missing > 0 else draft_probs
+
+
+def gathered_hidden(parts: Sequence[torch.Tensor], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Each prompt's exported states (`parts`, as the prefill's steps left them) in one [B, longest, width]."""
+    hidden = parts[0].new_zeros(len(parts), max(len(p) for p in prompts), parts[0].shape[-1])
+    for b, part in enumerate(parts):
+        hidden[b, : len(part)] = part
+    return hidden

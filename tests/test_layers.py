@@ -141,3 +141,23 @@ def test_no_import_circle() -> None:
 def test_the_check_sees_a_circle() -> None:
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_FILE_LINES, MAX_CLASS_LINES = 700, 300  # the project's rule for product code (generated protos aside)
+
+
+def test_no_product_file_or_class_too_long() -> None:
+    """Product modules stay readable: none over MAX_FILE_LINES lines, no class over MAX_CLASS_LINES."""
+    long = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if "proto" in path.relative_to(REPO).parts:
+                continue
+            source = path.read_text()
+            if source.count("\n") > MAX_FILE_LINES:
+                long.append(f"{path.relative_to(REPO)}: {source.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(source)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1 if isinstance(node, ast.ClassDef) else 0
+                if lines > MAX_CLASS_LINES:
+                    long.append(f"{path.relative_to(REPO)}: class {getattr(node, 'name', '?')}, {lines} lines")
+    assert not long, long
