@@ -184,6 +184,8 @@ def main() -> None:
                     str(trace),
                     "--tokenizer",
                     args.target,
+                    "--http-port",
+                    "0",  # gRPC only: FastAPI is not on every GPU machine
                 ],
                 args.out,
             )
