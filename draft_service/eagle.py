@@ -264,6 +264,7 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead, spec: HeadSpec, num_slots: int) -> None:
         self.head, self.spec, self.num_slots = head, spec, num_slots
+        self.device = head.fc.weight.device
         self.sequences: dict[int, HeadSequence] = {}
         self._waiting: dict[int, list[torch.Tensor]] = {}  # hidden states that came before their sequence
 
@@ -321,8 +322,8 @@ class EagleProposer:
         if runnable <= 0:
             return None
         start = sequence.kv_len
-        tokens = torch.tensor(sequence.tokens[start + 1 : start + 1 + runnable])
-        positions = torch.arange(start, start + runnable)
+        tokens = torch.tensor(sequence.tokens[start + 1 : start + 1 + runnable], device=self.device)
+        positions = torch.arange(start, start + runnable, device=self.device)
         out, sequence.kv = self.head(tokens, features[:runnable], positions, sequence.kv)
         sequence.kv_len += runnable
         sequence.features = [features[runnable:]] if runnable < len(features) else []
@@ -355,8 +356,9 @@ class EagleProposer:
         end = len(sequence.tokens) - 1 if until is None else until
         while sequence.kv_len < end and sequence.last_out is not None:
             position = sequence.kv_len
-            token = torch.tensor(sequence.tokens[position + 1 : position + 2])
-            out, sequence.kv = self.head(token, sequence.last_out[None], torch.tensor([position]), sequence.kv)
+            token = torch.tensor(sequence.tokens[position + 1 : position + 2], device=self.device)
+            at = torch.tensor([position], device=self.device)
+            out, sequence.kv = self.head(token, sequence.last_out[None], at, sequence.kv)
             sequence.kv_len, sequence.last_out = position + 1, out[-1]
 
     @torch.inference_mode()
@@ -394,7 +396,8 @@ class EagleProposer:
         drafts = [int(self.head.logits(out).argmax())]
         kv, position = sequence.kv, sequence.kv_len
         for _ in range(k - 1):
-            step, kv = self.head(torch.tensor(drafts[-1:]), out[None], torch.tensor([position]), kv)
+            token, at = torch.tensor(drafts[-1:], device=self.device), torch.tensor([position], device=self.device)
+            step, kv = self.head(token, out[None], at, kv)
             out, position = step[-1], position + 1
             drafts.append(int(self.head.logits(out).argmax()))
         sequence.last_drafts = drafts
