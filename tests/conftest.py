@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import hf_greedy
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -176,21 +177,6 @@ def default_threads() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The reference: Hugging Face `generate()` of the model alone, greedy, no EOS, explicit attention mask."""
-    ids = torch.tensor([prompt], dtype=torch.long)
-    with torch.inference_mode():
-        out = model.generate(  # type: ignore[operator]
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="session")

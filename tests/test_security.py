@@ -26,6 +26,7 @@ import openai
 import pytest
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from reference import hf_greedy
 from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, TinyPairs, collect, spawn, stop_all
 from transformers import AutoModelForCausalLM
 
@@ -234,12 +235,7 @@ BEARER = [("authorization", f"Bearer {API_KEY}")]
 def test_a_tls_client_with_the_token_gets_the_targets_own_tokens(secured: SecuredStack) -> None:
     tokens = asyncio.run(_generate(secured.coordinator.address, secured.pki.tls(), BEARER))
     model = AutoModelForCausalLM.from_pretrained(secured.model_dir, dtype=torch.float32)
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None
-        )
-    assert tokens == out[0, len(PROMPT) :].tolist()
+    assert tokens == hf_greedy(model, PROMPT, MAX_TOKENS)
 
 
 def test_a_plaintext_client_gets_nothing_from_the_tls_port(secured: SecuredStack) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from reference import hf_greedy
 from safetensors.torch import save_file
 from stack import (
     TinyPairs,
@@ -139,17 +140,7 @@ def _requests(pairs: TinyPairs, arch: str) -> tuple[Timed, list[list[int]]]:
     requests, expected = [], []
     for prompt in prompts:
         budget = rng.randint(1, 16)
-        with torch.inference_mode():
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=budget,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+        expected.append(hf_greedy(model, prompt, budget))
         params = generation_pb2.SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
         requests.append((generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params), rng.uniform(0, 0.5)))
     return requests, expected
@@ -244,14 +235,7 @@ def test_eagle_samples_of_a_prompt_preempted_by_a_small_pool(
     pair = tiny_pairs["llama"]
     prompts = text_prompts(load_tokenizer(str(pair.target)), 4, 50, 70, seed=9)
     model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None
-            )
-            expected.append(out[0, len(prompt) :].tolist())
+    expected = [hf_greedy(model, prompt, 40) for prompt in prompts]
     params = generation_pb2.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     async def one(address: str, prompt: list[int]) -> tuple[dict[int, list[int]], int]:
@@ -291,16 +275,9 @@ def test_eagle_long_prompts_past_the_reverse_buffer(eagle_workers: dict[str, Wor
     pair = tiny_pairs["qwen3"]
     prompts = text_prompts(load_tokenizer(str(pair.target)), 4, 100, 120, seed=12)
     model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
-    requests, expected = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-            params = generation_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-            requests.append((generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params), 0.0))
+    expected = [hf_greedy(model, prompt, 12) for prompt in prompts]
+    params = generation_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    requests = [(generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params), 0.0) for prompt in prompts]
 
     async def run() -> list[Any]:
         async with in_process_coordinator(workers, mode="sd", num_speculative_tokens=K, speculation="always") as (

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import hf_greedy
 from stack import (
     TinyPairs,
     Workers,
@@ -62,13 +63,7 @@ def _requests(pairs: TinyPairs) -> tuple[list[tuple[generation_pb2.GenerateReque
     requests, expected = [], []
     for prompt in prompts:
         budget = rng.randint(1, 28)
-        with torch.inference_mode():
-            ids = torch.tensor([prompt])
-            mask = torch.ones_like(ids)  # (EOS does not stop it: the requests ignore EOS)
-            out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=budget, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+        expected.append(hf_greedy(model, prompt, budget))  # (EOS does not stop it: the requests ignore EOS)
         params = generation_pb2.SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
         request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
         requests.append((request, rng.uniform(0.0, 0.6)))

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from reference import hf_greedy
 from stack import (
     Service,
     TinyPairs,
@@ -61,15 +62,7 @@ def _reference(model_dir: Path, prompts: list[list[int]], budget: int) -> list[l
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget, do_sample=False, eos_token_id=None
-            )
-            out.append(gen[0, len(prompt) :].tolist())
-    return out
+    return [hf_greedy(model, prompt, budget) for prompt in prompts]
 
 
 def test_the_pool_is_what_the_memory_allows(small_pool: Workers) -> None:

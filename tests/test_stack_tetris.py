@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import hf_greedy
 from stack import (
     TinyPairs,
     Workers,
@@ -62,18 +63,9 @@ def _greedy_requests(
     requests, expected = [], []
     for prompt in prompts:
         budget = rng.randint(*budgets)
-        with torch.inference_mode():
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=budget,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                **({} if penalty is None else {"repetition_penalty": penalty}),
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+        expected.append(
+            hf_greedy(model, prompt, budget, **({} if penalty is None else {"repetition_penalty": penalty}))
+        )
         params = generation_pb2.SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
         if penalty is not None:
             params.repetition_penalty, params.logprobs = penalty, 2
