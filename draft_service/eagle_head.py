@@ -128,13 +128,17 @@ class HeadAttention(nn.Module):
             slot_of, at = slot_of[run.valid], at[run.valid]
         cache.keys[slot_of, :, at] = new_keys
         cache.values[slot_of, :, at] = new_values
-        keys, values = cache.keys[run.slots, :, : run.length], cache.values[run.slots, :, : run.length]
-        mask = torch.arange(run.length, device=x.device) <= run.limits[..., None]  # [B, n, L]
+        # (index_select of the slice: a quarter of advanced indexing's time on a CPU)
+        keys = cache.keys[:, :, : run.length].index_select(0, run.slots)
+        values = cache.values[:, :, : run.length].index_select(0, run.slots)
+        # Each K/V head's query heads stacked along the positions, the mask repeated (as engine.attention does): no
+        # copy of the keys per query head, which with a mask SDPA's fused kernels would need.
         groups = self.heads // self.kv_heads
-        out = nn.functional.scaled_dot_product_attention(
-            q, keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None]
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
+        stacked = q.reshape(batch, self.kv_heads, groups * n, self.head_dim)
+        mask = torch.arange(run.length, device=x.device) <= run.limits[:, None, :, None]  # [B, 1, n, L]
+        mask = mask.expand(batch, groups, n, run.length).reshape(batch, 1, groups * n, run.length)
+        out = nn.functional.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask)
+        return self.o_proj(out.view(batch, self.heads, n, self.head_dim).transpose(1, 2).reshape(batch, n, -1))
 
 
 class EagleHead(nn.Module):
