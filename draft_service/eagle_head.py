@@ -214,8 +214,8 @@ class EagleHead(nn.Module):
 
     def greedy(self, out: torch.Tensor) -> torch.Tensor:
         """The target's id of each output's largest logit, as `logits(out).argmax(-1)` without spreading EAGLE-3's
-        draft vocabulary over the target's (B x 128K on a Llama 3 target): `d2t` keeps its ids in order, so a tie
-        picks the same id."""
+        draft vocabulary over the target's (B x 128K on a Llama 3 target): the published heads' `d2t` maps draft
+        ids to target ids in increasing order, so even a tie picks the same id."""
         if not self.eagle3:
             assert self.target_head is not None
             return self.target_head(out).argmax(-1)
