@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 
 # The slots' first length of keys (`HeadCache` doubles it as sequences outgrow it), at most the target's own.
 INITIAL_CACHE_POSITIONS = 256
+# A forward of rows padded to the longest runs at most twice their positions, or this many (a proposal's rows
+# of 1 to k + 1 positions always run together).
+PADDED_POSITIONS_FLOOR = 4096
+MAX_DRAFT_ROOM = 64  # positions past max_len the cache grows to at once, for drafts
 
 
 @dataclass
@@ -54,12 +58,15 @@ class EagleProposer:
     the host once. Greedy drafts: q is one-hot (lossless, as any greedy draft)."""
 
     def __init__(self, head: EagleHead, spec: HeadSpec, num_slots: int, max_len: int | None = None) -> None:
-        """`max_len`: the target's longest sequence, where known (the cache's first capacity is at most that)."""
+        """`max_len`: the target's longest sequence, where known (the cache starts at most that long and grows no
+        longer than it needs past it)."""
         self.head, self.spec, self.num_slots = head, spec, num_slots
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         attn = head.self_attn
         capacity = min(INITIAL_CACHE_POSITIONS, max_len or INITIAL_CACHE_POSITIONS)
-        self.cache = HeadCache(num_slots, attn.kv_heads, attn.head_dim, self.dtype, self.device, capacity)
+        # (a sequence of max_len tokens drafts k past it: the limit leaves room for that, not for doubling again)
+        limit = None if max_len is None else max_len + MAX_DRAFT_ROOM
+        self.cache = HeadCache(num_slots, attn.kv_heads, attn.head_dim, self.dtype, self.device, capacity, limit)
         # Each slot's last output (position kv_len - 1): the hidden state its next self-fed position or draft reads.
         self.outputs = torch.zeros(num_slots, head.fc.out_features, dtype=self.dtype, device=self.device)
         self.sequences: dict[int, HeadSequence] = {}
@@ -177,9 +184,10 @@ class EagleProposer:
         return None
 
     def _run_known(self, sequences: Sequence[HeadSequence]) -> None:
-        """Run the head on every position whose target feature and next token are both known, all rows in one
-        forward."""
-        rows, hidden = _Rows([], []), []
+        """Run the head on every position whose target feature and next token are both known: all rows in one
+        forward, unless their lengths differ so much (a prefill's prompts) that padding every row to the longest
+        would more than double the positions run: then in groups of similar lengths, longest first."""
+        found: list[tuple[HeadSequence, int, torch.Tensor]] = []
         for sequence in sequences:
             if not sequence.features:
                 continue
@@ -187,12 +195,19 @@ class EagleProposer:
             runnable = min(len(features), len(sequence.tokens) - 1 - sequence.kv_len)
             if runnable <= 0:
                 continue
-            rows.sequences.append(sequence)
-            rows.counts.append(runnable)
-            hidden.append(features[:runnable])
+            found.append((sequence, runnable, features[:runnable]))
             sequence.features = [features[runnable:]] if runnable < len(features) else []
-        if rows.sequences:
-            self._forward(rows, torch.cat(hidden))
+        found.sort(key=lambda row: -row[1])
+        group: list[tuple[HeadSequence, int, torch.Tensor]] = []
+        for index, row in enumerate(found):
+            group.append(row)
+            following = found[index + 1] if index + 1 < len(found) else None
+            real = sum(count for _, count, _ in group)
+            padded = group[0][1] * (len(group) + 1)  # (with the next row)
+            if following is None or padded > max(PADDED_POSITIONS_FLOOR, 2 * (real + following[1])):
+                rows = _Rows([s for s, _, _ in group], [count for _, count, _ in group])
+                self._forward(rows, torch.cat([block for _, _, block in group]))
+                group = []
 
     def _run_self_fed(self, sequences: Sequence[HeadSequence], ends: Sequence[int]) -> None:
         """Positions the target sent no hidden states for (tokens decoded while no proposal was asked for: the

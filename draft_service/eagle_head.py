@@ -43,14 +43,23 @@ class SlotRun:
 class HeadCache:
     """The head's keys and values, one slot of positions per held sequence: [slots, kv_heads, capacity, head_dim].
     Zeros at first: a masked key's score is dropped, but its value still meets a zero weight, so it must be finite.
-    Grows by doubling as sequences lengthen: a target's max_model_len (128K for Llama 3.1) reserved for every slot
-    up front would dwarf the head itself."""
+    Grows by doubling as sequences lengthen, to `limit` at most where a doubling would pass it (and further only as
+    far as asked): a target's max_model_len (128K for Llama 3.1) reserved for every slot up front would dwarf the
+    head itself."""
 
     def __init__(
-        self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int
+        self,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int,
+        limit: int | None = None,
     ) -> None:
         self.keys = torch.zeros(num_slots, kv_heads, max(1, capacity), head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
+        self.limit = limit
 
     @property
     def capacity(self) -> int:
@@ -60,7 +69,8 @@ class HeadCache:
         """Room for `length` keys in every slot."""
         if length <= self.capacity:
             return
-        capacity = max(length, 2 * self.capacity)
+        doubled = 2 * self.capacity if self.limit is None else min(2 * self.capacity, self.limit)
+        capacity = max(length, doubled)
         grown = []
         for old in (self.keys, self.values):
             new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
 
+from draft_service import eagle as eagle_module
 from draft_service.drafter import resolve_method
 from draft_service.eagle import EagleProposer
 from draft_service.eagle_head import load_eagle_head
@@ -289,7 +290,7 @@ def _scenario(width: int, k: int, rounds: int) -> list[tuple[Any, ...]]:
     random verdicts, with spells the target decoded alone (`missed`, the states of its last step only), each round
     some rows left out and the rest listed in a shuffled order. Random states: what is compared is the batching."""
     g = torch.Generator().manual_seed(11)
-    lengths, seq_ids = [5, 9, 13, 17, 11], [10, 11, 12, 13, 14]
+    lengths, seq_ids = [5, 9, 40, 17, 11], [10, 11, 12, 13, 14]
     prompts = {s: torch.randint(1, VOCAB, (n,), generator=g).tolist() for s, n in zip(seq_ids, lengths, strict=True)}
     states = {s: len(p) for s, p in prompts.items()} | {13: 4, 14: 0}
     events: list[tuple[Any, ...]] = [
@@ -345,12 +346,17 @@ def _play(
     return drafts
 
 
-@pytest.mark.parametrize("eagle3", [True, False])
-def test_batched_rows_draft_as_each_alone(tmp_path: Path, eagle3: bool) -> None:
+@pytest.mark.parametrize(("eagle3", "floor"), [(True, None), (False, None), (True, 8)])
+def test_batched_rows_draft_as_each_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, eagle3: bool, floor: int | None
+) -> None:
     """Rows of several lengths, states and verdicts in one batched proposal draft what each drafts alone (the
     by-hand test holds one row to the head's math), their head outputs and keys equal too: padding, each row's
     mask and slot, and the rollback of drafted keys leave no trace across rows. In float64: a random EAGLE-1 head
-    fed its own outputs grows them step by step, and float32's last bits with them (to 1e-5 relative)."""
+    fed its own outputs grows them step by step, and float32's last bits with them (to 1e-5 relative). `floor`:
+    rows of lengths far apart (the 40-token prompt beside the others) split into groups of similar ones."""
+    if floor is not None:
+        monkeypatch.setattr(eagle_module, "PADDED_POSITIONS_FLOOR", floor)
     target_dir, _ = make_target(tmp_path, "llama", 6)
     fc_inputs = 3 * HIDDEN if eagle3 else 2 * HIDDEN
     head_dir = save_head(tmp_path, eagle3, fc_inputs, None)
