@@ -14,7 +14,8 @@ import torch
 from google.protobuf.message import Message
 
 from draft_service.drafter import MODEL_FREE_METHODS, Drafter, resolve_method
-from draft_service.eagle import EagleProposer, load_eagle_head
+from draft_service.eagle import EagleProposer
+from draft_service.eagle_head import load_eagle_head
 from draft_service.ngram import NgramProposer
 from draft_service.proposer import Proposer
 from draft_service.tensor_parallel import MirroredProposer, make_proposer, proposer_calls
@@ -73,7 +74,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
             head, spec = load_eagle_head(
                 options.model, target_dir, self.method == "eagle3", resolve_dtype(options.dtype, options.device)
             )
-            self.eagle = EagleProposer(head.to(worker.device), spec, worker.num_slots)
+            self.eagle = EagleProposer(head.to(worker.device), spec, worker.num_slots, worker.max_len)
             self.proposer = self.eagle
             super().__init__(worker, self.eagle)
             return

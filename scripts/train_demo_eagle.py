@@ -31,7 +31,8 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # its modules beside it, run from anywhere
 
-from draft_service.eagle import EagleHead, EagleProposer, HeadSpec, _rotate_half  # noqa: E402
+from draft_service.eagle import EagleProposer  # noqa: E402
+from draft_service.eagle_head import EagleHead, HeadSpec, _rotate_half  # noqa: E402
 from minedraft.demo_models import DRAFT_DIR, TARGET_DIR  # noqa: E402
 from scripts.demo_pair_data import collect_corpus, encode_docs, pick_prompts, token_stream  # noqa: E402
 

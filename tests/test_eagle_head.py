@@ -13,8 +13,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
 
+from draft_service import eagle as eagle_module
 from draft_service.drafter import resolve_method
-from draft_service.eagle import EagleProposer, load_eagle_head
+from draft_service.eagle import EagleProposer
+from draft_service.eagle_head import load_eagle_head
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 128, 48
 EPS, THETA = 1e-6, 10000.0
@@ -250,7 +252,7 @@ def test_sampled_output_with_a_head_keeps_the_targets_distribution(tiny_models: 
     sampled tests, on a vocab-8 target, the head reading layers (0, 1, 1)."""
     from test_engine_sampling import CONFIGS, LENGTH, P_FLOOR, PROMPT, SAMPLES, exact_distribution, goodness_of_fit
 
-    from draft_service.eagle import EagleHead, HeadSpec
+    from draft_service.eagle_head import EagleHead, HeadSpec
     from minedraft.engine.model_runner import ModelRunner
     from minedraft_app.offline import OfflineRequest, generate_offline
     from target_service.verifier import Verifier
@@ -280,3 +282,96 @@ def test_sampled_output_with_a_head_keeps_the_targets_distribution(tiny_models: 
     assert sum(r.accepted for r in results) > count // 4  # the head's drafts were verified, many accepted
     fit = goodness_of_fit([tuple(r.tokens) for r in results], exact_distribution(target, CONFIGS[name]))
     assert fit.impossible == 0 and fit.p_value > P_FLOOR, fit
+
+
+def _scenario(width: int, k: int, rounds: int) -> list[tuple[Any, ...]]:
+    """A draft service's calls for five sequences: prompts of several lengths, admitted with all of their states,
+    with the last 4 only (a bounded reverse buffer), or with none (a draft back after a loss); then proposals after
+    random verdicts, with spells the target decoded alone (`missed`, the states of its last step only), each round
+    some rows left out and the rest listed in a shuffled order. Random states: what is compared is the batching."""
+    g = torch.Generator().manual_seed(11)
+    lengths, seq_ids = [5, 9, 40, 17, 11], [10, 11, 12, 13, 14]
+    prompts = {s: torch.randint(1, VOCAB, (n,), generator=g).tolist() for s, n in zip(seq_ids, lengths, strict=True)}
+    states = {s: len(p) for s, p in prompts.items()} | {13: 4, 14: 0}
+    events: list[tuple[Any, ...]] = [
+        ("states", s, torch.randn(n, width, generator=g), True) for s, n in states.items() if n
+    ]
+    events.append(("prefill", seq_ids, [prompts[s] for s in seq_ids]))
+    accepted = dict.fromkeys(seq_ids, 0)
+    for round_ in range(rounds):
+        listed = [seq_ids[int(i)] for i in torch.randperm(5, generator=g)][: 5 if round_ < 2 else 3 + round_ % 3]
+        missed = {
+            s: torch.randint(1, VOCAB, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+            for s in listed
+            if round_ % 3 == 2 and s != 14
+        }
+        tokens = {s: int(torch.randint(1, VOCAB, (1,), generator=g)) for s in listed}
+        events.append(
+            (
+                "propose",
+                listed,
+                [accepted[s] for s in listed],
+                [tokens[s] for s in listed],
+                [missed.get(s, []) for s in listed],
+                k,
+            )
+        )
+        for s in listed:
+            accepted[s] = int(torch.randint(0, k + 1, (1,), generator=g))
+            rows = 1 if s in missed else accepted[s] + 1
+            events.append(("states", s, torch.randn(rows, width, generator=g), False))
+    return events
+
+
+def _play(
+    proposer: EagleProposer, events: list[tuple[Any, ...]], only: int | None = None
+) -> dict[int, list[list[int]]]:
+    """The events (those of sequence `only`, if named) through `proposer`: each sequence's drafts, in order."""
+    drafts: dict[int, list[list[int]]] = {}
+    for event in events:
+        if event[0] == "states" and only in (None, event[1]):
+            proposer.add_states([event[1]] * len(event[2]), event[2], admitting=event[3])
+        elif event[0] in ("prefill", "propose"):
+            picked = [i for i, s in enumerate(event[1]) if only in (None, s)]
+            if not picked:
+                continue
+            args = [[column[i] for i in picked] for column in event[1:-1]] if event[0] == "propose" else []
+            if event[0] == "prefill":
+                proposer.prefill([event[1][i] for i in picked], [event[2][i] for i in picked], [])
+                continue
+            seq_ids, accepted, tokens, missed = args
+            got = proposer.propose(seq_ids, torch.tensor(accepted), torch.tensor(tokens), event[-1], missed=missed)
+            for seq_id, row in zip(seq_ids, got.draft_ids.tolist(), strict=True):
+                drafts.setdefault(seq_id, []).append(row)
+    return drafts
+
+
+@pytest.mark.parametrize(("eagle3", "floor"), [(True, None), (False, None), (True, 8)])
+def test_batched_rows_draft_as_each_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, eagle3: bool, floor: int | None
+) -> None:
+    """Rows of several lengths, states and verdicts in one batched proposal draft what each drafts alone (the
+    by-hand test holds one row to the head's math), their head outputs and keys equal too: padding, each row's
+    mask and slot, and the rollback of drafted keys leave no trace across rows. In float64: a random EAGLE-1 head
+    fed its own outputs grows them step by step, and float32's last bits with them (to 1e-5 relative). `floor`:
+    rows of lengths far apart (the 40-token prompt beside the others) split into groups of similar ones."""
+    if floor is not None:
+        monkeypatch.setattr(eagle_module, "PADDED_POSITIONS_FLOOR", floor)
+    target_dir, _ = make_target(tmp_path, "llama", 6)
+    fc_inputs = 3 * HIDDEN if eagle3 else 2 * HIDDEN
+    head_dir = save_head(tmp_path, eagle3, fc_inputs, None)
+    head, spec = load_eagle_head(str(head_dir), str(target_dir), eagle3, torch.float64)
+    events = _scenario(fc_inputs if eagle3 else HIDDEN, k=3, rounds=6)
+    batched = EagleProposer(head, spec, num_slots=6, max_len=8)  # (a small first cache: it grows)
+    together = _play(batched, events)
+    assert batched.cache.capacity > 8
+    for seq_id in together:
+        alone = EagleProposer(head, spec, num_slots=1)
+        assert _play(alone, events, only=seq_id)[seq_id] == together[seq_id]
+        mine, theirs = batched.sequences[seq_id], alone.sequences[seq_id]
+        assert (mine.tokens, mine.kv_len, mine.cached) == (theirs.tokens, theirs.kv_len, theirs.cached)
+        torch.testing.assert_close(batched.outputs[mine.slot], alone.outputs[0], rtol=1e-9, atol=1e-9)
+        keys = batched.cache.keys[mine.slot, :, : mine.cached]
+        torch.testing.assert_close(keys, alone.cache.keys[0, :, : mine.cached], rtol=1e-9, atol=1e-9)
+    assert sum(len(rows) for rows in together.values()) > 20
+    assert any(batched.sequences[s].kv_len > batched.sequences[s].cached for s in together)  # some left out

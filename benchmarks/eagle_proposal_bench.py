@@ -1,0 +1,84 @@
+"""The EAGLE drafter's proposal time per batch size, in process: a head from its checkpoint, random target states.
+
+Each step runs as the draft service sees it: the target's states of the positions the last verify kept (a random
+accepted count of k drafts, plus the verified token), then a proposal. Prints the median proposal time per
+batch (wall and CPU time: the CPU time holds on a busy machine with --threads 1), and the CPU time of handing it the
+states.
+
+    python benchmarks/eagle_proposal_bench.py --target minedraft/demo_models/target --head /tmp/eb-eagle3 \
+        --batches 1,4,16,64 --k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from draft_service.eagle import EagleProposer  # noqa: E402
+from draft_service.eagle_head import load_eagle_head  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--head", required=True)
+    parser.add_argument("--eagle1", action="store_true", help="an EAGLE-1 head (default: EAGLE-3)")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    head, spec = load_eagle_head(args.head, args.target, not args.eagle1, dtype)
+    head = head.to(args.device)
+    width = head.embed.embedding_dim * len(spec.layers)
+    vocab = head.embed.num_embeddings
+    results = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        gen = torch.Generator().manual_seed(batch)
+        proposer = EagleProposer(head, spec, num_slots=batch)
+        ids = list(range(batch))
+        prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=gen).tolist() for _ in ids]
+        proposer.add_hidden(ids, [torch.randn(args.prompt_len, width, generator=gen) for _ in ids], admitting=True)
+        proposer.prefill(ids, prompts, [])
+        accepted = torch.zeros(batch, dtype=torch.long)
+        times, cpu_times, states_times = [], [], []  # (CPU time: the same on a busy machine, with --threads 1)
+        for _ in range(args.steps):
+            tokens = torch.randint(1, vocab, (batch,), generator=gen)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            proposal = proposer.propose(ids, accepted, tokens, args.k)
+            proposal.draft_ids.tolist()
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.thread_time() - start_cpu)
+            accepted = torch.randint(0, args.k + 1, (batch,), generator=gen)
+            states = [torch.randn(int(a) + 1, width, generator=gen) for a in accepted]
+            start = time.thread_time()
+            proposer.add_hidden(ids, states)
+            states_times.append(time.thread_time() - start)
+        median, cpu = statistics.median(times[2:]) * 1e3, statistics.median(cpu_times[2:]) * 1e3
+        states_cpu = statistics.median(states_times[2:]) * 1e3
+        results[batch] = {"wall_ms": round(median, 2), "cpu_ms": round(cpu, 2), "states_cpu_ms": round(states_cpu, 2)}
+        print(
+            f"batch {batch:3d}: proposal {median:7.2f} ms, CPU {cpu:7.2f} ms; its states' CPU {states_cpu:6.2f} ms"
+            f" (medians, k={args.k})",
+            flush=True,
+        )
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
