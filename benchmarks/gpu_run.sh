@@ -45,7 +45,8 @@
 #   eagle               drafts that read the target (benchmarks/eagle_bench.py): an 8B-shaped target (synthetic
 #                       acceptance ACCEPTANCE, 0.7) with a random EAGLE-3 head (eagle_head_checkpoint.py, draft vocab
 #                       32000), with the 68M draft and with n-gram (on the CPU): proposal, verify and channel times and
-#                       served SD (MODES: sd,psd) and AR at BATCHES (1,8,32,64; n-gram: NGRAM_BATCHES 8,32)
+#                       served SD (MODES: sd,psd) and AR at BATCHES (1,8,32,64; n-gram: NGRAM_BATCHES 8,32); first the
+#                       head's proposal alone in process (eagle_proposal_bench.py)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -322,6 +323,9 @@ eagle)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/eagle_head_checkpoint.py /tmp/ckpt/8b /tmp/ckpt/8b-eagle3 --device "$TARGET_DEVICE" || exit 1
+    # The proposal alone, in process (random target states): time per batch size without the services around it.
+    timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 \
+        --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal.txt"
     timeout -k 60 ${BENCH_SECONDS:-420} python3 benchmarks/eagle_bench.py --target /tmp/ckpt/8b \
         --head /tmp/ckpt/8b-eagle3 --draft /tmp/ckpt/68m --device "$TARGET_DEVICE" --batches "${BATCHES:-1,8,32,64}" \
         --ngram-batches "${NGRAM_BATCHES:-8,32}" --modes "${MODES:-sd,psd}" --drafters "${DRAFTERS:-eagle3,draft,ngram}" \
