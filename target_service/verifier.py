@@ -17,7 +17,13 @@ from minedraft.engine import cuda_graphs
 from minedraft.engine.grammar import Grammars, masked_logits
 from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.model_runner import ModelRunner, StepShape
-from minedraft.engine.sampling import SamplingConfig, SamplingKind, penalized_logits, token_logprobs
+from minedraft.engine.sampling import (
+    SamplingConfig,
+    SamplingKind,
+    greedy_tokens,
+    penalized_logits,
+    token_logprobs,
+)
 from minedraft.engine.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
 
@@ -149,7 +155,12 @@ class Acceptance:
                     tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
                     probs = torch.zeros(batch, drafts, vocab, device=device) if not kind.all_greedy and drafts else None
                     logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
-                    for lengths in (None, torch.full_like(rows, drafts)) if lengths_too and drafts else (None,):
+                    variants: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)]
+                    if lengths_too and drafts:  # selected: padded, and a ragged greedy one's argmax found before
+                        variants.append((torch.full_like(rows, drafts), None))
+                        if kind.all_greedy:
+                            variants.append((variants[-1][0], torch.zeros_like(tokens)))
+                    for lengths, argmax in variants:
                         self.decide(
                             rows,
                             tokens=tokens,
@@ -160,6 +171,7 @@ class Acceptance:
                             drafts=drafts,
                             kind=kind,
                             draft_lengths=lengths,
+                            target_argmax=argmax,
                         )
         self.table.generated[row] = 0
         self.runner.cache.lengths[row] = 0
@@ -181,13 +193,15 @@ class Acceptance:
         kind: SamplingKind,
         bitmask: torch.Tensor | None = None,
         draft_lengths: torch.Tensor | None = None,
+        target_argmax: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
         `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
         its arguments and the table's tensors. `bitmask` `[B, drafts + 1, words]`: the tokens each position's grammar
         allows (`Grammars.masks`), with a grammar. `draft_lengths` [B]: each row's verified drafts (TETRIS; None:
-        all). Returns `StepResult.packed`, then its `logprobs` when the kind has
-        them."""
+        all). `target_argmax` [B, drafts + 1]: the logits' argmax, where a plain greedy kind reads only that (a
+        ragged verify's, found over its flattened tokens). Returns `StepResult.packed`, then its `logprobs` when the
+        kind has them."""
         # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
         draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
         stance = (
@@ -208,6 +222,7 @@ class Acceptance:
                 logprobs=kind.logprobs,
                 bitmask=bitmask,
                 draft_lengths=draft_lengths,
+                target_argmax=target_argmax,
             )
 
     def _accept_and_commit_eagerly(
@@ -223,6 +238,7 @@ class Acceptance:
         logprobs: bool,
         bitmask: torch.Tensor | None = None,
         draft_lengths: torch.Tensor | None = None,
+        target_argmax: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """The penalties applied (with `penalized`), the grammar's mask (with a `bitmask`), `rejection_sample`, the
         emitted tokens' log-probabilities (with `logprobs`), then `_commit`; `first_position` is each row's sequence
@@ -251,6 +267,7 @@ class Acceptance:
             all_greedy=all_greedy,
             filtered=filtered,
             draft_lengths=draft_lengths,
+            target_argmax=target_argmax,
         )
         extra = []
         if logprobs:  # one tensor: one copy to the host
@@ -490,7 +507,11 @@ class Verifier:
         tokens = torch.cat([self.pending[rows][:, None], drafts], dim=1)
         before = self.runner.cache.lengths[rows]
         valid = num_valid if flattened is None else counts
-        logits = self.runner.step_forward(rows, tokens, valid, shape=shape, last_only=False, flattened=flattened)
+        argmax_only = flattened is not None and kind == SamplingKind(all_greedy=True, filtered=False)
+        logits = self.runner.step_forward(
+            rows, tokens, valid, shape=shape, last_only=False, flattened=flattened, flat_logits=argmax_only
+        )
+        argmax = flat_argmax(logits, self.runner.forward_pass.unflatten) if argmax_only else None
         exported = self.runner.forward_pass.exported if self.exports else None
         decided = self.acceptance.decide(
             rows,
@@ -503,6 +524,7 @@ class Verifier:
             kind=kind,
             bitmask=bitmask,
             draft_lengths=draft_lengths,
+            target_argmax=argmax,
         )
         return decided if exported is None else [*decided, exported]
 
@@ -607,6 +629,13 @@ def selected_drafts(
         return drafts, None, num_valid
     lengths = (drafts >= 0).sum(dim=-1)
     return drafts.clamp(min=0), lengths, torch.where(rows == fill_row, 0, lengths + 1)
+
+
+def flat_argmax(logits: torch.Tensor, unflatten: torch.Tensor | None) -> torch.Tensor:
+    """A ragged greedy verify's argmax `[B, n]`: over its flattened tokens' logits `[T, V]`, then laid out in its
+    rows by `unflatten` (`ForwardPass.step_forward`): T rows read, not B x n."""
+    assert unflatten is not None
+    return greedy_tokens(logits)[unflatten]
 
 
 def scratch_probs(

@@ -41,15 +41,18 @@ def _verifiers(target: PreTrainedModel) -> tuple[Verifier, Verifier]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
-@pytest.mark.parametrize("sampled", [False, True])
-def test_ragged_verify_equals_padded(arch: str, sampled: bool, tiny_models) -> None:
+@pytest.mark.parametrize("kind", ["greedy", "greedy-logprobs", "sampled-logprobs"])
+def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
     """Same rows, same selected drafts (rows of 0..K, one of none and one of all): the ragged verify emits the very
-    tokens the padded one does, with the same logprobs, and leaves the same K/V in every row."""
+    tokens the padded one does, with the same logprobs, and leaves the same K/V in every row. (Plain greedy takes
+    the argmax over the flattened tokens' logits, `flat_argmax`.)"""
+    sampled, logprobs = kind.startswith("sampled"), 3 if kind.endswith("logprobs") else None
     target = tiny_models.target(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
     draft = tiny_models.noisy_draft(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
     verifiers = _verifiers(target)
     configs = [
-        SamplingConfig(max_tokens=60, logprobs=3, temperature=0.8 if sampled else 0.0, seed=11 + b) for b in range(ROWS)
+        SamplingConfig(max_tokens=60, logprobs=logprobs, temperature=0.8 if sampled else 0.0, seed=11 + b)
+        for b in range(ROWS)
     ]
     seq_ids = list(range(ROWS))
     first = [v.prefill(seq_ids, PROMPTS, configs).per_row() for v in verifiers]
@@ -67,7 +70,9 @@ def test_ragged_verify_equals_padded(arch: str, sampled: bool, tiny_models) -> N
         assert rows[0] == rows[1], f"step {step}, lengths {lengths}"
         assert results[0].verified == results[1].verified == lengths
         for padded, ragged in zip(*(r.logprobs_per_row() for r in results), strict=True):
-            assert padded is not None and ragged is not None
+            assert (padded is None) == (ragged is None) == (logprobs is None)
+            if padded is None or ragged is None:
+                continue
             for (p_chosen, p_top), (r_chosen, r_top) in zip(padded, ragged, strict=True):
                 assert r_chosen == pytest.approx(p_chosen, abs=1e-4)
                 assert [i for i, _ in r_top] == [i for i, _ in p_top]

@@ -103,8 +103,10 @@ class ForwardPass:
         # into `exported` [B, n, len * H] for the step's body to return; none: nothing is recorded.
         self.export_layers: tuple[int, ...] = ()
         self.exported: torch.Tensor | None = None
-        # Where a ragged step's padding tokens write (`step_forward` with `flattened`): the runner's scratch row.
+        # Where a ragged step's padding tokens write (`step_forward` with `flattened`): the runner's scratch row;
+        # the last ragged step's layout of its tokens in its rows ([B, n] token indices)
         self.fill_row = 0
+        self.unflatten: torch.Tensor | None = None
 
     def compile_masks(self) -> None:
         """Compile the masks with the layers (`_step_masks`)."""
@@ -151,6 +153,7 @@ class ForwardPass:
         shape: StepShape,
         last_only: bool = True,
         flattened: int | None = None,
+        flat_logits: bool = False,
     ) -> torch.Tensor:
         """The forward proper, inside a step's body: appends `input_ids[b, :num_valid[b]]` to row `rows[b]` and
         returns the logits (`[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only`) in
@@ -159,7 +162,8 @@ class ForwardPass:
         `flattened` (a ragged verify, design section 14): only the valid tokens run, as that many one-token virtual
         rows (at least `sum(num_valid)`; the rest pad, writing to `fill_row`); attention pads their queries back
         into their rows (`attention.RAGGED`), and the logits `[B, n, V]` past a row's valid tokens repeat its last
-        valid one's."""
+        valid one's; with `flat_logits` they stay `[flattened, V]`, which `[B, n]` indices `unflatten` lays out
+        (a greedy verify's argmax over T rows, not B x n)."""
         batch, n = input_ids.shape
         # Before the cache is allocated (its probe) compiled code must not see it: eagerly.
         stance = self.stance() if self.cache.pool is not None else "force_eager"
@@ -220,7 +224,10 @@ class ForwardPass:
             logits = self.model.get_output_embeddings()(hidden).to(self.device)
         if self._softcap is not None:
             logits = torch.tanh(logits.float() / self._softcap) * self._softcap
-        return logits if unflatten is None else logits[:, 0][unflatten]
+        if unflatten is None:
+            return logits
+        self.unflatten = unflatten
+        return logits[:, 0] if flat_logits else logits[:, 0][unflatten]
 
     def _step_masks(
         self, starts: torch.Tensor, n: int, kv_len: int
