@@ -106,11 +106,11 @@ def main() -> None:
             selected = name != "uniform"
             width = drafts.shape[1] + 1
             positions[name] = args.batch * width if name == "padded" else int((drafts >= 0).sum()) + args.batch
-            start, wall = time.process_time(), time.perf_counter()
+            start, clock = time.process_time(), time.perf_counter()
             verifiers[name].verify(seq_ids, drafts, None, selected=selected).per_row()
             if repeat >= 2:
                 times[name].append(time.process_time() - start)
-                walls[name].append(time.perf_counter() - wall)
+                walls[name].append(time.perf_counter() - clock)
     print(
         f"B={args.batch} k={args.k} E={args.extra}, Llama hidden {args.hidden} x {args.layers} layers, vocab "
         f"{args.vocab}, {args.prompt}-token rows, {args.device} {args.dtype}, {args.threads} thread(s), median of "

@@ -329,8 +329,7 @@ class Verifier:
         self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
         eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         self.selected_verifies = False  # TETRIS: precapture verifies of selected drafts too (set at Prepare)
-        # TETRIS: a verify of selected drafts runs only each row's pending token and drafts (design section 14)
-        self.ragged_verifies = True  # (False: padded, the lengths masking only the acceptance)
+        self.ragged_verifies = True  # TETRIS: only each row's selected drafts run (design section 14); False: padded
         self.acceptance = Acceptance(runner, self.table, self.pending, eos, synthetic_acceptance)
         self._prefill_hidden: dict[int, torch.Tensor] = {}  # row -> its prompt's exported states, while prefilling
 
@@ -598,8 +597,11 @@ class Verifier:
 
     def warm_up(self, k: int) -> None:
         """With compiled layers, compile the acceptance and commit of verifies of k drafts, prefills and target-only
-        steps before serving (`Acceptance.warm_up`); with `selected_verifies`, of selected drafts too."""
+        steps before serving (`Acceptance.warm_up`); with `selected_verifies`, of selected drafts too (and layers)."""
         self.acceptance.warm_up(k, self.selected_verifies)
+        if self.selected_verifies and self.ragged_verifies and self.runner.compiles and k:
+            kv_len = self.runner.step_shape(1, k + 1, k + 1)[1]
+            self.runner.forward_pass.warm_up_ragged(self.runner.scratch_row, k + 1, kv_len)
 
     def _step_kind(self, kind: SamplingKind) -> str:
         """The kind of a verify (or prefill) step of a batch of this kind: its graphs' key (one that exports hidden

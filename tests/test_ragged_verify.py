@@ -141,3 +141,38 @@ def test_ragged_graph_buckets_are_batch_multiples_on_cuda_only() -> None:
     assert verify_variants(4, True, True, cpu) == [(False, 0), (True, 5)]
     assert verify_variants(4, True, False, cpu) == [(False, 0), (True, 0)]
     assert verify_variants(0, True, True, cuda) == verify_variants(4, False, True, cuda) == [(False, 0)]
+
+
+def test_compiled_layers_compile_ragged_steps_ahead_and_equal_uncompiled(tiny_models) -> None:
+    """With compiled layers, `warm_up_ragged` (what a Prepare for TETRIS runs, `Verifier.warm_up`) compiles the
+    ragged forward: afterwards ragged steps of 1 and several rows, totals from 1 token up, compile nothing (it would
+    fail here) and give the uncompiled forward's logits. (The layers only: the acceptance's compiles, already
+    tested by tests/test_compile.py, took minutes more.)"""
+    target = tiny_models.target("llama")
+    compiled, eager = ModelRunner(target, ROWS, CACHE_LEN, compile_layers=True), ModelRunner(target, ROWS, CACHE_LEN)
+    compiled.forward_pass.warm_up_ragged(compiled.scratch_row, K + 1, compiled.step_shape(1, K + 1, K + 1)[1])
+    gen = torch.Generator().manual_seed(9)
+    for rows, counts in (([0], [1]), ([1], [K + 1]), ([2, 3, 4], [1, 0, K + 1]), ([2, 3, 4], [3, K + 1, 2])):
+        ids = torch.randint(0, 128, (len(rows), K + 1), generator=gen)
+        logits = []
+        prefix = torch.randint(0, 128, (len(rows), 4), generator=gen)
+        for runner in (compiled, eager):
+            runner.cache.reserve(rows, [CACHE_LEN] * len(rows))
+            runner.cache.lengths[rows] = 0
+            runner.forward_pass.unseen_step_stance = "eager_on_recompile"  # (the prefix: any kind, as it comes)
+            runner.forward(torch.tensor(rows), prefix, torch.full((len(rows),), 4))
+            runner.forward_pass.unseen_step_stance = "fail_on_recompile"
+            shape = StepShape(padded=len(rows), kv_len=runner.step_shape(1, K + 5, K + 1)[1])
+            with torch.inference_mode():
+                logits.append(
+                    runner.step_forward(
+                        torch.tensor(rows),
+                        ids,
+                        torch.tensor(counts),
+                        shape=shape,
+                        last_only=False,
+                        flattened=sum(counts),
+                    )
+                )
+        for b, count in enumerate(counts):
+            torch.testing.assert_close(logits[0][b, :count], logits[1][b, :count], rtol=1e-4, atol=1e-4, msg=str(rows))

@@ -144,6 +144,25 @@ class ForwardPass:
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
 
+    @torch.inference_mode()
+    def warm_up_ragged(self, scratch_row: int, width: int, kv_len: int | None) -> None:
+        """With compiled layers, compile ragged verifies of up to `width` tokens a row (`step_forward` with
+        `flattened`; `kv_len` as their step shape has it) at the batch sizes `warm_up` covers: TETRIS's, known
+        only at a coordinator's Prepare, after `warm_up`."""
+        warmed, self.warmed_up = self.warmed_up, False  # (compiles, not runs uncompiled, the kinds it meets)
+        try:
+            many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
+            for batch, tokens in ((1, 1), (1, width), (2, width), (many, width)):  # (one token: specialised)
+                self.cache.lengths[scratch_row] = 0
+                rows = torch.full((batch,), scratch_row, dtype=torch.long, device=self.device)
+                ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+                counts = torch.full((batch,), tokens, dtype=torch.long, device=self.device)
+                shape = StepShape(padded=batch, kv_len=kv_len)
+                self.step_forward(rows, ids, counts, shape=shape, last_only=False, flattened=batch * tokens)
+        finally:
+            self.warmed_up = warmed
+            self.cache.lengths[scratch_row] = 0
+
     def step_forward(
         self,
         rows: torch.Tensor,
