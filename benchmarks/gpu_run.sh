@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device call runs, from the repository root on the GPU machine: `bash benchmarks/gpu_run.sh STAGE [ARGS]`.
-#   check               GPU tests (graphs equal eager; channels between services on GPUs) and the in-process bench
+#   check               GPU tests (graphs equal eager; ragged verifies; channels between services) and the in-process bench
 #                       (BATCHES= empty: the tests only)
 #   services DRAFTS     PSD and SD (MODES=psd,sd,ar adds AR) through the services (two GPUs when there are:
 #                       cuda-ipc and nccl, SD baselines); an 8B pair's PSD stack takes 132 s to start with its
@@ -41,7 +41,8 @@
 #   tetris              TETRIS served (8B-shaped target, 68M draft, one GPU or two): plain psd and sd, then psd
 #                       --tetris with E = 2 and 4 (TETRIS_EXTRAS), at batches 32 and 64 (TETRIS_BATCHES), all at a
 #                       synthetic acceptance of 0.9 or 0.3 by row that the draft's scores predict (ROW_ACCEPTANCE;
-#                       a single rate, 0.6, is the control where selection cannot help); output tokens/s of each
+#                       a single rate, 0.6, is the control where selection cannot help); output tokens/s of each;
+#                       first one verify step ragged against padded and uniform (ragged_verify_bench.py, 8 layers)
 #   eagle               drafts that read the target (benchmarks/eagle_bench.py): an 8B-shaped target (synthetic
 #                       acceptance ACCEPTANCE, 0.7) with a random EAGLE-3 head (eagle_head_checkpoint.py, draft vocab
 #                       32000), with the 68M draft and with n-gram (on the CPU): proposal, verify and channel times and
@@ -140,6 +141,8 @@ check)
     # Its compiled steps come last: their compiles took past 120 s on a fresh machine.
     timeout -k 10 240 python3 tests/test_cuda_graphs.py 2>&1 | tee "$OUT/run/test_cuda_graphs.log" \
         | grep -vE "Warn|warn|^$|softmax|important use|split the reduction" | tail -8
+    # TETRIS's ragged verify equals the padded one (paged kernels, graphs against eager, shapes precaptured).
+    timeout -k 10 240 python3 tests/test_gpu_ragged.py 2>&1 | tee "$OUT/run/test_gpu_ragged.log" | tail -5
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
     # The reverse direction's cost a step (batch 64, 5 positions, 4096-wide bf16: 2.6 MB); nccl on two GPUs with CuPy.
@@ -302,6 +305,11 @@ tetris)
     app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
+    # One verify step, ragged against padded and uniform (8 layers of the 8B's shape, bf16, graphs)
+    for batch in ${TETRIS_BATCHES:-32 64}; do
+        timeout -k 10 300 python3 benchmarks/ragged_verify_bench.py --device "$TARGET_DEVICE" --dtype bfloat16 \
+            --hidden 4096 --layers 8 --vocab 128256 --batch $batch --prompt 512 --kv-cache-gib 4 2>&1 | tee -a "$OUT/run/ragged_bench.log"
+    done
     for batch in ${TETRIS_BATCHES:-32 64}; do
         runs="plain"
         for extra in ${TETRIS_EXTRAS:-2 4}; do runs="$runs e$extra"; done

@@ -44,6 +44,7 @@ def rejection_sample(
     all_greedy: bool,
     filtered: bool,
     draft_lengths: torch.Tensor | None = None,
+    target_argmax: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Decide every row's drafts against the target in one pass.
 
@@ -59,10 +60,16 @@ def rejection_sample(
     `draft_lengths` [B] (None: every row k) verifies only a prefix of each row's drafts, as TETRIS selects them
     (design section 14): drafts past a row's length are never accepted, and the token after a full accept of that
     prefix comes from p, as after k accepts; so a row's verified prefix is an ordinary shorter draft, lossless.
+
+    `target_argmax` [B, k+1]: the logits' argmax, found by the caller (a ragged verify, over its flattened tokens),
+    where `all_greedy` (or synthetic acceptance) reads nothing else of `target_logits`.
     """
     batch, k = draft_ids.shape
     rows = torch.arange(batch, device=draft_ids.device)
-    target_argmax = greedy_tokens(target_logits)  # [B, k+1]
+    if target_argmax is None:
+        target_argmax = greedy_tokens(target_logits)  # [B, k+1]
+    else:
+        assert all_greedy or synthetic_acceptance is not None, "sampling reads more than the argmax"
     accept = draft_ids == target_argmax[:, :k]
     within = None if draft_lengths is None else torch.arange(k, device=draft_ids.device) < draft_lengths[:, None]
     if within is not None:

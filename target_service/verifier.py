@@ -13,9 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minedraft.engine import cuda_graphs
 from minedraft.engine.grammar import Grammars, masked_logits
+from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.model_runner import ModelRunner, StepShape
-from minedraft.engine.sampling import SamplingConfig, SamplingKind, penalized_logits, token_logprobs
+from minedraft.engine.sampling import (
+    SamplingConfig,
+    SamplingKind,
+    greedy_tokens,
+    penalized_logits,
+    token_logprobs,
+)
 from minedraft.engine.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
 
@@ -147,7 +155,12 @@ class Acceptance:
                     tokens = torch.zeros(batch, drafts + 1, dtype=torch.long, device=device)
                     probs = torch.zeros(batch, drafts, vocab, device=device) if not kind.all_greedy and drafts else None
                     logits = torch.zeros(batch, drafts + 1, vocab, dtype=self.runner.logits_dtype, device=device)
-                    for lengths in (None, torch.full_like(rows, drafts)) if lengths_too and drafts else (None,):
+                    variants: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)]
+                    if lengths_too and drafts:  # selected: padded, and a ragged greedy one's argmax found before
+                        variants.append((torch.full_like(rows, drafts), None))
+                        if kind.all_greedy:
+                            variants.append((variants[-1][0], torch.zeros_like(tokens)))
+                    for lengths, argmax in variants:
                         self.decide(
                             rows,
                             tokens=tokens,
@@ -158,6 +171,7 @@ class Acceptance:
                             drafts=drafts,
                             kind=kind,
                             draft_lengths=lengths,
+                            target_argmax=argmax,
                         )
         self.table.generated[row] = 0
         self.runner.cache.lengths[row] = 0
@@ -179,13 +193,15 @@ class Acceptance:
         kind: SamplingKind,
         bitmask: torch.Tensor | None = None,
         draft_lengths: torch.Tensor | None = None,
+        target_argmax: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Acceptance and commit of a step whose last `drafts` input `tokens` are drafts (a prefill: none), on its
         `logits` `[B, drafts + 1, V]`, the rows' cache lengths `before` it; inside the step's graph, so it reads only
         its arguments and the table's tensors. `bitmask` `[B, drafts + 1, words]`: the tokens each position's grammar
         allows (`Grammars.masks`), with a grammar. `draft_lengths` [B]: each row's verified drafts (TETRIS; None:
-        all). Returns `StepResult.packed`, then its `logprobs` when the kind has
-        them."""
+        all). `target_argmax` [B, drafts + 1]: the logits' argmax, where a plain greedy kind reads only that (a
+        ragged verify's, found over its flattened tokens). Returns `StepResult.packed`, then its `logprobs` when the
+        kind has them."""
         # (Without drafts, not a slice of the prompts: compiled code guards on the strides.)
         draft_ids = tokens[:, tokens.shape[1] - drafts :] if drafts else tokens.new_zeros(len(tokens), 0)
         stance = (
@@ -206,6 +222,7 @@ class Acceptance:
                 logprobs=kind.logprobs,
                 bitmask=bitmask,
                 draft_lengths=draft_lengths,
+                target_argmax=target_argmax,
             )
 
     def _accept_and_commit_eagerly(
@@ -221,6 +238,7 @@ class Acceptance:
         logprobs: bool,
         bitmask: torch.Tensor | None = None,
         draft_lengths: torch.Tensor | None = None,
+        target_argmax: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """The penalties applied (with `penalized`), the grammar's mask (with a `bitmask`), `rejection_sample`, the
         emitted tokens' log-probabilities (with `logprobs`), then `_commit`; `first_position` is each row's sequence
@@ -249,6 +267,7 @@ class Acceptance:
             all_greedy=all_greedy,
             filtered=filtered,
             draft_lengths=draft_lengths,
+            target_argmax=target_argmax,
         )
         extra = []
         if logprobs:  # one tensor: one copy to the host
@@ -310,6 +329,7 @@ class Verifier:
         self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
         eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         self.selected_verifies = False  # TETRIS: precapture verifies of selected drafts too (set at Prepare)
+        self.ragged_verifies = True  # TETRIS: only each row's selected drafts run (design section 14); False: padded
         self.acceptance = Acceptance(runner, self.table, self.pending, eos, synthetic_acceptance)
         self._prefill_hidden: dict[int, torch.Tensor] = {}  # row -> its prompt's exported states, while prefilling
 
@@ -360,7 +380,8 @@ class Verifier:
             self._prefill_hidden.clear()
         rows = self.table.row_list(seq_ids)
         # (the last token of each prompt is pending)
-        result = StepResult(packed, self._recorder(rows, [len(p) - 1 for p in prompts]), cached)
+        on_read = functools.partial(recorder, self.cached, self.runner.cache, rows, [len(p) - 1 for p in prompts], 0)
+        result = StepResult(packed, on_read, cached)
         if logprobs:
             result.logprobs, result.top_n = logprobs[0], [c.logprobs for c in configs]
         if asked:
@@ -392,8 +413,9 @@ class Verifier:
 
         k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's rows in
         graph buffers of its own. The blocks the k + 1 positions need are taken first: all, or a CapacityError.
-        `selected` (TETRIS, design section 14): each row verifies only its drafts before the first id of -1; the
-        verify still runs k + 1 positions a row (padded), the lengths mask acceptance.
+        `selected` (TETRIS, design section 14): each row verifies only its drafts before the first id of -1; with
+        `ragged_verifies` the forward runs only those (and the pending tokens), flattened, else k + 1 positions a
+        row (padded), the lengths masking only the acceptance.
         """
         _, rows = self.table.batch_rows(seq_ids, batch_id)
         k = draft_ids.shape[1]
@@ -408,8 +430,10 @@ class Verifier:
             probs = (padded_probs(draft_probs.to(self.runner.device, torch.float32), self.runner.vocab_size),)
         if kind.grammar:  # the masks of every verified position, after the drafts before it (`Grammars.masks`)
             probs += (self.grammars.masks(seq_ids, draft_ids.cpu().numpy()),)
+        flattened = ragged_tokens(draft_ids, self.runner.device) if selected and self.ragged_verifies else None
+        needed = int(before.max()) + k + 1
         packed, *logprobs = self._run_verify(
-            rows, draft_ids, probs, kind=kind, needed=int(before.max()) + k + 1, lane=batch_id, selected=selected
+            rows, draft_ids, probs, kind=kind, needed=needed, lane=batch_id, selected=selected, flattened=flattened
         )
         hidden = logprobs.pop() if self.exports else None
         # The next verify of k drafts reaches 2(k + 1) past `before` at most; the recorder trims past the same reach,
@@ -417,8 +441,8 @@ class Verifier:
         self.runner.cache.keep_ahead(index, before + 2 * (k + 1))
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
-        recorder = self._recorder(index, before, ahead=2 * (k + 1))
-        result = StepResult(packed, recorder, hidden=hidden, selected=selected)
+        on_read = functools.partial(recorder, self.cached, self.runner.cache, index, before, 2 * (k + 1))
+        result = StepResult(packed, on_read, hidden=hidden, selected=selected)
         if logprobs:
             result.logprobs, result.top_n = logprobs[0], top_n
         if kind.grammar:  # the matchers move on by what was emitted once the host reads it
@@ -443,20 +467,23 @@ class Verifier:
         needed: int,
         lane: int | None,
         selected: bool = False,
+        flattened: int | None = None,
     ) -> list[torch.Tensor]:
         """The verify step: prepared on the drafts (and their probabilities, and with a grammar its masks), then run.
         The pending tokens are gathered inside its graph, which leaves the host only the copies into the graph's
-        inputs."""
+        inputs. `flattened`: a ragged verify of selected drafts, of that many tokens (its graphs keyed by it)."""
         k = draft_ids.shape[1]
+        ragged = "" if flattened is None else f"-ragged{flattened}"
         step = self.runner.prepare(
-            kind=self._step_kind(kind) + ("-selected" if selected else ""),
+            kind=self._step_kind(kind) + ("-selected" if selected else "") + ragged,
             rows=rows,
             inputs=(draft_ids, *probs),
             needed=needed,
             tokens=k + 1,
             lane=lane,
         )
-        return self.runner.run(step, functools.partial(self._verify_step, kind=kind, selected=selected))
+        body = functools.partial(self._verify_step, kind=kind, selected=selected, flattened=flattened)
+        return self.runner.run(step, body)
 
     def _verify_step(
         self,
@@ -466,20 +493,24 @@ class Verifier:
         *,
         kind: SamplingKind,
         selected: bool = False,
+        flattened: int | None = None,
     ) -> list[torch.Tensor]:
         """A verify's body, inside its graph: each row's pending token and its drafts -> the forward -> accept a
-        prefix, commit it, roll back the rest (`_decide`). `selected`: a row's drafts end at its first id of -1."""
+        prefix, commit it, roll back the rest (`_decide`). `selected`: a row's drafts end at its first id of -1;
+        `flattened` (selected too): only they run, as that many tokens (`ForwardPass.step_forward`)."""
         drafts, *probs = inputs
         bitmask = probs.pop() if kind.grammar else None
         k = drafts.shape[1]
-        draft_lengths = None
-        if selected:  # (-1 ids are never accepted; any real id runs in their place)
-            draft_lengths = (drafts >= 0).sum(dim=-1)
-            drafts = drafts.clamp(min=0)
-        tokens = torch.cat([self.pending[rows][:, None], drafts], dim=1)
         num_valid = torch.full_like(rows, k + 1)
+        drafts, draft_lengths, counts = selected_drafts(drafts, rows, num_valid, self.runner.scratch_row, selected)
+        tokens = torch.cat([self.pending[rows][:, None], drafts], dim=1)
         before = self.runner.cache.lengths[rows]
-        logits = self.runner.step_forward(rows, tokens, num_valid, shape=shape, last_only=False)
+        valid = num_valid if flattened is None else counts
+        argmax_only = flattened is not None and kind == SamplingKind(all_greedy=True, filtered=False)
+        logits = self.runner.step_forward(
+            rows, tokens, valid, shape=shape, last_only=False, flattened=flattened, flat_logits=argmax_only
+        )
+        argmax = flat_argmax(logits, self.runner.forward_pass.unflatten) if argmax_only else None
         exported = self.runner.forward_pass.exported if self.exports else None
         decided = self.acceptance.decide(
             rows,
@@ -492,6 +523,7 @@ class Verifier:
             kind=kind,
             bitmask=bitmask,
             draft_lengths=draft_lengths,
+            target_argmax=argmax,
         )
         return decided if exported is None else [*decided, exported]
 
@@ -541,19 +573,6 @@ class Verifier:
             bitmask=bitmask,
         )
 
-    def _recorder(
-        self, rows: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray, ahead: int = 0
-    ) -> Callable[[list[int]], None]:
-        """What a step's result tells the host once read: each row now caches its start plus what it emitted
-        (`_commit`), and the blocks past that and the `ahead` positions its next step may write go back."""
-
-        def record(emitted: list[int]) -> None:
-            lengths = np.asarray(starts, dtype=np.int64) + np.asarray(emitted, dtype=np.int64)
-            self.cached[rows] = lengths
-            self.runner.cache.trim(rows, lengths + ahead)
-
-        return record
-
     def precapture(self, k: int, max_batch: int) -> int:
         """Run the verify of k drafts in every shape serving can give it (`ModelRunner.precapture`), for each kind of
         batch a proposer sends by default: all greedy (ids only), sampled and filtered (with the draft's
@@ -561,26 +580,28 @@ class Verifier:
         drafts do not pay, or its draft is lost."""
         shapes = 0
         for drafts, kind in itertools.product(sorted({k, 0}, reverse=True), KINDS):
-            verify = functools.partial(self._scratch_verify, drafts=drafts, kind=kind)
-            shapes += self.runner.precapture(max_batch=max_batch, n=drafts + 1, run_step=verify)
-            if drafts and self.selected_verifies:  # TETRIS's verifies of selected drafts, graphs of their own
-                verify = functools.partial(self._scratch_verify, drafts=drafts, kind=kind, selected=True)
+            for variant in verify_variants(drafts, self.selected_verifies, self.ragged_verifies, self.runner.device):
+                verify = functools.partial(self._scratch_verify, drafts=drafts, kind=kind, variant=variant)
                 shapes += self.runner.precapture(max_batch=max_batch, n=drafts + 1, run_step=verify)
         return shapes
 
     def _scratch_verify(
-        self, rows: torch.Tensor, needed: int, *, drafts: int, kind: SamplingKind, selected: bool = False
+        self, rows: torch.Tensor, needed: int, *, drafts: int, kind: SamplingKind, variant: tuple[bool, int]
     ) -> None:
-        """A verify of zero drafts (and probabilities, when sampled) on scratch rows, as `precapture` runs it."""
+        """A verify of zero drafts (and probabilities, when sampled) on scratch rows, as `precapture` runs it, of a
+        `verify_variants` variant."""
+        probs = scratch_probs(len(rows), drafts, kind, self.runner.vocab_size, rows.device)
         draft_ids = torch.zeros(len(rows), drafts, dtype=torch.long, device=rows.device)
-        vocab = self.runner.vocab_size
-        probs = (torch.zeros(len(rows), drafts, vocab, device=rows.device),) if not kind.all_greedy and drafts else ()
-        self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, lane=None, selected=selected)
+        selected, flat = variant[0], len(rows) * variant[1] or None
+        self._run_verify(rows, draft_ids, probs, kind=kind, needed=needed, lane=None, selected=selected, flattened=flat)
 
     def warm_up(self, k: int) -> None:
         """With compiled layers, compile the acceptance and commit of verifies of k drafts, prefills and target-only
-        steps before serving (`Acceptance.warm_up`); with `selected_verifies`, of selected drafts too."""
+        steps before serving (`Acceptance.warm_up`); with `selected_verifies`, of selected drafts too (and layers)."""
         self.acceptance.warm_up(k, self.selected_verifies)
+        if self.selected_verifies and self.ragged_verifies and self.runner.compiles and k:
+            kv_len = self.runner.step_shape(1, k + 1, k + 1)[1]
+            self.runner.forward_pass.warm_up_ragged(self.runner.scratch_row, k + 1, kv_len)
 
     def _step_kind(self, kind: SamplingKind) -> str:
         """The kind of a verify (or prefill) step of a batch of this kind: its graphs' key (one that exports hidden
@@ -598,6 +619,69 @@ def _prompt_logprobs(
     best = logprobs.topk(max(top, 1), dim=-1)
     ids, values = best.indices.tolist(), best.values.tolist()
     return [(c, list(zip(i[:top], v[:top], strict=True))) for c, i, v in zip(chosen, ids, values, strict=True)]
+
+
+def selected_drafts(
+    drafts: torch.Tensor, rows: torch.Tensor, num_valid: torch.Tensor, fill_row: int, selected: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Inside a verify's graph: (the drafts to run, each row's verified draft count where `selected` (TETRIS: up to
+    its first id of -1; None: all), the tokens a ragged forward runs per row: the pending one and those drafts, none
+    on the padding rows of `fill_row`). -1 ids are never accepted; any real id runs in their place."""
+    if not selected:
+        return drafts, None, num_valid
+    lengths = (drafts >= 0).sum(dim=-1)
+    return drafts.clamp(min=0), lengths, torch.where(rows == fill_row, 0, lengths + 1)
+
+
+def flat_argmax(logits: torch.Tensor, unflatten: torch.Tensor | None) -> torch.Tensor:
+    """A ragged greedy verify's argmax `[B, n]`: over its flattened tokens' logits `[T, V]`, then laid out in its
+    rows by `unflatten` (`ForwardPass.step_forward`): T rows read, not B x n."""
+    assert unflatten is not None
+    return greedy_tokens(logits)[unflatten]
+
+
+def scratch_probs(
+    batch: int, drafts: int, kind: SamplingKind, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """A scratch verify's draft probabilities (zeros; none for greedy drafts or none drafted)."""
+    return (torch.zeros(batch, drafts, vocab, device=device),) if not kind.all_greedy and drafts else ()
+
+
+def recorder(
+    cached: np.ndarray,
+    cache: PagedKVCache,
+    rows: Sequence[int] | np.ndarray,
+    starts: Sequence[int] | np.ndarray,
+    ahead: int,
+    emitted: list[int],
+) -> None:
+    """What a step's result tells the host once read: each row now caches its start plus what it `emitted`
+    (`Acceptance._commit`), and the blocks past that and the `ahead` positions its next step may write go back."""
+    lengths = np.asarray(starts, dtype=np.int64) + np.asarray(emitted, dtype=np.int64)
+    cached[rows] = lengths
+    cache.trim(rows, lengths + ahead)
+
+
+def ragged_tokens(draft_ids: torch.Tensor, device: torch.device) -> int:
+    """The flattened tokens of a ragged verify of selected drafts `draft_ids` (-1 past each row's): each row's
+    pending token and its drafts, on CUDA rounded up to a graph's bucket (`cuda_graphs.ragged_tokens`). A host
+    sync where the drafts came on the device (a few ints)."""
+    return cuda_graphs.ragged_tokens(
+        len(draft_ids), int((draft_ids >= 0).sum()) + len(draft_ids), device.type == "cuda"
+    )
+
+
+def verify_variants(drafts: int, selected: bool, ragged: bool, device: torch.device) -> list[tuple[bool, int]]:
+    """The verifies of `drafts` drafts that `Verifier.precapture` runs, as (selected, tokens a row; 0: padded):
+    the plain one; with `selected` (TETRIS) the verify of selected drafts, `ragged` at each of 1..drafts + 1 tokens
+    a row on CUDA (`cuda_graphs.ragged_tokens`) and elsewhere, where a ragged verify runs its exact total, the
+    widest only."""
+    variants = [(False, 0)]
+    if drafts and selected and not ragged:
+        variants.append((True, 0))
+    elif drafts and selected:
+        variants += [(True, width) for width in (range(1, drafts + 2) if device.type == "cuda" else [drafts + 1])]
+    return variants
 
 
 def padded_probs(draft_probs: torch.Tensor, vocab: int) -> torch.Tensor:

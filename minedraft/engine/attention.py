@@ -26,6 +26,11 @@ CAUSAL_BY_POSITIONS = "minedraft_causal_by_positions"
 # The keyword a step passes on through the model for paged reads: (block tables, the batch's rows, the new tokens'
 # positions, whether the layers' sliding windows apply). The layer's K/V are then its blocks (`PagedKVCache.read`).
 PAGED = "minedraft_paged"
+# The keyword a ragged step passes on through the model (`ForwardPass.step_forward` with `flattened`): (each
+# flattened token's slot in the rows' padded [B x n] layout (B x n: a padding token), B, n). Its queries come as
+# [T, heads, 1, D], one token a virtual row; attention pads them into their rows, attends as a padded step does
+# (its mask or PAGED are the rows'), and takes each token's output back.
+RAGGED = "minedraft_ragged"
 
 
 def grouped_sdpa_attention(
@@ -46,6 +51,9 @@ def grouped_sdpa_attention(
     a K/V head along the sequence axis gives the same dot products over the K/V as they are. The mask repeats
     instead (a few hundred kB).
     """
+    ragged = kwargs.pop(RAGGED, None)
+    if ragged is not None:
+        return _ragged_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, ragged, kwargs)
     paged = kwargs.get(PAGED)
     if paged is not None:
         tables, rows, positions, windowed = paged
@@ -80,6 +88,32 @@ def grouped_sdpa_attention(
     else:
         out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    ragged: tuple[torch.Tensor, int, int],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Attention of a ragged step's T tokens (`RAGGED`): queries [T, heads, 1, D] padded into their rows' [B, heads,
+    n, D] (padding queries zero, their outputs dropped), attended as a padded step of B rows, each token's output
+    back as [T, 1, heads, Dv]. The projections and MLPs cost T tokens; only attention runs B x n queries, reading
+    each row's keys once."""
+    slots, batch, n = ragged
+    heads, dim = query.shape[1], query.shape[-1]
+    padded = query.new_zeros(batch * n + 1, heads, dim)  # (the last slot: padding tokens')
+    padded[slots] = query[:, :, 0]
+    rows = padded[: batch * n].view(batch, n, heads, dim).transpose(1, 2)
+    out, _ = grouped_sdpa_attention(module, rows, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    flat = out.reshape(batch * n, heads, out.shape[-1])  # [B, n, heads, Dv] row by row
+    return flat[slots.clamp(max=batch * n - 1)][:, None], None
 
 
 def _fixed_split(

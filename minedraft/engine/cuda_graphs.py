@@ -80,6 +80,16 @@ def padded_batch(batch: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= batch), batch)
 
 
+def ragged_tokens(batch: int, total: int, cuda: bool) -> int:
+    """The flattened tokens a ragged verify of `batch` rows carrying `total` valid tokens runs (design section 14):
+    on CUDA a multiple of its padded batch, so that its graphs are keyed by (batch bucket, tokens per row rounded
+    up: 1..k + 1); elsewhere `total` itself (nothing is captured, nothing need pad)."""
+    if not cuda:
+        return total
+    padded = padded_batch(batch)
+    return padded * max(-(-total // padded), 1)
+
+
 def graphable(tokens: int, last_only: bool) -> bool:
     """Whether a step of `tokens` per row runs as a CUDA graph: short steps, not prefills."""
     return not last_only and tokens <= MAX_GRAPH_TOKENS

@@ -16,6 +16,7 @@ from minedraft.engine.attention import (
     FUSED_MIN_BLOCKS,
     GROUPED_SDPA,
     PAGED,
+    RAGGED,
     SHORT_QUERY,
     paged_kernel,
 )
@@ -102,6 +103,10 @@ class ForwardPass:
         # into `exported` [B, n, len * H] for the step's body to return; none: nothing is recorded.
         self.export_layers: tuple[int, ...] = ()
         self.exported: torch.Tensor | None = None
+        # Where a ragged step's padding tokens write (`step_forward` with `flattened`): the runner's scratch row;
+        # the last ragged step's layout of its tokens in its rows ([B, n] token indices)
+        self.fill_row = 0
+        self.unflatten: torch.Tensor | None = None
 
     def compile_masks(self) -> None:
         """Compile the masks with the layers (`_step_masks`)."""
@@ -139,6 +144,25 @@ class ForwardPass:
         self.warmed_up = True
         log.info("compiled layers warmed up for %d kinds of step in %.1f s", len(kinds), time.perf_counter() - start)
 
+    @torch.inference_mode()
+    def warm_up_ragged(self, scratch_row: int, width: int, kv_len: int | None) -> None:
+        """With compiled layers, compile ragged verifies of up to `width` tokens a row (`step_forward` with
+        `flattened`; `kv_len` as their step shape has it) at the batch sizes `warm_up` covers: TETRIS's, known
+        only at a coordinator's Prepare, after `warm_up`."""
+        warmed, self.warmed_up = self.warmed_up, False  # (compiles, not runs uncompiled, the kinds it meets)
+        try:
+            many = max(3, -(-FUSED_MIN_BLOCKS // self.cache.kv_heads))
+            for batch, tokens in ((1, 1), (1, width), (2, width), (many, width)):  # (one token: specialised)
+                self.cache.lengths[scratch_row] = 0
+                rows = torch.full((batch,), scratch_row, dtype=torch.long, device=self.device)
+                ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+                counts = torch.full((batch,), tokens, dtype=torch.long, device=self.device)
+                shape = StepShape(padded=batch, kv_len=kv_len)
+                self.step_forward(rows, ids, counts, shape=shape, last_only=False, flattened=batch * tokens)
+        finally:
+            self.warmed_up = warmed
+            self.cache.lengths[scratch_row] = 0
+
     def step_forward(
         self,
         rows: torch.Tensor,
@@ -147,10 +171,18 @@ class ForwardPass:
         *,
         shape: StepShape,
         last_only: bool = True,
+        flattened: int | None = None,
+        flat_logits: bool = False,
     ) -> torch.Tensor:
         """The forward proper, inside a step's body: appends `input_ids[b, :num_valid[b]]` to row `rows[b]` and
         returns the logits (`[B, n, V]`, or `[B, V]` at each row's last valid token when `last_only`) in
-        `logits_dtype`. Free of host syncs, so that a CUDA graph can capture it."""
+        `logits_dtype`. Free of host syncs, so that a CUDA graph can capture it.
+
+        `flattened` (a ragged verify, design section 14): only the valid tokens run, as that many one-token virtual
+        rows (at least `sum(num_valid)`; the rest pad, writing to `fill_row`); attention pads their queries back
+        into their rows (`attention.RAGGED`), and the logits `[B, n, V]` past a row's valid tokens repeat its last
+        valid one's; with `flat_logits` they stay `[flattened, V]`, which `[B, n]` indices `unflatten` lays out
+        (a greedy verify's argmax over T rows, not B x n)."""
         batch, n = input_ids.shape
         # Before the cache is allocated (its probe) compiled code must not see it: eagerly.
         stance = self.stance() if self.cache.pool is not None else "force_eager"
@@ -176,18 +208,32 @@ class ForwardPass:
                         mask = {"full_attention": full, "sliding_attention": windowed}
                     else:
                         mask = windowed
-                self.cache.select(rows, positions, kv_len=shape.kv_len)
+                model_ids, model_positions, unflatten = input_ids, positions, None
+                if flattened is None:
+                    self.cache.select(rows, positions, kv_len=shape.kv_len)
+                else:
+                    layout = ragged_layout(rows, starts, num_valid, n, flattened, self.fill_row)
+                    kwargs[RAGGED] = (layout.slots, batch, n)
+                    model_ids = input_ids.flatten()[layout.sources][:, None]
+                    model_positions, unflatten = layout.positions, layout.unflatten
+                    self.cache.select(layout.rows, model_positions, kv_len=shape.kv_len, read_rows=rows)
                 if self.deterministic:
                     kwargs[DETERMINISTIC] = True
                 if self.export_layers:
                     kwargs["output_hidden_states"] = True
                 with invariant_mode(self.deterministic):
                     output = self.model.base_model(
-                        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+                        input_ids=model_ids,
+                        attention_mask=mask,
+                        position_ids=model_positions,
+                        use_cache=True,
+                        **kwargs,
                     )
                 hidden = output.last_hidden_state
                 if self.export_layers:
                     self.exported = torch.cat([output.hidden_states[i] for i in self.export_layers], dim=-1)
+                    if unflatten is not None:
+                        self.exported = self.exported[:, 0][unflatten]
         finally:
             config._attn_implementation = own
         self.cache.lengths[rows] = starts + num_valid
@@ -197,7 +243,10 @@ class ForwardPass:
             logits = self.model.get_output_embeddings()(hidden).to(self.device)
         if self._softcap is not None:
             logits = torch.tanh(logits.float() / self._softcap) * self._softcap
-        return logits
+        if unflatten is None:
+            return logits
+        self.unflatten = unflatten
+        return logits[:, 0] if flat_logits else logits[:, 0][unflatten]
 
     def _step_masks(
         self, starts: torch.Tensor, n: int, kv_len: int
@@ -218,3 +267,40 @@ class ForwardPass:
         """[B, n, kv] booleans -> the [B, 1, n, kv] additive mask that eager and SDPA attention both accept."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[:, None]
+
+
+@dataclass(slots=True)
+class RaggedLayout:
+    """A ragged step's rows' valid tokens as T one-token virtual rows (`ragged_layout`)."""
+
+    rows: torch.Tensor  # [T] the cache row each token writes to (padding tokens: the fill row)
+    positions: torch.Tensor  # [T, 1] its position there (padding: 0)
+    sources: torch.Tensor  # [T] its index into the step's [B x n] inputs, flattened (padding: 0)
+    slots: torch.Tensor  # [T] the same, padding B x n (`attention.RAGGED`)
+    unflatten: torch.Tensor  # [B, n] the token each padded position takes its outputs from (past a row: its last)
+
+
+def ragged_layout(
+    rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, width: int, total: int, fill_row: int
+) -> RaggedLayout:
+    """Rows `rows` of lengths `starts` appending `counts` (<= `width`, 0 allowed) tokens each as `total >=
+    sum(counts)` virtual rows of one token, row after row; the rest pad. On the device, no host sync (a graph's
+    shape is `total`)."""
+    batch = len(rows)
+    ends = counts.cumsum(0)
+    begins = ends - counts
+    token = torch.arange(total, device=rows.device)
+    owner = torch.searchsorted(ends, token, right=True)  # (rows of no tokens are skipped: their ends are equal)
+    valid = owner < batch
+    owner = owner.clamp(max=batch - 1)
+    offset = token - begins[owner]
+    sources = owner * width + offset
+    last = (begins + counts - 1).clamp(min=0)  # each row's last token (a row of none: any, its outputs unread)
+    unflatten = torch.minimum(begins[:, None] + torch.arange(width, device=rows.device), last[:, None])
+    return RaggedLayout(
+        rows=torch.where(valid, rows[owner], fill_row),
+        positions=torch.where(valid, starts[owner] + offset, 0)[:, None],
+        sources=torch.where(valid, sources, 0),
+        slots=torch.where(valid, sources, batch * width),
+        unflatten=unflatten,
+    )

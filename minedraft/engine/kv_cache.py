@@ -59,6 +59,7 @@ class PagedKVCache(BlockTables, Cache):
         self.specs: list[LayerSpec] | None = None  # once probed
         self._probing = False
         self._rows: torch.Tensor | None = None
+        self._read_rows: torch.Tensor | None = None  # the rows attention reads, where not `_rows` (a ragged step)
         self._positions: torch.Tensor | None = None
         self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (blocks, offsets) [B, n] of new tokens
         self._kv_len: int | None = None
@@ -107,10 +108,14 @@ class PagedKVCache(BlockTables, Cache):
         return self.specs[0].kv_heads if self.specs else 0
 
     # -- a forward --------------------------------------------------------------------------------------------------
-    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int | None) -> None:
+    def select(
+        self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int | None, read_rows: torch.Tensor | None = None
+    ) -> None:
         """Point the next forward at `rows` ([B]) writing at `positions` ([B, n]); attention reads `kv_len` keys
-        gathered per row, or (None) the blocks through the tables."""
+        gathered per row of `read_rows` (default `rows`; a ragged verify writes per token, `ForwardPass`), or (None)
+        the blocks through the tables."""
         self._rows, self._positions, self._kv_len = rows, positions, kv_len
+        self._read_rows = rows if read_rows is None else read_rows
         self._write_at = None
         self._gathered_blocks = None
         if not self.kernel_writes:
@@ -165,12 +170,12 @@ class PagedKVCache(BlockTables, Cache):
     @torch.compiler.disable
     def _gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s K/V of the selected rows' first `kv_len` positions, `[B, kv_heads, kv_len, D]`."""
-        assert self._rows is not None and self._kv_len is not None
+        assert self._read_rows is not None and self._kv_len is not None
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         columns = -(-self._kv_len // self.block_size)
         blocks = self._gathered_blocks
         if blocks is None or blocks.device != keys.device:  # once a forward (per device, for a model spread over GPUs)
-            blocks = self.tables[self._rows.to(self.tables.device), :columns].to(keys.device).long()
+            blocks = self.tables[self._read_rows.to(self.tables.device), :columns].to(keys.device).long()
             self._gathered_blocks = blocks
 
         def gathered(pool: torch.Tensor) -> torch.Tensor:

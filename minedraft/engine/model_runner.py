@@ -144,6 +144,7 @@ class ModelRunner:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._free = list(range(num_slots - 1, -1, -1))
         self.forward_pass = ForwardPass(model, self.cache, deterministic)
+        self.forward_pass.fill_row = self.scratch_row  # (a ragged step's padding tokens)
         # What a step's body calls, bound once: no call in between (`ForwardPass.step_forward`).
         self.step_forward = self.forward_pass.step_forward
         self.logits_dtype = self.forward_pass.logits_dtype
