@@ -59,10 +59,11 @@ def tiny_pair(root: Path) -> tuple[Path, Path]:
 
 
 def cpu_by_thread(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread name of process `pid` (user + system)."""
+    """CPU seconds of each thread name of process `pid` (user + system); its main thread (the event loop) as "main",
+    apart from the other Python threads (a worker's compute thread), which share its name."""
     tick, seconds = os.sysconf("SC_CLK_TCK"), collections.defaultdict[str, float](float)
     for tid in os.listdir(f"/proc/{pid}/task"):
-        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        name = "main" if int(tid) == pid else Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
         seconds[name] += (int(fields[11]) + int(fields[12])) / tick
     return dict(seconds)
@@ -83,8 +84,9 @@ def service_pids(bench: int) -> dict[str, int]:
 def one_run(tree: str, target: Path, draft: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """CPU ms per verify step of each service (per thread name) in one served load run from `tree`."""
     with tempfile.TemporaryDirectory() as traces:
+        app = "minedraft_app" if Path(tree, "minedraft_app").is_dir() else "minedraft"  # (before 2026-12-06)
         command = [
-            sys.executable, "-m", "minedraft_app", "bench", "--modes", "sd", "--target", str(target), "--draft",
+            sys.executable, "-m", app, "bench", "--modes", "sd", "--target", str(target), "--draft",
             str(draft), "--num-prompts", str(args.prompts), "--concurrency", "64", "--max-batch-size", "32",
             "--output-len", "96", "--synthetic-acceptance", "0.7", "--speculation", "always", "--threads", "1",
             "--step-trace-dir", traces, "--no-progress",
@@ -116,14 +118,17 @@ def one_run(tree: str, target: Path, draft: Path, args: argparse.Namespace) -> d
 
 
 def summary(runs: list[dict[str, dict[str, float]]]) -> dict[str, float]:
-    """The median over runs of each service's CPU ms per step, and of its busiest thread's."""
+    """The median over runs of each service's CPU ms per step, of its busiest thread's and of its main thread's (the
+    event loop: gRPC handlers, where a worker's compute thread runs the model)."""
     out = {}
     for service in SERVICES:
         totals = [sum(r[service].values()) for r in runs if service in r]
         busiest = [max(r[service].values()) for r in runs if service in r]
+        main = [r[service].get("main", 0.0) for r in runs if service in r]
         if totals:
             out[service] = statistics.median(totals)
             out[f"{service} (busiest thread)"] = statistics.median(busiest)
+            out[f"{service} (main thread)"] = statistics.median(main)
     return out
 
 
