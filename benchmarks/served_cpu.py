@@ -9,7 +9,9 @@ bench --modes sd` (`--speculation always`, synthetic acceptance 0.7, one thread 
 32). While it runs, each service's CPU time is read from /proc, per thread; the figure is CPU milliseconds per verify
 step over the middle 60% of the steps (the step trace's times), when every batch is full. On a GPU host the
 coordinator's share of this sits between the workers' calls (the step loop) or competes with it (the streams); the
-workers' includes their CPU forwards, which a GPU runs instead.
+workers' includes their CPU forwards, which a GPU runs instead. With --host-only the workers skip the model's layers
+(its embeddings stand for the last hidden state, the logits still computed): their figure is then their host work,
+the step bodies' sampling and bookkeeping included, and a change of a few percent in it stands out of the noise.
 """
 
 from __future__ import annotations
@@ -36,6 +38,29 @@ from minedraft.demo_models import TARGET_DIR  # noqa: E402
 
 SERVICES = ("coordinator", "target", "draft")
 
+# --host-only: a sitecustomize the services import at start-up, found first on PYTHONPATH. The layers run while the
+# KV cache probes the model (it records their shapes), skipped after.
+HOST_ONLY_SITE = """
+import sys
+if any(name in sys.orig_argv[1:5] for name in ("target", "draft")):
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from transformers.models.llama import modeling_llama
+
+    layers = modeling_llama.LlamaModel.forward
+
+    def embeddings_only(self, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or getattr(cache, "_probing", False) or input_ids is None:
+            return layers(self, input_ids, attention_mask, position_ids, *args, **kwargs)
+        hidden = self.embed_tokens(input_ids)
+        output = BaseModelOutputWithPast(last_hidden_state=hidden)
+        if kwargs.get("output_hidden_states"):
+            output.hidden_states = (hidden,) * (len(self.layers) + 1)
+        return output
+
+    modeling_llama.LlamaModel.forward = embeddings_only
+"""
+
 
 def tiny_pair(root: Path) -> tuple[Path, Path]:
     """A 2-layer target and a 1-layer draft of 64 hidden units with random weights, and the demo tokenizer."""
@@ -59,10 +84,11 @@ def tiny_pair(root: Path) -> tuple[Path, Path]:
 
 
 def cpu_by_thread(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread name of process `pid` (user + system)."""
+    """CPU seconds of each thread name of process `pid` (user + system); its main thread (the event loop) as "main",
+    apart from the other Python threads (a worker's compute thread), which share its name."""
     tick, seconds = os.sysconf("SC_CLK_TCK"), collections.defaultdict[str, float](float)
     for tid in os.listdir(f"/proc/{pid}/task"):
-        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        name = "main" if int(tid) == pid else Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
         seconds[name] += (int(fields[11]) + int(fields[12])) / tick
     return dict(seconds)
@@ -83,13 +109,20 @@ def service_pids(bench: int) -> dict[str, int]:
 def one_run(tree: str, target: Path, draft: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """CPU ms per verify step of each service (per thread name) in one served load run from `tree`."""
     with tempfile.TemporaryDirectory() as traces:
+        app = "minedraft_app" if Path(tree, "minedraft_app").is_dir() else "minedraft"  # (before 2026-12-06)
         command = [
-            sys.executable, "-m", "minedraft_app", "bench", "--modes", "sd", "--target", str(target), "--draft",
+            sys.executable, "-m", app, "bench", "--modes", "sd", "--target", str(target), "--draft",
             str(draft), "--num-prompts", str(args.prompts), "--concurrency", "64", "--max-batch-size", "32",
             "--output-len", "96", "--synthetic-acceptance", "0.7", "--speculation", "always", "--threads", "1",
             "--step-trace-dir", traces, "--no-progress",
         ]  # fmt: skip
-        bench = subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = dict(os.environ)
+        if args.host_only:
+            site = Path(traces, "site")
+            site.mkdir()
+            (site / "sitecustomize.py").write_text(HOST_ONLY_SITE)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+        bench = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         samples: list[tuple[float, dict[str, dict[str, float]]]] = []
         pids: dict[str, int] = {}
         while bench.poll() is None:
@@ -116,14 +149,17 @@ def one_run(tree: str, target: Path, draft: Path, args: argparse.Namespace) -> d
 
 
 def summary(runs: list[dict[str, dict[str, float]]]) -> dict[str, float]:
-    """The median over runs of each service's CPU ms per step, and of its busiest thread's."""
+    """The median over runs of each service's CPU ms per step, of its busiest thread's and of its main thread's (the
+    event loop: gRPC handlers, where a worker's compute thread runs the model)."""
     out = {}
     for service in SERVICES:
         totals = [sum(r[service].values()) for r in runs if service in r]
         busiest = [max(r[service].values()) for r in runs if service in r]
+        main = [r[service].get("main", 0.0) for r in runs if service in r]
         if totals:
             out[service] = statistics.median(totals)
             out[f"{service} (busiest thread)"] = statistics.median(busiest)
+            out[f"{service} (main thread)"] = statistics.median(main)
     return out
 
 
@@ -131,6 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", help="another tree (a checkout) to run the same load from, alternating")
     parser.add_argument("--prompts", type=int, default=512, help="requests of the load")
+    parser.add_argument("--host-only", action="store_true", help="the workers skip the model's layers (docstring)")
     args = parser.parse_args()
     here = str(Path(__file__).resolve().parents[1])
     trees = [args.against, here, here, args.against] if args.against else [here]
