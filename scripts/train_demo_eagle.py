@@ -372,6 +372,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="steps of linear learning-rate warm-up")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--cpu-budget", type=float, default=0, help="CPU seconds of training at most (0: no limit)")
+    parser.add_argument("--wall-budget", type=float, default=0, help="wall seconds of training at most (0: none)")
     parser.add_argument("--train-lm-head", action="store_true", help="EAGLE-3: train its LM head (else frozen)")
     parser.add_argument("--windows-cache", default="", help="a file keeping the greedy windows between runs")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -440,8 +441,12 @@ def main() -> None:
     cpu_start = time.process_time()
     steps_run = 0
     for step in range(args.steps):
-        # The schedule runs on whichever ends first, the steps or the CPU-time budget (a shared machine's load).
-        progress = max(step / args.steps, (time.process_time() - cpu_start) / args.cpu_budget if args.cpu_budget else 0)
+        # The schedule runs on whichever ends first: the steps, the CPU-time or the wall-time budget.
+        progress = max(
+            step / args.steps,
+            (time.process_time() - cpu_start) / args.cpu_budget if args.cpu_budget else 0,
+            (time.time() - start) / args.wall_budget if args.wall_budget else 0,
+        )
         if progress >= 1:
             break
         warm = min(1.0, (step + 1) / args.warmup)
@@ -498,6 +503,8 @@ def main() -> None:
         "decay": args.decay,
         "cls_weight": args.cls_weight,
         "noise": args.noise,
+        "cpu_budget": args.cpu_budget,
+        "wall_budget": args.wall_budget,
         "positions_trained": steps_run * args.batch * args.seq_len,
         "lm_head": "trained" if args.train_lm_head else "the target's, frozen",
         "threads": torch.get_num_threads(),

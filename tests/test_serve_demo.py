@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from minedraft.demo_models import DEMO_DIR, TARGET_DIR, available
+from minedraft.demo_models import EAGLE_DIR, TARGET_DIR, available
 from minedraft.proto import generation_pb2, generation_pb2_grpc
 from minedraft_app.stack import free_port, wait_healthy
 
@@ -192,9 +192,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-EAGLE_DIR = DEMO_DIR / "eagle"
-
-
 @pytest.mark.skipif(not (EAGLE_DIR / "model.safetensors").is_file(), reason="no EAGLE head in minedraft/demo_models")
 def test_serve_with_the_demo_eagle_head_matches_the_target_alone() -> None:
     """`serve --draft minedraft/demo_models/eagle` (the shipped head, `--speculative-method auto`, in one process):
@@ -245,7 +242,8 @@ def test_serve_with_the_demo_eagle_head_matches_the_target_alone() -> None:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
             for prompt, want in zip(prompts, expected, strict=True):
                 params = generation_pb2.SamplingParams(max_tokens=len(want), temperature=0.0, ignore_eos=True)
-                tokens, usage = [], None
+                tokens: list[int] = []
+                usage: generation_pb2.Usage | None = None
                 for message in stub.Generate(generation_pb2.GenerateRequest(prompt=prompt, params=params), timeout=120):
                     tokens += message.token_ids
                     usage = message.usage if message.HasField("usage") else usage
