@@ -1,17 +1,22 @@
-"""Train an EAGLE-3 head for the demo target from its own hidden states on the stdlib corpus (CPU, minutes).
+"""Train an EAGLE head for the demo target from its own hidden states on the stdlib corpus (one CPU core, minutes).
 
-    python scripts/train_demo_eagle.py [--steps 300] [--out minedraft/demo_models/eagle]
+    python scripts/train_demo_eagle.py --eagle3 --threads 1 --cpu-budget 1200 [--out minedraft/demo_models/eagle]
 
-The head reads the target's layers 1, 3 and 5 (HF `output_hidden_states` numbering, design section 13) and learns the
-target's next-token distribution (KL) on windows of the corpus and of the target's own greedy continuations of
-training prompts. Training runs the head as the server drafts with it (`EagleProposer`), unrolled over `--unroll`
-draft steps ("training-time test"): step 0 at each position reads the target's features; step j reads the head's
-own output of step j - 1 one position earlier, at rotary position p + j, attending to the target-fed keys up to p and
-to its own keys of steps 1..j (`unrolled_forward`, checked against the serving path at start). The LM head and
-final norm start from the target's, `fc` from its last layer read. Saved in the published EAGLE-3 format
-(`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`), so `minedraft serve --draft <out>` serves it. Evaluated as the demo
-pair is (`train_demo_pair.py`): greedy speculative decoding of held-out prompts at k=4, mean accepted length and
-draft time per step (the head through `EagleProposer`, the demo draft with its KV cache), beside the demo draft's.
+Self-distillation (EAGLE's data): windows of a training prompt (`--prompt-len` corpus tokens) and the target's own
+greedy continuation, the target's states of them computed once (it is frozen) and reused every epoch. The head reads
+the target's layers 1, 3 and 5 (`--eagle3`; HF `output_hidden_states` numbering, design section 13) or its last
+hidden state after its norm (EAGLE-1) and learns the target's next-token distribution (KL; EAGLE-1 also regresses
+the target's next feature, smooth L1, the KL weighted `--cls-weight`). Training runs the head as the server drafts
+with it (`EagleProposer`), unrolled over `--unroll` draft steps ("training-time test"): step 0 at each position reads
+the target's features; step j reads the head's own output of step j - 1 one position earlier, at rotary position
+p + j, attending to the target-fed keys up to p and to its own keys of steps 1..j (`unrolled_forward`, checked
+against the serving path at start). The LM head and final norm start from the target's (the LM head frozen unless
+`--train-lm-head`), `fc` from its last layer read. AdamW, linear warm-up, cosine decay over `--steps` or
+`--cpu-budget` CPU seconds, whichever ends first. Saved in the published format (EAGLE-3: `midlayer.*`, `fc`,
+`norm`, `lm_head`, `d2t`; EAGLE-1: `fc`, `layers.0.*`), float16, so `minedraft serve --draft <out>` serves it.
+Evaluated as the demo pair is (`train_demo_pair.py`): greedy speculative decoding of held-out prompts at k=4, mean
+accepted length and draft time per step (the head through `EagleProposer`, the demo draft with its KV cache), beside
+the demo draft's.
 """
 
 from __future__ import annotations
@@ -169,47 +174,66 @@ def greedy_windows(target: Any, stream: torch.Tensor, count: int, prompt_len: in
             chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new, min_new_tokens=new, do_sample=False
         )
         windows.append(out[:, : prompt_len + new])
+        log(f"  {sum(len(w) for w in windows)}/{count} windows generated")
     return torch.cat(windows)
+
+
+@torch.no_grad()
+def target_states(target: Any, windows: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features the head reads ([N, W, len(layers) H]) and its last hidden state after its norm (what
+    its LM head reads, [N, W, H]), float16 (computed once: the target is frozen, so every epoch reuses them)."""
+    aux, final = [], []
+    for chunk in windows.split(64):
+        out = target.model(chunk, output_hidden_states=True)
+        aux.append(torch.cat([out.hidden_states[i] for i in layers], dim=-1).half())
+        final.append(out.hidden_states[-1].half())
+    return torch.cat(aux), torch.cat(final)
 
 
 def batch_loss(
     head: EagleHead,
     target: Any,
-    windows: torch.Tensor,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     steps: int,
     decay: float,
     cls_weight: float,
-    gen: torch.Generator,
-) -> tuple[torch.Tensor, float, float]:
+    noise: float,
+) -> tuple[torch.Tensor, list[float], float, list[float]]:
     """Summed over the draft steps (step j weighted decay^j): EAGLE-3, KL to the target's next-token distribution;
-    EAGLE-1, the regression of the target's next feature (smooth L1) plus `cls_weight` x that KL on a quarter of the
-    positions (the LM head is the target's, so a feature regressed exactly drafts exactly). (loss, KL, regression)"""
-    layers = LAYERS[head.eagle3]
-    with torch.no_grad():
-        out = target.model(windows, output_hidden_states=True)
-        n = windows.shape[1] - steps
-        aux = torch.cat([out.hidden_states[i][:, : n + steps - 1] for i in layers], dim=-1)
-        final = out.hidden_states[-1]  # after the target's norm: what its LM head reads
+    EAGLE-1, the regression of the target's next feature (smooth L1) plus `cls_weight` x that KL (the LM head is the
+    target's, frozen). `batch`: windows' tokens [B, W], the target's features [B, W, F] and last normed hidden
+    states [B, W, H]; uniform noise of `noise` x the features' RMS on the target-fed features (EAGLE's). Returns
+    the loss, each step's KL, the mean regression and each step's rate of drafts that chain-match the target's
+    greedy choice (step j right and every step before it: what greedy verification accepts)."""
+    windows, aux_all, final_all = batch
+    n = windows.shape[1] - steps
+    aux = aux_all[:, : n + steps - 1].float()
+    if noise:
+        aux = aux + (torch.rand_like(aux) * 2 - 1) * noise * aux.pow(2).mean().sqrt()
+    final = final_all.float()
     outs = unrolled_forward(head, aux, windows, steps)
     lm_head = target.get_output_embeddings()
-    loss, kl_sum, reg_sum = torch.zeros(()), 0.0, 0.0
+    with torch.no_grad():
+        want_all = F.log_softmax(lm_head(final[:, 1:]), dim=-1)  # the target's at positions 1..W-1
+    loss, kls, reg_sum, chain, rates = torch.zeros(()), [], 0.0, None, []
     for j, hidden in enumerate(outs):
         want_feature = final[:, j + 1 : j + 1 + n]  # the target's at p + j + 1, after the token there
+        want = want_all[:, j : j + n]
         if head.eagle3:
-            rows, picked = hidden.flatten(0, 1), want_feature.flatten(0, 1)
-            got = F.log_softmax(head.lm_head(head.norm(rows)), dim=-1)
+            got = F.log_softmax(head.lm_head(head.norm(hidden)), dim=-1)
             reg = torch.zeros(())
         else:
             reg = F.smooth_l1_loss(hidden, want_feature)
-            pick = torch.randperm(hidden.shape[0] * n, generator=gen)[: hidden.shape[0] * n // 4]
-            rows, picked = hidden.flatten(0, 1)[pick], want_feature.flatten(0, 1)[pick]
-            got = F.log_softmax(lm_head(rows), dim=-1)
-        with torch.no_grad():
-            want = F.log_softmax(lm_head(picked).float(), dim=-1)
-        kl = F.kl_div(got, want, log_target=True, reduction="batchmean")
+            got = F.log_softmax(lm_head(hidden), dim=-1)
+        kl = F.kl_div(got.flatten(0, 1), want.flatten(0, 1), log_target=True, reduction="batchmean")
         loss = loss + decay**j * (kl if head.eagle3 else reg + cls_weight * kl)
-        kl_sum, reg_sum = kl_sum + float(kl) / steps, reg_sum + float(reg) / steps
-    return loss, kl_sum, reg_sum
+        with torch.no_grad():
+            right = got.argmax(-1) == want.argmax(-1)
+            chain = right if chain is None else chain & right
+            rates.append(float(chain.float().mean()))
+        kls.append(float(kl.detach()))
+        reg_sum += float(reg) / steps
+    return loss, kls, reg_sum, rates
 
 
 def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
@@ -342,7 +366,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=96)
     parser.add_argument("--unroll", type=int, default=4, help="draft steps trained per position (k at eval)")
     parser.add_argument("--decay", type=float, default=0.8, help="weight of step j's loss: decay^j")
-    parser.add_argument("--greedy-windows", type=int, default=512, help="windows of the target's own output")
+    parser.add_argument("--greedy-windows", type=int, default=4096, help="windows of the target's own output")
+    parser.add_argument("--prompt-len", type=int, default=32, help="corpus tokens before each greedy continuation")
+    parser.add_argument("--corpus-windows", type=int, default=0, help="raw corpus windows beside the greedy ones")
+    parser.add_argument("--noise", type=float, default=0.0, help="uniform noise on the target's features (x RMS)")
+    parser.add_argument("--warmup", type=int, default=50, help="steps of linear learning-rate warm-up")
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--cpu-budget", type=float, default=0, help="CPU seconds of training at most (0: no limit)")
+    parser.add_argument("--wall-budget", type=float, default=0, help="wall seconds of training at most (0: none)")
+    parser.add_argument("--train-lm-head", action="store_true", help="EAGLE-3: train its LM head (else frozen)")
+    parser.add_argument("--windows-cache", default="", help="a file keeping the greedy windows between runs")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--eagle3", action="store_true", help="an EAGLE-3 head (layers 1, 3, 5) instead of EAGLE-1")
     parser.add_argument("--cls-weight", type=float, default=0.2, help="EAGLE-1: weight of the KL beside regression")
@@ -358,6 +391,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
     target = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.float32).eval().requires_grad_(False)
     tokenizer = Tokenizer.from_file(str(TARGET_DIR / "tokenizer.json"))
     eos = int(target.config.eos_token_id)
@@ -381,34 +415,72 @@ def main() -> None:
         head, torch.cat([probe_out.hidden_states[i][0] for i in LAYERS[args.eagle3]], -1), probe, args.unroll
     )
     start = time.time()
-    greedy = greedy_windows(target, stream, args.greedy_windows, 48, window - 48, args.seed)
-    log(f"{len(greedy)} windows of the target's greedy output in {time.time() - start:.1f}s")
-    params = [p for name, p in head.named_parameters() if not name.startswith(("embed.", "target_head."))]
-    head.embed.requires_grad_(False)
+    prompt_len = min(args.prompt_len, window - 1)
+    cached = Path(args.windows_cache) if args.windows_cache else None
+    key = [args.greedy_windows, prompt_len, window, args.seed]
+    if cached and cached.is_file() and torch.load(cached)["key"] == key:
+        windows = torch.load(cached)["windows"]
+    else:
+        windows = greedy_windows(target, stream, args.greedy_windows, prompt_len, window - prompt_len, args.seed)
+        if cached:
+            torch.save({"key": key, "windows": windows}, cached)
+    log(f"{len(windows)} windows of the target's greedy output in {time.time() - start:.1f}s")
+    layers = LAYERS[args.eagle3]
+    if args.corpus_windows:  # raw corpus windows beside them (the target's distribution on text it did not write)
+        offsets = torch.randint(0, stream.numel() - window, (args.corpus_windows,), generator=gen)
+        windows = torch.cat([windows, torch.stack([stream[o : o + window] for o in offsets.tolist()])])
+    aux_all, final_all = target_states(target, windows, layers)
+    data_s = time.time() - start
+    log(f"the target's states of {len(windows)} windows ({aux_all.numel() * 2 / 2**20:.0f} MB) in {data_s:.1f}s")
+    frozen = ("embed.", "target_head.") + (() if args.train_lm_head else ("lm_head.",))
+    params = [p for name, p in head.named_parameters() if not name.startswith(frozen)]
+    for name, param in head.named_parameters():
+        param.requires_grad_(not name.startswith(frozen))
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(args.seed)
     start = time.time()
-    running = torch.zeros(3)
+    running, rate_sum, curve = torch.zeros(3), torch.zeros(args.unroll), []
+    cpu_start = time.process_time()
+    steps_run = 0
     for step in range(args.steps):
-        warm = min(1.0, (step + 1) / 20)
+        # The schedule runs on whichever ends first: the steps, the CPU-time or the wall-time budget.
+        progress = max(
+            step / args.steps,
+            (time.process_time() - cpu_start) / args.cpu_budget if args.cpu_budget else 0,
+            (time.time() - start) / args.wall_budget if args.wall_budget else 0,
+        )
+        if progress >= 1:
+            break
+        warm = min(1.0, (step + 1) / args.warmup)
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
-        half = args.batch // 2
-        offsets = torch.randint(0, stream.numel() - window, (args.batch - half,), generator=gen)
-        corpus = torch.stack([stream[o : o + window] for o in offsets.tolist()])
-        picks = torch.randint(0, len(greedy), (half,), generator=gen)
-        windows = torch.cat([corpus, greedy[picks]])
-        loss, kl, reg = batch_loss(head, target, windows, args.unroll, args.decay, args.cls_weight, gen)
+            group["lr"] = args.lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+        steps_run = step + 1
+        picks = torch.randint(0, len(windows), (args.batch,), generator=gen)
+        batch = (windows[picks], aux_all[picks], final_all[picks])
+        loss, kls, reg, rates = batch_loss(head, target, batch, args.unroll, args.decay, args.cls_weight, args.noise)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        running += torch.tensor([float(loss), kl, reg])
-        if (step + 1) % 25 == 0:
-            loss_, kl_, reg_ = (running / 25).tolist()
-            log(f"step {step + 1}/{args.steps}: loss {loss_:.3f} (KL per step {kl_:.3f}, regression {reg_:.4f})")
+        running += torch.tensor([float(loss), sum(kls) / len(kls), reg])
+        rate_sum += torch.tensor(rates)
+        if (step + 1) % args.log_every == 0:
+            loss_, kl_, reg_ = (running / args.log_every).tolist()
+            chain = (rate_sum / args.log_every).tolist()
+            point = {
+                "step": step + 1,
+                "seconds": round(time.time() - start, 1),
+                "cpu_seconds": round(time.process_time() - cpu_start, 1),
+                "loss": round(loss_, 4),
+                "kl_per_step": round(kl_, 4),
+                "regression": round(reg_, 5),
+                "train_chain_match": [round(r, 3) for r in chain],
+                "train_accepted_length": round(1 + sum(chain), 3),
+            }
+            curve.append(point)
+            log(json.dumps(point))
             running.zero_()
-    train_s = time.time() - start
+            rate_sum.zero_()
+    train_s, train_cpu_s = time.time() - start, time.process_time() - cpu_start
     head.eval().requires_grad_(False)
     with torch.no_grad():  # evaluate the weights as shipped (float16)
         for name, param in head.named_parameters():
@@ -418,16 +490,32 @@ def main() -> None:
     report: dict[str, Any] = {
         "command": "python scripts/train_demo_eagle.py " + " ".join(sys.argv[1:]),
         "corpus": f"stdlib of Python {sys.version.split()[0]}, {stream.numel()} train tokens",
-        "steps": args.steps,
+        "steps": steps_run,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "unroll": args.unroll,
         "format": "EAGLE-3" if args.eagle3 else "EAGLE-1",
         "resumed_from": args.resume or None,
+        "greedy_windows": args.greedy_windows,
+        "corpus_windows": args.corpus_windows,
+        "prompt_len": prompt_len,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "decay": args.decay,
+        "cls_weight": args.cls_weight,
+        "noise": args.noise,
+        "cpu_budget": args.cpu_budget,
+        "wall_budget": args.wall_budget,
+        "positions_trained": steps_run * args.batch * args.seq_len,
+        "lm_head": "trained" if args.train_lm_head else "the target's, frozen",
+        "threads": torch.get_num_threads(),
+        "data_seconds": round(data_s, 1),
         "train_seconds": round(train_s, 1),
+        "train_cpu_seconds": round(train_cpu_s, 1),
         "k": args.k,
         "prompts": len(prompts),
     }
+    report["curve"] = curve
     save_head(head, target, Path(args.out), report)  # (before the evaluation: minutes more on a busy CPU)
     log(f"saved {args.out}; evaluating on {len(prompts)} held-out prompts")
     report |= evaluate(target, head, prompts, args.k)

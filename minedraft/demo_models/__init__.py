@@ -2,6 +2,8 @@
 
 ``TARGET_DIR`` and ``DRAFT_DIR`` are Hugging Face model directories (config, float16 safetensors, tokenizer) that
 load with ``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)`` and ``AutoTokenizer.from_pretrained``.
+``EAGLE_DIR`` holds an EAGLE-3 head for the target (made by ``scripts/train_demo_eagle.py``): ``minedraft serve
+--draft`` takes it in place of the draft.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent
 TARGET_DIR = DEMO_DIR / "target"
 DRAFT_DIR = DEMO_DIR / "draft"
+EAGLE_DIR = DEMO_DIR / "eagle"
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 
 
