@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -148,8 +150,11 @@ def test_compiled_layers_compile_ragged_steps_ahead_and_equal_uncompiled(tiny_mo
     ragged forward: afterwards ragged steps of 1 and several rows, totals from 1 token up, compile nothing (it would
     fail here) and give the uncompiled forward's logits. (The layers only: the acceptance's compiles, already
     tested by tests/test_compile.py, took minutes more.)"""
+    # Copies: compiling changes a model in place (the session's target is saved by later tests), and the eager
+    # runner must not run the compiled layers.
     target = tiny_models.target("llama")
-    compiled, eager = ModelRunner(target, ROWS, CACHE_LEN, compile_layers=True), ModelRunner(target, ROWS, CACHE_LEN)
+    compiled = ModelRunner(copy.deepcopy(target), ROWS, CACHE_LEN, compile_layers=True)
+    eager = ModelRunner(copy.deepcopy(target), ROWS, CACHE_LEN)
     compiled.forward_pass.warm_up_ragged(compiled.scratch_row, K + 1, compiled.step_shape(1, K + 1, K + 1)[1])
     gen = torch.Generator().manual_seed(9)
     for rows, counts in (([0], [1]), ([1], [K + 1]), ([2, 3, 4], [1, 0, K + 1]), ([2, 3, 4], [3, K + 1, 2])):
