@@ -49,7 +49,7 @@ def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
     tokens the padded one does, with the same logprobs, and leaves the same K/V in every row. (Plain greedy takes
     the argmax over the flattened tokens' logits, `flat_argmax`.)"""
     sampled, logprobs = kind.startswith("sampled"), 3 if kind.endswith("logprobs") else None
-    target = tiny_models.target(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
+    target = copy.deepcopy(tiny_models.target(arch, **({"sliding_window": 6} if arch == "mistral" else {})))
     draft = tiny_models.noisy_draft(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
     verifiers = _verifiers(target)
     configs = [
@@ -92,7 +92,7 @@ def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
 def test_ragged_forward_logits_equal_padded(tiny_models) -> None:
     """The forward itself: at every valid position the ragged logits equal the padded ones (float32), past a row's
     valid tokens they repeat its last one's, with padding tokens beyond the valid total."""
-    target = tiny_models.target("llama")
+    target = copy.deepcopy(tiny_models.target("llama"))  # (runners change a model in place; later tests save it)
     runners = [ModelRunner(target, ROWS, CACHE_LEN) for _ in range(2)]
     gen = torch.Generator().manual_seed(5)
     counts = torch.tensor([3, 0, 7, 1, 5])
