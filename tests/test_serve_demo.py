@@ -21,11 +21,34 @@ from minedraft_app.stack import free_port, wait_healthy
 pytestmark = pytest.mark.skipif(not available(), reason="the demo pair is not in minedraft/demo_models")
 
 
+def _start_serve(
+    args: list[str], env: dict[str, str]
+) -> tuple[subprocess.Popen[str], list[str], threading.Event, threading.Thread]:
+    """`minedraft serve` in a session of its own, its output read into `lines` by `reader`; `serving` is set once it
+    prints its public address (all services up)."""
+    serve = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    lines: list[str] = []
+    serving = threading.Event()
+
+    def read_output() -> None:
+        assert serve.stdout is not None
+        for line in serve.stdout:
+            lines.append(line)
+            if line.startswith("minedraft serving"):
+                serving.set()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    return serve, lines, serving, reader
+
+
 def test_serve_demo_pair_and_generate_json() -> None:
     """`serve --port 0`: every service, the public coordinator too, binds a port of its own choosing. A SIGTERM
     (a container's stop) then lets the request in flight finish before all three stop."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MINEDRAFT_HTTP_PORT": "0"}
-    serve = subprocess.Popen(
+    serve, lines, serving, reader = _start_serve(
         [
             sys.executable,
             "-m",
@@ -40,24 +63,8 @@ def test_serve_demo_pair_and_generate_json() -> None:
             "--max-model-len",
             "512",
         ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        env,
     )
-    lines: list[str] = []
-    serving = threading.Event()
-
-    def read_output() -> None:
-        assert serve.stdout is not None
-        for line in serve.stdout:
-            lines.append(line)
-            if line.startswith("minedraft serving"):
-                serving.set()
-
-    reader = threading.Thread(target=read_output, daemon=True)
-    reader.start()
     try:
         assert serving.wait(timeout=240), "".join(lines)  # serve prints the public address once all are up
         found = re.search(r"minedraft serving psd on localhost:(\d+) ", "".join(lines))
@@ -211,28 +218,12 @@ def test_serve_with_the_demo_eagle_head_matches_the_target_alone() -> None:
         with torch.inference_mode():
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
         expected.append(out[0, ids.shape[1] :].tolist())
-    serve = subprocess.Popen(
+    serve, lines, serving, reader = _start_serve(
         [sys.executable, "-m", "minedraft_app", "serve", "--single-process", "--draft", str(EAGLE_DIR)]
         + ["--port", "0", "--host", "127.0.0.1", "--dtype", "float32", "--max-batch-size", "2"]
         + ["--max-model-len", "256", "--num-speculative-tokens", "4", "--speculation", "always"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MINEDRAFT_HTTP_PORT": "0"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        {**os.environ, "OMP_NUM_THREADS": "1", "MINEDRAFT_HTTP_PORT": "0"},
     )
-    lines: list[str] = []
-    serving = threading.Event()
-
-    def read_output() -> None:
-        assert serve.stdout is not None
-        for line in serve.stdout:
-            lines.append(line)
-            if line.startswith("minedraft serving"):
-                serving.set()
-
-    reader = threading.Thread(target=read_output, daemon=True)
-    reader.start()
     try:
         assert serving.wait(timeout=240), "".join(lines)
         found = re.search(r"minedraft serving psd on localhost:(\d+) ", "".join(lines))
