@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="then where one batch's proposals spend their time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -78,6 +79,23 @@ def main() -> None:
             flush=True,
         )
     print(json.dumps(results))
+    if args.profile:
+        profile_proposals(proposer, ids, args.k, vocab, width, args.device)
+
+
+def profile_proposals(proposer: EagleProposer, ids: list[int], k: int, vocab: int, width: int, device: str) -> None:
+    """The last batch's proposals under torch's profiler: the ops by their own time, and their shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    accepted = torch.zeros(len(ids), dtype=torch.long)
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(3):
+            proposer.propose(ids, accepted, torch.randint(1, vocab, (len(ids),)), k).draft_ids.tolist()
+            proposer.add_hidden(ids, [torch.randn(1, width) for _ in ids])
+    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=12), flush=True)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,9 @@ def save_and_load(model: PreTrainedModel, directory: Path) -> PreTrainedModel:
 
 
 class TinyModels:
-    """Builds and caches tiny models for a whole test session (building is cheap, but not free on 2 cores)."""
+    """Builds and caches tiny models for a whole test session (building is cheap, but not free on 2 cores). Each
+    call hands out a copy: a `ModelRunner` fuses the projections of the model it is given, so a shared one would
+    carry one test's runner into the next (a later `save_pretrained` wrote fused keys)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -124,7 +126,7 @@ class TinyModels:
             if from_disk:
                 model = save_and_load(model, self.root / f"{arch}-{seed}-{len(self._cache)}")
             self._cache[key] = model
-        return self._cache[key]
+        return copy.deepcopy(self._cache[key])
 
     def target(self, arch: str, **config: Any) -> PreTrainedModel:
         """The usual test target: hidden 64, 2 layers, vocab 128, loaded through `from_pretrained`."""
@@ -139,7 +141,7 @@ class TinyModels:
         target on roughly half the greedy choices, so verify steps accept some drafts and reject the rest."""
         key = ("noisy", arch, scale, tuple(sorted(config.items())))
         if key not in self._cache:
-            model = copy.deepcopy(self.target(arch, **config))
+            model = self.target(arch, **config)
             gen = torch.Generator().manual_seed(7)
             with torch.no_grad():
                 for param in model.parameters():
@@ -147,7 +149,7 @@ class TinyModels:
                         spread = param.std().clamp(min=1e-3)
                         param.add_(torch.randn(param.shape, generator=gen) * scale * spread)
             self._cache[key] = model
-        return self._cache[key]
+        return copy.deepcopy(self._cache[key])
 
 
 @pytest.fixture(scope="session")

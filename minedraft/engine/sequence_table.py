@@ -28,11 +28,16 @@ def prefill_groups(lengths: Sequence[int], forward_cost: int) -> list[list[int]]
     sorted by length, the one that computes the fewest tokens, padding included, at `forward_cost` tokens a forward.
     Prompts of similar lengths share a forward; one long prompt among short ones gets its own. Each group lists its
     prompts in their order."""
+    if not lengths:
+        return []
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    # Groups start only where the length changes: a group's tail of prompts as long as the next group's first costs
+    # no more in that group (padded to their own length), so the split runs over distinct lengths, not prompts.
+    starts = [j for j in range(len(order)) if j == 0 or lengths[order[j]] != lengths[order[j - 1]]]
     # best[j]: (cost, start of the last group) of the cheapest split of the j longest prompts
-    best = [(0, 0)]
-    for j in range(1, len(order) + 1):
-        best.append(min((best[i][0] + forward_cost + (j - i) * lengths[order[i]], i) for i in range(j)))
+    best = {0: (0, 0)}
+    for b, j in enumerate(starts[1:] + [len(order)], start=1):
+        best[j] = min((best[i][0] + forward_cost + (j - i) * lengths[order[i]], i) for i in starts[:b])
     groups, end = [], len(order)
     while end:
         start = best[end][1]
