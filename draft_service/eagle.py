@@ -11,6 +11,7 @@ import torch
 
 from draft_service.drafter import Proposal, check_proposal
 from draft_service.eagle_head import EagleHead, HeadCache, HeadSpec, SlotRun
+from minedraft.engine.attention import avoid_cudnn_attention
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.errors import CapacityError, InvalidRequest
 
@@ -62,6 +63,7 @@ class EagleProposer:
         longer than it needs past it)."""
         self.head, self.spec, self.num_slots = head, spec, num_slots
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
+        avoid_cudnn_attention(self.device)  # (the head's attention shapes change every call)
         attn = head.self_attn
         capacity = min(INITIAL_CACHE_POSITIONS, max_len or INITIAL_CACHE_POSITIONS)
         # (a sequence of max_len tokens drafts k past it: the limit leaves room for that, not for doubling again)

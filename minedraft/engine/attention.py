@@ -33,6 +33,14 @@ PAGED = "minedraft_paged"
 RAGGED = "minedraft_ragged"
 
 
+def avoid_cudnn_attention(device: torch.device) -> None:
+    """On a GPU, SDPA without its cuDNN backend (process-wide): cuDNN builds a new plan for every new key length, 17
+    ms of CPU per attention call measured on an H200 (benchmarks/profile_step.py); the flash and efficient kernels
+    take the same masks without that."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def grouped_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from minedraft.engine.attention import avoid_cudnn_attention
 from minedraft.engine.batch_invariant import fuse_norms, invariant_mode
 from minedraft.engine.block_tables import TableWriter
 from minedraft.engine.cache_sizing import allocate_cache
@@ -154,10 +155,7 @@ class ModelRunner:
         self.step_keys: set[tuple[object, ...]] = set()
         self.compiles = compile_layers
         self.graphs: CudaGraphs | None = None
-        if self.device.type == "cuda":
-            # cuDNN's SDPA builds a new plan for every new key length: 17 ms of CPU per attention call measured on
-            # an H200 (benchmarks/profile_step.py). The flash/efficient kernels take the same masks without that.
-            torch.backends.cuda.enable_cudnn_sdp(False)
+        avoid_cudnn_attention(self.device)
         allocate_cache(
             self.forward_pass,
             self.scratch_row,
