@@ -3,7 +3,8 @@
 Test modules load this as a plugin (``pytest_plugins = ["stack"]``) so that its session-scoped fixtures exist once
 per test session (a fixture imported into several modules would be built once per module). Every process started
 here runs ``python -m minedraft_app ...`` with ``OMP_NUM_THREADS=1`` and is stopped (SIGINT, then SIGKILL) in
-fixture teardown. Starting a process costs seconds (it imports torch and transformers), so the worker pair of each
+fixture teardown; it is forked from the session's launcher (``launcher.py``), which has imported torch and
+transformers once. Starting a process still costs a second or two (model loading, warm-up), so the worker pair of each
 architecture is started once per session and the coordinators, cheaper to replace, come and go around it: a
 coordinator must release every sequence it admitted before it stops, so the next one finds the workers clean.
 
