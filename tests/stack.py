@@ -3,7 +3,8 @@
 Test modules load this as a plugin (``pytest_plugins = ["stack"]``) so that its session-scoped fixtures exist once
 per test session (a fixture imported into several modules would be built once per module). Every process started
 here runs ``python -m minedraft_app ...`` with ``OMP_NUM_THREADS=1`` and is stopped (SIGINT, then SIGKILL) in
-fixture teardown. Starting a process costs seconds (it imports torch and transformers), so the worker pair of each
+fixture teardown; it is forked from the session's launcher (``launcher.py``), which has imported torch and
+transformers once. Starting a process still costs a second or two (model loading, warm-up), so the worker pair of each
 architecture is started once per session and the coordinators, cheaper to replace, come and go around it: a
 coordinator must release every sequence it admitted before it stops, so the next one finds the workers clean.
 
@@ -33,6 +34,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from launcher import Launcher
 
 from coordinator.main import Coordinator, serve
 from coordinator.options import CoordinatorOptions
@@ -295,6 +297,21 @@ def _kill_leftovers() -> None:
     for proc in _SPAWNED:
         if proc.poll() is None:
             proc.kill()
+    for launcher in _LAUNCHER:
+        launcher.stop()
+
+
+_LAUNCHER: list[Launcher] = []
+
+
+def _launcher() -> Launcher | None:
+    """The session's service launcher (`launcher.py`: services forked with torch and transformers imported),
+    started on first use; None where MINEDRAFT_TEST_FORK=0 asks for every service started from scratch."""
+    if os.environ.get("MINEDRAFT_TEST_FORK", "1") == "0":
+        return None
+    if not _LAUNCHER or not _LAUNCHER[0].alive():
+        _LAUNCHER[:] = [Launcher(SERVICE_ENV, str(REPO))]
+    return _LAUNCHER[0]
 
 
 def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dict[str, str] | None = None) -> Service:
@@ -305,15 +322,20 @@ def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dic
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{next(_LOG_NUMBERS)}.log"
     port_file = ["--port-file", str(log_path.with_suffix(".port"))] if port == 0 else []
+    full_args = [*args, "--port", str(port), *port_file]
+    launcher = _launcher()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "minedraft_app", *args, "--port", str(port), *port_file],
-            cwd=REPO,
-            env=env or SERVICE_ENV,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        if launcher is not None and launcher.can_start(env or SERVICE_ENV):
+            proc: subprocess.Popen = launcher.spawn(full_args, str(log_path), env or SERVICE_ENV)
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "minedraft_app", *full_args],
+                cwd=REPO,
+                env=env or SERVICE_ENV,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
     _SPAWNED.append(proc)
     return Service(name, proc, log_path, port)
 
