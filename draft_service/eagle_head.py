@@ -148,7 +148,7 @@ class HeadAttention(nn.Module):
         mask = torch.arange(run.length, device=x.device) <= run.limits[:, None, :, None]  # [B, 1, n, L]
         mask = mask.expand(batch, groups, n, run.length).reshape(batch, 1, groups * n, run.length)
         out = nn.functional.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask)
-        return self.o_proj(out.view(batch, self.heads, n, self.head_dim).transpose(1, 2).reshape(batch, n, -1))
+        return self.o_proj(out.reshape(batch, self.heads, n, self.head_dim).transpose(1, 2).reshape(batch, n, -1))
 
 
 class EagleHead(nn.Module):
