@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -49,7 +47,7 @@ def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
     tokens the padded one does, with the same logprobs, and leaves the same K/V in every row. (Plain greedy takes
     the argmax over the flattened tokens' logits, `flat_argmax`.)"""
     sampled, logprobs = kind.startswith("sampled"), 3 if kind.endswith("logprobs") else None
-    target = copy.deepcopy(tiny_models.target(arch, **({"sliding_window": 6} if arch == "mistral" else {})))
+    target = tiny_models.target(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
     draft = tiny_models.noisy_draft(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
     verifiers = _verifiers(target)
     configs = [
@@ -92,7 +90,7 @@ def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
 def test_ragged_forward_logits_equal_padded(tiny_models) -> None:
     """The forward itself: at every valid position the ragged logits equal the padded ones (float32), past a row's
     valid tokens they repeat its last one's, with padding tokens beyond the valid total."""
-    target = copy.deepcopy(tiny_models.target("llama"))  # (runners change a model in place; later tests save it)
+    target = tiny_models.target("llama")
     runners = [ModelRunner(target, ROWS, CACHE_LEN) for _ in range(2)]
     gen = torch.Generator().manual_seed(5)
     counts = torch.tensor([3, 0, 7, 1, 5])
@@ -150,11 +148,9 @@ def test_compiled_layers_compile_ragged_steps_ahead_and_equal_uncompiled(tiny_mo
     ragged forward: afterwards ragged steps of 1 and several rows, totals from 1 token up, compile nothing (it would
     fail here) and give the uncompiled forward's logits. (The layers only: the acceptance's compiles, already
     tested by tests/test_compile.py, took minutes more.)"""
-    # Copies: compiling changes a model in place (the session's target is saved by later tests), and the eager
-    # runner must not run the compiled layers.
-    target = tiny_models.target("llama")
-    compiled = ModelRunner(copy.deepcopy(target), ROWS, CACHE_LEN, compile_layers=True)
-    eager = ModelRunner(copy.deepcopy(target), ROWS, CACHE_LEN)
+    # Two copies of the target: compiling changes a model in place, and the eager runner must not run compiled layers.
+    compiled = ModelRunner(tiny_models.target("llama"), ROWS, CACHE_LEN, compile_layers=True)
+    eager = ModelRunner(tiny_models.target("llama"), ROWS, CACHE_LEN)
     compiled.forward_pass.warm_up_ragged(compiled.scratch_row, K + 1, compiled.step_shape(1, K + 1, K + 1)[1])
     gen = torch.Generator().manual_seed(9)
     for rows, counts in (([0], [1]), ([1], [K + 1]), ([2, 3, 4], [1, 0, K + 1]), ([2, 3, 4], [3, K + 1, 2])):

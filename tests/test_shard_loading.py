@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -72,7 +71,7 @@ def _save(tiny_models, arch: str, layout: str, directory: Path) -> None:
         tiny_models.get(arch, 3, tie_word_embeddings=True).save_pretrained(directory, max_shard_size="40KB")
         assert (directory / "model.safetensors.index.json").is_file(), "the checkpoint is in several files"
     else:
-        copy.deepcopy(tiny_models.get(arch, 4)).to(torch.bfloat16).save_pretrained(directory)
+        tiny_models.get(arch, 4).to(torch.bfloat16).save_pretrained(directory)
 
 
 def _assert_same(direct: PreTrainedModel, cut: PreTrainedModel) -> None:
