@@ -266,14 +266,14 @@ def test_eagle_samples_of_a_prompt_preempted_by_a_small_pool(
 
 
 def test_eagle_long_prompts_past_the_reverse_buffer(eagle_workers: dict[str, Workers], tiny_pairs: TinyPairs) -> None:
-    """A prefill of more prompt positions than the reverse buffer holds (4 prompts of ~110 tokens at once; the buffer
-    holds one prompt of --max-model-len 256): the target sends each sequence's latest positions, the head drafts on
-    them (the earlier ones left out of its keys), and the output is `generate()`'s."""
+    """A prefill of more prompt positions than the reverse buffer holds (4 prompts of ~150 tokens at once, any two
+    past it; the buffer holds one prompt of --max-model-len 256): the target sends each sequence's latest positions,
+    the head drafts on them (the earlier ones left out of its keys), and the output is `generate()`'s."""
     from transformers import AutoModelForCausalLM
 
     workers = eagle_workers["qwen3"]
     pair = tiny_pairs["qwen3"]
-    prompts = text_prompts(load_tokenizer(str(pair.target)), 4, 100, 120, seed=12)
+    prompts = text_prompts(load_tokenizer(str(pair.target)), 4, 140, 160, seed=12)
     model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
     expected = [hf_greedy(model, prompt, 12) for prompt in prompts]
     params = generation_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
