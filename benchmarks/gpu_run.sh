@@ -41,7 +41,8 @@
 #   tetris              TETRIS served (8B-shaped target, 68M draft, one GPU or two): plain psd and sd, then psd
 #                       --tetris with E = 2 and 4 (TETRIS_EXTRAS), at batches 32 and 64 (TETRIS_BATCHES), all at a
 #                       synthetic acceptance of 0.9 or 0.3 by row that the draft's scores predict (ROW_ACCEPTANCE;
-#                       a single rate, 0.6, is the control where selection cannot help); output tokens/s of each;
+#                       a single rate, 0.6, is the control where selection cannot help; TETRIS_PROMPTS: requests a
+#                       stack, 4 x batch); output tokens/s of each;
 #                       first one verify step ragged against padded and uniform (ragged_verify_bench.py, 8 layers)
 #   eagle               drafts that read the target (benchmarks/eagle_bench.py): an 8B-shaped target (synthetic
 #                       acceptance ACCEPTANCE, 0.7) with a random EAGLE-3 head (eagle_head_checkpoint.py, draft vocab
@@ -321,7 +322,7 @@ tetris)
             timeout -k 10 ${BENCH_SECONDS:-100} python3 -m $app bench $flags --speculation always \
                 --synthetic-row-acceptance "${ROW_ACCEPTANCE:-0.9,0.3}" --target /tmp/ckpt/8b --draft /tmp/ckpt/68m \
                 --precapture-graphs ${PRECAPTURE:-off} ${EXTRA:-} --target-device "$TARGET_DEVICE" \
-                --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts $((batch * 4)) --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
+                --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts ${TETRIS_PROMPTS:-$((batch * 4))} --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
                 > "$OUT/run/tetris_${batch}_${run}.log" 2>&1
             echo "== batch $batch $run"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/tetris_${batch}_${run}.log"
         done

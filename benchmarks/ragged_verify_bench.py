@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="each variant's K/V (None: the engine's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel seen by --profile)")
+    parser.add_argument("--profile", action="store_true", help="then each variant's kernels by their GPU time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = random_llama(args.hidden, args.layers, args.vocab).to(args.device, getattr(torch, args.dtype))
@@ -92,7 +94,13 @@ def main() -> None:
     configs = [SamplingConfig(max_tokens=10_000) for _ in seq_ids]
     verifiers: dict[str, Verifier] = {}
     for name in names:
-        runner = ModelRunner(model, args.batch, args.prompt + args.repeats + 64, kv_cache_memory=args.kv_cache_gib)
+        runner = ModelRunner(
+            model,
+            args.batch,
+            args.prompt + args.repeats + 64 + (3 if args.profile else 0),
+            cuda_graphs=not args.eager,
+            kv_cache_memory=args.kv_cache_gib,
+        )
         verifier = Verifier(runner, [])
         verifier.ragged_verifies = name != "padded"
         verifier.prefill(seq_ids, prompts, configs).per_row()
@@ -122,6 +130,26 @@ def main() -> None:
         print(f"  {name:12s} {positions[name]:4d} positions  CPU {medians[name]:8.2f} ms  wall {wall[name]:8.2f} ms")
     for a, b in (("ragged", "padded"), ("ragged", "uniform"), ("ragged-even", "uniform")):
         print(f"  {a} / {b}: CPU {medians[a] / medians[b]:.3f}  wall {wall[a] / wall[b]:.3f}")
+    if args.profile:
+        for name in names:
+            profile_variant(name, verifiers[name], seq_ids, args, gen)
+
+
+def profile_variant(
+    name: str, verifier: Verifier, seq_ids: list[int], args: argparse.Namespace, gen: torch.Generator
+) -> None:
+    """Three more verifies of a variant under torch's profiler: its kernels (or ops) by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = str(args.device).startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            drafts = variant_drafts(name, args.batch, args.k, args.extra, args.vocab, gen)
+            verifier.verify(seq_ids, drafts, None, selected=name != "uniform").per_row()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"== {name}: three verifies")
+    print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 # shapes for CUDA graphs, and eager runs use the very same shapes, so graphs and eager give identical outputs.
 # Prefills, never graphed, run at their own batch size.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_GRAPH_TOKENS = 8  # verify steps of up to 7 drafts; prefills run eagerly
+MAX_GRAPH_TOKENS = 16  # verify steps of up to 15 drafts (TETRIS: k + E); prefills run eagerly
 # A step's graph is captured as a chain of graphs that begin at decoder-layer calls 1, 3, 7, 15, ... (0-based; each
 # graph CHAIN_GROWTH times as many calls from the step's start as the one before): the GPU starts on the first while
 # the host launches the rest (`CudaGraphs`). False: one graph per step.
