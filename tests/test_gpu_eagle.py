@@ -36,8 +36,8 @@ def _head() -> EagleHead:
         head_dim=16,
         vocab_size=VOCAB,
         num_hidden_layers=1,
-        draft_vocab_size=DRAFT_VOCAB,
     )
+    config.draft_vocab_size = DRAFT_VOCAB  # (an EAGLE-3 head's own vocabulary, mapped to the target's by d2t)
     torch.manual_seed(0)
     head = EagleHead(config, eagle3=True, fc_inputs=3 * HIDDEN)
     head.embed = torch.nn.Embedding(VOCAB, HIDDEN)
