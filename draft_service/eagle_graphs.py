@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -64,7 +65,8 @@ class ChainGraphs:
         self.device = outputs.device
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.metas: dict[int, torch.Tensor] = {}  # padded batch -> its static rows
-        self.keys_of_graphs: torch.Tensor | None = None  # the cache's keys the graphs write and read
+        # The cache's keys the graphs write and read (weakly: a replaced tensor is freed, not kept for the check)
+        self.keys_of_graphs: weakref.ref[torch.Tensor] | None = None
         if replay:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(self.device)
@@ -104,13 +106,13 @@ class ChainGraphs:
     def _graph(self, key: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of `key` and its drafts' buffer, captured first where missing (every cached graph dropped first
         if the cache's tensors were replaced since they were captured)."""
-        if self.keys_of_graphs is not self.cache.keys:
+        if self.keys_of_graphs is None or self.keys_of_graphs() is not self.cache.keys:
             if self.graphs:
                 log.info(
                     "the EAGLE head's cache grew to %d keys: %d graphs dropped", self.cache.capacity, len(self.graphs)
                 )
             self.graphs.clear()
-            self.keys_of_graphs = self.cache.keys
+            self.keys_of_graphs = weakref.ref(self.cache.keys)
         if key not in self.graphs:
             start = time.perf_counter()
             self.graphs[key] = self._capture(*key)
