@@ -3,10 +3,12 @@
 Each step runs as the draft service sees it: the target's states of the positions the last verify kept (a random
 accepted count of k drafts, plus the verified token), then a proposal. Prints the median proposal time per
 batch (wall and CPU time: the CPU time holds on a busy machine with --threads 1), and the CPU time of handing it the
-states.
+states. On CUDA the draft steps replay CUDA graphs, captured before the timing (`precapture`); --eager runs them
+eagerly.
 
     python benchmarks/eagle_proposal_bench.py --target minedraft/demo_models/target --head /tmp/eb-eagle3 \
         --batches 1,4,16,64 --k 4
+    python benchmarks/eagle_proposal_bench.py ... --device cuda --dtype bfloat16 [--eager]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs of the draft steps")
     parser.add_argument("--profile", action="store_true", help="then where one batch's proposals spend their time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -49,7 +52,8 @@ def main() -> None:
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         gen = torch.Generator().manual_seed(batch)
-        proposer = EagleProposer(head, spec, num_slots=batch)
+        proposer = EagleProposer(head, spec, num_slots=batch, cuda_graphs=not args.eager)
+        captured = proposer.precapture(args.k, batch)
         ids = list(range(batch))
         prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=gen).tolist() for _ in ids]
         proposer.add_hidden(ids, [torch.randn(args.prompt_len, width, generator=gen) for _ in ids], admitting=True)
@@ -73,9 +77,10 @@ def main() -> None:
         median, cpu = statistics.median(times[2:]) * 1e3, statistics.median(cpu_times[2:]) * 1e3
         states_cpu = statistics.median(states_times[2:]) * 1e3
         results[batch] = {"wall_ms": round(median, 2), "cpu_ms": round(cpu, 2), "states_cpu_ms": round(states_cpu, 2)}
+        graphs = len(proposer.graphs.graphs) if proposer.graphs is not None else 0
         print(
             f"batch {batch:3d}: proposal {median:7.2f} ms, CPU {cpu:7.2f} ms; its states' CPU {states_cpu:6.2f} ms"
-            f" (medians, k={args.k})",
+            f" (medians, k={args.k}; {graphs} CUDA graphs, {captured} captured ahead)",
             flush=True,
         )
     print(json.dumps(results))

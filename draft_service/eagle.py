@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.drafter import Proposal, check_proposal
+from draft_service.eagle_graphs import ChainGraphs
 from draft_service.eagle_head import EagleHead, HeadCache, HeadSpec, SlotRun
 from minedraft.engine.attention import avoid_cudnn_attention
 from minedraft.engine.sampling import SamplingConfig
@@ -58,9 +59,17 @@ class EagleProposer:
     forward of all rows' known positions, then k greedy steps with the argmax on the device, the drafts copied to
     the host once. Greedy drafts: q is one-hot (lossless, as any greedy draft)."""
 
-    def __init__(self, head: EagleHead, spec: HeadSpec, num_slots: int, max_len: int | None = None) -> None:
+    def __init__(
+        self,
+        head: EagleHead,
+        spec: HeadSpec,
+        num_slots: int,
+        max_len: int | None = None,
+        cuda_graphs: bool = True,
+    ) -> None:
         """`max_len`: the target's longest sequence, where known (the cache starts at most that long and grows no
-        longer than it needs past it)."""
+        longer than it needs past it). `cuda_graphs`: on CUDA, the k draft steps run as CUDA graphs (`ChainGraphs`);
+        False (--eager): eagerly, as on the CPU."""
         self.head, self.spec, self.num_slots = head, spec, num_slots
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         avoid_cudnn_attention(self.device)  # (the head's attention shapes change every call)
@@ -68,12 +77,16 @@ class EagleProposer:
         capacity = min(INITIAL_CACHE_POSITIONS, max_len or INITIAL_CACHE_POSITIONS)
         # (a sequence of max_len tokens drafts k past it: the limit leaves room for that, not for doubling again)
         limit = None if max_len is None else max_len + MAX_DRAFT_ROOM
-        self.cache = HeadCache(num_slots, attn.kv_heads, attn.head_dim, self.dtype, self.device, capacity, limit)
+        # One slot more than the sequences': the scratch slot (`num_slots`), where a graph's padding rows run.
+        slots = num_slots + 1
+        self.cache = HeadCache(slots, attn.kv_heads, attn.head_dim, self.dtype, self.device, capacity, limit)
         # Each slot's last output (position kv_len - 1): the hidden state its next self-fed position or draft reads.
-        self.outputs = torch.zeros(num_slots, head.fc.out_features, dtype=self.dtype, device=self.device)
+        self.outputs = torch.zeros(slots, head.fc.out_features, dtype=self.dtype, device=self.device)
         self.sequences: dict[int, HeadSequence] = {}
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._waiting: dict[int, list[torch.Tensor]] = {}  # hidden states that came before their sequence
+        graphed = cuda_graphs and self.device.type == "cuda"
+        self.graphs = ChainGraphs(head, self.cache, self.outputs, num_slots) if graphed else None
 
     @torch.inference_mode()
     def add_states(self, row_seq_ids: Sequence[int], rows: torch.Tensor, admitting: bool = False) -> None:
@@ -261,7 +274,9 @@ class EagleProposer:
     def _chain(self, sequences: Sequence[HeadSequence], k: int) -> torch.Tensor:
         """k greedy drafts per row [B, k] (on the device): each from the last output, then run on the head's own
         hidden state, all rows at once; their keys go past each slot's `cached` (the next proposal overwrites them,
-        as the target's states replace them)."""
+        as the target's states replace them). On CUDA, as a graph (`ChainGraphs`)."""
+        if self.graphs is not None:
+            return self.graphs.drafts(sequences, k)
         meta = torch.tensor([[s.slot, s.kv_len, s.cached] for s in sequences], device=self.device)
         slots, positions, cached = meta.unbind(1)
         reach = max(s.cached for s in sequences)
@@ -284,5 +299,10 @@ class EagleProposer:
     def held_seq_ids(self) -> list[int]:
         return list(self.sequences)
 
+    @torch.inference_mode()
     def precapture(self, k: int, max_batch: int) -> int:
-        return 0  # eager: nothing to capture
+        """The draft chains' graphs of k drafts for every batch up to `max_batch` at the cache's key lengths now
+        (others are captured at first use); none on the CPU or eagerly."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.precapture(k, min(max_batch, self.num_slots))

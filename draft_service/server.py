@@ -74,7 +74,9 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
             head, spec = load_eagle_head(
                 options.model, target_dir, self.method == "eagle3", resolve_dtype(options.dtype, options.device)
             )
-            self.eagle = EagleProposer(head.to(worker.device), spec, worker.num_slots, worker.max_len)
+            self.eagle = EagleProposer(
+                head.to(worker.device), spec, worker.num_slots, worker.max_len, cuda_graphs=options.cuda_graphs
+            )
             self.proposer = self.eagle
             super().__init__(worker, self.eagle)
             return
