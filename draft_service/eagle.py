@@ -276,7 +276,11 @@ class EagleProposer:
         hidden state, all rows at once; their keys go past each slot's `cached` (the next proposal overwrites them,
         as the target's states replace them). On CUDA, as a graph (`ChainGraphs`)."""
         if self.graphs is not None:
-            return self.graphs.drafts(sequences, k)
+            try:
+                return self.graphs.drafts(sequences, k)
+            except RuntimeError as exc:  # a head whose steps cannot be captured still drafts, eagerly
+                log.warning("CUDA graph of the EAGLE head failed, drafting eagerly from now on: %s", exc)
+                self.graphs = None
         meta = torch.tensor([[s.slot, s.kv_len, s.cached] for s in sequences], device=self.device)
         slots, positions, cached = meta.unbind(1)
         reach = max(s.cached for s in sequences)
@@ -305,4 +309,9 @@ class EagleProposer:
         (others are captured at first use); none on the CPU or eagerly."""
         if self.graphs is None:
             return 0
-        return self.graphs.precapture(k, min(max_batch, self.num_slots))
+        try:
+            return self.graphs.precapture(k, min(max_batch, self.num_slots))
+        except RuntimeError as exc:
+            log.warning("CUDA graph of the EAGLE head failed, drafting eagerly: %s", exc)
+            self.graphs = None
+            return 0
