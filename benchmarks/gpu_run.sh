@@ -48,7 +48,7 @@
 #                       acceptance ACCEPTANCE, 0.7) with a random EAGLE-3 head (eagle_head_checkpoint.py, draft vocab
 #                       32000), with the 68M draft and with n-gram (on the CPU): proposal, verify and channel times and
 #                       served SD (MODES: sd,psd) and AR at BATCHES (1,8,32,64; n-gram: NGRAM_BATCHES 8,32); first the
-#                       head's proposal alone in process (eagle_proposal_bench.py)
+#                       head's proposal alone in process (eagle_proposal_bench.py), graphed and --eager
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -144,6 +144,8 @@ check)
         | grep -vE "Warn|warn|^$|softmax|important use|split the reduction" | tail -8
     # TETRIS's ragged verify equals the padded one (paged kernels, graphs against eager, shapes precaptured).
     timeout -k 10 240 python3 tests/test_gpu_ragged.py 2>&1 | tee "$OUT/run/test_gpu_ragged.log" | tail -5
+    # The EAGLE head's draft chains replayed from graphs equal eager ones.
+    timeout -k 10 120 python3 tests/test_gpu_eagle.py 2>&1 | tee "$OUT/run/test_gpu_eagle.log" | tail -3
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
     # The reverse direction's cost a step (batch 64, 5 positions, 4096-wide bf16: 2.6 MB); nccl on two GPUs with CuPy.
@@ -335,6 +337,8 @@ eagle)
     # The proposal alone, in process (random target states): time per batch size without the services around it.
     timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 \
         --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal.txt"
+    timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 --eager \
+        --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal_eager.txt"
     timeout -k 60 ${BENCH_SECONDS:-420} python3 benchmarks/eagle_bench.py --target /tmp/ckpt/8b \
         --head /tmp/ckpt/8b-eagle3 --draft /tmp/ckpt/68m --device "$TARGET_DEVICE" --batches "${BATCHES:-1,8,32,64}" \
         --ngram-batches "${NGRAM_BATCHES:-8,32}" --modes "${MODES:-sd,psd}" --drafters "${DRAFTERS:-eagle3,draft,ngram}" \
