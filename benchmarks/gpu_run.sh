@@ -49,6 +49,7 @@
 #                       32000), with the 68M draft and with n-gram (on the CPU): proposal, verify and channel times and
 #                       served SD (MODES: sd,psd) and AR at BATCHES (1,8,32,64; n-gram: NGRAM_BATCHES 8,32); first the
 #                       head's proposal alone in process (eagle_proposal_bench.py), graphed and --eager
+#   pending             what is built and not yet measured, in one call (the EAGLE graphs, TETRIS after its graph fix)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -329,6 +330,18 @@ tetris)
             echo "== batch $batch $run"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/tetris_${batch}_${run}.log"
         done
     done
+    ;;
+pending)
+    # What the last session built and could not measure, most wanted first, in one call of ~9 min: the GPU tests
+    # of the EAGLE graphs and the ragged verify, EAGLE-3 served (graphed and eager proposals), TETRIS served at
+    # batch 32 with E = 2 and 4 against psd, then its control at one acceptance rate (goal >= 0.98x).
+    timeout -k 10 90 python3 tests/test_gpu_eagle.py 2>&1 | tail -3
+    timeout -k 10 60 python3 tests/test_gpu_ragged.py 2>&1 | tail -2
+    OUT=$OUT/eagle DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=150 timeout -k 10 200 bash "$0" eagle
+    OUT=$OUT/tetris PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" TETRIS_PROMPTS=256 BENCH_SECONDS=60 \
+        timeout -k 10 200 bash "$0" tetris
+    OUT=$OUT/control ROW_ACCEPTANCE=0.6 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS=2 TETRIS_PROMPTS=256 \
+        BENCH_SECONDS=50 timeout -k 10 120 bash "$0" tetris
     ;;
 eagle)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
