@@ -310,7 +310,7 @@ tetris)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
     # One verify step, ragged against padded and uniform (8 layers of the 8B's shape, bf16, graphs)
-    for batch in ${TETRIS_BATCHES:-32 64}; do
+    for batch in $([ "${RAGGED_BENCH:-1}" = 1 ] && echo ${TETRIS_BATCHES:-32 64}); do  # (RAGGED_BENCH=0: served only)
         timeout -k 10 300 python3 benchmarks/ragged_verify_bench.py --device "$TARGET_DEVICE" --dtype bfloat16 \
             --hidden 4096 --layers 8 --vocab 128256 --batch $batch --prompt 512 --kv-cache-gib 4 2>&1 | tee -a "$OUT/run/ragged_bench.log"
     done
@@ -337,11 +337,11 @@ pending)
     # batch 32 with E = 2 and 4 against psd, then its control at one acceptance rate (goal >= 0.98x).
     timeout -k 10 90 python3 tests/test_gpu_eagle.py 2>&1 | tail -3
     timeout -k 10 60 python3 tests/test_gpu_ragged.py 2>&1 | tail -2
-    OUT=$OUT/eagle DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=150 timeout -k 10 200 bash "$0" eagle
-    OUT=$OUT/tetris PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" TETRIS_PROMPTS=256 BENCH_SECONDS=60 \
-        timeout -k 10 200 bash "$0" tetris
-    OUT=$OUT/control ROW_ACCEPTANCE=0.6 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS=2 TETRIS_PROMPTS=256 \
-        BENCH_SECONDS=50 timeout -k 10 120 bash "$0" tetris
+    OUT=$OUT/eagle DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=120 timeout -k 10 220 bash "$0" eagle
+    OUT=$OUT/tetris PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" TETRIS_PROMPTS=256 BENCH_SECONDS=55 \
+        timeout -k 10 220 bash "$0" tetris
+    OUT=$OUT/control RAGGED_BENCH=0 ROW_ACCEPTANCE=0.6 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS=2 \
+        TETRIS_PROMPTS=256 BENCH_SECONDS=50 timeout -k 10 120 bash "$0" tetris
     ;;
 eagle)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
