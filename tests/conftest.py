@@ -125,6 +125,8 @@ class TinyModels:
             model = build_tiny_model(arch, seed, **config)
             if from_disk:
                 model = save_and_load(model, self.root / f"{arch}-{seed}-{len(self._cache)}")
+            # Copied with it: what a test caches per model keys on, never an id() a later copy may reuse.
+            object.__setattr__(model, "tiny_key", key)
             self._cache[key] = model
         return copy.deepcopy(self._cache[key])
 
@@ -148,6 +150,7 @@ class TinyModels:
                     if param.numel() > 1:
                         spread = param.std().clamp(min=1e-3)
                         param.add_(torch.randn(param.shape, generator=gen) * scale * spread)
+            object.__setattr__(model, "tiny_key", key)
             self._cache[key] = model
         return copy.deepcopy(self._cache[key])
 

@@ -37,12 +37,13 @@ def _prompts(seed: int = 1234) -> list[tuple[list[int], int]]:
 
 
 PROMPTS = _prompts()
-_REFERENCES: dict[tuple[int, int], list[list[int]]] = {}
+_REFERENCES: dict[tuple[object, int], list[list[int]]] = {}
 
 
 def _references(target: PreTrainedModel, hf_reference: HFReference, max_tokens: int | None = None) -> list[list[int]]:
-    """HF greedy continuations of PROMPTS (each at its own budget, or all at `max_tokens`), cached per model."""
-    key = (id(target), max_tokens or 0)
+    """HF greedy continuations of PROMPTS (each at its own budget, or all at `max_tokens`), cached per model (each
+    test's a copy from `TinyModels`: keyed by what it is a copy of, not by an id() a later copy may reuse)."""
+    key = (target.tiny_key, max_tokens or 0)
     if key not in _REFERENCES:
         _REFERENCES[key] = [hf_reference(target, p, max_tokens or m) for p, m in PROMPTS]
     return _REFERENCES[key]
