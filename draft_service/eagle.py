@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.drafter import Proposal, check_proposal
-from draft_service.eagle_graphs import ChainGraphs
+from draft_service.eagle_graphs import ChainGraphs, greedy_chain
 from draft_service.eagle_head import EagleHead, HeadCache, HeadSpec, SlotRun
 from minedraft.engine.attention import avoid_cudnn_attention
 from minedraft.engine.sampling import SamplingConfig
@@ -278,20 +278,17 @@ class EagleProposer:
         if self.graphs is not None:
             try:
                 return self.graphs.drafts(sequences, k)
-            except RuntimeError as exc:  # a head whose steps cannot be captured still drafts, eagerly
-                log.warning("CUDA graph of the EAGLE head failed, drafting eagerly from now on: %s", exc)
-                self.graphs = None
+            except RuntimeError as exc:
+                self._draft_eagerly(exc)
         meta = torch.tensor([[s.slot, s.kv_len, s.cached] for s in sequences], device=self.device)
-        slots, positions, cached = meta.unbind(1)
         reach = max(s.cached for s in sequences)
         self.cache.reserve(reach + k - 1)
-        out = self.outputs[slots]
-        drafts = [self.head.greedy(out)]
-        for step in range(k - 1):
-            run = SlotRun(slots, (positions + step)[:, None], (cached + step)[:, None], reach + step + 1)
-            out = self.head.forward_slots(drafts[-1][:, None], out[:, None], self.cache, run)[:, 0]
-            drafts.append(self.head.greedy(out))
-        return torch.stack(drafts, dim=1)
+        return greedy_chain(self.head, self.cache, self.outputs, meta, k, [reach + step + 1 for step in range(k)])
+
+    def _draft_eagerly(self, exc: RuntimeError) -> None:
+        """A head whose steps cannot be captured still drafts, eagerly, from now on."""
+        log.warning("CUDA graph of the EAGLE head failed, drafting eagerly from now on: %s", exc)
+        self.graphs = None
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
@@ -312,6 +309,5 @@ class EagleProposer:
         try:
             return self.graphs.precapture(k, min(max_batch, self.num_slots))
         except RuntimeError as exc:
-            log.warning("CUDA graph of the EAGLE head failed, drafting eagerly: %s", exc)
-            self.graphs = None
+            self._draft_eagerly(exc)
             return 0

@@ -35,16 +35,16 @@ def key_bucket(needed: int, limit: int | None) -> int:
 
 
 def greedy_chain(
-    head: EagleHead, cache: HeadCache, outputs: torch.Tensor, meta: torch.Tensor, k: int, length: int
+    head: EagleHead, cache: HeadCache, outputs: torch.Tensor, meta: torch.Tensor, k: int, lengths: Sequence[int]
 ) -> torch.Tensor:
     """k greedy drafts [P, k] of rows `meta` [P, 3] (slot, kv_len, cached; padding rows on a scratch slot), each
-    from its slot's row of `outputs`, then run on the head's own hidden state, every step over `length` keys (the
-    mask hides those past each row's limit): static shapes, as a graph captures them."""
+    from its slot's row of `outputs`, then run on the head's own hidden state, step i over `lengths[i]` keys (the
+    mask hides those past each row's limit): eagerly the keys each step reaches, in a graph one static length."""
     slots, positions, cached = meta.unbind(1)
     out = outputs[slots]
     drafts = [head.greedy(out)]
     for step in range(k - 1):
-        run = SlotRun(slots, (positions + step)[:, None], (cached + step)[:, None], length)
+        run = SlotRun(slots, (positions + step)[:, None], (cached + step)[:, None], lengths[step])
         out = head.forward_slots(drafts[-1][:, None], out[:, None], cache, run)[:, 0]
         drafts.append(head.greedy(out))
     return torch.stack(drafts, dim=1)
@@ -81,7 +81,7 @@ class ChainGraphs:
         self.last_key = key = (padded, k, length)
         host = torch.tensor(meta)
         if not self.replay:
-            return greedy_chain(self.head, self.cache, self.outputs, host.to(self.device), k, length)[:batch]
+            return greedy_chain(self.head, self.cache, self.outputs, host.to(self.device), k, [length] * k)[:batch]
         with torch.cuda.device(self.device):
             graph, drafts = self._graph(key)
             self.metas[padded].copy_(host, non_blocking=True)
@@ -127,7 +127,7 @@ class ChainGraphs:
         meta.copy_(torch.tensor([[self.scratch, 0, 0]] * padded))
 
         def body() -> torch.Tensor:
-            return greedy_chain(self.head, self.cache, self.outputs, meta, k, length)
+            return greedy_chain(self.head, self.cache, self.outputs, meta, k, [length] * k)
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
