@@ -80,13 +80,13 @@ class Admission:
         lose_target: Callable[[BaseException], bool],
         lose_draft: Callable[[BaseException], bool],
         fail: Callable[[Sequence[RequestState], BaseException], None],
-    ) -> bool:
-        """Prefill what the batches and the workers' KV blocks have room for; False if the prefill failed (its
-        requests failed with it, or wait again: `wait_for_room`). `lose_target`, `lose_draft`: the step loop's,
+    ) -> None:
+        """Prefill what the batches and the workers' KV blocks have room for; a failed prefill's requests fail
+        with it, or wait again (`wait_for_room`). `lose_target`, `lose_draft`: the step loop's,
         whether a call's error lost that worker; `fail`: ends requests with an error."""
         admitted = self.admissions()
         if not admitted:
-            return True
+            return
         workers = self.workers
         if workers.failover.draft_connected and workers.draft_reads_target:
             target_reply, draft_reply = await self._prefill_in_turn(admitted)
@@ -100,14 +100,14 @@ class Admission:
                 lose_draft(draft_reply)  # (while the group is in the batches: what the draft may hold)
             if not self.wait_for_room(admitted, target_reply):
                 fail(admitted, _no_room_alone(target_reply))
-            return False
+            return
         if isinstance(target_reply, BaseException):
             if not lose_target(target_reply):
                 fail(admitted, target_reply)
-            return False
+            return
         if isinstance(draft_reply, BaseException) and not lose_draft(draft_reply):
             fail(admitted, draft_reply)
-            return False
+            return
         self.prefixes.prefilled(
             [r.prefill_ids for r in admitted], [r.cached_prompt_tokens for r in target_reply.results]
         )
@@ -121,7 +121,6 @@ class Admission:
         if self.metrics is not None:
             new_prompts = sum(len(r.prompt_ids) for r in admitted if not r.decode.preemptions)
             self.metrics.prefilled(new_prompts, target_reply.results)
-        return True
 
     def wait_for_room(self, group: list[RequestState], exc: grpc.aio.AioRpcError) -> bool:
         """The target had no room for the prefill of `group` (RESOURCE_EXHAUSTED: the KV blocks admission counted
@@ -170,7 +169,10 @@ class Admission:
     def make_room(self, batch: Batch, k: int) -> None:
         """Before a step of k drafts on `batch`: while the workers' free KV blocks may not hold its growth, preempt
         its most recently admitted member (freed on both workers, queued first, prefilled again later with its
-        output so far), so that no running request fails for lack of memory."""
+        output so far), so that no running request fails for lack of memory. Not a batch awaiting its verify: its
+        room was made when it was drafted, and its verify may be in flight with every member."""
+        if batch.awaiting_verify:
+            return
         free = self.workers.free_blocks(k)
         preempted = []
         while batch.members and any(free[w][0] < len(batch.members) * free[w][1] for w in free):

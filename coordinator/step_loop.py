@@ -139,8 +139,8 @@ class StepLoop:
         if draft_back and not any(b.awaiting_verify for b in self.manager.batches):
             # (else at a later step: the running requests are handed over with no drafts waiting for a verify)
             await self.failover.hand_over_draft(self.manager.running(), self._prefill_draft_again)
-        if not await self.admission.admit(self._lose_target, self._lose_draft, self._fail_requests):
-            await self._remove_finished()  # a failed prefill's requests leave before the step's calls
+        await self.admission.admit(self._lose_target, self._lose_draft, self._fail_requests)
+        await self._remove_finished()  # a failed prefill's requests, and those its first token ended, leave now
         if self.failover.target_lost:
             return
         batches = self.manager.batches

@@ -359,3 +359,52 @@ def test_the_fakes_fail_calls_as_grpc_does() -> None:
     error = rpc_error(Code.FAILED_PRECONDITION, "gone", reason="lease")
     assert error.code() == Code.FAILED_PRECONDITION and error.details() == "gone"
     assert ("minedraft-reason", "lease") in list(error.trailing_metadata() or ())
+
+
+def test_preemption_at_a_step_of_the_target_alone_spares_a_batch_whose_verify_is_in_flight() -> None:
+    """PSD sends a batch's verify as soon as its drafts are back; a step the policy gives to the target alone that
+    runs short of blocks must not preempt that batch's members under the verify (its reply would not match)."""
+
+    async def test(h: Harness) -> None:
+        steps = iter(range(1_000_000))
+        policy = h.loop.speculation_policy
+        drafted = policy.choose
+        policy.choose = lambda sequences: drafted(sequences) if next(steps) % 3 else 0  # type: ignore[method-assign]
+        requests = [h.submit(seq_id, prompt_len=8, max_tokens=40) for seq_id in range(1, 4)]
+        await h.finish(requests)
+        assert h.loop.admission.preemptions >= 1
+        assert_lossless(h, requests)
+        await assert_all_released(h)
+
+    run(test, target={"num_blocks": 20})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_request_its_first_token_ends_is_never_stepped(mode: str) -> None:
+    """A request whose first token is its last leaves before the step's calls (the fakes fail a test whose worker
+    steps a finished sequence)."""
+
+    async def test(h: Harness) -> None:
+        ones = [h.submit(seq_id, max_tokens=1) for seq_id in range(1, 4)]
+        await h.finish(ones)
+        await h.step_until(lambda: not h.loop.has_work())
+        assert not h.log.of("target", "Verify") and not h.log.of("draft", "Propose")
+        assert_lossless(h, ones)
+        await assert_all_released(h)
+
+    run(test, mode=mode)
+
+
+def test_a_preempted_request_prefilled_again_to_its_last_token_is_never_stepped() -> None:
+    async def test(h: Harness) -> None:
+        steps = iter(range(1_000_000))
+        policy = h.loop.speculation_policy
+        drafted = policy.choose
+        policy.choose = lambda sequences: drafted(sequences) if next(steps) % 2 else 0  # type: ignore[method-assign]
+        requests = [h.submit(seq_id, prompt_len=8, max_tokens=40) for seq_id in range(1, 4)]
+        await h.finish(requests)
+        assert any(s.output_tokens == 39 for c in h.log.of("target", "Prefill") for s in c.request.sequences)
+        assert_lossless(h, requests)
+        await assert_all_released(h)
+
+    run(test, target={"num_blocks": 20})
