@@ -50,6 +50,7 @@
 #                       served SD (MODES: sd,psd) and AR at BATCHES (1,8,32,64; n-gram: NGRAM_BATCHES 8,32); first the
 #                       head's proposal alone in process (eagle_proposal_bench.py), graphed and --eager
 #   pending             what is built and not yet measured, in one call (the EAGLE graphs, TETRIS after its graph fix)
+#   pending-served      EAGLE-3 served with graphed proposals (the call after pending, on the warm machine)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -332,16 +333,20 @@ tetris)
     done
     ;;
 pending)
-    # What the last session built and could not measure, most wanted first, in one call of ~9 min: the GPU tests
-    # of the EAGLE graphs and the ragged verify, EAGLE-3 served (graphed and eager proposals), TETRIS served at
-    # batch 32 with E = 2 and 4 against psd, then its control at one acceptance rate (goal >= 0.98x).
+    # What the last sessions built and could not measure, most wanted first, in one call of ~9 min: the GPU tests
+    # of the EAGLE graphs and the ragged verify, TETRIS served at batch 32 with E = 2 and 4 against psd (and the
+    # ragged verify's cost), the EAGLE proposal graphed and eager, TETRIS's control at one acceptance rate (goal
+    # >= 0.98x). EAGLE-3 served (graphed proposals) is `pending-served`, the next call on the warm machine.
     timeout -k 10 90 python3 tests/test_gpu_eagle.py 2>&1 | tail -3
     timeout -k 10 60 python3 tests/test_gpu_ragged.py 2>&1 | tail -2
-    OUT=$OUT/eagle DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=120 timeout -k 10 220 bash "$0" eagle
     OUT=$OUT/tetris PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" TETRIS_PROMPTS=256 BENCH_SECONDS=55 \
         timeout -k 10 220 bash "$0" tetris
+    OUT=$OUT/eagle SERVED=0 BATCHES=1,8,32 timeout -k 10 100 bash "$0" eagle
     OUT=$OUT/control RAGGED_BENCH=0 ROW_ACCEPTANCE=0.6 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS=2 \
         TETRIS_PROMPTS=256 BENCH_SECONDS=50 timeout -k 10 120 bash "$0" tetris
+    ;;
+pending-served)
+    OUT=$OUT/eagle DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=120 timeout -k 10 220 bash "$0" eagle
     ;;
 eagle)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
@@ -352,11 +357,13 @@ eagle)
         --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal.txt"
     timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 --eager \
         --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal_eager.txt"
-    timeout -k 60 ${BENCH_SECONDS:-420} python3 benchmarks/eagle_bench.py --target /tmp/ckpt/8b \
-        --head /tmp/ckpt/8b-eagle3 --draft /tmp/ckpt/68m --device "$TARGET_DEVICE" --batches "${BATCHES:-1,8,32,64}" \
-        --ngram-batches "${NGRAM_BATCHES:-8,32}" --modes "${MODES:-sd,psd}" --drafters "${DRAFTERS:-eagle3,draft,ngram}" \
-        --acceptance "${ACCEPTANCE:-0.7}" ${EXTRA:-} --out "$OUT/run/eagle" > "$OUT/run/eagle.log" 2>&1
-    grep -E "x AR|Error|did not start" "$OUT/run/eagle.log"
+    if [ "${SERVED:-1}" = 1 ]; then  # (SERVED=0: the proposal alone)
+        timeout -k 60 ${BENCH_SECONDS:-420} python3 benchmarks/eagle_bench.py --target /tmp/ckpt/8b \
+            --head /tmp/ckpt/8b-eagle3 --draft /tmp/ckpt/68m --device "$TARGET_DEVICE" --batches "${BATCHES:-1,8,32,64}" \
+            --ngram-batches "${NGRAM_BATCHES:-8,32}" --modes "${MODES:-sd,psd}" --drafters "${DRAFTERS:-eagle3,draft,ngram}" \
+            --acceptance "${ACCEPTANCE:-0.7}" ${EXTRA:-} --out "$OUT/run/eagle" > "$OUT/run/eagle.log" 2>&1
+        grep -E "x AR|Error|did not start" "$OUT/run/eagle.log"
+    fi
     ;;
 *)
     echo "unknown stage $stage" >&2
