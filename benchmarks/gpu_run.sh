@@ -247,7 +247,13 @@ kvgather)
     ;;
 served)
     app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)  # (a tree before 2026-12-06: minedraft)
-    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m $app bench --modes "${MODES:-psd,sd,ar}" --target-device "$TARGET_DEVICE" \
+    models=""  # the demo pair; SHAPED=68m: the 8B-shaped target and that draft (random weights, ACCEPTANCE 0.7)
+    if [ -n "${SHAPED:-}" ]; then
+        python3 "$HERE/shaped_checkpoint.py" 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
+        python3 "$HERE/shaped_checkpoint.py" "$SHAPED" "/tmp/ckpt/$SHAPED" --device "$TARGET_DEVICE" --context 2048 || exit 1
+        models="--target /tmp/ckpt/8b --draft /tmp/ckpt/$SHAPED --synthetic-acceptance ${ACCEPTANCE:-0.7}"
+    fi
+    timeout -k 10 ${BENCH_SECONDS:-140} python3 -m $app bench $models --modes "${MODES:-psd,sd,ar}" --target-device "$TARGET_DEVICE" \
         --draft-device "$DRAFT_DEVICE" --max-batch-size 32 --num-prompts "${PROMPTS:-128}" --concurrency 64 --prompt-len 64 \
         --output-len 96 ${SPECULATION:+--speculation $SPECULATION} --no-progress --json-out "$OUT/run/served.json" \
         --step-trace-dir "$OUT/run/traces" > "$OUT/run/served.log" 2>&1
