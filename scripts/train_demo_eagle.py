@@ -163,12 +163,22 @@ def check_against_serving(head: EagleHead, aux: torch.Tensor, tokens: torch.Tens
 
 
 @torch.no_grad()
-def greedy_windows(target: Any, stream: torch.Tensor, count: int, prompt_len: int, new: int, seed: int):
-    """`count` windows of a training prompt and the target's greedy continuation ([count, prompt_len + new])."""
+def greedy_windows(
+    target: Any,
+    stream: torch.Tensor,
+    count: int,
+    prompt_len: int,
+    new: int,
+    seed: int,
+    made: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`count` windows of a training prompt and the target's greedy continuation ([count, prompt_len + new]); `made`:
+    the first windows of the same draw, made before (the offsets of a longer draw begin with a shorter one's)."""
     gen = torch.Generator().manual_seed(seed + 1)
     offsets = torch.randint(0, stream.numel() - prompt_len, (count,), generator=gen)
-    prompts = torch.stack([stream[o : o + prompt_len] for o in offsets.tolist()])
-    windows = []
+    skip = 0 if made is None else len(made)
+    prompts = torch.stack([stream[o : o + prompt_len] for o in offsets[skip:].tolist()])
+    windows = [] if made is None else [made]
     for chunk in prompts.split(64):
         out = target.generate(
             chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new, min_new_tokens=new, do_sample=False
@@ -375,7 +385,11 @@ def main() -> None:
     parser.add_argument("--cpu-budget", type=float, default=0, help="CPU seconds of training at most (0: no limit)")
     parser.add_argument("--wall-budget", type=float, default=0, help="wall seconds of training at most (0: none)")
     parser.add_argument("--train-lm-head", action="store_true", help="EAGLE-3: train its LM head (else frozen)")
-    parser.add_argument("--windows-cache", default="", help="a file keeping the greedy windows between runs")
+    parser.add_argument(
+        "--windows-cache",
+        default="",
+        help="a file keeping the greedy windows between runs (grown by a run that asks for more)",
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--eagle3", action="store_true", help="an EAGLE-3 head (layers 1, 3, 5) instead of EAGLE-1")
     parser.add_argument("--cls-weight", type=float, default=0.2, help="EAGLE-1: weight of the KL beside regression")
@@ -418,10 +432,12 @@ def main() -> None:
     prompt_len = min(args.prompt_len, window - 1)
     cached = Path(args.windows_cache) if args.windows_cache else None
     key = [args.greedy_windows, prompt_len, window, args.seed]
-    if cached and cached.is_file() and torch.load(cached)["key"] == key:
-        windows = torch.load(cached)["windows"]
+    kept = torch.load(cached) if cached and cached.is_file() else None
+    if kept is not None and kept["key"][0] >= key[0] and kept["key"][1:] == key[1:]:
+        windows = kept["windows"][: args.greedy_windows]
     else:
-        windows = greedy_windows(target, stream, args.greedy_windows, prompt_len, window - prompt_len, args.seed)
+        made = kept["windows"] if kept is not None and kept["key"][1:] == key[1:] else None  # grown, not made again
+        windows = greedy_windows(target, stream, args.greedy_windows, prompt_len, window - prompt_len, args.seed, made)
         if cached:
             torch.save({"key": key, "windows": windows}, cached)
     log(f"{len(windows)} windows of the target's greedy output in {time.time() - start:.1f}s")
