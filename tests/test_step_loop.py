@@ -5,11 +5,14 @@ overlap, speculation, drain and a fault of the step's own."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 import pytest
-from fakes import CallLog, FakeDraft, FakeTarget, Harness, expected, rpc_error, run
+from fakes import Call, CallLog, FakeDraft, FakeTarget, Harness, expected, rpc_error, run
 
 from coordinator.batch_manager import Batch
 from coordinator.pairing import Layout
@@ -361,22 +364,28 @@ def test_the_fakes_fail_calls_as_grpc_does() -> None:
     assert ("minedraft-reason", "lease") in list(error.trailing_metadata() or ())
 
 
-def test_preemption_at_a_step_of_the_target_alone_spares_a_batch_whose_verify_is_in_flight() -> None:
-    """PSD sends a batch's verify as soon as its drafts are back; a step the policy gives to the target alone that
-    runs short of blocks must not preempt that batch's members under the verify (its reply would not match)."""
+def _three_under_a_policy_drafting_one_step_in(every: int) -> Callable[[Harness], Coroutine[Any, Any, None]]:
+    """A test: three requests of 40 tokens, the speculation policy's draft length forced to 0 (the target alone) at
+    one step in `every`, preempted by a small pool, each ending with the fake target's own tokens."""
 
     async def test(h: Harness) -> None:
-        steps = iter(range(1_000_000))
+        steps = itertools.count()
         policy = h.loop.speculation_policy
         drafted = policy.choose
-        policy.choose = lambda sequences: drafted(sequences) if next(steps) % 3 else 0  # type: ignore[method-assign]
+        policy.choose = lambda sequences: drafted(sequences) if next(steps) % every else 0  # type: ignore[method-assign]
         requests = [h.submit(seq_id, prompt_len=8, max_tokens=40) for seq_id in range(1, 4)]
         await h.finish(requests)
         assert h.loop.admission.preemptions >= 1
         assert_lossless(h, requests)
         await assert_all_released(h)
 
-    run(test, target={"num_blocks": 20})
+    return test
+
+
+def test_preemption_at_a_step_of_the_target_alone_spares_a_batch_whose_verify_is_in_flight() -> None:
+    """PSD sends a batch's verify as soon as its drafts are back; a step the policy gives to the target alone that
+    runs short of blocks must not preempt that batch's members under the verify (its reply would not match)."""
+    run(_three_under_a_policy_drafting_one_step_in(3), target={"num_blocks": 20})
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -396,15 +405,12 @@ def test_a_request_its_first_token_ends_is_never_stepped(mode: str) -> None:
 
 
 def test_a_preempted_request_prefilled_again_to_its_last_token_is_never_stepped() -> None:
-    async def test(h: Harness) -> None:
-        steps = iter(range(1_000_000))
-        policy = h.loop.speculation_policy
-        drafted = policy.choose
-        policy.choose = lambda sequences: drafted(sequences) if next(steps) % 2 else 0  # type: ignore[method-assign]
-        requests = [h.submit(seq_id, prompt_len=8, max_tokens=40) for seq_id in range(1, 4)]
-        await h.finish(requests)
-        assert any(s.output_tokens == 39 for c in h.log.of("target", "Prefill") for s in c.request.sequences)
-        assert_lossless(h, requests)
-        await assert_all_released(h)
+    prefills: list[Call] = []
+    test = _three_under_a_policy_drafting_one_step_in(2)
 
-    run(test, target={"num_blocks": 20})
+    async def recorded(h: Harness) -> None:
+        await test(h)
+        prefills.extend(h.log.of("target", "Prefill"))
+
+    run(recorded, target={"num_blocks": 20})
+    assert any(s.output_tokens == 39 for c in prefills for s in c.request.sequences)  # (the case under test ran)
