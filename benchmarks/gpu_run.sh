@@ -147,7 +147,7 @@ check)
     # TETRIS's ragged verify equals the padded one (paged kernels, graphs against eager, shapes precaptured).
     timeout -k 10 240 python3 tests/test_gpu_ragged.py 2>&1 | tee "$OUT/run/test_gpu_ragged.log" | tail -5
     # The EAGLE head's draft chains replayed from graphs equal eager ones.
-    timeout -k 10 120 python3 tests/test_gpu_eagle.py 2>&1 | tee "$OUT/run/test_gpu_eagle.log" | tail -3
+    timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py 2>&1 | tee "$OUT/run/test_gpu_eagle.log" | tail -3
     timeout -k 10 240 python3 -X faulthandler -m pytest -q -x -p no:cacheprovider --basetemp "$OUT/run/pytest" tests/test_gpu_channels.py 2>&1 \
         | tee "$OUT/run/test_gpu_channels.log" | tail -5
     # The reverse direction's cost a step (batch 64, 5 positions, 4096-wide bf16: 2.6 MB); nccl on two GPUs with CuPy.
@@ -343,7 +343,7 @@ pending)
     # of the EAGLE graphs and the ragged verify, TETRIS served at batch 32 with E = 2 and 4 against psd (and the
     # ragged verify's cost), the EAGLE proposal graphed and eager, TETRIS's control at one acceptance rate (goal
     # >= 0.98x). EAGLE-3 served (graphed proposals) is `pending-served`, the next call on the warm machine.
-    timeout -k 10 90 python3 tests/test_gpu_eagle.py 2>&1 | tail -3
+    timeout -k 10 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py 2>&1 | tail -3
     timeout -k 10 60 python3 tests/test_gpu_ragged.py 2>&1 | tail -2
     OUT=$OUT/tetris PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" TETRIS_PROMPTS=256 BENCH_SECONDS=55 \
         timeout -k 10 220 bash "$0" tetris

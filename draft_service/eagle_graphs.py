@@ -112,6 +112,8 @@ class ChainGraphs:
                     "the EAGLE head's cache grew to %d keys: %d graphs dropped", self.cache.capacity, len(self.graphs)
                 )
             self.graphs.clear()
+            if self.replay:  # (a pool all of whose graphs are gone is freed: capturing into it again asserts)
+                self.pool = torch.cuda.graph_pool_handle()
             self.keys_of_graphs = weakref.ref(self.cache.keys)
         if key not in self.graphs:
             start = time.perf_counter()

@@ -2,8 +2,9 @@
 
 A random EAGLE-3 head on cuda:0 in float32, three drafters fed the same calls: graphed, the same padded chains run
 eagerly, and eager (--eager). Rows join and leave (batches of 1, 3, 8 and 5), and a long prompt doubles the head's
-cache after the graphs were captured, which drops them for new ones. Skipped without CUDA. Also runs as a script on
-the GPU machine (`python tests/test_gpu_eagle.py`), which may lack pytest.
+cache after the graphs were captured, which drops them for new ones (into a new memory pool: capturing into the
+dropped graphs' freed one asserts in CUDA's caching allocator). Skipped without CUDA; on the GPU machine
+`python3 -m pytest tests/test_gpu_eagle.py`.
 """
 
 from __future__ import annotations
@@ -101,8 +102,3 @@ def test_graphed_chains_draft_as_eager_ones_on_cuda() -> None:
     assert eager.graphs is None and eager.precapture(K, 8) == 0
     assert _play(eager, events) == got
     assert len({tuple(d) for step in got for d in step}) > 5  # real drafts, not one row repeated
-
-
-if __name__ == "__main__":
-    test_graphed_chains_draft_as_eager_ones_on_cuda()
-    print("graphed EAGLE draft chains equal eager ones")
