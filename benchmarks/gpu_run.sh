@@ -352,17 +352,19 @@ pending)
         TETRIS_PROMPTS=256 BENCH_SECONDS=50 timeout -k 10 120 bash "$0" tetris
     ;;
 pending-served)
-    OUT=$OUT/eagle DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=120 timeout -k 10 220 bash "$0" eagle
+    OUT=$OUT/eagle PROPOSAL=0 DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=300 timeout -k 10 360 bash "$0" eagle
     ;;
 eagle)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/eagle_head_checkpoint.py /tmp/ckpt/8b /tmp/ckpt/8b-eagle3 --device "$TARGET_DEVICE" || exit 1
-    # The proposal alone, in process (random target states): time per batch size without the services around it.
-    timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 \
-        --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal.txt"
-    timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 --eager \
-        --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal_eager.txt"
+    if [ "${PROPOSAL:-1}" = 1 ]; then  # The proposal alone, in process (random target states), graphed and eager.
+        timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 \
+            --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 | tee "$OUT/run/eagle_proposal.txt"
+        timeout -k 10 120 python3 benchmarks/eagle_proposal_bench.py --target /tmp/ckpt/8b --head /tmp/ckpt/8b-eagle3 \
+            --eager --device "$TARGET_DEVICE" --dtype bfloat16 --batches "${BATCHES:-1,8,32,64}" 2>&1 \
+            | tee "$OUT/run/eagle_proposal_eager.txt"
+    fi
     if [ "${SERVED:-1}" = 1 ]; then  # (SERVED=0: the proposal alone)
         timeout -k 60 ${BENCH_SECONDS:-420} python3 benchmarks/eagle_bench.py --target /tmp/ckpt/8b \
             --head /tmp/ckpt/8b-eagle3 --draft /tmp/ckpt/68m --device "$TARGET_DEVICE" --batches "${BATCHES:-1,8,32,64}" \
