@@ -84,9 +84,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel seen by --profile)")
     parser.add_argument("--profile", action="store_true", help="then each variant's kernels by their GPU time")
+    parser.add_argument("--max-rows", type=int, default=None, help="folded queries a kernel program (MAX_ROWS)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = random_llama(args.hidden, args.layers, args.vocab).to(args.device, getattr(torch, args.dtype))
+    if args.max_rows is not None:
+        from minedraft.kernels import decode_attention  # (Triton: GPU machines)
+
+        decode_attention.MAX_ROWS = args.max_rows
+    with torch.device(args.device):  # (initialized where it runs: an 8B-shaped layer stack takes minutes on a CPU)
+        model = random_llama(args.hidden, args.layers, args.vocab).to(getattr(torch, args.dtype))
     names = ("padded", "ragged", "uniform", "ragged-even")
     seq_ids = list(range(args.batch))
     gen = torch.Generator().manual_seed(1)

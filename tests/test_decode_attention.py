@@ -24,11 +24,12 @@ class Case:
     window: int
     chunks: int | None
     block_keys: int
+    max_rows: int | None = None  # `decode_attention.MAX_ROWS`: folded queries a program takes
 
 
 # GQA verify and decode shapes, no GQA; one chunk, several, more chunks than tiles; both tiles that steps choose between
 # (`decode_attention.tiles`); blocks of 16 and 12 positions; sliding windows shorter than the rows; a head size that is
-# no power of two.
+# no power of two; folded queries in slices (one chunk and several, with a window), the last slice part padding.
 CASES = [
     Case(3, 8, 2, 5, 32, 200, 16, 0, None, 64),
     Case(3, 8, 2, 5, 32, 300, 12, 0, 3, 128),
@@ -37,6 +38,9 @@ CASES = [
     Case(3, 12, 2, 3, 64, 260, 16, 40, 2, 128),
     Case(3, 4, 2, 4, 40, 150, 12, 24, 4, 64),
     Case(3, 6, 2, 2, 80, 100, 16, 0, 3, 64),
+    Case(3, 8, 2, 9, 32, 200, 16, 0, 1, 64, max_rows=16),
+    Case(3, 12, 2, 3, 64, 260, 16, 40, 2, 128, max_rows=16),
+    Case(2, 8, 2, 5, 32, 150, 12, 0, None, 64, max_rows=16),
 ]
 
 
@@ -128,7 +132,7 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
     for case in CASES:
         inputs = paged_inputs(case, device, dtype, generator)
         scale = case.dim**-0.5
-        decode_attention.BLOCK_KEYS = case.block_keys
+        decode_attention.BLOCK_KEYS, decode_attention.MAX_ROWS = case.block_keys, case.max_rows
         try:
             args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.rows)
             if case.chunks is None:
@@ -136,12 +140,14 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
             else:
                 out = paged_attention(*args, inputs.positions, scale, case.window, case.chunks)
         finally:
-            decode_attention.BLOCK_KEYS = None
+            decode_attention.BLOCK_KEYS, decode_attention.MAX_ROWS = None, None
         expected = reference(inputs, scale, case.window)
-        assert out.shape == (case.batch, case.n, case.heads, case.dim), case
-        assert torch.isfinite(out).all(), f"non-finite output for {case}"
-        error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
-        assert error < tolerance, f"relative error {error:.2e} for {case}"
+        fixed = paged_attention(*args, inputs.positions, scale, case.window, fixed=True)  # (`--deterministic`)
+        for result in (out, fixed):
+            assert result.shape == (case.batch, case.n, case.heads, case.dim), case
+            assert torch.isfinite(result).all(), f"non-finite output for {case}"
+            error = ((result.cpu().double() - expected).norm() / expected.norm()).item()
+            assert error < tolerance, f"relative error {error:.2e} for {case}"
 
 
 @needs_interpreter

@@ -38,6 +38,9 @@ PROGRAMS_PER_SM: int | None = None
 NUM_STAGES: int | None = None
 CHUNKS: int | None = None
 NUM_WARPS = 4  # of the chunk kernel
+# The most folded queries (query heads sharing a K/V head x new tokens) one program takes: a step with more runs them
+# in slices of this many, each slice's programs reading the keys again (None: all in one program, any number).
+MAX_ROWS: int | None = None
 # `fixed` steps: folded queries per program and keys per tile, whatever the step (tl.dot's shapes, and so each score's
 # reduction order, fixed).
 FIXED_ROWS = 16
@@ -84,6 +87,7 @@ def _chunk_kernel(
     folded,
     window,
     scale,
+    slices,
     ROWS: tl.constexpr,
     HEAD: tl.constexpr,
     DIM: tl.constexpr,
@@ -94,17 +98,15 @@ def _chunk_kernel(
     WINDOW: tl.constexpr,
     FIXED: tl.constexpr,
 ):
-    """Program (row x K/V head, chunk): softmax(q k^T * scale) v over the chunk's visible keys, for the `folded`
-    queries of K/V head h (`_folded_offset`). FIXED: program (row x K/V head, block of ROWS folded queries), all of
-    the row's keys in tiles from a multiple of BLOCK_N, no split."""
+    """Program (row x K/V head, chunk x slice): softmax(q k^T * scale) v over the chunk's visible keys, for the
+    slice's ROWS of the `folded` queries of K/V head h (`_folded_offset`). FIXED: one chunk, all of the row's keys in
+    tiles from a multiple of BLOCK_N, no split."""
     bh = tl.program_id(0)
-    c = tl.program_id(1)
+    c = tl.program_id(1) // slices
+    chunks = tl.num_programs(1) // slices
     b = bh // kv_heads
     h = bh % kv_heads
-    r = tl.arange(0, ROWS)
-    if FIXED:
-        r = c * ROWS + r
-        c = 0
+    r = tl.program_id(1) % slices * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, DIM)  # DIM: HEAD rounded up to a power of two (tl.dot's and tl.arange's sizes)
     live = r < folded
     # Masks along d only where the head is padded: an all-true one would still cost the loads their vector width.
@@ -125,7 +127,7 @@ def _chunk_kernel(
         first = begin // BLOCK_N * BLOCK_N
         chunk = end - first
     else:
-        chunk = tl.cdiv(tl.cdiv(end - begin, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(end - begin, chunks), BLOCK_N) * BLOCK_N
         first = begin + c * chunk
     table = table_ptr + tl.load(rows_ptr + b * sr) * st_row
     k_head, v_head = k_ptr + h.to(tl.int64) * s_h, v_ptr + h.to(tl.int64) * s_h
@@ -163,10 +165,10 @@ def _chunk_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLIT:
-        part = part_ptr + (bh * tl.num_programs(1) + c) * ROWS * DIM
+        part = part_ptr + (bh * chunks + c) * slices * ROWS * DIM
         tl.store(part + r[:, None] * DIM + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(lse_ptr + (bh * tl.num_programs(1) + c) * ROWS + r, lse)
+        tl.store(lse_ptr + (bh * chunks + c) * slices * ROWS + r, lse)
     else:
         out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)[:, None]
         tl.store(out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -285,12 +287,17 @@ def paged_attention(
     out = torch.empty(batch, queries, heads, head, dtype=query.dtype, device=query.device)
     block_keys, programs_per_sm, stages = tiles(batch * kv_heads, queries, query.device)
     longest = block_tables.shape[1] * block_size
-    if fixed:  # the second grid axis: blocks of FIXED_ROWS folded queries
-        block_keys, padded_rows, chunks = FIXED_KEYS, FIXED_ROWS, triton.cdiv(folded, FIXED_ROWS)
+    # The second grid axis: chunks x slices of `rows` folded queries.
+    if fixed:
+        block_keys, rows_each = FIXED_KEYS, FIXED_ROWS
+        slices, chunks = triton.cdiv(folded, rows_each), 1
     else:
-        chunks = chunks or CHUNKS or chunks_for(batch * kv_heads, longest, block_keys, programs_per_sm, query.device)
-        padded_rows = max(16, triton.next_power_of_2(folded))
-    split = chunks > 1 and not fixed
+        rows_each = max(16, triton.next_power_of_2(folded if MAX_ROWS is None else min(folded, MAX_ROWS)))
+        slices = triton.cdiv(folded, rows_each)
+        blocks = batch * kv_heads * slices
+        chunks = chunks or CHUNKS or chunks_for(blocks, longest, block_keys, programs_per_sm, query.device)
+    split = chunks > 1
+    padded_rows = slices * rows_each
     part = torch.empty(
         batch * kv_heads * chunks * padded_rows * dim if split else 1, dtype=torch.float32, device=query.device
     )
@@ -305,7 +312,7 @@ def paged_attention(
         )
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
-        _chunk_kernel[(batch * kv_heads, chunks)](
+        _chunk_kernel[(batch * kv_heads, chunks * slices)](
             query,
             key_cache,
             value_cache,
@@ -334,7 +341,8 @@ def paged_attention(
             folded,
             window,
             scale,
-            ROWS=padded_rows,
+            slices,
+            ROWS=rows_each,
             HEAD=head,
             DIM=dim,
             BLOCK_N=block_keys,
