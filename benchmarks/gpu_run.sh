@@ -50,7 +50,7 @@
 #                       served SD (MODES: sd,psd) and AR at BATCHES (1,8,32,64; n-gram: NGRAM_BATCHES 8,32); first the
 #                       head's proposal alone in process (eagle_proposal_bench.py), graphed and --eager
 #   pending             what is built and not yet measured, in one call (the EAGLE graphs, TETRIS after its graph fix)
-#   pending-served      EAGLE-3 served with graphed proposals (the call after pending, on the warm machine)
+#   pending-served      EAGLE-3 served with graphed proposals, TETRIS's control (the call after pending, warm)
 #   ragged              one ragged verify step against uniform at each of the paged kernel's row caps (ROWS)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
@@ -314,6 +314,7 @@ tetris)
     # Served TETRIS against plain psd and sd at the same concurrency (design section 14): 4 stacks a batch (psd, sd,
     # psd E=2, psd E=4), each BENCH_SECONDS at most. Graphs are captured at first use, not at the connect
     # (PRECAPTURE=on to precapture: ~130 s more a stack), so that 8 stacks fit ~9 min; TETRIS_BATCHES=32 for half.
+    # WARMUP requests (4 a slot) go first, unmeasured: a ragged verify's graphs are keyed by its tokens, captured there.
     app=$([ -d minedraft_app ] && echo minedraft_app || echo minedraft)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
     python3 benchmarks/shaped_checkpoint.py 68m /tmp/ckpt/68m --device "$TARGET_DEVICE" --context 2048 || exit 1
@@ -333,7 +334,8 @@ tetris)
             timeout -k 10 ${BENCH_SECONDS:-100} python3 -m $app bench $flags --speculation always \
                 --synthetic-row-acceptance "${ROW_ACCEPTANCE:-0.9,0.3}" --target /tmp/ckpt/8b --draft /tmp/ckpt/68m \
                 --precapture-graphs ${PRECAPTURE:-off} ${EXTRA:-} --target-device "$TARGET_DEVICE" \
-                --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts ${TETRIS_PROMPTS:-$((batch * 4))} --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
+                --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts ${TETRIS_PROMPTS:-$((batch * 4))} \
+                --num-warmup ${WARMUP:-$((batch * 4))} --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
                 > "$OUT/run/tetris_${batch}_${run}.log" 2>&1
             echo "== batch $batch $run"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/tetris_${batch}_${run}.log"
         done
@@ -352,20 +354,19 @@ ragged)
     done
     ;;
 pending)
-    # What the last sessions built and could not measure, most wanted first, in one call of ~9 min: the GPU tests
-    # of the EAGLE graphs and the ragged verify, TETRIS served at batch 32 with E = 2 and 4 against psd (and the
-    # ragged verify's cost), the EAGLE proposal graphed and eager, TETRIS's control at one acceptance rate (goal
-    # >= 0.98x). EAGLE-3 served (graphed proposals) is `pending-served`, the next call on the warm machine.
-    timeout -k 10 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_eagle.py 2>&1 | tail -3
-    timeout -k 10 60 python3 tests/test_gpu_ragged.py 2>&1 | tail -2
-    OUT=$OUT/tetris PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" TETRIS_PROMPTS=256 BENCH_SECONDS=55 \
-        timeout -k 10 220 bash "$0" tetris
-    OUT=$OUT/eagle SERVED=0 BATCHES=1,8,32 timeout -k 10 100 bash "$0" eagle
-    OUT=$OUT/control RAGGED_BENCH=0 ROW_ACCEPTANCE=0.6 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS=2 \
-        TETRIS_PROMPTS=256 BENCH_SECONDS=50 timeout -k 10 120 bash "$0" tetris
+    # What the last sessions built and could not measure, most wanted first, in one call of ~9 min: the ragged verify
+    # at each of the paged kernel's row caps, then TETRIS served at batch 32 with E = 2 and 4 against psd (warmed up
+    # first, so that graphs are captured before the load). `pending-served` is the next call on the warm machine.
+    OUT=$OUT/ragged timeout -k 10 200 bash "$0" ragged
+    OUT=$OUT/tetris RAGGED_BENCH=0 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" TETRIS_PROMPTS=256 \
+        BENCH_SECONDS=100 timeout -k 10 320 bash "$0" tetris
     ;;
 pending-served)
-    OUT=$OUT/eagle PROPOSAL=0 DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=300 timeout -k 10 360 bash "$0" eagle
+    # EAGLE-3 served with graphed proposals (sd, batches 1, 8, 32), then TETRIS's control at one acceptance rate
+    # (goal >= 0.98x plain psd).
+    OUT=$OUT/eagle PROPOSAL=0 DRAFTERS=eagle3 MODES=sd BATCHES=1,8,32 BENCH_SECONDS=300 timeout -k 10 330 bash "$0" eagle
+    OUT=$OUT/control RAGGED_BENCH=0 ROW_ACCEPTANCE=0.6 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS=2 \
+        TETRIS_PROMPTS=256 BENCH_SECONDS=100 timeout -k 10 220 bash "$0" tetris
     ;;
 eagle)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
