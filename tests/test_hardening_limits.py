@@ -380,6 +380,23 @@ def test_a_port_in_use_is_named() -> None:
             bind_http("127.0.0.1", port)
 
 
+def test_a_port_another_grpc_server_holds_is_refused() -> None:
+    """gRPC binds with SO_REUSEPORT by default, which let a second server start on a port one already held: the
+    kernel then handed each new connection to either (seen as a coordinator losing its "target" when a stranger on
+    its port stopped, two test stacks on one host). A held port now fails the start, naming it."""
+
+    async def two_servers() -> None:
+        first, port = await start_server(0, [], [], "127.0.0.1")
+        try:
+            with pytest.raises(OSError, match=f"127.0.0.1 port {port} \\(--port\\)"):
+                second, _ = await start_server(port, [], [], "127.0.0.1")
+                await second.stop(None)
+        finally:
+            await first.stop(None)
+
+    asyncio.run(two_servers())
+
+
 def test_a_taken_http_port_fails_the_start_before_any_model_loads(tmp_path: Path) -> None:
     """The coordinator binds --http-port before it dials its workers (none listen here), and `minedraft serve`
     checks it before it starts a worker: each exits at once, naming the port and the flag."""
