@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
-from stack import MAX_MODEL_LEN, SERVICE_ENV, Service, Workers, coordinator_args, spawn, stop_all, wait_all
+from stack import MAX_MODEL_LEN, SERVICE_ENV, Service, Workers, coordinator_args, server_port, spawn, stop_all, wait_all
 
 from coordinator.connection_gate import ConnectionGate, GatedListener
 from coordinator.http_api import bind_http, listen
@@ -36,7 +36,6 @@ from minedraft.proto import generation_pb2, generation_pb2_grpc, target_pb2, tar
 from minedraft.rpc.lease import LEASE_METADATA, SECRET_METADATA
 from minedraft.rpc.limits import ConnectionLimits
 from minedraft.rpc.server_utils import start_server
-from minedraft_app.stack import free_port
 
 pytest_plugins = ["stack"]
 
@@ -59,7 +58,7 @@ class Limited:
 
 @pytest.fixture(scope="module")
 def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Limited]:
-    http_port = free_port()
+    http_port = server_port()
     extra = ["--http-port", str(http_port), "--max-connections", str(CAP)]
     extra += ["--header-timeout", str(HEADER_S), "--idle-timeout", str(IDLE_S)]
     env = {**SERVICE_ENV, "MINEDRAFT_API_KEY": API_KEY}
@@ -405,7 +404,7 @@ def test_a_taken_http_port_fails_the_start_before_any_model_loads(tmp_path: Path
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        dead = f"127.0.0.1:{free_port()}"
+        dead = f"127.0.0.1:{server_port()}"
         common = ["--host", "127.0.0.1", "--http-port", str(port), "--port", "0"]
         for command in (
             ["coordinator", "--target", dead, "--draft", dead],
