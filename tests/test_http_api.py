@@ -44,6 +44,7 @@ from stack import (
     assert_same_top,
     generate,
     running_coordinator,
+    server_port,
 )
 
 from coordinator.http_answers import ApiError, token_entries
@@ -53,7 +54,6 @@ from coordinator.validation import chat_prompt_ids
 from minedraft.engine.models import load_tokenizer
 from minedraft.engine.sampling import SamplingConfig
 from minedraft.proto import generation_pb2, generation_pb2_grpc
-from minedraft_app.stack import free_port
 
 pytest_plugins = ["stack"]
 
@@ -122,7 +122,7 @@ def stack(
     tokenizer_dir = chat_tokenizer_dir(tiny_pairs, tmp_path_factory.mktemp("http_api"))
     with contextlib.ExitStack() as stop:
         for attempt in range(3):  # ports picked here may be taken before the coordinator binds them
-            http_port, metrics_port = free_port(), free_port()
+            http_port, metrics_port = server_port(), server_port()
             extra = ["--tokenizer", str(tokenizer_dir), "--speculation", "always", "--served-model-name", *NAMES]
             extra += ["--http-port", str(http_port), "--metrics-port", str(metrics_port)]
             try:

@@ -27,14 +27,14 @@ import pytest
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from reference import hf_greedy
-from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, TinyPairs, collect, spawn, stop_all
+from stack import MAX_MODEL_LEN, REPO, SERVICE_ENV, Service, TinyPairs, collect, server_port, spawn, stop_all
 from transformers import AutoModelForCausalLM
 
 from coordinator.main import serve
 from coordinator.options import CoordinatorOptions
 from minedraft.proto import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from minedraft.rpc.security import ClientTls, client_tls
-from minedraft_app.stack import free_port, wait_healthy
+from minedraft_app.stack import wait_healthy
 
 pytest_plugins = ["stack"]
 
@@ -169,14 +169,14 @@ def secured(
     key_file = directory / "api-key"
     key_file.write_text(API_KEY + "\n")
     pair = tiny_pairs["llama"]
-    metrics = {name: free_port() for name in ("target", "draft", "coordinator")}
+    metrics = {name: server_port() for name in ("target", "draft", "coordinator")}
     target = spawn("secure-target", _worker_args("target", pair.target, pki, metrics["target"]), stack_logs)
     draft = spawn("secure-draft", _worker_args("draft", pair.draft, pki, metrics["draft"]), stack_logs)
     services = [target, draft]
     try:
         for worker in (target, draft):
             wait_healthy(worker.address, [target.proc, draft.proc], 240, pki.tls(client_cert=True))
-        http_port = free_port()
+        http_port = server_port()
         coordinator = spawn(
             "secure-coordinator",
             [

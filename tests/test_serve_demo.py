@@ -13,10 +13,11 @@ import time
 
 import grpc
 import pytest
+from stack import server_port
 
 from minedraft.demo_models import EAGLE_DIR, TARGET_DIR, available
 from minedraft.proto import generation_pb2, generation_pb2_grpc
-from minedraft_app.stack import free_port, wait_healthy
+from minedraft_app.stack import wait_healthy
 
 pytestmark = pytest.mark.skipif(not available(), reason="the demo pair is not in minedraft/demo_models")
 
@@ -148,7 +149,7 @@ def _children(pid: int) -> list[int]:
 
 def test_a_second_ctrl_c_stops_every_service_at_once() -> None:
     """Ctrl-C twice (an impatient operator) while `serve` stops its services: none of them is left running."""
-    port = free_port()
+    port = server_port()
     serve = subprocess.Popen(
         [
             sys.executable,

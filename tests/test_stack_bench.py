@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from stack import REPO, SERVICE_ENV, Service, TinyPairs, Workers, running_coordinator
+from stack import REPO, SERVICE_ENV, Service, TinyPairs, Workers, running_coordinator, server_port
 
 from minedraft_app.bench import (
     LocalStack,
@@ -25,7 +25,7 @@ from minedraft_app.bench import (
     summarize,
 )
 from minedraft_app.cli import build_parser
-from minedraft_app.stack import free_port, stack_commands
+from minedraft_app.stack import stack_commands
 
 pytest_plugins = ["stack"]
 
@@ -122,7 +122,7 @@ class Served:
 def coordinator(llama_workers: Workers, stack_logs: Path) -> Iterator[Served]:
     with contextlib.ExitStack() as stop:
         for attempt in range(3):  # a port picked here may be taken before the coordinator binds it
-            http_port = free_port()
+            http_port = server_port()
             extra = ["--http-port", str(http_port)]
             try:
                 service = stop.enter_context(
@@ -185,7 +185,7 @@ def test_bench_a_running_server_over_http(coordinator: Served, tmp_path: Path) -
 
 
 def test_bench_a_dead_http_server_is_an_error_without_traceback() -> None:
-    run = _bench("--api", "http", "--server", f"127.0.0.1:{free_port()}", "--num-prompts", "1")
+    run = _bench("--api", "http", "--server", f"127.0.0.1:{server_port()}", "--num-prompts", "1")
     assert run.returncode == 1 and "not serving" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from stack import server_port
 from transformers import PreTrainedModel
 
 from draft_service.proposer import Proposer
@@ -69,12 +69,6 @@ def _prompts() -> list[tuple[list[int], int]]:
     return [(torch.randint(0, 128, (n,), generator=gen).tolist(), m) for n, m in ((3, 12), (17, 20), (30, 8), (9, 16))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _offline(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[tuple[list[int], int]]) -> list[list[int]]:
     verifier = Verifier(ModelRunner(target, MAX_BATCH, CACHE_LEN), ())
     proposer = Proposer(ModelRunner(draft, MAX_BATCH, CACHE_LEN), True)
@@ -93,7 +87,7 @@ def test_two_ranks_decode_as_hf_and_one_rank(tiny_models, hf_reference, tmp_path
         tiny_models.noisy_draft(arch).save_pretrained(draft_dir)  # accepts some drafts, rejects others
         models[arch] = (str(target_dir), str(draft_dir))
     spec = json.dumps({"models": models, "prompts": prompts, "k": K, "batch": MAX_BATCH, "cache_len": CACHE_LEN})
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{server_port()}"  # (rank 0 binds it)
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", RANK, str(rank), address, spec],

@@ -225,6 +225,9 @@ async def start_server(
             ("grpc.max_receive_message_length", max_receive_bytes),
             *limits.grpc_options(),
             *KEEPALIVE_ALLOWED,
+            # gRPC sets SO_REUSEPORT by default: a second server given a port another one holds would bind it too,
+            # and the kernel would hand each new connection to either (a coordinator talking to a stranger).
+            ("grpc.so_reuseport", 0),
         ],
     )
     for add in register:
