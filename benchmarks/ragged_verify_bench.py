@@ -109,6 +109,8 @@ def main() -> None:
         )
         verifier = Verifier(runner, [])
         verifier.ragged_verifies = name != "padded"
+        if name.startswith("ragged"):  # (as served: both draft counts prepared, selected drafts cut to the fewer)
+            verifier.verify_widths = (args.k, args.k + args.extra)
         verifier.prefill(seq_ids, prompts, configs).per_row()
         verifiers[name] = verifier
     times: dict[str, list[float]] = {name: [] for name in names}

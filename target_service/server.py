@@ -172,7 +172,10 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetServiceServicer):
     async def Prepare(self, request: Any, context: grpc.aio.ServicerContext) -> Message:
         """The step shapes run, as `WorkerServicer.Prepare`; with `tetris`, the verifies of selected drafts too."""
         if request.tetris and self.one_rank_verifier is not None:
-            self.one_rank_verifier.selected_verifies = True
+            verifier = self.one_rank_verifier
+            verifier.selected_verifies = True
+            if request.num_speculative_tokens:  # (each draft count a Prepare names: a width selected drafts take)
+                verifier.verify_widths = tuple(sorted({*verifier.verify_widths, request.num_speculative_tokens}))
         await self.prepare(request.num_speculative_tokens, request.max_batch_size)
         return self.PrepareResponse()
 

@@ -330,6 +330,7 @@ class Verifier:
         eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         self.selected_verifies = False  # TETRIS: precapture verifies of selected drafts too (set at Prepare)
         self.ragged_verifies = True  # TETRIS: only each row's selected drafts run (design section 14); False: padded
+        self.verify_widths: tuple[int, ...] = ()  # TETRIS: the draft counts prepared, to which selected drafts are cut
         self.acceptance = Acceptance(runner, self.table, self.pending, eos, synthetic_acceptance)
         self._prefill_hidden: dict[int, torch.Tensor] = {}  # row -> its prompt's exported states, while prefilling
 
@@ -418,6 +419,8 @@ class Verifier:
         row (padded), the lengths masking only the acceptance.
         """
         _, rows = self.table.batch_rows(seq_ids, batch_id)
+        counts = (draft_ids >= 0).sum(dim=1).tolist() if selected else []  # (a host sync where they came on the device)
+        draft_ids, draft_probs = cut_to_width(draft_ids, draft_probs, max(counts, default=0), self.verify_widths)
         k = draft_ids.shape[1]
         index = rows.numpy()  # (a host tensor: no copy)
         before = self.cached[index]
@@ -430,7 +433,9 @@ class Verifier:
             probs = (padded_probs(draft_probs.to(self.runner.device, torch.float32), self.runner.vocab_size),)
         if kind.grammar:  # the masks of every verified position, after the drafts before it (`Grammars.masks`)
             probs += (self.grammars.masks(seq_ids, draft_ids.cpu().numpy()),)
-        flattened = ragged_tokens(draft_ids, self.runner.device) if selected and self.ragged_verifies else None
+        cuda = self.runner.device.type == "cuda"
+        flattened = cuda_graphs.ragged_tokens(len(counts), sum(counts) + len(counts), cuda) if selected else None
+        flattened = flattened if self.ragged_verifies else None
         needed = int(before.max()) + k + 1
         packed, *logprobs = self._run_verify(
             rows, draft_ids, probs, kind=kind, needed=needed, lane=batch_id, selected=selected, flattened=flattened
@@ -662,13 +667,16 @@ def recorder(
     cache.trim(rows, lengths + ahead)
 
 
-def ragged_tokens(draft_ids: torch.Tensor, device: torch.device) -> int:
-    """The flattened tokens of a ragged verify of selected drafts `draft_ids` (-1 past each row's): each row's
-    pending token and its drafts, on CUDA rounded up to a graph's bucket (`cuda_graphs.ragged_tokens`). A host
-    sync where the drafts came on the device (a few ints)."""
-    return cuda_graphs.ragged_tokens(
-        len(draft_ids), int((draft_ids >= 0).sum()) + len(draft_ids), device.type == "cuda"
-    )
+def cut_to_width(
+    draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, longest: int, widths: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Selected drafts (-1 past each row's) cut to the fewest of `widths` (the draft counts prepared) that holds the
+    `longest` row: columns of -1 in every row would only widen the step (attention's queries a row, the acceptance's
+    inputs), never change what it accepts. Unchanged when no prepared width is narrower."""
+    width = min((w for w in widths if w >= max(longest, 1)), default=draft_ids.shape[1])
+    if width >= draft_ids.shape[1]:
+        return draft_ids, draft_probs
+    return draft_ids[:, :width], None if draft_probs is None else draft_probs[:, :width]
 
 
 def verify_variants(drafts: int, selected: bool, ragged: bool, device: torch.device) -> list[tuple[bool, int]]:

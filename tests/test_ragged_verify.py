@@ -33,19 +33,22 @@ def _greedy_drafts(draft: PreTrainedModel, histories: list[list[int]], lengths: 
     return ids
 
 
-def _verifiers(target: PreTrainedModel) -> tuple[Verifier, Verifier]:
-    """(padded, ragged) verifiers of `target`, each on a runner and cache of its own."""
-    padded, ragged = (Verifier(ModelRunner(target, ROWS, CACHE_LEN), []) for _ in range(2))
+def _verifiers(target: PreTrainedModel) -> tuple[Verifier, Verifier, Verifier]:
+    """(padded, ragged, ragged and cut to 4 drafts where they fit) verifiers of `target`, each on a runner and cache
+    of its own."""
+    padded, ragged, cut = (Verifier(ModelRunner(target, ROWS, CACHE_LEN), []) for _ in range(3))
     padded.ragged_verifies = False
-    return padded, ragged
+    cut.verify_widths = (K // 2, K)
+    return padded, ragged, cut
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
 @pytest.mark.parametrize("kind", ["greedy", "greedy-logprobs", "sampled-logprobs"])
 def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
-    """Same rows, same selected drafts (rows of 0..K, one of none and one of all): the ragged verify emits the very
-    tokens the padded one does, with the same logprobs, and leaves the same K/V in every row. (Plain greedy takes
-    the argmax over the flattened tokens' logits, `flat_argmax`.)"""
+    """Same rows, same selected drafts (rows of 0..K, one of none and one of all; every other step at most K / 2): the
+    ragged verify emits the very tokens the padded one does, with the same logprobs, and leaves the same K/V in every
+    row; so does one cut to K / 2 drafts where they fit. (Plain greedy takes the argmax over the flattened tokens'
+    logits, `flat_argmax`.)"""
     sampled, logprobs = kind.startswith("sampled"), 3 if kind.endswith("logprobs") else None
     target = tiny_models.target(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
     draft = tiny_models.noisy_draft(arch, **({"sliding_window": 6} if arch == "mistral" else {}))
@@ -61,32 +64,39 @@ def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
     gen = torch.Generator().manual_seed(3)
     accepted = 0
     for step in range(6):
-        lengths = torch.randint(0, K + 1, (ROWS,), generator=gen).tolist()
-        lengths[step % ROWS], lengths[(step + 1) % ROWS] = 0, K
+        longest = K if step % 2 == 0 else K // 2
+        lengths = torch.randint(0, longest + 1, (ROWS,), generator=gen).tolist()
+        lengths[step % ROWS], lengths[(step + 1) % ROWS] = 0, longest
         drafts = _greedy_drafts(draft, histories, lengths)
         probs = torch.rand(ROWS, K, target.config.vocab_size, generator=gen).softmax(-1) if sampled else None
         results = [v.verify(seq_ids, drafts.clone(), probs, selected=True) for v in verifiers]
         rows = [r.per_row() for r in results]
-        assert rows[0] == rows[1], f"step {step}, lengths {lengths}"
-        assert results[0].verified == results[1].verified == lengths
-        for padded, ragged in zip(*(r.logprobs_per_row() for r in results), strict=True):
-            assert (padded is None) == (ragged is None) == (logprobs is None)
-            if padded is None or ragged is None:
-                continue
-            for (p_chosen, p_top), (r_chosen, r_top) in zip(padded, ragged, strict=True):
-                assert r_chosen == pytest.approx(p_chosen, abs=1e-4)
-                assert [i for i, _ in r_top] == [i for i, _ in p_top]
-                assert [v for _, v in r_top] == pytest.approx([v for _, v in p_top], abs=1e-4)
+        assert rows[0] == rows[1] == rows[2], f"step {step}, lengths {lengths}"
+        assert results[0].verified == results[1].verified == results[2].verified == lengths
+        for padded, *others in zip(*(r.logprobs_per_row() for r in results), strict=True):
+            for ragged in others:
+                assert (padded is None) == (ragged is None) == (logprobs is None)
+                if padded is None or ragged is None:
+                    continue
+                for (p_chosen, p_top), (r_chosen, r_top) in zip(padded, ragged, strict=True):
+                    assert r_chosen == pytest.approx(p_chosen, abs=1e-4)
+                    assert [i for i, _ in r_top] == [i for i, _ in p_top]
+                    assert [v for _, v in r_top] == pytest.approx([v for _, v in p_top], abs=1e-4)
         accepted += sum(a for _, a, _ in rows[0])
         for history, (tokens, _, _) in zip(histories, rows[0], strict=True):
             history += tokens
     assert accepted > 0  # drafts were accepted, not only rejected
     # k + E + 1 = 9 tokens a row still run as CUDA graphs (the keys a GPU would capture; eager past MAX_GRAPH_TOKENS)
     assert all(any("selected" in str(key[0]) for key in v.runner.step_keys) for v in verifiers)
+    shapes = [{key[4] for key in v.runner.step_keys if "selected" in str(key[0])} for v in verifiers]  # (drafts)
+    wide, cut = ((K,), torch.long), ((K // 2,), torch.long)
+    assert shapes[0] == shapes[1] == {wide} and shapes[2] == {wide, cut}
     for row in range(ROWS):
-        for (pk, pv), (rk, rv) in zip(*(v.runner.cache.rows_state(row) for v in verifiers), strict=True):
-            torch.testing.assert_close(rk, pk, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(rv, pv, rtol=1e-5, atol=1e-5)
+        states = [v.runner.cache.rows_state(row) for v in verifiers]
+        for (pk, pv), *others in zip(*states, strict=True):
+            for rk, rv in others:
+                torch.testing.assert_close(rk, pk, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(rv, pv, rtol=1e-5, atol=1e-5)
 
 
 def test_ragged_forward_logits_equal_padded(tiny_models) -> None:

@@ -8,10 +8,17 @@ from collections import Counter
 import pytest
 import torch
 
-from coordinator.tetris_policy import AUTO_CHOICES, ExtraProposals, hidden_extra, parse_extra_proposals
+from coordinator.tetris_policy import (
+    AUTO_CHOICES,
+    ExtraProposals,
+    hidden_extra,
+    parse_extra_proposals,
+    prepared_lengths,
+)
 from draft_service.tetris import UNIFORM_LOGPROB, draft_logprobs, select_draft_lengths, selected_drafts
 from minedraft.engine.sampling import greedy_tokens
 from target_service.rejection_sampler import RowParams, rejection_sample
+from target_service.verifier import cut_to_width
 
 
 def reference_lengths(logprobs: list[list[float]], budget: int, live: list[bool]) -> list[int]:
@@ -162,3 +169,21 @@ def test_auto_extra_proposals_follow_the_measured_step_times() -> None:
     for _ in range(30):  # the draft got slower than the verify: no extras
         auto.record_propose(0.08, 8)
     assert auto.choose(4) == 0
+
+
+def test_prepared_lengths_hold_each_draft_length_alone_too() -> None:
+    """With TETRIS both workers prepare each draft length with its extras and alone: a verify whose selected drafts
+    fit the plain length is cut to it (`verifier.cut_to_width`), a shape prepared too."""
+    assert prepared_lengths((4,), None) == (4,)
+    assert prepared_lengths((4,), ExtraProposals("2")) == (6, 4)
+    assert prepared_lengths((4, 2), ExtraProposals("auto")) == (8, 6, 4, 2)
+
+
+def test_selected_drafts_are_cut_to_the_fewest_prepared_width_that_holds_them() -> None:
+    drafts = torch.tensor([[5, 6, -1, -1, -1, -1], [7, -1, -1, -1, -1, -1]])
+    probs = torch.rand(2, 6, 11)
+    cut, cut_probs = cut_to_width(drafts, probs, 2, (4, 6))
+    assert cut.tolist() == [[5, 6, -1, -1], [7, -1, -1, -1]] and cut_probs is not None and cut_probs.shape == (2, 4, 11)
+    assert cut_to_width(drafts, None, 5, (4, 6))[0].shape == (2, 6)  # (none narrower holds 5)
+    assert cut_to_width(drafts, None, 0, (4, 6))[0].shape == (2, 4)  # (no drafts at all: the narrowest)
+    assert cut_to_width(drafts, None, 2, ())[0].shape == (2, 6)  # (nothing prepared: unchanged)
