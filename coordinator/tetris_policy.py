@@ -62,7 +62,7 @@ def checked_budget(verify_token_budget: int) -> int:
 
 def prepared_lengths(draft_lengths: tuple[int, ...], extra: ExtraProposals | None) -> tuple[int, ...]:
     """The lengths proposals and verifies may take, each precaptured: with TETRIS each draft length plus extras, and
-    alone (a verify whose selected drafts fit it is cut to it: `verifier.cut_to_width`)."""
+    alone (a verify whose selected drafts fit it is cut to it: `selected_verify.cut_to_width`)."""
     extras = {0, *extra.choices} if extra is not None else {0}
     return tuple(sorted({n + e for n in draft_lengths for e in extras}, reverse=True))
 

@@ -13,19 +13,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minedraft.engine import cuda_graphs
 from minedraft.engine.grammar import Grammars, masked_logits
 from minedraft.engine.kv_cache import PagedKVCache
 from minedraft.engine.model_runner import ModelRunner, StepShape
 from minedraft.engine.sampling import (
     SamplingConfig,
     SamplingKind,
-    greedy_tokens,
     penalized_logits,
     token_logprobs,
 )
 from minedraft.engine.sequence_table import SequenceTable
 from target_service.rejection_sampler import RowParams, SamplerOutput, rejection_sample
+from target_service.selected_verify import flat_argmax, selected_drafts, selected_shape, verify_variants
 
 RUNNING, FINISHED_STOP, FINISHED_LENGTH = 0, 1, 2
 # The kinds of batch a proposer sends by default: all greedy (ids only); sampled, and filtered, with the draft's
@@ -410,17 +409,15 @@ class Verifier:
         selected: bool = False,
     ) -> StepResult:
         """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest:
-        all in the step's CUDA graph (`_verify_step`).
-
-        k = 0 is plain autoregressive decoding through the same path. A `batch_id` (0 or 1) keeps the batch's rows in
-        graph buffers of its own. The blocks the k + 1 positions need are taken first: all, or a CapacityError.
-        `selected` (TETRIS, design section 14): each row verifies only its drafts before the first id of -1; with
-        `ragged_verifies` the forward runs only those (and the pending tokens), flattened, else k + 1 positions a
-        row (padded), the lengths masking only the acceptance.
-        """
+        all in the step's CUDA graph (`_verify_step`). k = 0: plain autoregressive decoding, same path. A `batch_id`
+        (0 or 1) keeps the batch's rows in graph buffers of its own. The blocks the k + 1 positions need are taken
+        first: all, or a CapacityError. `selected` (TETRIS, design section 14): each row verifies its drafts before
+        its first id of -1, cut to a prepared width; with `ragged_verifies` only those run (and the pending tokens),
+        flattened, else k + 1 positions a row, the lengths masking only the acceptance (`selected_shape`)."""
         _, rows = self.table.batch_rows(seq_ids, batch_id)
-        counts = (draft_ids >= 0).sum(dim=1).tolist() if selected else []  # (a host sync where they came on the device)
-        draft_ids, draft_probs = cut_to_width(draft_ids, draft_probs, max(counts, default=0), self.verify_widths)
+        draft_ids, draft_probs, flattened = selected_shape(
+            draft_ids, draft_probs, selected, self.verify_widths, self.ragged_verifies, self.runner.device
+        )
         k = draft_ids.shape[1]
         index = rows.numpy()  # (a host tensor: no copy)
         before = self.cached[index]
@@ -433,9 +430,6 @@ class Verifier:
             probs = (padded_probs(draft_probs.to(self.runner.device, torch.float32), self.runner.vocab_size),)
         if kind.grammar:  # the masks of every verified position, after the drafts before it (`Grammars.masks`)
             probs += (self.grammars.masks(seq_ids, draft_ids.cpu().numpy()),)
-        cuda = self.runner.device.type == "cuda"
-        flattened = cuda_graphs.ragged_tokens(len(counts), sum(counts) + len(counts), cuda) if selected else None
-        flattened = flattened if self.ragged_verifies else None
         needed = int(before.max()) + k + 1
         packed, *logprobs = self._run_verify(
             rows, draft_ids, probs, kind=kind, needed=needed, lane=batch_id, selected=selected, flattened=flattened
@@ -626,25 +620,6 @@ def _prompt_logprobs(
     return [(c, list(zip(i[:top], v[:top], strict=True))) for c, i, v in zip(chosen, ids, values, strict=True)]
 
 
-def selected_drafts(
-    drafts: torch.Tensor, rows: torch.Tensor, num_valid: torch.Tensor, fill_row: int, selected: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Inside a verify's graph: (the drafts to run, each row's verified draft count where `selected` (TETRIS: up to
-    its first id of -1; None: all), the tokens a ragged forward runs per row: the pending one and those drafts, none
-    on the padding rows of `fill_row`). -1 ids are never accepted; any real id runs in their place."""
-    if not selected:
-        return drafts, None, num_valid
-    lengths = (drafts >= 0).sum(dim=-1)
-    return drafts.clamp(min=0), lengths, torch.where(rows == fill_row, 0, lengths + 1)
-
-
-def flat_argmax(logits: torch.Tensor, unflatten: torch.Tensor | None) -> torch.Tensor:
-    """A ragged greedy verify's argmax `[B, n]`: over its flattened tokens' logits `[T, V]`, then laid out in its
-    rows by `unflatten` (`ForwardPass.step_forward`): T rows read, not B x n."""
-    assert unflatten is not None
-    return greedy_tokens(logits)[unflatten]
-
-
 def scratch_probs(
     batch: int, drafts: int, kind: SamplingKind, vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
@@ -665,31 +640,6 @@ def recorder(
     lengths = np.asarray(starts, dtype=np.int64) + np.asarray(emitted, dtype=np.int64)
     cached[rows] = lengths
     cache.trim(rows, lengths + ahead)
-
-
-def cut_to_width(
-    draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, longest: int, widths: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Selected drafts (-1 past each row's) cut to the fewest of `widths` (the draft counts prepared) that holds the
-    `longest` row: columns of -1 in every row would only widen the step (attention's queries a row, the acceptance's
-    inputs), never change what it accepts. Unchanged when no prepared width is narrower."""
-    width = min((w for w in widths if w >= max(longest, 1)), default=draft_ids.shape[1])
-    if width >= draft_ids.shape[1]:
-        return draft_ids, draft_probs
-    return draft_ids[:, :width], None if draft_probs is None else draft_probs[:, :width]
-
-
-def verify_variants(drafts: int, selected: bool, ragged: bool, device: torch.device) -> list[tuple[bool, int]]:
-    """The verifies of `drafts` drafts that `Verifier.precapture` runs, as (selected, tokens a row; 0: padded):
-    the plain one; with `selected` (TETRIS) the verify of selected drafts, `ragged` at each of 1..drafts + 1 tokens
-    a row on CUDA (`cuda_graphs.ragged_tokens`) and elsewhere, where a ragged verify runs its exact total, the
-    widest only."""
-    variants = [(False, 0)]
-    if drafts and selected and not ragged:
-        variants.append((True, 0))
-    elif drafts and selected:
-        variants += [(True, width) for width in (range(1, drafts + 2) if device.type == "cuda" else [drafts + 1])]
-    return variants
 
 
 def padded_probs(draft_probs: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ from minedraft.engine.cuda_graphs import ragged_tokens
 from minedraft.engine.forward_pass import StepShape, ragged_layout
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import SamplingConfig
-from target_service.verifier import Verifier, verify_variants
+from target_service.selected_verify import verify_variants
+from target_service.verifier import Verifier
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -18,7 +18,7 @@ from coordinator.tetris_policy import (
 from draft_service.tetris import UNIFORM_LOGPROB, draft_logprobs, select_draft_lengths, selected_drafts
 from minedraft.engine.sampling import greedy_tokens
 from target_service.rejection_sampler import RowParams, rejection_sample
-from target_service.verifier import cut_to_width
+from target_service.selected_verify import cut_to_width
 
 
 def reference_lengths(logprobs: list[list[float]], budget: int, live: list[bool]) -> list[int]:
