@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -190,28 +189,21 @@ def ordered_all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
 
 
 def init_group(
-    rank: int,
-    size: int,
-    address: str,
-    device: torch.device,
-    timeout_s: float = 60.0,
-    ordered_sums: bool = False,
-    listener: socket.socket | None = None,
+    rank: int, size: int, address: str, device: torch.device, timeout_s: float = 60.0, ordered_sums: bool = False
 ) -> TensorParallel:
     """Join the tensor-parallel group rendezvousing at `address` (host:port, rank 0's): NCCL on GPUs, gloo on CPUs.
     A collective that waits longer than `timeout_s` for a rank fails rather than hangs. `ordered_sums`:
-    `TensorParallel.ordered_sums`. `listener`: rank 0's socket already listening on `address`, which its store takes
-    over (else the store binds the port, which another process may have taken since it was picked)."""
+    `TensorParallel.ordered_sums`."""
     from datetime import timedelta
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    host, port = address.rsplit(":", 1)
-    timeout = timedelta(seconds=timeout_s)
-    fd = listener.detach() if listener is not None else None  # (the store closes it)
-    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size, timeout=timeout
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
     )
     return TensorParallel(rank, size, dist.group.WORLD, ordered_sums=ordered_sums)
 

@@ -64,6 +64,12 @@ HEARTBEAT_S = 0.25
 HANG_S = 3.0
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Liveness:
     """Rank 0's view of whether ranks 1..N-1 still run: each one's last report (calls it has finished, all-reduces it
     has begun), the calls rank 0 finished. A rank is hung once it has been silent for HANG_S (stopped: its reporting
@@ -127,9 +133,7 @@ class RankGroup:
     def __init__(self, options: WorkerOptions, make_engine: MakeEngine, service: str) -> None:
         size = options.tensor_parallel_size
         self.service = service
-        # Listening from here on, handed to the store: a port picked free and bound later could be taken meanwhile.
-        listener = socket.create_server(("127.0.0.1", 0))
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        address = f"127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
         self.pipes: list[Connection] = []
         self.reports: list[Connection] = []  # (each rank's `Liveness` reports)
@@ -159,9 +163,7 @@ class RankGroup:
         # Watching before the rendezvous: a rank that fails to start must not leave rank 0 waiting for it.
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         device = torch.device(rank_device(options.device, 0))
-        self.tp: TensorParallel = init_group(
-            0, size, address, device, COLLECTIVE_TIMEOUT_S, options.deterministic, listener
-        )
+        self.tp: TensorParallel = init_group(0, size, address, device, COLLECTIVE_TIMEOUT_S, options.deterministic)
 
     def send(self, name: str, args: Sequence[object], prefix_caching: bool) -> int:
         """Hand the call `name(*args)` to every other rank (tensors among `args` on the host), to run with prefix
