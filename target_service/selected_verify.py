@@ -21,8 +21,8 @@ def selected_shape(
     """A verify's drafts (and probabilities) and, where `ragged`, the flattened tokens its forward runs: with
     `selected`, cut to the fewest of `widths` that holds the longest row (`cut_to_width`), the tokens each row's
     pending one and its drafts, on CUDA rounded up to a graph's bucket (`cuda_graphs.ragged_tokens`). A host sync
-    where the drafts came on the device (a few ints); none where not `selected`."""
-    if not selected:
+    where the drafts came on the device (a few ints); none where there is neither a cut nor a layout to make."""
+    if not selected or not (widths or ragged):
         return draft_ids, draft_probs, None
     counts = (draft_ids >= 0).sum(dim=1).tolist()
     draft_ids, draft_probs = cut_to_width(draft_ids, draft_probs, max(counts, default=0), widths)
