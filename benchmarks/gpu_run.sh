@@ -321,7 +321,7 @@ tetris)
     # One verify step, ragged against padded and uniform (8 layers of the 8B's shape, bf16, graphs)
     for batch in $([ "${RAGGED_BENCH:-1}" = 1 ] && echo ${TETRIS_BATCHES:-32 64}); do  # (RAGGED_BENCH=0: served only)
         timeout -k 10 300 python3 benchmarks/ragged_verify_bench.py --device "$TARGET_DEVICE" --dtype bfloat16 \
-            --hidden 4096 --layers 8 --vocab 128256 --batch $batch --prompt 512 --kv-cache-gib 4 2>&1 | tee -a "$OUT/run/ragged_bench.log"
+            --hidden 4096 --head-dim 128 --layers 8 --vocab 128256 --batch $batch --prompt 512 --kv-cache-gib 4 2>&1 | tee -a "$OUT/run/ragged_bench.log"
     done
     for batch in ${TETRIS_BATCHES:-32 64}; do
         runs="plain"
@@ -348,7 +348,7 @@ ragged)
     for rows in ${ROWS:-none 32 16}; do
         echo "== MAX_ROWS $rows"
         timeout -k 10 ${BENCH_SECONDS:-100} python3 benchmarks/ragged_verify_bench.py --device "$TARGET_DEVICE" \
-            --dtype bfloat16 --hidden 4096 --layers 8 --vocab 128256 --batch "${BATCH:-32}" --prompt 512 --kv-cache-gib 4 \
+            --dtype bfloat16 --hidden 4096 --head-dim 128 --layers 8 --vocab 128256 --batch "${BATCH:-32}" --prompt 512 --kv-cache-gib 4 \
             --repeats "${REPEATS:-20}" $([ "$rows" = none ] || echo "--max-rows $rows") ${EXTRA:-} 2>&1 \
             | grep -v Warning | tee -a "$OUT/run/ragged_rows.log" | grep -E "positions|/"
     done

@@ -33,16 +33,17 @@ from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import Verifier
 
 
-def random_llama(hidden: int, layers: int, vocab: int) -> LlamaForCausalLM:
-    """A random Llama of `hidden` (heads of 64; K/V heads: the largest divisor of the heads up to a
-    third of them and 8), float32, SDPA attention."""
+def random_llama(hidden: int, layers: int, vocab: int, head_dim: int = 64) -> LlamaForCausalLM:
+    """A random Llama of `hidden` (heads of `head_dim`; K/V heads: the largest divisor of the heads up to a third of
+    them and 8, so 128 at hidden 4096 gives the 8B's 32 heads over 8), float32, SDPA attention."""
     torch.manual_seed(0)
-    heads = hidden // 64
+    heads = hidden // head_dim
     config = LlamaConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=max(d for d in range(1, min(heads // 3, 8) + 1) if heads % d == 0) if heads >= 3 else 1,
+        head_dim=head_dim,
         intermediate_size=hidden * 8 // 3,
         vocab_size=vocab,
         max_position_embeddings=1024,
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--extra", type=int, default=4, help="E: TETRIS's extra proposals a row")
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64, help="128 with --hidden 4096: the 8B's 32 heads over 8")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--prompt", type=int, default=96, help="tokens a row holds before the first verify")
     parser.add_argument("--repeats", type=int, default=30)
@@ -92,7 +94,7 @@ def main() -> None:
 
         decode_attention.MAX_ROWS = args.max_rows
     with torch.device(args.device):  # (initialized where it runs: an 8B-shaped layer stack takes minutes on a CPU)
-        model = random_llama(args.hidden, args.layers, args.vocab).to(getattr(torch, args.dtype))
+        model = random_llama(args.hidden, args.layers, args.vocab, args.head_dim).to(getattr(torch, args.dtype))
     names = ("padded", "ragged", "uniform", "ragged-even")
     seq_ids = list(range(args.batch))
     gen = torch.Generator().manual_seed(1)
@@ -127,10 +129,12 @@ def main() -> None:
             if repeat >= 2:
                 times[name].append(time.process_time() - start)
                 walls[name].append(time.perf_counter() - clock)
+    paged = verifiers["uniform"].runner.step_shape(args.batch, args.prompt, args.k + args.extra + 1)[1] is None
     print(
-        f"B={args.batch} k={args.k} E={args.extra}, Llama hidden {args.hidden} x {args.layers} layers, vocab "
+        f"B={args.batch} k={args.k} E={args.extra}, Llama hidden {args.hidden} x {args.layers} layers "
+        f"({model.config.num_attention_heads} heads over {model.config.num_key_value_heads}), vocab "
         f"{args.vocab}, {args.prompt}-token rows, {args.device} {args.dtype}, {args.threads} thread(s), median of "
-        f"{args.repeats}"
+        f"{args.repeats}; a row of k + E + 1 tokens reads K/V {'paged' if paged else 'gathered'}"
     )
     medians = {name: statistics.median(times[name]) * 1e3 for name in names}
     wall = {name: statistics.median(walls[name]) * 1e3 for name in names}

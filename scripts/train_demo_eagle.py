@@ -208,20 +208,23 @@ def batch_loss(
     decay: float,
     cls_weight: float,
     noise: float,
+    bf16: bool = False,
 ) -> tuple[torch.Tensor, list[float], float, list[float]]:
     """Summed over the draft steps (step j weighted decay^j): EAGLE-3, KL to the target's next-token distribution;
     EAGLE-1, the regression of the target's next feature (smooth L1) plus `cls_weight` x that KL (the LM head is the
     target's, frozen). `batch`: windows' tokens [B, W], the target's features [B, W, F] and last normed hidden
     states [B, W, H]; uniform noise of `noise` x the features' RMS on the target-fed features (EAGLE's). Returns
     the loss, each step's KL, the mean regression and each step's rate of drafts that chain-match the target's
-    greedy choice (step j right and every step before it: what greedy verification accepts)."""
+    greedy choice (step j right and every step before it: what greedy verification accepts). `bf16`: the head's
+    matmuls in bfloat16 (CPU autocast; about 1.4x a step where the CPU has AVX-512 BF16), the KL in float32."""
     windows, aux_all, final_all = batch
     n = windows.shape[1] - steps
     aux = aux_all[:, : n + steps - 1].float()
     if noise:
         aux = aux + (torch.rand_like(aux) * 2 - 1) * noise * aux.pow(2).mean().sqrt()
     final = final_all.float()
-    outs = unrolled_forward(head, aux, windows, steps)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        outs = unrolled_forward(head, aux, windows, steps)
     lm_head = target.get_output_embeddings()
     with torch.no_grad():
         want_all = F.log_softmax(lm_head(final[:, 1:]), dim=-1)  # the target's at positions 1..W-1
@@ -230,11 +233,15 @@ def batch_loss(
         want_feature = final[:, j + 1 : j + 1 + n]  # the target's at p + j + 1, after the token there
         want = want_all[:, j : j + n]
         if head.eagle3:
-            got = F.log_softmax(head.lm_head(head.norm(hidden)), dim=-1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = head.lm_head(head.norm(hidden))
+            got = F.log_softmax(logits.float(), dim=-1)
             reg = torch.zeros(())
         else:
-            reg = F.smooth_l1_loss(hidden, want_feature)
-            got = F.log_softmax(lm_head(hidden), dim=-1)
+            reg = F.smooth_l1_loss(hidden.float(), want_feature)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = lm_head(hidden)
+            got = F.log_softmax(logits.float(), dim=-1)
         kl = F.kl_div(got.flatten(0, 1), want.flatten(0, 1), log_target=True, reduction="batchmean")
         loss = loss + decay**j * (kl if head.eagle3 else reg + cls_weight * kl)
         with torch.no_grad():
@@ -397,6 +404,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", default="", help="a head this script saved, to train on from")
+    parser.add_argument("--bf16", action="store_true", help="the head's matmuls in bfloat16 (CPU autocast)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     from tokenizers import Tokenizer
@@ -472,7 +480,9 @@ def main() -> None:
         steps_run = step + 1
         picks = torch.randint(0, len(windows), (args.batch,), generator=gen)
         batch = (windows[picks], aux_all[picks], final_all[picks])
-        loss, kls, reg, rates = batch_loss(head, target, batch, args.unroll, args.decay, args.cls_weight, args.noise)
+        loss, kls, reg, rates = batch_loss(
+            head, target, batch, args.unroll, args.decay, args.cls_weight, args.noise, args.bf16
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -520,6 +530,7 @@ def main() -> None:
         "decay": args.decay,
         "cls_weight": args.cls_weight,
         "noise": args.noise,
+        "bf16": args.bf16,
         "cpu_budget": args.cpu_budget,
         "wall_budget": args.wall_budget,
         "positions_trained": steps_run * args.batch * args.seq_len,
