@@ -348,7 +348,8 @@ class CoordinatorOptions(PublicPortOptions):
         "2",
         "--tetris-extra-proposals",
         "with --tetris: extra drafts a row beyond the step's k, a count, or auto: the most of 0, 2, 4 that keep the "
-        "draft's step within the measured verify it hides behind",
+        "draft's step within the measured verify it hides behind (none where no verify hides it: sd, psd in turn or "
+        "as one batch on a shared GPU)",
         POLICY_COMMANDS,
         SPECULATION,
         passes_to=TO_COORDINATOR,

@@ -16,3 +16,8 @@ class OverlapPolicy(MeasuredChoice):
         if mode not in OVERLAP_CHOICES:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_CHOICES)}")
         super().__init__(None if mode == "auto" else mode == "always")
+
+    @property
+    def never(self) -> bool:
+        """`--overlap never`: PSD's two batches drafted and verified in turn, no proposal beside a verify."""
+        return self.fixed is False

@@ -206,7 +206,7 @@ class StepLoop:
         extras = self.extra_proposals
         if extras is not None and any(r.request.seeded for r in batch.members):
             extras = None  # (a seeded request's output must not depend on what else its batch holds: `_step`)
-        drafts = k + extras.choose(k) if extras is not None else k
+        drafts = k + extras.choose(k, hidden=self.mode == "psd" and not self.overlap_policy.never) if extras else k
         self.admission.make_room(batch, drafts)
         if not batch.members:
             return

@@ -29,7 +29,9 @@ def hidden_extra(draft_s_per_token: float, verify_s: float, k: int, choices: tup
 class ExtraProposals:
     """The extra drafts of each TETRIS step: fixed, or under auto the most that `hidden_extra` finds hidden from the
     running averages of the draft's seconds per drafted token and the verify's seconds (the workers' reported
-    compute time, `record_propose` and `record_verify`); the largest of AUTO_CHOICES until both are measured."""
+    compute time, `record_propose` and `record_verify`); the largest of AUTO_CHOICES until both are measured. Where
+    no verify hides the proposal (sd, or psd run as one batch on a GPU both workers share), auto takes none: each
+    extra draft then adds its time to the step (one H100: E=2 0.83x plain psd where acceptance does not vary)."""
 
     def __init__(self, setting: str) -> None:
         self.fixed = parse_extra_proposals(setting)
@@ -45,9 +47,12 @@ class ExtraProposals:
         if seconds > 0:
             self.verify_s = _averaged(self.verify_s, seconds)
 
-    def choose(self, k: int) -> int:
+    def choose(self, k: int, hidden: bool = True) -> int:
+        """Extra drafts for a step of k; `hidden`: whether the proposal runs beside the other batch's verify."""
         if self.fixed is not None:
             return self.fixed
+        if not hidden:
+            return min(self.choices)
         if self.draft_s_per_token is None or self.verify_s is None:
             return max(self.choices)
         return hidden_extra(self.draft_s_per_token, self.verify_s, k, self.choices)

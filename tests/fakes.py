@@ -405,8 +405,10 @@ class Harness:
         draft_timeout: float = 30.0,
         retry_interval: float = 0.0,
         channel_setup_timeout: float = 60.0,
+        **loop_options: Any,
     ) -> Harness:
-        """`target`, `draft`: the fakes' keyword arguments (`FakeWorker`, `FakeDraft`)."""
+        """`target`, `draft`: the fakes' keyword arguments (`FakeWorker`, `FakeDraft`); `loop_options`: the
+        `StepLoop`'s other keyword arguments."""
         log = CallLog()
         fakes = (FakeTarget(log, **(target or {})), FakeDraft(log, **(draft or {})) if mode != "ar" else None)
         wake, outbox = asyncio.Event(), StreamOutbox()
@@ -422,7 +424,17 @@ class Harness:
             stubs=fakes,
         )
         manager = BatchManager(max_batch_size, 64, 2 if mode == "psd" else 1, max_prefill_tokens)
-        loop = StepLoop(workers, manager, mode, k, outbox=outbox, wake=wake, overlap=overlap, speculation=speculation)
+        loop = StepLoop(
+            workers,
+            manager,
+            mode,
+            k,
+            outbox=outbox,
+            wake=wake,
+            overlap=overlap,
+            speculation=speculation,
+            **loop_options,
+        )
         await workers.pair.connect()
         await workers.pair.set_up(Layout(max_batch_size, len(manager.batches), k, loop.draft_lengths))
         workers.failover.reset_ledgers()

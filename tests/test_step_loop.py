@@ -271,6 +271,23 @@ def test_overlap_verifies_one_batch_while_the_other_is_drafted(overlap: str) -> 
 
 
 @pytest.mark.parametrize(
+    ("mode", "overlap", "hidden"), [("sd", "auto", False), ("psd", "never", False), ("psd", "always", True)]
+)
+def test_tetris_auto_drafts_extra_only_where_a_verify_hides_them(mode: str, overlap: str, hidden: bool) -> None:
+    """`--tetris-extra-proposals auto` drafts extras only beside the other batch's verify (psd overlapping): in sd,
+    or psd in turn, each extra draft would add its time to the step."""
+
+    async def test(h: Harness) -> None:
+        requests = [h.submit(seq_id, max_tokens=12) for seq_id in range(1, 5)]
+        await h.finish(requests)
+        drafted = {c.request.num_draft_tokens for c in h.log.of("draft", "Propose")}
+        assert (max(drafted) > 3) == hidden, drafted
+        assert_lossless(h, requests)
+
+    run(test, mode=mode, overlap=overlap, tetris=True, extra_proposals="auto", draft={"latency": 0.001})
+
+
+@pytest.mark.parametrize(
     ("speculation", "seeded", "always_drafted"), [("always", False, True), ("auto", False, False), ("auto", True, True)]
 )
 def test_speculation_policy_drafts_while_it_pays_or_a_seeded_request_runs(

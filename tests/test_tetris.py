@@ -171,6 +171,17 @@ def test_auto_extra_proposals_follow_the_measured_step_times() -> None:
     assert auto.choose(4) == 0
 
 
+def test_auto_extra_proposals_take_none_where_no_verify_hides_them() -> None:
+    """sd, or psd as one batch on a shared GPU: each extra draft adds its time to the step, so auto drafts none."""
+    auto = ExtraProposals("auto")
+    for _ in range(30):  # a verify that would hide 4 extra drafts beside it
+        auto.record_propose(0.008, 8)
+        auto.record_verify(0.02)
+    assert auto.choose(4, hidden=True) == 4
+    assert auto.choose(4, hidden=False) == 0
+    assert ExtraProposals("2").choose(4, hidden=False) == 2  # a count given is kept
+
+
 def test_prepared_lengths_hold_each_draft_length_alone_too() -> None:
     """With TETRIS both workers prepare each draft length with its extras and alone: a verify whose selected drafts
     fit the plain length is cut to it (`verifier.cut_to_width`), a shape prepared too."""
