@@ -336,7 +336,7 @@ tetris)
                 --precapture-graphs ${PRECAPTURE:-off} ${EXTRA:-} --target-device "$TARGET_DEVICE" \
                 --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts ${TETRIS_PROMPTS:-$((batch * 4))} \
                 --num-warmup ${WARMUP:-$((batch * 4))} --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \
-                > "$OUT/run/tetris_${batch}_${run}.log" 2>&1
+                --log-dir "$OUT/run/tetris_${batch}_${run}" > "$OUT/run/tetris_${batch}_${run}.log" 2>&1  # (services' logs: graphs)
             echo "== batch $batch $run"; grep -E "^(psd|sd|ar) +[0-9]" "$OUT/run/tetris_${batch}_${run}.log"
         done
     done
