@@ -41,7 +41,8 @@
 #   tetris              TETRIS served (8B-shaped target, 68M draft, one GPU or two): plain psd and sd, then psd
 #                       --tetris with E = 2 and 4 (TETRIS_EXTRAS), at batches 32 and 64 (TETRIS_BATCHES), all at a
 #                       synthetic acceptance of 0.9 or 0.3 by row that the draft's scores predict (ROW_ACCEPTANCE;
-#                       a single rate, 0.6, is the control where selection cannot help; TETRIS_PROMPTS: requests a
+#                       a single rate, 0.6, is the control where selection cannot help; RATE_BY=step: each row's rate
+#                       drawn anew each step, not its request's; TETRIS_PROMPTS: requests a
 #                       stack, 4 x batch); output tokens/s of each;
 #                       first one verify step ragged against padded and uniform (ragged_verify_bench.py, 8 layers)
 #   eagle               drafts that read the target (benchmarks/eagle_bench.py): an 8B-shaped target (synthetic
@@ -332,7 +333,7 @@ tetris)
             *) flags="--modes psd --tetris --tetris-extra-proposals ${run#e}" ;;
             esac
             timeout -k 10 ${BENCH_SECONDS:-100} python3 -m $app bench $flags --speculation always \
-                --synthetic-row-acceptance "${ROW_ACCEPTANCE:-0.9,0.3}" --target /tmp/ckpt/8b --draft /tmp/ckpt/68m \
+                --synthetic-row-acceptance "${ROW_ACCEPTANCE:-0.9,0.3}" --synthetic-rate-by "${RATE_BY:-request}" --target /tmp/ckpt/8b --draft /tmp/ckpt/68m \
                 --precapture-graphs ${PRECAPTURE:-off} ${EXTRA:-} --target-device "$TARGET_DEVICE" \
                 --draft-device "$DRAFT_DEVICE" --max-batch-size $batch --num-prompts ${TETRIS_PROMPTS:-$((batch * 4))} \
                 --num-warmup ${WARMUP:-$((batch * 4))} --concurrency $((batch * 2)) --prompt-len 64 --output-len 96 --no-progress \

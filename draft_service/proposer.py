@@ -21,6 +21,7 @@ from minedraft.engine.sampling import (
     processed_probs,
     sample_from,
     seeded_uniform,
+    synthetic_row_rates,
 )
 from minedraft.engine.sequence_table import SequenceTable
 
@@ -54,10 +55,11 @@ class Proposer:
         self.last_drafts: dict[int, list[int]] = {}
         # TETRIS (design section 14): each proposal also returns its drafts' log q (`Proposal.token_logprobs`), for
         # the selection; set at Prepare. `synthetic_rates` (benchmarks only): each row's score is log of the rate,
-        # of these, that its seed picks, as the target's --synthetic-row-acceptance accepts it (a draft that
-        # predicts its acceptance, as a trained one does).
+        # of these, that the target's --synthetic-row-acceptance accepts it by (`synthetic_row_rates`; by step: each
+        # step's own), as a draft that predicts its acceptance, as a trained one does.
         self.scores_drafts = False
         self.synthetic_rates: torch.Tensor | None = None
+        self.synthetic_by_step = False
         slots, device = runner.num_slots + 1, runner.device  # with the scratch row, as the table
         self.committed = torch.zeros(slots, dtype=torch.long, device=device)
         self.last_k = torch.zeros(slots, dtype=torch.long, device=device)
@@ -213,10 +215,9 @@ class Proposer:
             self.last_drafts.update((s, host[b]) for b, s in enumerate(seq_ids) if s in self.grammars.matchers)
         outputs = [stacked] + ([torch.stack(probs, dim=1)] if probs else [])
         if self.scores_drafts:
+            step, seeds = self.committed[rows] if self.synthetic_by_step else None, self.table.seed_key[rows]
             outputs.append(
-                torch.stack(scores, dim=1)
-                if scores
-                else synthetic_scores(self.synthetic_rates, self.table.seed_key[rows], k)
+                torch.stack(scores, dim=1) if scores else synthetic_scores(self.synthetic_rates, seeds, k, step)
             )
         return outputs
 
@@ -412,7 +413,10 @@ def drafting_kind(kind: SamplingKind, greedy_drafts: bool, masks: bool) -> Sampl
     return kind._replace(all_greedy=kind.all_greedy or greedy_drafts, logprobs=False, grammar=kind.grammar and masks)
 
 
-def synthetic_scores(rates: torch.Tensor | None, seed_keys: torch.Tensor, k: int) -> torch.Tensor:
-    """Benchmarks only: each row's drafts scored log(rate), the rate its seed key picks of `rates`."""
+def synthetic_scores(
+    rates: torch.Tensor | None, seed_keys: torch.Tensor, k: int, first_position: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Benchmarks only: each row's drafts scored log(rate), the rate the target accepts them by
+    (`synthetic_row_rates`; `first_position`: the first draft's, with --synthetic-rate-by step)."""
     assert rates is not None
-    return rates[seed_keys % len(rates)].log()[:, None].expand(len(seed_keys), k).contiguous()
+    return synthetic_row_rates(rates, seed_keys, first_position).log()[:, None].expand(len(seed_keys), k).contiguous()

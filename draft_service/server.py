@@ -98,6 +98,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftServiceServicer):
             rates = options.row_acceptance_rates()
             if rates:
                 proposer.synthetic_rates = torch.tensor(rates, dtype=torch.float32, device=worker.runner.device)
+                proposer.synthetic_by_step = options.synthetic_rate_by == "step"
         self.grammars = proposer.grammars
         self.proposer = proposer if ranks is None else MirroredProposer(proposer, ranks)
         super().__init__(worker, self.proposer, ranks)

@@ -645,7 +645,8 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
     if args.synthetic_row_acceptance:
         print(
             f"BENCHMARK ONLY: synthetic acceptance by row ({args.synthetic_row_acceptance}, each row's rate picked by "
-            "its seed, which the draft's scores predict), outputs are not the target's",
+            f"its seed{' anew each step' if args.synthetic_rate_by == 'step' else ''}, which the draft's scores "
+            "predict), outputs are not the target's",
             flush=True,
         )
     for mode in modes:

@@ -111,6 +111,7 @@ FLAGS: tuple[Flag, ...] = (
     WORKER_FLAGS["precapture_graphs"],
     WORKER_FLAGS["synthetic_acceptance"],
     WORKER_FLAGS["synthetic_row_acceptance"],
+    WORKER_FLAGS["synthetic_rate_by"],
     WORKER_FLAGS["tensor_parallel_size"],
     Flag(
         "--draft-tensor-parallel-size",

@@ -50,7 +50,7 @@ def log(msg: str) -> None:
     print(f"[{time.time() - STARTED:7.1f}s] {msg}", flush=True)
 
 
-def make_head(target: Any, eagle3: bool) -> EagleHead:
+def make_head(target: Any, eagle3: bool, intermediate: int = 0) -> EagleHead:
     """A head of the target's width. EAGLE-1: `fc` starts passing the target's feature through, its LM head is the
     target's (frozen). EAGLE-3: its LM head and final norm start as the target's, `fc` reading its last layer read."""
     from transformers import LlamaConfig
@@ -58,7 +58,7 @@ def make_head(target: Any, eagle3: bool) -> EagleHead:
     tc = target.config
     config = LlamaConfig(
         hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
+        intermediate_size=intermediate or tc.intermediate_size,
         num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads,
         head_dim=tc.head_dim,
@@ -272,7 +272,7 @@ def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
         "architectures": ["LlamaForCausalLMEagle3" if head.eagle3 else "LlamaForCausalLMEagle"],
         "model_type": "llama",
         "hidden_size": tc.hidden_size,
-        "intermediate_size": tc.intermediate_size,
+        "intermediate_size": head.mlp.down_proj.in_features,
         "num_attention_heads": tc.num_attention_heads,
         "num_key_value_heads": tc.num_key_value_heads,
         "head_dim": tc.head_dim,
@@ -399,7 +399,9 @@ def main() -> None:
         help="a file keeping the greedy windows between runs (grown by a run that asks for more)",
     )
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--eagle3", action="store_true", help="an EAGLE-3 head (layers 1, 3, 5) instead of EAGLE-1")
+    parser.add_argument("--intermediate", type=int, default=0, help="the head's MLP width (0: the target's)")
+    parser.add_argument("--eagle3", action="store_true", help="an EAGLE-3 head (--layers) instead of EAGLE-1")
+    parser.add_argument("--layers", default="1,3,5", help="EAGLE-3: the target's layers it reads (HF numbering)")
     parser.add_argument("--cls-weight", type=float, default=0.2, help="EAGLE-1: weight of the KL beside regression")
     parser.add_argument("--eval-prompts", type=int, default=20)
     parser.add_argument("--k", type=int, default=4)
@@ -422,7 +424,8 @@ def main() -> None:
     stream = token_stream(encode_docs(tokenizer, train_docs), eos)
     heldout = encode_docs(tokenizer, heldout_docs)
     log(f"corpus: {len(train_docs)} train files ({stream.numel():,} tokens), {len(heldout_docs)} held out")
-    head = make_head(target, args.eagle3)
+    LAYERS[True] = tuple(int(i) for i in args.layers.split(","))
+    head = make_head(target, args.eagle3, args.intermediate)
     if args.resume:  # training goes on from a head this script saved
         from safetensors.torch import load_file
 

@@ -20,7 +20,9 @@ def make_verifier(worker: ModelWorker) -> Verifier:
     options = worker.options
     rates = options.row_acceptance_rates()  # (benchmarks only: each row's rate, picked by its seed)
     synthetic = torch.tensor(rates, device=worker.runner.device) if rates else options.synthetic_acceptance
-    return Verifier(worker.runner, worker.vocab.eos_token_ids, synthetic, worker.tokenizer)
+    verifier = Verifier(worker.runner, worker.vocab.eos_token_ids, synthetic, worker.tokenizer)
+    verifier.acceptance.synthetic_by_step = options.synthetic_rate_by == "step"
+    return verifier
 
 
 def verifier_calls(worker: ModelWorker) -> RunCall:

@@ -20,6 +20,7 @@ from minedraft.engine.sampling import (
     SamplingConfig,
     SamplingKind,
     penalized_logits,
+    synthetic_row_rates,
     token_logprobs,
 )
 from minedraft.engine.sequence_table import SequenceTable
@@ -121,6 +122,7 @@ class Acceptance:
         self.pending = pending  # [rows] each row's last committed token, the next verify's first input
         self.eos = eos
         self.synthetic_acceptance = synthetic_acceptance  # benchmarks only: see rejection_sample
+        self.synthetic_by_step = False  # benchmarks only: --synthetic-rate-by step (`synthetic_row_rates`)
         # With compiled layers the acceptance and commit compile too: in a greedy verify's graph they were 55 small
         # kernels (99 with synthetic acceptance), ~0.1 ms of an 8B verify at batch 1. `warm_up` compiles them.
         # Without inductor's coalescing analysis (a tiling heuristic for large kernels, not these small ones): with
@@ -262,7 +264,7 @@ class Acceptance:
             draft_probs=draft_probs,
             params=params,
             first_position=first_position,
-            synthetic_acceptance=self._synthetic(rows),
+            synthetic_acceptance=self._synthetic(rows, first_position),
             all_greedy=all_greedy,
             filtered=filtered,
             draft_lengths=draft_lengths,
@@ -279,12 +281,13 @@ class Acceptance:
             packed = torch.cat([packed, draft_lengths[:, None]], dim=1)
         return [packed, *extra]
 
-    def _synthetic(self, rows: torch.Tensor) -> float | torch.Tensor | None:
-        """Benchmarks only: the acceptance rate, or each row's [B, 1] of the rates its seed picks."""
+    def _synthetic(self, rows: torch.Tensor, first_position: torch.Tensor) -> float | torch.Tensor | None:
+        """Benchmarks only: the acceptance rate, or each row's [B, 1] of the rates (`synthetic_row_rates`)."""
         rates = self.synthetic_acceptance
         if not isinstance(rates, torch.Tensor):
             return rates
-        return rates[self.table.seed_key[rows] % len(rates)][:, None]
+        step = first_position if self.synthetic_by_step else None
+        return synthetic_row_rates(rates, self.table.seed_key[rows], step)[:, None]
 
     def _commit(self, rows: torch.Tensor, starts: torch.Tensor, sampled: SamplerOutput) -> torch.Tensor:
         """Trim at stop tokens and the length budget; keep the cache of what was emitted, drop the rest. Returns

@@ -15,8 +15,9 @@ from coordinator.tetris_policy import (
     parse_extra_proposals,
     prepared_lengths,
 )
+from draft_service.proposer import synthetic_scores
 from draft_service.tetris import UNIFORM_LOGPROB, draft_logprobs, select_draft_lengths, selected_drafts
-from minedraft.engine.sampling import greedy_tokens
+from minedraft.engine.sampling import greedy_tokens, synthetic_row_rates
 from target_service.rejection_sampler import RowParams, rejection_sample
 from target_service.selected_verify import cut_to_width
 
@@ -198,3 +199,17 @@ def test_selected_drafts_are_cut_to_the_fewest_prepared_width_that_holds_them() 
     assert cut_to_width(drafts, None, 5, (4, 6))[0].shape == (2, 6)  # (none narrower holds 5)
     assert cut_to_width(drafts, None, 0, (4, 6))[0].shape == (2, 4)  # (no drafts at all: the narrowest)
     assert cut_to_width(drafts, None, 2, ())[0].shape == (2, 6)  # (nothing prepared: unchanged)
+
+
+def test_synthetic_rates_by_step_are_drawn_anew_at_each_position_and_the_draft_scores_them_alike() -> None:
+    rates = torch.tensor([0.9, 0.3])
+    seeds = torch.arange(64) * 7919
+    positions = torch.arange(64) + 100
+    by_request = synthetic_row_rates(rates, seeds, None)
+    assert torch.equal(by_request, rates[seeds % 2])
+    by_step = synthetic_row_rates(rates, seeds, positions)
+    assert torch.equal(by_step, synthetic_row_rates(rates, seeds, positions.clone()))  # a pure function
+    one_row = synthetic_row_rates(rates, seeds[:1].expand(1000), torch.arange(1000))
+    assert 400 < int((one_row == 0.9).sum()) < 600  # one request is easy at some steps, hard at others
+    scores = synthetic_scores(rates, seeds, 3, positions)
+    assert torch.equal(scores, by_step.log()[:, None].expand(64, 3))

@@ -28,6 +28,7 @@ ARGMAX_KERNELS = _argmax_kernels()
 STREAM_ACCEPT = 0
 STREAM_SAMPLE = 1
 STREAM_DRAFT = 2
+STREAM_SYNTHETIC_RATE = 3
 
 _MASK32 = 0xFFFFFFFF
 MAX_STOP_TOKEN_IDS = 16
@@ -198,6 +199,19 @@ def seeded_uniform(key: torch.Tensor, position: torch.Tensor, stream: int) -> to
     high = _mix32(key ^ (2 * stream + 0x9E3779B1 & _MASK32)) >> 5  # 27 bits
     low = _mix32(key ^ (2 * stream + 0x7F4A7C15 & _MASK32)) >> 6  # 26 bits
     return (high * (1 << 26) + low).to(torch.float64) / float(1 << 53)
+
+
+def synthetic_row_rates(
+    rates: torch.Tensor, seed_key: torch.Tensor, first_position: torch.Tensor | None
+) -> torch.Tensor:
+    """Benchmarks only (--synthetic-row-acceptance): each row's acceptance rate [B] of `rates`, picked by its seed
+    for all its steps, or with `first_position` [B] (--synthetic-rate-by step: its step's first draft position)
+    drawn anew each step, so that easy and hard rows stay mixed in every batch. The target and the draft compute
+    the same from the same (seed, position)."""
+    if first_position is None:
+        return rates[seed_key % len(rates)]
+    draw = seeded_uniform(seed_key, first_position[:, None], STREAM_SYNTHETIC_RATE)[:, 0]
+    return rates[(draw * len(rates)).long().clamp(max=len(rates) - 1)]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -143,6 +143,17 @@ class WorkerOptions:
         MODELS,
         passes_to=TO_WORKERS,
     )
+    synthetic_rate_by: str = flag(
+        "request",
+        "--synthetic-rate-by",
+        "BENCHMARK ONLY: with --synthetic-row-acceptance, whether a row's rate is its request's for every step, or "
+        "drawn anew at each step (step: easy and hard rows stay mixed in every batch, as drafts whose confidence "
+        "varies token by token)",
+        ("target", "draft", "bench"),
+        MODELS,
+        choices=("request", "step"),
+        passes_to=TO_WORKERS,
+    )
     precapture_graphs: str = flag(
         "auto",
         "--precapture-graphs",
