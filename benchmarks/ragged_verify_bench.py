@@ -12,8 +12,8 @@ the step's compute) and of the wall clock:
 - padded: TETRIS's rows (half of them k + E drafts, half none: k x B drafts in all) at k + E + 1 positions a row;
 - ragged: the same rows, only each row's pending token and selected drafts (sum over rows of length + 1);
 - uniform: plain SD's verify of k drafts a row, the same total positions as ragged;
-- ragged-even: TETRIS's rows each of k drafts (the budget spread evenly), ragged: ragged's overhead at uniform's
-  shape.
+- ragged-even: TETRIS's rows each of k drafts (the budget spread evenly), which the verify now runs as plain SD's
+  (`selected_verify.selected_shape`): what TETRIS costs the target where acceptance does not vary.
 On CUDA the verifies run as CUDA graphs (captured in the two warm-up repeats); read the wall clock there. The drafts
 are random (almost all rejected), so each step grows every row by one token: the key lengths stay within
 one bucket over the repeats.

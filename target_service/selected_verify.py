@@ -17,18 +17,22 @@ def selected_shape(
     widths: Sequence[int],
     ragged: bool,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
-    """A verify's drafts (and probabilities) and, where `ragged`, the flattened tokens its forward runs: with
-    `selected`, cut to the fewest of `widths` that holds the longest row (`cut_to_width`), the tokens each row's
-    pending one and its drafts, on CUDA rounded up to a graph's bucket (`cuda_graphs.ragged_tokens`). A host sync
-    where the drafts came on the device (a few ints); none where there is neither a cut nor a layout to make."""
+) -> tuple[torch.Tensor, torch.Tensor | None, int | None, int | None]:
+    """A verify's drafts (and probabilities), where `ragged` the flattened tokens its forward runs, and where every
+    row keeps all of its cut drafts their common count (the verify is then plain SD's, a row no shorter than the
+    width: no layout, no lengths). With `selected`, cut to the fewest of `widths` that holds the longest row
+    (`cut_to_width`), the tokens each row's pending one and its drafts, on CUDA rounded up to a graph's bucket
+    (`cuda_graphs.ragged_tokens`). A host sync where the drafts came on the device (a few ints); none where there
+    is neither a cut nor a layout to make."""
     if not selected or not (widths or ragged):
-        return draft_ids, draft_probs, None
+        return draft_ids, draft_probs, None, None
     counts = (draft_ids >= 0).sum(dim=1).tolist()
     draft_ids, draft_probs = cut_to_width(draft_ids, draft_probs, max(counts, default=0), widths)
+    if counts and min(counts) == max(counts) == draft_ids.shape[1]:
+        return draft_ids, draft_probs, None, counts[0]
     rows = len(counts)
     flattened = cuda_graphs.ragged_tokens(rows, sum(counts) + rows, device.type == "cuda") if ragged else None
-    return draft_ids, draft_probs, flattened
+    return draft_ids, draft_probs, flattened, None
 
 
 def selected_drafts(

@@ -416,11 +416,13 @@ class Verifier:
         (0 or 1) keeps the batch's rows in graph buffers of its own. The blocks the k + 1 positions need are taken
         first: all, or a CapacityError. `selected` (TETRIS, design section 14): each row verifies its drafts before
         its first id of -1, cut to a prepared width; with `ragged_verifies` only those run (and the pending tokens),
-        flattened, else k + 1 positions a row, the lengths masking only the acceptance (`selected_shape`)."""
+        flattened, else k + 1 positions a row, the lengths masking only the acceptance; where every row keeps all of
+        its cut drafts, plain SD's verify (`selected_shape`)."""
         _, rows = self.table.batch_rows(seq_ids, batch_id)
-        draft_ids, draft_probs, flattened = selected_shape(
+        draft_ids, draft_probs, flattened, even = selected_shape(
             draft_ids, draft_probs, selected, self.verify_widths, self.ragged_verifies, self.runner.device
         )
+        selected = selected and even is None
         k = draft_ids.shape[1]
         index = rows.numpy()  # (a host tensor: no copy)
         before = self.cached[index]
@@ -445,6 +447,8 @@ class Verifier:
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
         on_read = functools.partial(recorder, self.cached, self.runner.cache, index, before, 2 * (k + 1))
         result = StepResult(packed, on_read, hidden=hidden, selected=selected)
+        if even is not None:
+            result.verified = [even] * len(seq_ids)
         if logprobs:
             result.logprobs, result.top_n = logprobs[0], top_n
         if kind.grammar:  # the matchers move on by what was emitted once the host reads it

@@ -100,6 +100,26 @@ def test_ragged_verify_equals_padded(arch: str, kind: str, tiny_models) -> None:
                 torch.testing.assert_close(rv, pv, rtol=1e-5, atol=1e-5)
 
 
+def test_selected_drafts_of_one_length_in_every_row_verify_as_plain_sd(tiny_models) -> None:
+    """A selection that kept K / 2 drafts in every row (the budget spread evenly: acceptance alike in every row) is
+    cut to K / 2 and runs plain SD's verify, no layout or lengths: the tokens and counts of the plain verify of those
+    drafts, under the plain verify's step key."""
+    target, draft = tiny_models.target("llama"), tiny_models.noisy_draft("llama")
+    selecting, plain = (Verifier(ModelRunner(target, ROWS, CACHE_LEN), []) for _ in range(2))
+    selecting.verify_widths = (K // 2, K)
+    configs = [SamplingConfig(max_tokens=60) for _ in range(ROWS)]
+    seq_ids = list(range(ROWS))
+    first = [v.prefill(seq_ids, PROMPTS, configs).per_row() for v in (selecting, plain)]
+    histories = [p + tokens for p, (tokens, _, _) in zip(PROMPTS, first[0], strict=True)]
+    drafts = _greedy_drafts(draft, histories, [K // 2] * ROWS)
+    result = selecting.verify(seq_ids, drafts.clone(), None, selected=True)
+    expected = plain.verify(seq_ids, drafts[:, : K // 2].clone(), None)
+    assert result.per_row() == expected.per_row()
+    assert result.verified == [K // 2] * ROWS
+    assert not any("selected" in str(key[0]) for key in selecting.runner.step_keys)
+    assert selecting.runner.step_keys == plain.runner.step_keys
+
+
 def test_ragged_forward_logits_equal_padded(tiny_models) -> None:
     """The forward itself: at every valid position the ragged logits equal the padded ones (float32), past a row's
     valid tokens they repeat its last one's, with padding tokens beyond the valid total."""
