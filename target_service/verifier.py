@@ -326,8 +326,7 @@ class Verifier:
         self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids, pin=runner.device.type == "cuda")
         self.row_masks: torch.Tensor | None = None
         self.pending = torch.zeros(runner.num_slots + 1, dtype=torch.long, device=runner.device)
-        # Host copies of rows' cache lengths, each known once its last step's result was read: a verify's key
-        # length without waiting for the device (-1: unknown, which costs one host sync).
+        # Host copies of rows' cache lengths, known once a step's result is read (-1: unknown, one host sync).
         self.cached = np.full(runner.num_slots + 1, -1, dtype=np.int64)
         eos = torch.tensor(sorted(set(eos_token_ids)) or [-1], dtype=torch.long, device=runner.device)
         self.selected_verifies = False  # TETRIS: precapture verifies of selected drafts too (set at Prepare)
@@ -381,8 +380,7 @@ class Verifier:
         finally:
             pool.prefix_caching = caching
             self._prefill_hidden.clear()
-        rows = self.table.row_list(seq_ids)
-        # (the last token of each prompt is pending)
+        rows = self.table.row_list(seq_ids)  # (below: the last token of each prompt is pending)
         on_read = functools.partial(recorder, self.cached, self.runner.cache, rows, [len(p) - 1 for p in prompts], 0)
         result = StepResult(packed, on_read, cached)
         if logprobs:
@@ -414,10 +412,9 @@ class Verifier:
         """Score `[pending, d_1..d_k]` of every row in one forward, accept a prefix, commit it, roll back the rest:
         all in the step's CUDA graph (`_verify_step`). k = 0: plain autoregressive decoding, same path. A `batch_id`
         (0 or 1) keeps the batch's rows in graph buffers of its own. The blocks the k + 1 positions need are taken
-        first: all, or a CapacityError. `selected` (TETRIS, design section 14): each row verifies its drafts before
-        its first id of -1, cut to a prepared width; with `ragged_verifies` only those run (and the pending tokens),
-        flattened, else k + 1 positions a row, the lengths masking only the acceptance; where every row keeps all of
-        its cut drafts, plain SD's verify (`selected_shape`)."""
+        first: all, or a CapacityError. `selected` (TETRIS, design section 14): each row's drafts end before its
+        first -1, cut to a prepared width, and only they run, flattened (`ragged_verifies`; else the lengths mask
+        the acceptance), or plain SD's verify where every row keeps all of its cut drafts (`selected_shape`)."""
         _, rows = self.table.batch_rows(seq_ids, batch_id)
         draft_ids, draft_probs, flattened, even = selected_shape(
             draft_ids, draft_probs, selected, self.verify_widths, self.ragged_verifies, self.runner.device
@@ -446,9 +443,8 @@ class Verifier:
         self.cached[index] = -1  # unknown until the result is read
         top_n = [self.table.configs_by_id[s].logprobs for s in seq_ids] if logprobs else []
         on_read = functools.partial(recorder, self.cached, self.runner.cache, index, before, 2 * (k + 1))
-        result = StepResult(packed, on_read, hidden=hidden, selected=selected)
-        if even is not None:
-            result.verified = [even] * len(seq_ids)
+        verified = None if even is None else [even] * len(seq_ids)  # (plain SD's verify of a selection)
+        result = StepResult(packed, on_read, hidden=hidden, selected=selected, verified=verified)
         if logprobs:
             result.logprobs, result.top_n = logprobs[0], top_n
         if kind.grammar:  # the matchers move on by what was emitted once the host reads it
