@@ -39,7 +39,8 @@ def test_files_are_hugging_face_format() -> None:
 
 def test_pair_is_small() -> None:
     total = sum(f.stat().st_size for f in demo_models.DEMO_DIR.rglob("*") if f.is_file())
-    assert total < 20e6, f"demo pair takes {total / 1e6:.1f} MB; it should stay a few MB"
+    # (the target ~12 MB, the draft ~4, the EAGLE head ~6 with its own copy of the LM head, as its format has)
+    assert total < 25e6, f"demo pair and head take {total / 1e6:.1f} MB; they should stay a few MB each"
 
 
 def test_loads_in_float32_and_draft_is_smaller(pair) -> None:
