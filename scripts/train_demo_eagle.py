@@ -42,7 +42,7 @@ from draft_service.eagle_head import EagleHead, HeadSpec, _rotate_half  # noqa: 
 from minedraft.demo_models import DRAFT_DIR, TARGET_DIR  # noqa: E402
 from scripts.demo_pair_data import collect_corpus, encode_docs, pick_prompts, token_stream  # noqa: E402
 
-LAYERS = {True: (1, 3, 5), False: (6,)}  # EAGLE-3's three layers; EAGLE-1's last (normed)
+EAGLE1_LAYERS = (6,)  # EAGLE-1 reads the target's last hidden state (normed); EAGLE-3 reads --layers
 STARTED = time.time()
 
 
@@ -50,7 +50,7 @@ def log(msg: str) -> None:
     print(f"[{time.time() - STARTED:7.1f}s] {msg}", flush=True)
 
 
-def make_head(target: Any, eagle3: bool, intermediate: int = 0) -> EagleHead:
+def make_head(target: Any, eagle3: bool, layers: tuple[int, ...], intermediate: int = 0) -> EagleHead:
     """A head of the target's width. EAGLE-1: `fc` starts passing the target's feature through, its LM head is the
     target's (frozen). EAGLE-3: its LM head and final norm start as the target's, `fc` reading its last layer read."""
     from transformers import LlamaConfig
@@ -71,9 +71,7 @@ def make_head(target: Any, eagle3: bool, intermediate: int = 0) -> EagleHead:
     hidden = tc.hidden_size
     if eagle3:
         config.draft_vocab_size = tc.vocab_size  # (the whole vocabulary: d2t all zeros)
-    head = EagleHead(
-        config, eagle3=eagle3, fc_inputs=(len(LAYERS[eagle3]) if eagle3 else 2) * hidden, fc_bias=not eagle3
-    )
+    head = EagleHead(config, eagle3=eagle3, fc_inputs=(len(layers) if eagle3 else 2) * hidden, fc_bias=not eagle3)
     for module in head.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
@@ -254,7 +252,7 @@ def batch_loss(
     return loss, kls, reg_sum, rates
 
 
-def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
+def save_head(head: EagleHead, layers: tuple[int, ...], target: Any, out: Path, report: dict) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -284,7 +282,7 @@ def save_head(head: EagleHead, target: Any, out: Path, report: dict) -> None:
         "minedraft_demo": {"command": report["command"], "target": "minedraft/demo_models/target"},
     }
     if head.eagle3:
-        config.update(draft_vocab_size=tc.vocab_size, eagle_aux_hidden_state_layer_ids=list(LAYERS[True]))
+        config.update(draft_vocab_size=tc.vocab_size, eagle_aux_hidden_state_layer_ids=list(layers))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
@@ -356,10 +354,10 @@ def draft_speculative(target: Any, draft: Any, prompt: list[int], n: int, k: int
     return (tokens + pending)[len(prompt) :][:n], steps, accepted_total, draft_s
 
 
-def evaluate(target: Any, head: EagleHead, prompts: list[list[int]], k: int) -> dict[str, Any]:
+def evaluate(target: Any, head: EagleHead, layers: tuple[int, ...], prompts: list[list[int]], k: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    proposer = EagleProposer(head, HeadSpec(head.eagle3, LAYERS[head.eagle3]), num_slots=1)
+    proposer = EagleProposer(head, HeadSpec(head.eagle3, layers), num_slots=1)
     draft = AutoModelForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
     totals = {"eagle": [0, 0, 0.0], "draft": [0, 0, 0.0]}
     same = 0
@@ -424,8 +422,8 @@ def main() -> None:
     stream = token_stream(encode_docs(tokenizer, train_docs), eos)
     heldout = encode_docs(tokenizer, heldout_docs)
     log(f"corpus: {len(train_docs)} train files ({stream.numel():,} tokens), {len(heldout_docs)} held out")
-    LAYERS[True] = tuple(int(i) for i in args.layers.split(","))
-    head = make_head(target, args.eagle3, args.intermediate)
+    layers = tuple(int(i) for i in args.layers.split(",")) if args.eagle3 else EAGLE1_LAYERS
+    head = make_head(target, args.eagle3, layers, args.intermediate)
     if args.resume:  # training goes on from a head this script saved
         from safetensors.torch import load_file
 
@@ -437,9 +435,7 @@ def main() -> None:
     probe = stream[: 12 + args.unroll]
     with torch.no_grad():
         probe_out = target(probe[None, :-1], output_hidden_states=True)
-    check_against_serving(
-        head, torch.cat([probe_out.hidden_states[i][0] for i in LAYERS[args.eagle3]], -1), probe, args.unroll
-    )
+    check_against_serving(head, torch.cat([probe_out.hidden_states[i][0] for i in layers], -1), probe, args.unroll)
     start = time.time()
     prompt_len = min(args.prompt_len, window - 1)
     cached = Path(args.windows_cache) if args.windows_cache else None
@@ -453,7 +449,6 @@ def main() -> None:
         if cached:
             torch.save({"key": key, "windows": windows}, cached)
     log(f"{len(windows)} windows of the target's greedy output in {time.time() - start:.1f}s")
-    layers = LAYERS[args.eagle3]
     if args.corpus_windows:  # raw corpus windows beside them (the target's distribution on text it did not write)
         offsets = torch.randint(0, stream.numel() - window, (args.corpus_windows,), generator=gen)
         windows = torch.cat([windows, torch.stack([stream[o : o + window] for o in offsets.tolist()])])
@@ -547,11 +542,11 @@ def main() -> None:
         "prompts": len(prompts),
     }
     report["curve"] = curve
-    save_head(head, target, Path(args.out), report)  # (before the evaluation: minutes more on a busy CPU)
+    save_head(head, layers, target, Path(args.out), report)  # (before the evaluation: minutes more on a busy CPU)
     log(f"saved {args.out}; evaluating on {len(prompts)} held-out prompts")
-    report |= evaluate(target, head, prompts, args.k)
+    report |= evaluate(target, head, layers, prompts, args.k)
     log(f"k={args.k}: {json.dumps(report)}")
-    save_head(head, target, Path(args.out), report)
+    save_head(head, layers, target, Path(args.out), report)
     log(f"saved {args.out}: {json.dumps(report)}")
 
 
