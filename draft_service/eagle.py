@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.drafter import Proposal, check_proposal
-from draft_service.eagle_graphs import ChainGraphs, greedy_chain
+from draft_service.eagle_graphs import ChainGraphs, KnownRows, greedy_chain
 from draft_service.eagle_head import EagleHead, HeadCache, HeadSpec, SlotRun
 from minedraft.engine.attention import avoid_cudnn_attention
 from minedraft.engine.sampling import SamplingConfig
@@ -50,14 +50,21 @@ class _Rows:
     counts: list[int]
 
 
+def _keep_drafts(sequences: Sequence[HeadSequence], drafts: torch.Tensor) -> None:
+    """Each sequence's drafts, read to the host (what its next proposal extends its tokens by)."""
+    for sequence, row in zip(sequences, drafts.tolist(), strict=True):
+        sequence.last_drafts = row
+
+
 class EagleProposer:
     """The EAGLE drafter (`Drafter`): per sequence, the head's keys and values for every position whose target
     hidden state it has run, rolled back after each proposal to those (the drafted positions ran on the head's own
     hidden states: their keys, written past `cached`, are overwritten by the next). The target's hidden states come
     through `add_hidden` before the call that needs them: a prefill's, one per prompt position; a proposal's, one
     per position the last verify accepted, the verified token's included. A proposal runs every row at once: one
-    forward of all rows' known positions, then k greedy steps with the argmax on the device, the drafts copied to
-    the host once. Greedy drafts: q is one-hot (lossless, as any greedy draft)."""
+    forward of all rows' known positions, then k greedy steps with the argmax on the device (on CUDA, in steady
+    state, both as one graph), the drafts copied to the host once. Greedy drafts: q is one-hot (lossless, as any
+    greedy draft)."""
 
     def __init__(
         self,
@@ -143,7 +150,7 @@ class EagleProposer:
                     sequence.kv_len = max(0, len(prompt) - count)
                 self.sequences[seq_id] = sequence
                 admitted.append(sequence)
-            self._run_known(admitted)
+            self._run_found(self._known(admitted))
         finally:
             self._waiting.clear()  # (states of a prefill that failed go with it)
         return [0] * len(seq_ids)
@@ -166,10 +173,16 @@ class EagleProposer:
         # Per row in this order (rows apart): the gap before the states that came, then those, then what follows.
         gaps = [(sequence, start) for sequence in sequences if (start := self._align(sequence)) is not None]
         self._run_self_fed([s for s, _ in gaps], [start for _, start in gaps])
-        self._run_known(sequences)
-        self._run_self_fed(sequences, [len(s.tokens) - 1 for s in sequences])
-        ready = [sequence for sequence in sequences if sequence.ran]
-        drafted = iter(self._chain(ready, k).tolist() if ready else [])
+        found = self._known(sequences)
+        drafts = self._graphed_proposal(sequences, found, k)
+        if drafts is not None and defer_upkeep:  # (every row drafted: their host copy waits until after the reply)
+            return Proposal(drafts, None, upkeep=lambda: _keep_drafts(sequences, drafts))
+        if drafts is None:
+            self._run_found(found)
+            self._run_self_fed(sequences, [len(s.tokens) - 1 for s in sequences])
+            ready = [sequence for sequence in sequences if sequence.ran]
+            drafts = self._chain(ready, k) if ready else None
+        drafted = iter(drafts.tolist() if drafts is not None else [])
         rows = []
         for seq_id, sequence in zip(seq_ids, sequences, strict=True):
             if sequence.ran:
@@ -198,10 +211,9 @@ class EagleProposer:
             sequence.kv_len = start
         return None
 
-    def _run_known(self, sequences: Sequence[HeadSequence]) -> None:
-        """Run the head on every position whose target feature and next token are both known: all rows in one
-        forward, unless their lengths differ so much (a prefill's prompts) that padding every row to the longest
-        would more than double the positions run: then in groups of similar lengths, longest first."""
+    def _known(self, sequences: Sequence[HeadSequence]) -> list[tuple[HeadSequence, int, torch.Tensor]]:
+        """Each sequence's positions whose target feature and next token are both known (taken from its features):
+        (sequence, count, features)."""
         found: list[tuple[HeadSequence, int, torch.Tensor]] = []
         for sequence in sequences:
             if not sequence.features:
@@ -212,6 +224,12 @@ class EagleProposer:
                 continue
             found.append((sequence, runnable, features[:runnable]))
             sequence.features = [features[runnable:]] if runnable < len(features) else []
+        return found
+
+    def _run_found(self, found: list[tuple[HeadSequence, int, torch.Tensor]]) -> None:
+        """Run the head on the known positions: all rows in one forward, unless their lengths differ so much (a
+        prefill's prompts) that padding every row to the longest would more than double the positions run: then in
+        groups of similar lengths, longest first."""
         found.sort(key=lambda row: -row[1])
         group: list[tuple[HeadSequence, int, torch.Tensor]] = []
         for index, row in enumerate(found):
@@ -223,6 +241,33 @@ class EagleProposer:
                 rows = _Rows([s for s, _, _ in group], [count for _, count, _ in group])
                 self._forward(rows, torch.cat([block for _, _, block in group]))
                 group = []
+
+    def _graphed_proposal(
+        self, sequences: Sequence[HeadSequence], found: list[tuple[HeadSequence, int, torch.Tensor]], k: int
+    ) -> torch.Tensor | None:
+        """A proposal in steady state as one graph (`ChainGraphs` with `KnownRows`): each row's known positions (k +
+        1 at most), then its drafts. None where it does not fit (no graphs, more positions, a row still behind its
+        tokens after them or with nothing to draft from): the caller runs it in steps."""
+        if self.graphs is None:
+            return None
+        counts = {id(sequence): count for sequence, count, _ in found}
+        for sequence in sequences:
+            count = counts.get(id(sequence), 0)
+            if count > k + 1 or sequence.kv_len + count != len(sequence.tokens) - 1 or not (sequence.ran or count):
+                return None
+        known = KnownRows(
+            [counts.get(id(s), 0) for s in sequences],
+            [s.tokens[s.kv_len + 1 : s.kv_len + 1 + counts.get(id(s), 0)] for s in sequences],
+            torch.cat([block for _, _, block in found]) if found else None,  # (`_known` keeps the rows' order)
+        )
+        try:
+            drafts = self.graphs.drafts(sequences, k, known)
+        except RuntimeError as exc:
+            self._draft_eagerly(exc)
+            return None
+        for sequence, count in zip(sequences, known.counts, strict=True):
+            sequence.kv_len, sequence.cached, sequence.ran = sequence.kv_len + count, sequence.cached + count, True
+        return drafts
 
     def _run_self_fed(self, sequences: Sequence[HeadSequence], ends: Sequence[int]) -> None:
         """Positions the target sent no hidden states for (tokens decoded while no proposal was asked for: the

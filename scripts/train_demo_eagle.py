@@ -178,7 +178,7 @@ def greedy_windows(
     skip = 0 if made is None else len(made)
     prompts = torch.stack([stream[o : o + prompt_len] for o in offsets[skip:].tolist()])
     windows = [] if made is None else [made]
-    for chunk in prompts.split(64):
+    for chunk in prompts.split(256):  # per window 17 ms at 256 against 23 at 64 (2 threads)
         out = target.generate(
             chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new, min_new_tokens=new, do_sample=False
         )

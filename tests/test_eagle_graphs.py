@@ -11,7 +11,7 @@ import torch
 from test_eagle_head import HIDDEN, _play, _scenario, make_target, save_head
 
 from draft_service.eagle import EagleProposer
-from draft_service.eagle_graphs import ChainGraphs, key_bucket
+from draft_service.eagle_graphs import ChainGraphs, KnownRows, key_bucket
 from draft_service.eagle_head import load_eagle_head
 
 
@@ -20,13 +20,35 @@ class PaddedChains(ChainGraphs):
 
     def __init__(self, proposer: EagleProposer) -> None:
         super().__init__(proposer.head, proposer.cache, proposer.outputs, proposer.num_slots, replay=False)
-        self.ran: list[tuple[int, tuple[int, int, int], int]] = []  # (rows, (padded, k, keys), keys needed)
+        # (rows, (padded, k, keys, width), keys needed)
+        self.ran: list[tuple[int, tuple[int, int, int, int], int]] = []
 
-    def drafts(self, rows: Any, k: int) -> torch.Tensor:
-        out = super().drafts(rows, k)
+    def drafts(self, rows: Any, k: int, known: KnownRows | None = None) -> torch.Tensor:
+        needed = (
+            max(
+                r.cached + (0 if known is None else count)
+                for r, count in zip(rows, known.counts if known else [0] * len(rows))
+            )
+            + k
+        )
+        out = super().drafts(rows, k, known)
         assert self.last_key is not None
-        self.ran.append((len(rows), self.last_key, max(r.cached for r in rows) + k))
+        self.ran.append((len(rows), self.last_key, needed))
         return out
+
+
+class DeferringProposer(EagleProposer):
+    """Proposes as the draft service does (`defer_upkeep`), running the upkeep left as the service would after its
+    reply."""
+
+    upkeeps = 0
+
+    def propose(self, *args: Any, **kwargs: Any) -> Any:
+        proposal = super().propose(*args, **kwargs, defer_upkeep=True)
+        if proposal.upkeep is not None:
+            self.upkeeps += 1
+            proposal.upkeep()
+        return proposal
 
 
 def test_key_buckets() -> None:
@@ -48,13 +70,18 @@ def test_padded_bucketed_chain_drafts_as_the_eager_one(tmp_path: Path, eagle3: b
         padded = EagleProposer(head, spec, num_slots=6, max_len=8)
         padded.graphs = chains = PaddedChains(padded)
         assert _play(padded, events) == eager
+        deferring = DeferringProposer(head, spec, num_slots=6, max_len=8)
+        deferring.graphs = PaddedChains(deferring)
+        assert _play(deferring, events) == eager and deferring.upkeeps > 0  # drafts read to the host after replying
         for seq_id in (10, 12):  # each alone: a batch of one (a 5-token and a 40-token prompt)
             alone = EagleProposer(head, spec, num_slots=1)
             alone.graphs = PaddedChains(alone)
             assert _play(alone, events, only=seq_id)[seq_id] == eager[seq_id]
         sizes = {rows for rows, _, _ in chains.ran}
         assert {3, 5} <= sizes, sizes  # padded to 4 and 8 on the scratch slot
-        assert all(padded_rows > rows or rows in (1, 2, 4) for rows, (padded_rows, _, _), _ in chains.ran)
-        assert all(keys >= needed for _, (_, _, keys), needed in chains.ran)
-        assert any(keys > needed for _, (_, _, keys), needed in chains.ran)  # keys past every row's limit read
+        assert all(padded_rows > rows or rows in (1, 2, 4) for rows, (padded_rows, _, _, _), _ in chains.ran)
+        assert all(keys >= needed for _, (_, _, keys, _), needed in chains.ran)
+        assert any(keys > needed for _, (_, _, keys, _), needed in chains.ran)  # keys past every row's limit read
+        widths = {width for _, (_, _, _, width), _ in chains.ran}
+        assert widths == {0, k + 1}, widths  # known positions graphed with the drafts, and the drafts alone
         assert padded.cache.capacity > 8 and padded.cache.keys.shape[0] == 7  # grown; the scratch slot beside

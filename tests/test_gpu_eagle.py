@@ -94,7 +94,7 @@ def test_graphed_chains_draft_as_eager_ones_on_cuda() -> None:
     got = _play(graphed, events)
     assert graphed.cache.capacity > 256 and graphed.cache.keys is not before  # it grew after the capture
     assert graphed.graphs.keys_of_graphs is not None and graphed.graphs.keys_of_graphs() is graphed.cache.keys
-    assert any(length > 256 for _, _, length in graphed.graphs.graphs), "no graph captured after the growth"
+    assert any(length > 256 for _, _, length, _ in graphed.graphs.graphs), "no graph captured after the growth"
     padded = EagleProposer(head, spec, num_slots=8)
     padded.graphs = ChainGraphs(head, padded.cache, padded.outputs, 8, replay=False)
     assert _play(padded, events) == got  # the same shapes, eagerly
