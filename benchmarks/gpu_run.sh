@@ -50,8 +50,8 @@
 #                       32000), with the 68M draft and with n-gram (on the CPU): proposal, verify and channel times and
 #                       served SD (MODES: sd,psd) and AR at BATCHES (1,8,32,64; n-gram: NGRAM_BATCHES 8,32); first the
 #                       head's proposal alone in process (eagle_proposal_bench.py), graphed and --eager
-#   pending             what is built and not yet measured, in one call (TETRIS where acceptance varies by token)
-#   pending-served      the ragged verify at the 8B's heads, TETRIS's control (the call after pending, warm)
+#   pending             what is built and not yet measured, in one call (the EAGLE-3 head served at batches 1-64)
+#   pending-served      TETRIS at batch 64 where acceptance varies by token (the call after pending, warm)
 #   ragged              one ragged verify step against uniform at each of the paged kernel's row caps (ROWS)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
@@ -355,19 +355,14 @@ ragged)
     done
     ;;
 pending)
-    # What the last sessions built and could not measure, most wanted first, in one call of ~9 min: TETRIS served at
-    # batch 32 with E = 2 and 4 against psd where acceptance varies token by token (RATE_BY=step: the goal's case),
-    # warmed up first so that graphs are captured before the load. `pending-served` is the next call on the warm
-    # machine.
-    OUT=$OUT/tetris RATE_BY=step RAGGED_BENCH=0 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS="2 4" \
-        TETRIS_PROMPTS=256 BENCH_SECONDS=100 timeout -k 10 520 bash "$0" tetris
+    # What is built and not yet measured, most wanted first, in one call of ~6 min: the EAGLE-3 head's served table
+    # since its proposal is one graph (a20076b), at every batch of the goal and beside the 68M draft.
+    PROPOSAL=0 DRAFTERS=eagle3,draft MODES=sd BATCHES=1,8,32,64 BENCH_SECONDS=480 timeout -k 10 520 bash "$0" eagle
     ;;
 pending-served)
-    # The ragged verify at the 8B's heads against uniform (goal: within 3%), then TETRIS's control at one acceptance
-    # rate (goal >= 0.98x plain psd; every row selects k there, which now verifies as plain SD).
-    ROWS=none OUT=$OUT/ragged timeout -k 10 200 bash "$0" ragged
-    OUT=$OUT/control RAGGED_BENCH=0 ROW_ACCEPTANCE=0.6 PLAIN_MODES=psd TETRIS_BATCHES=32 TETRIS_EXTRAS=2 \
-        TETRIS_PROMPTS=256 BENCH_SECONDS=100 timeout -k 10 330 bash "$0" tetris
+    # TETRIS at batch 64 where acceptance varies token by token (the call after pending, warm).
+    OUT=$OUT/tetris RATE_BY=step RAGGED_BENCH=0 PLAIN_MODES=psd TETRIS_BATCHES=64 TETRIS_EXTRAS="2 4" \
+        TETRIS_PROMPTS=512 BENCH_SECONDS=100 timeout -k 10 520 bash "$0" tetris
     ;;
 eagle)
     python3 benchmarks/shaped_checkpoint.py 8b /tmp/ckpt/8b --device "$TARGET_DEVICE" --context 2048 || exit 1
