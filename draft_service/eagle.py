@@ -192,7 +192,7 @@ class EagleProposer:
                     log.warning("sequence %d: no hidden states of the target yet; drafting its last token", seq_id)
                 sequence.last_drafts = [sequence.tokens[-1]] * k
             rows.append(sequence.last_drafts)
-        return Proposal(torch.tensor(rows, dtype=torch.long), None)
+        return Proposal(torch.tensor(rows, dtype=torch.long, device=self.device), None)
 
     def _align(self, sequence: HeadSequence) -> int | None:
         """The states that came are those of the sequence's last positions but its newest token's (a verify's: the
