@@ -3,6 +3,7 @@ held sequence's rows in one batched forward per step, its keys and values in a s
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -176,7 +177,7 @@ class EagleProposer:
         found = self._known(sequences)
         drafts = self._graphed_proposal(sequences, found, k)
         if drafts is not None and defer_upkeep:  # (every row drafted: their host copy waits until after the reply)
-            return Proposal(drafts, None, upkeep=lambda: _keep_drafts(sequences, drafts))
+            return Proposal(drafts, None, upkeep=functools.partial(_keep_drafts, sequences, drafts))
         if drafts is None:
             self._run_found(found)
             self._run_self_fed(sequences, [len(s.tokens) - 1 for s in sequences])

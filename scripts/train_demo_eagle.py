@@ -1,7 +1,7 @@
 """Train an EAGLE head for the demo target from its own hidden states on the stdlib corpus (a CPU, under an hour).
 
-    python scripts/train_demo_eagle.py --eagle3 --bf16 --greedy-windows 16384 --corpus-windows 16384 \
-        --wall-budget 2300 [--out minedraft/demo_models/eagle]
+    python scripts/train_demo_eagle.py --eagle3 --intermediate 2560 --bf16 --threads 2 --lr 3e-3 --warmup 30 \
+        --steps 20000 --cpu-budget 5500 --greedy-windows 16384 --corpus-windows 16384 [--out DIR]
 
 Self-distillation (EAGLE's data): windows of a training prompt (`--prompt-len` corpus tokens) and the target's own
 greedy continuation, the target's states of them computed once (it is frozen) and reused every epoch. The head reads

@@ -44,7 +44,7 @@ class DeferringProposer(EagleProposer):
     upkeeps = 0
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
-        proposal = super().propose(*args, **kwargs, defer_upkeep=True)
+        proposal = super().propose(*args, **{**kwargs, "defer_upkeep": True})
         if proposal.upkeep is not None:
             self.upkeeps += 1
             proposal.upkeep()
