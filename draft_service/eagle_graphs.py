@@ -39,6 +39,11 @@ class KnownRows:
     features: torch.Tensor | None
 
 
+def _columns(width: int) -> int:
+    """A chain's static rows: slot, kv_len, cached; with known positions also their count and `width` tokens."""
+    return 3 if width == 0 else 4 + width
+
+
 def key_bucket(needed: int, limit: int | None) -> int:
     """The keys a chain reaching `needed` keys reads: the next power of two (a few buckets, so a few captures, as rows
     lengthen; at most twice the keys; the same steps as the cache's doubling), at most the cache's `limit`."""
@@ -101,8 +106,8 @@ class ChainGraphs:
         self.head, self.cache, self.outputs, self.scratch, self.replay = head, cache, outputs, scratch, replay
         self.device = outputs.device
         self.graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # (padded batch, width) -> its static rows [P, 3 + width] (slot, kv_len, cached[, count, tokens]) and, with a
-        # width, the known positions' features [P * width, H]
+        # (padded batch, width) -> its static rows [P, `_columns(width)`] (slot, kv_len, cached[, count, tokens]) and,
+        # with a width, the known positions' features [P * width, H]
         self.inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         # The cache's keys the graphs write and read (weakly: a replaced tensor is freed, not kept for the check)
         self.keys_of_graphs: weakref.ref[torch.Tensor] | None = None
@@ -116,16 +121,13 @@ class ChainGraphs:
         first (at most k + 1 a row; the rows' kv_len and cached are those before them)."""
         batch, padded = len(rows), padded_batch(len(rows))
         width = 0 if known is None else k + 1
-        host = torch.zeros(padded, 3 + width + (1 if width else 0), dtype=torch.long)
-        host[:, 0] = self.scratch
-        host[:batch, :3] = torch.tensor([[r.slot, r.kv_len, r.cached] for r in rows])
-        reach = max(r.cached for r in rows) + k - 1
-        if known is not None:
-            host[:batch, 3] = torch.tensor(known.counts)
-            for b, tokens in enumerate(known.tokens):
-                host[b, 4 : 4 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            reach += width
-        length = key_bucket(reach, self.cache.limit)
+        table = [[r.slot, r.kv_len, r.cached] for r in rows]
+        if known is not None:  # (each row's count, then its tokens padded to the width)
+            for row, count, tokens in zip(table, known.counts, known.tokens, strict=True):
+                row += [count, *tokens] + [0] * (width - len(tokens))
+        table += [[self.scratch] + [0] * (_columns(width) - 1)] * (padded - batch)
+        host = torch.tensor(table, dtype=torch.long)
+        length = key_bucket(max(r.cached for r in rows) + k - 1 + width, self.cache.limit)
         self.cache.reserve(length)
         self.last_key = key = (padded, k, length, width)
         if not self.replay:
@@ -190,7 +192,7 @@ class ChainGraphs:
 
     def _static_inputs(self, padded: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if (padded, width) not in self.inputs:
-            meta = torch.zeros(padded, 3 + width + (1 if width else 0), dtype=torch.long, device=self.device)
+            meta = torch.zeros(padded, _columns(width), dtype=torch.long, device=self.device)
             features = self.head.fc.out_features
             hidden = self.outputs.new_zeros(padded * width, features) if width else None
             self.inputs[(padded, width)] = (meta, hidden)

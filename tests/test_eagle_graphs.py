@@ -24,13 +24,8 @@ class PaddedChains(ChainGraphs):
         self.ran: list[tuple[int, tuple[int, int, int, int], int]] = []
 
     def drafts(self, rows: Any, k: int, known: KnownRows | None = None) -> torch.Tensor:
-        needed = (
-            max(
-                r.cached + (0 if known is None else count)
-                for r, count in zip(rows, known.counts if known else [0] * len(rows))
-            )
-            + k
-        )
+        counts = known.counts if known is not None else [0] * len(rows)
+        needed = max(r.cached + count for r, count in zip(rows, counts)) + k
         out = super().drafts(rows, k, known)
         assert self.last_key is not None
         self.ran.append((len(rows), self.last_key, needed))
