@@ -52,7 +52,7 @@
 #                       head's proposal alone in process (eagle_proposal_bench.py), graphed and --eager
 #   pending             what is built and not yet measured, in one call (the EAGLE-3 head served at batches 1-64)
 #   pending-served      TETRIS at batch 64 where acceptance varies by token (the call after pending, warm)
-#   ragged              one ragged verify step against uniform at each of the paged kernel's row caps (ROWS)
+#   ragged              one ragged verify step against uniform at each of the ragged kernel's row caps (ROWS)
 #   ab STAGE [ARGS]     before and after in one call: STAGE on a copy of the tree with the files kept in .old/ (the
 #                       same paths) put over it, output in $OUT/old, then STAGE on this tree (AB_ORDER=new-first:
 #                       this tree first; abba: old, new, new, old, the second pair in $OUT/new2 and $OUT/old2;
@@ -343,14 +343,15 @@ tetris)
     done
     ;;
 ragged)
-    # One ragged verify step against uniform (8 layers of the 8B's shape, bf16, graphs) at each of the paged
-    # kernel's row caps in ROWS (none: one program takes all of a K/V head's folded queries; decode_attention.MAX_ROWS)
-    timeout -k 10 90 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py 2>&1 | tail -1
+    # One ragged verify step against uniform (8 layers of the 8B's shape, bf16, graphs) at each of the ragged
+    # kernel's row caps in ROWS (none: one program takes all of a K/V head's folded queries; decode_attention.RAGGED_ROWS)
+    [ "${RAGGED_TESTS:-1}" = 0 ] || timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_decode_attention.py tests/test_gpu_ragged.py 2>&1 | tail -1
     for rows in ${ROWS:-none 32 16}; do
-        echo "== MAX_ROWS $rows"
+        echo "== RAGGED_ROWS $rows"
         timeout -k 10 ${BENCH_SECONDS:-100} python3 benchmarks/ragged_verify_bench.py --device "$TARGET_DEVICE" \
             --dtype bfloat16 --hidden 4096 --head-dim 128 --layers 8 --vocab 128256 --batch "${BATCH:-32}" --prompt 512 --kv-cache-gib 4 \
-            --repeats "${REPEATS:-20}" $([ "$rows" = none ] || echo "--max-rows $rows") ${EXTRA:-} 2>&1 \
+            --repeats "${REPEATS:-20}" $([ "$rows" = none ] || echo "--ragged-rows $rows") ${EXTRA:-} 2>&1 \
             | grep -v Warning | tee -a "$OUT/run/ragged_rows.log" | grep -E "positions|/"
     done
     ;;

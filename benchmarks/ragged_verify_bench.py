@@ -13,7 +13,9 @@ the step's compute) and of the wall clock:
 - ragged: the same rows, only each row's pending token and selected drafts (sum over rows of length + 1);
 - uniform: plain SD's verify of k drafts a row, the same total positions as ragged;
 - ragged-even: TETRIS's rows each of k drafts (the budget spread evenly), which the verify now runs as plain SD's
-  (`selected_verify.selected_shape`): what TETRIS costs the target where acceptance does not vary.
+  (`selected_verify.selected_shape`): what TETRIS costs the target where acceptance does not vary;
+- ragged-layout (paged K/V only, on CUDA): ragged's rows through the padded [B, k + E + 1] layout of its queries
+  instead of the ragged kernel (`attention.RAGGED_PAGED` off), as before that kernel.
 On CUDA the verifies run as CUDA graphs (captured in the two warm-up repeats); read the wall clock there. The drafts
 are random (almost all rejected), so each step grows every row by one token: the key lengths stay within
 one bucket over the repeats.
@@ -28,6 +30,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from minedraft.engine import attention
 from minedraft.engine.model_runner import ModelRunner
 from minedraft.engine.sampling import SamplingConfig
 from target_service.verifier import Verifier
@@ -86,16 +89,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (each kernel seen by --profile)")
     parser.add_argument("--profile", action="store_true", help="then each variant's kernels by their GPU time")
+    parser.add_argument("--profile-rows", type=int, default=14, help="kernels listed a variant with --profile")
     parser.add_argument("--max-rows", type=int, default=None, help="folded queries a kernel program (MAX_ROWS)")
+    parser.add_argument("--ragged-rows", type=int, default=None, help="the same in ragged steps (RAGGED_ROWS)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.max_rows is not None:
+    if args.max_rows is not None or args.ragged_rows is not None:
         from minedraft.kernels import decode_attention  # (Triton: GPU machines)
 
-        decode_attention.MAX_ROWS = args.max_rows
+        decode_attention.MAX_ROWS, decode_attention.RAGGED_ROWS = args.max_rows, args.ragged_rows
     with torch.device(args.device):  # (initialized where it runs: an 8B-shaped layer stack takes minutes on a CPU)
         model = random_llama(args.hidden, args.layers, args.vocab, args.head_dim).to(getattr(torch, args.dtype))
-    names = ("padded", "ragged", "uniform", "ragged-even")
+    names: tuple[str, ...] = ("padded", "ragged", "uniform", "ragged-even")
+    if attention.KERNELS is not None and str(args.device).startswith("cuda"):
+        names += ("ragged-layout",)
     seq_ids = list(range(args.batch))
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=gen).tolist()
@@ -124,6 +131,7 @@ def main() -> None:
             selected = name != "uniform"
             width = drafts.shape[1] + 1
             positions[name] = args.batch * width if name == "padded" else int((drafts >= 0).sum()) + args.batch
+            attention.RAGGED_PAGED = name != "ragged-layout"
             start, clock = time.process_time(), time.perf_counter()
             verifiers[name].verify(seq_ids, drafts, None, selected=selected).per_row()
             if repeat >= 2:
@@ -140,7 +148,8 @@ def main() -> None:
     wall = {name: statistics.median(walls[name]) * 1e3 for name in names}
     for name in names:
         print(f"  {name:12s} {positions[name]:4d} positions  CPU {medians[name]:8.2f} ms  wall {wall[name]:8.2f} ms")
-    for a, b in (("ragged", "padded"), ("ragged", "uniform"), ("ragged-even", "uniform")):
+    pairs = [("ragged", "padded"), ("ragged", "uniform"), ("ragged-even", "uniform"), ("ragged-layout", "uniform")]
+    for a, b in pairs[: len(names)]:
         print(f"  {a} / {b}: CPU {medians[a] / medians[b]:.3f}  wall {wall[a] / wall[b]:.3f}")
     if args.profile:
         for name in names:
@@ -155,13 +164,14 @@ def profile_variant(
 
     cuda = str(args.device).startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    attention.RAGGED_PAGED = name != "ragged-layout"
     with profile(activities=activities) as prof:
         for _ in range(3):
             drafts = variant_drafts(name, args.batch, args.k, args.extra, args.vocab, gen)
             verifier.verify(seq_ids, drafts, None, selected=name != "uniform").per_row()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"== {name}: three verifies")
-    print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -150,9 +150,44 @@ def check_against_reference(device: str, dtype: torch.dtype, tolerance: float) -
             assert error < tolerance, f"relative error {error:.2e} for {case}"
 
 
+def check_ragged_against_reference(device: str, dtype: torch.dtype, tolerance: float) -> None:
+    """A ragged step (TETRIS's verify): each row of a case only its first counts[b] queries (0 and n among them),
+    flattened row after row with padding tokens after them, equals the padded step's reference for those queries,
+    whole or in slices of 16 folded queries, split into chunks or not, and `fixed`."""
+    from minedraft.kernels import decode_attention
+    from minedraft.kernels.decode_attention import ragged_paged_attention
+
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for case in [c for c in CASES if c.n > 1]:
+        inputs = paged_inputs(case, device, dtype, generator)
+        counts = torch.randint(0, case.n + 1, (case.batch,), generator=generator)
+        counts[0], counts[-1] = case.n, 0
+        begins = counts.cumsum(0) - counts
+        padded = inputs.query.transpose(1, 2)  # [B, n, heads, D]
+        flat = torch.cat([padded[b, : int(c)] for b, c in enumerate(counts)] + [padded[0, :2]])
+        expected = reference(inputs, case.dim**-0.5, case.window)
+        wanted = torch.cat([expected[b, : int(c)] for b, c in enumerate(counts)])
+        args = (flat, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.rows, inputs.positions)
+        ragged = (begins.to(device), counts.to(device))
+        for rows_each, chunks, fixed in ((None, case.chunks, False), (16, 2, False), (None, None, True)):
+            decode_attention.RAGGED_ROWS = rows_each
+            try:
+                out = ragged_paged_attention(*args, *ragged, case.dim**-0.5, case.window, chunks, fixed)
+            finally:
+                decode_attention.RAGGED_ROWS = None
+            assert out.shape == flat.shape, case
+            error = ((out[: len(wanted)].cpu().double() - wanted).norm() / wanted.norm()).item()
+            assert error < tolerance, f"relative error {error:.2e} for {case} (rows {rows_each}, chunks {chunks})"
+
+
 @needs_interpreter
 def test_the_kernels_equal_float64_attention_in_triton_interpreter() -> None:
     run_in_interpreter("test_decode_attention", "t.check_against_reference('cpu', torch.float32, 1e-5)")
+
+
+@needs_interpreter
+def test_ragged_steps_equal_float64_attention_in_triton_interpreter() -> None:
+    run_in_interpreter("test_decode_attention", "t.check_ragged_against_reference('cpu', torch.float32, 1e-5)")
 
 
 def check_in_a_cuda_graph(device: str) -> None:
@@ -198,6 +233,7 @@ def test_the_kernels_equal_float64_attention_on_a_gpu() -> None:
     for index in range(torch.cuda.device_count()):
         check_against_reference(f"cuda:{index}", torch.float32, 1e-5)
         check_against_reference(f"cuda:{index}", torch.bfloat16, 2e-2)
+        check_ragged_against_reference(f"cuda:{index}", torch.bfloat16, 2e-2)
         with torch.cuda.device(index):
             check_in_a_cuda_graph(f"cuda:{index}")
 

@@ -27,10 +27,14 @@ CAUSAL_BY_POSITIONS = "minedraft_causal_by_positions"
 # positions, whether the layers' sliding windows apply). The layer's K/V are then its blocks (`PagedKVCache.read`).
 PAGED = "minedraft_paged"
 # The keyword a ragged step passes on through the model (`ForwardPass.step_forward` with `flattened`): (each
-# flattened token's slot in the rows' padded [B x n] layout (B x n: a padding token), B, n). Its queries come as
-# [T, heads, 1, D], one token a virtual row; attention pads them into their rows, attends as a padded step does
-# (its mask or PAGED are the rows'), and takes each token's output back.
+# flattened token's slot in the rows' padded [B x n] layout (B x n: a padding token), B, n, each row's first token
+# [B], its token count [B]). Its queries come as [T, heads, 1, D], one token a virtual row. With PAGED the ragged
+# kernel reads them in place (`RAGGED_PAGED`); otherwise attention pads them into their rows, attends as a padded
+# step does (its mask is the rows'), and takes each token's output back.
 RAGGED = "minedraft_ragged"
+# Whether paged ragged steps run the ragged kernel (else the padded layout; `benchmarks/ragged_verify_bench.py`
+# measures both).
+RAGGED_PAGED = True
 
 
 def avoid_cudnn_attention(device: torch.device) -> None:
@@ -107,14 +111,33 @@ def _ragged_attention(
     dropout: float,
     scaling: float | None,
     is_causal: bool | None,
-    ragged: tuple[torch.Tensor, int, int],
+    ragged: tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor],
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    """Attention of a ragged step's T tokens (`RAGGED`): queries [T, heads, 1, D] padded into their rows' [B, heads,
-    n, D] (padding queries zero, their outputs dropped), attended as a padded step of B rows, each token's output
-    back as [T, 1, heads, Dv]. The projections and MLPs cost T tokens; only attention runs B x n queries, reading
-    each row's keys once."""
-    slots, batch, n = ragged
+    """Attention of a ragged step's T tokens (`RAGGED`) as [T, 1, heads, Dv]: paged, the ragged kernel over the
+    queries [T, heads, 1, D] as they are; else padded into their rows' [B, heads, n, D] (padding queries zero, their
+    outputs dropped) and attended as a padded step of B rows. The projections and MLPs cost T tokens; attention
+    reads each row's keys once."""
+    slots, batch, n, begins, counts = ragged
+    paged = kwargs.get(PAGED)
+    if paged is not None and RAGGED_PAGED:
+        tables, rows, positions, windowed = paged
+        window = int(kwargs.get("sliding_window") or 0) if windowed else 0
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        flat = torch.ops.minedraft.ragged_paged_attention(
+            query[:, :, 0],
+            key,
+            value,
+            tables,
+            rows,
+            positions,
+            begins,
+            counts,
+            scale,
+            window,
+            bool(kwargs.get(DETERMINISTIC)),
+        )
+        return flat[:, None], None
     heads, dim = query.shape[1], query.shape[-1]
     padded = query.new_zeros(batch * n + 1, heads, dim)  # (the last slot: padding tokens')
     padded[slots] = query[:, :, 0]

@@ -213,7 +213,7 @@ class ForwardPass:
                     self.cache.select(rows, positions, kv_len=shape.kv_len)
                 else:
                     layout = ragged_layout(rows, starts, num_valid, n, flattened, self.fill_row)
-                    kwargs[RAGGED] = (layout.slots, batch, n)
+                    kwargs[RAGGED] = (layout.slots, batch, n, layout.begins, num_valid)
                     model_ids = input_ids.flatten()[layout.sources][:, None]
                     model_positions, unflatten = layout.positions, layout.unflatten
                     self.cache.select(layout.rows, model_positions, kv_len=shape.kv_len, read_rows=rows)
@@ -278,6 +278,7 @@ class RaggedLayout:
     sources: torch.Tensor  # [T] its index into the step's [B x n] inputs, flattened (padding: 0)
     slots: torch.Tensor  # [T] the same, padding B x n (`attention.RAGGED`)
     unflatten: torch.Tensor  # [B, n] the token each padded position takes its outputs from (past a row: its last)
+    begins: torch.Tensor  # [B] each row's first token
 
 
 def ragged_layout(
@@ -303,4 +304,5 @@ def ragged_layout(
         sources=torch.where(valid, sources, 0),
         slots=torch.where(valid, sources, batch * width),
         unflatten=unflatten,
+        begins=begins,
     )

@@ -13,6 +13,11 @@ depends on shapes alone, so that CUDA graphs keyed by batch size replay it; each
 row's actual length. The output is written as `[B, n, heads, head_dim]`, the layout the attention's output
 projection reads, so no transpose copy follows.
 
+A ragged step (TETRIS's verify, design section 14) passes its T tokens flattened, `[T, heads, D]`, with each row's
+first token and token count: a program folds only its row's own queries (query heads x its tokens), reads and writes
+them in place, and a program whose slice of folded queries holds none of them reads no keys, so short rows cost
+short tiles and there is no padded `[B, n]` layout to scatter into and gather back from.
+
 `fixed=True` (`--deterministic`) trades that split for one order per query row: programs take fixed blocks of
 FIXED_ROWS folded queries, each loops over its row's keys in FIXED_KEYS tiles aligned to position 0, in order, and
 nothing merges. A tile that a query cannot see leaves its running softmax exactly as it was, so each query's bits
@@ -41,6 +46,9 @@ NUM_WARPS = 4  # of the chunk kernel
 # The most folded queries (query heads sharing a K/V head x new tokens) one program takes: a step with more runs them
 # in slices of this many, each slice's programs reading the keys again (None: all in one program, any number).
 MAX_ROWS: int | None = None
+# Ragged steps: folded queries per program (None: as MAX_ROWS does for the widest row). A row's slices launch side by
+# side, so that slices after its first find its keys in L2.
+RAGGED_ROWS: int | None = None
 # `fixed` steps: folded queries per program and keys per tile, whatever the step (tl.dot's shapes, and so each score's
 # reduction order, fixed).
 FIXED_ROWS = 16
@@ -51,10 +59,23 @@ MASKED: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _folded_offset(b, h, r, groups, queries, s_b, s_n, s_h):
+def _folded_offset(b, h, r, groups, queries, first, s_b, s_n, s_h):
     """Offset of folded query `r` of K/V head `h` in row `b` of a `[B, n, heads]`-strided tensor: query head
-    h*groups + r // queries (transformers' repeat_kv order), position r % queries."""
-    return b * s_b + (r % queries) * s_n + (h * groups + r // queries) * s_h
+    h*groups + r // queries (transformers' repeat_kv order), token first + r % queries (a ragged step's rows start
+    at their `first` token of a flattened `[T, heads]` one, whose s_b is 0)."""
+    own = tl.maximum(queries, 1)  # (a ragged row of no tokens folds none: every r is past it)
+    return b * s_b + (first + r % own) * s_n + (h * groups + r // own) * s_h
+
+
+@triton.jit
+def _row_queries(counts_ptr, begins_ptr, b, queries, RAGGED: tl.constexpr):
+    """(row b's tokens, its first token's index): a ragged step's own, else every row's `queries` from token 0."""
+    if RAGGED:
+        queries = tl.load(counts_ptr + b)
+        first = tl.load(begins_ptr + b)
+    else:
+        first = 0
+    return queries, first
 
 
 @triton.jit
@@ -68,6 +89,8 @@ def _chunk_kernel(
     part_ptr,
     lse_ptr,
     out_ptr,
+    counts_ptr,
+    begins_ptr,
     sq_b,
     sq_h,
     sq_n,
@@ -97,29 +120,37 @@ def _chunk_kernel(
     PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
     FIXED: tl.constexpr,
+    RAGGED: tl.constexpr,
 ):
     """Program (row x K/V head, chunk x slice): softmax(q k^T * scale) v over the chunk's visible keys, for the
     slice's ROWS of the `folded` queries of K/V head h (`_folded_offset`). FIXED: one chunk, all of the row's keys in
-    tiles from a multiple of BLOCK_N, no split."""
-    bh = tl.program_id(0)
-    c = tl.program_id(1) // slices
-    chunks = tl.num_programs(1) // slices
+    tiles from a multiple of BLOCK_N, no split. RAGGED: the grid's axes swapped (a row's slices and chunks adjacent),
+    each row its own token count (`_row_queries`)."""
+    bh = tl.program_id(1) if RAGGED else tl.program_id(0)
+    cs = tl.program_id(0) if RAGGED else tl.program_id(1)
+    c = cs // slices
+    chunks = (tl.num_programs(0) if RAGGED else tl.num_programs(1)) // slices
     b = bh // kv_heads
     h = bh % kv_heads
-    r = tl.program_id(1) % slices * ROWS + tl.arange(0, ROWS)
+    queries, first_token = _row_queries(counts_ptr, begins_ptr, b, queries, RAGGED)
+    if RAGGED:
+        folded = groups * queries
+    r = cs % slices * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, DIM)  # DIM: HEAD rounded up to a power of two (tl.dot's and tl.arange's sizes)
     live = r < folded
     # Masks along d only where the head is padded: an all-true one would still cost the loads their vector width.
     q_mask = live[:, None] if HEAD == DIM else live[:, None] & (d < HEAD)[None, :]
     q = tl.load(
-        q_ptr + _folded_offset(b, h, r, groups, queries, sq_b, sq_n, sq_h)[:, None] + d[None, :],
+        q_ptr + _folded_offset(b, h, r, groups, queries, first_token, sq_b, sq_n, sq_h)[:, None] + d[None, :],
         mask=q_mask,
         other=0.0,
     )
-    own = tl.load(pos_ptr + b * sp_b + (r % queries) * sp_n, mask=live, other=0)
+    own = tl.load(pos_ptr + b * sp_b + (r % tl.maximum(queries, 1)) * sp_n, mask=live, other=0)
     # The row's keys: up to its last query's position; with a window, from its first query's window on. The row's
     # chunks split that span evenly (in whole tiles); on a short row the last chunks are empty and merge with weight 0.
     end = tl.max(own, 0) + 1
+    if RAGGED:  # a slice past the row's own queries reads no keys
+        end = tl.where(cs % slices * ROWS < folded, end, 0)
     begin = 0
     if WINDOW:
         begin = tl.maximum(tl.min(tl.where(live, own, end), 0) - window + 1, 0)
@@ -170,7 +201,7 @@ def _chunk_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(lse_ptr + (bh * chunks + c) * slices * ROWS + r, lse)
     else:
-        out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)[:, None]
+        out = out_ptr + _folded_offset(b, h, r, groups, queries, first_token, so_b, so_n, so_h)[:, None]
         tl.store(out + d[None, :], (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -179,6 +210,8 @@ def _merge_kernel(
     part_ptr,
     lse_ptr,
     out_ptr,
+    counts_ptr,
+    begins_ptr,
     so_b,
     so_n,
     so_h,
@@ -190,13 +223,15 @@ def _merge_kernel(
     HEAD: tl.constexpr,
     DIM: tl.constexpr,
     CHUNKS: tl.constexpr,
+    RAGGED: tl.constexpr,
 ):
     """Program (row x K/V head, folded query): the chunks' outputs weighted by exp(their log-sum-exp); an empty
-    chunk's is -inf, weight 0."""
+    chunk's is -inf, weight 0. RAGGED: a folded query past the row's own writes nothing."""
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // kv_heads
     h = bh % kv_heads
+    queries, first_token = _row_queries(counts_ptr, begins_ptr, b, queries, RAGGED)
     c = tl.arange(0, CHUNKS)
     d = tl.arange(0, DIM)
     lse = tl.load(lse_ptr + (bh * chunks + c) * ROWS + r, mask=c < chunks, other=float("-inf"))
@@ -206,8 +241,9 @@ def _merge_kernel(
         part_ptr + ((bh * chunks + c) * ROWS + r)[:, None] * DIM + d[None, :], mask=(c < chunks)[:, None], other=0.0
     )
     merged = tl.sum(parts * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
-    out = out_ptr + _folded_offset(b, h, r, groups, queries, so_b, so_n, so_h)
-    tl.store(out + d, merged.to(out_ptr.dtype.element_ty), mask=None if HEAD == DIM else d < HEAD)
+    out = out_ptr + _folded_offset(b, h, r, groups, queries, first_token, so_b, so_n, so_h)
+    mask = d < tl.where(r < groups * queries, HEAD, 0) if RAGGED else None if HEAD == DIM else d < HEAD
+    tl.store(out + d, merged.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -280,19 +316,72 @@ def paged_attention(
     step's shape (module docstring), for any number of queries.
     """
     batch, heads, queries, head = query.shape
+    out = torch.empty(batch, queries, heads, head, dtype=query.dtype, device=query.device)
+    q_strides = (query.stride(0), query.stride(2), query.stride(1))
+    o_strides = (out.stride(0), out.stride(1), out.stride(2))
+    args = (query, q_strides, out, o_strides, None, key_cache, value_cache, block_tables, rows, positions)
+    _launch(*args, scale, window, chunks, fixed)
+    return out
+
+
+def ragged_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    begins: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    chunks: int | None = None,
+    fixed: bool = False,
+) -> torch.Tensor:
+    """`paged_attention` of a ragged step: `query` `[T, heads, D]` flattened (unit last stride), row b's tokens
+    `begins[b]` to `begins[b] + counts[b]` (`[B]` each, counts up to n, 0 allowed), query i of row b at
+    `positions[b, i]` (`[B, n]`, entries past a row's count unread). Returns `[T, heads, D]`; a token of no row
+    (padding past the rows' tokens) is left unwritten (its outputs are never read: each token's rows stay its own)."""
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    q_strides = (0, query.stride(0), query.stride(1))
+    o_strides = (0, out.stride(0), out.stride(1))
+    args = (query, q_strides, out, o_strides, (begins, counts), key_cache, value_cache, block_tables, rows, positions)
+    _launch(*args, scale, window, chunks, fixed)
+    return out
+
+
+def _launch(
+    query: torch.Tensor,
+    q_strides: tuple[int, int, int],
+    out: torch.Tensor,
+    o_strides: tuple[int, int, int],
+    ragged: tuple[torch.Tensor, torch.Tensor] | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int,
+    chunks: int | None,
+    fixed: bool,
+) -> None:
+    """The kernels over queries and outputs addressed by (row, token, head) strides; `ragged`: (begins, counts)."""
+    batch, queries = positions.shape
+    heads, head = query.shape[1], query.shape[-1]
     _, kv_heads, block_size, _ = key_cache.shape
     groups = heads // kv_heads
     folded = groups * queries
     dim = triton.next_power_of_2(head)
-    out = torch.empty(batch, queries, heads, head, dtype=query.dtype, device=query.device)
     block_keys, programs_per_sm, stages = tiles(batch * kv_heads, queries, query.device)
     longest = block_tables.shape[1] * block_size
-    # The second grid axis: chunks x slices of `rows` folded queries.
+    # The second grid axis (the first of a ragged step's): chunks x slices of `rows` folded queries.
     if fixed:
         block_keys, rows_each = FIXED_KEYS, FIXED_ROWS
         slices, chunks = triton.cdiv(folded, rows_each), 1
     else:
-        rows_each = max(16, triton.next_power_of_2(folded if MAX_ROWS is None else min(folded, MAX_ROWS)))
+        cap = MAX_ROWS if ragged is None else RAGGED_ROWS or MAX_ROWS
+        rows_each = max(16, triton.next_power_of_2(folded if cap is None else min(folded, cap)))
         slices = triton.cdiv(folded, rows_each)
         blocks = batch * kv_heads * slices
         chunks = chunks or CHUNKS or chunks_for(blocks, longest, block_keys, programs_per_sm, query.device)
@@ -305,14 +394,16 @@ def paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     assert query.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == block_tables.stride(-1) == 1
     assert key_cache.stride() == value_cache.stride()
-    if tuple(positions.shape) != (batch, queries) or tuple(rows.shape) != (batch,):
+    if tuple(rows.shape) != (batch,) or (ragged is None and (query.shape[0], query.shape[2]) != (batch, queries)):
         raise ValueError(
-            f"paged attention needs rows as [{batch}] and positions as [{batch}, {queries}], got "
-            f"{list(rows.shape)} and {list(positions.shape)}"
+            f"paged attention needs rows as [{batch}] and positions as [{batch}, {queries}] for its queries "
+            f"{list(query.shape)}, got {list(rows.shape)} and {list(positions.shape)}"
         )
+    begins, counts = ragged if ragged is not None else (rows, rows)  # (unread where the step is not ragged)
+    grid = (batch * kv_heads, chunks * slices) if ragged is None else (chunks * slices, batch * kv_heads)
     # Triton launches on the current device, not the tensors' (a draft on a second GPU in the target's process).
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
-        _chunk_kernel[(batch * kv_heads, chunks * slices)](
+        _chunk_kernel[grid](
             query,
             key_cache,
             value_cache,
@@ -322,9 +413,11 @@ def paged_attention(
             part,
             lse,
             out,
-            query.stride(0),
-            query.stride(1),
-            query.stride(2),
+            counts,
+            begins,
+            q_strides[0],
+            q_strides[2],
+            q_strides[1],
             key_cache.stride(0),
             key_cache.stride(1),
             key_cache.stride(2),
@@ -332,9 +425,9 @@ def paged_attention(
             rows.stride(0),
             positions.stride(0),
             positions.stride(1),
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
+            o_strides[0],
+            o_strides[1],
+            o_strides[2],
             kv_heads,
             groups,
             queries,
@@ -351,6 +444,7 @@ def paged_attention(
             PRECISION=precision,
             WINDOW=window > 0,
             FIXED=fixed,
+            RAGGED=ragged is not None,
             num_warps=NUM_WARPS,
             num_stages=stages,
         )
@@ -359,9 +453,11 @@ def paged_attention(
                 part,
                 lse,
                 out,
-                out.stride(0),
-                out.stride(1),
-                out.stride(2),
+                counts,
+                begins,
+                o_strides[0],
+                o_strides[1],
+                o_strides[2],
                 kv_heads,
                 groups,
                 queries,
@@ -370,8 +466,8 @@ def paged_attention(
                 HEAD=head,
                 DIM=dim,
                 CHUNKS=triton.next_power_of_2(chunks),
+                RAGGED=ragged is not None,
             )
-    return out
 
 
 @torch.library.custom_op("minedraft::paged_attention", mutates_args=())
@@ -404,3 +500,39 @@ def _(
 ) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)
+
+
+@torch.library.custom_op("minedraft::ragged_paged_attention", mutates_args=())
+def ragged_paged_attention_op(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    begins: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    fixed: bool = False,
+) -> torch.Tensor:
+    """`ragged_paged_attention` as an operator that compiled layers call as it is."""
+    args = (query, key_cache, value_cache, block_tables, rows, positions, begins, counts)
+    return ragged_paged_attention(*args, scale, window, fixed=fixed)
+
+
+@ragged_paged_attention_op.register_fake
+def _(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    begins: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    fixed: bool = False,
+) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
