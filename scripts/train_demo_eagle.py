@@ -225,12 +225,15 @@ def batch_loss(
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         outs = unrolled_forward(head, aux, windows, steps)
     lm_head = target.get_output_embeddings()
-    with torch.no_grad():
-        want_all = F.log_softmax(lm_head(final[:, 1:]), dim=-1)  # the target's at positions 1..W-1
+    with torch.no_grad():  # the target's at positions 1..W-1, shared by every step (each reads a slice)
+        want_all = F.log_softmax(lm_head(final[:, 1:]), dim=-1)
+        probs_all = want_all.exp()
+        neg_entropy = (probs_all * want_all).sum(-1)  # KL(p || q) = sum p log p - sum p log q
+        best_all = want_all.argmax(-1)
     loss, kls, reg_sum, chain, rates = torch.zeros(()), [], 0.0, None, []
     for j, hidden in enumerate(outs):
         want_feature = final[:, j + 1 : j + 1 + n]  # the target's at p + j + 1, after the token there
-        want = want_all[:, j : j + n]
+        probs = probs_all[:, j : j + n]
         if head.eagle3:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = head.lm_head(head.norm(hidden))
@@ -241,10 +244,10 @@ def batch_loss(
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = lm_head(hidden)
             got = F.log_softmax(logits.float(), dim=-1)
-        kl = F.kl_div(got.flatten(0, 1), want.flatten(0, 1), log_target=True, reduction="batchmean")
+        kl = (neg_entropy[:, j : j + n].sum() - (probs * got).sum()) / (got.shape[0] * n)  # batchmean
         loss = loss + decay**j * (kl if head.eagle3 else reg + cls_weight * kl)
         with torch.no_grad():
-            right = got.argmax(-1) == want.argmax(-1)
+            right = got.argmax(-1) == best_all[:, j : j + n]
             chain = right if chain is None else chain & right
             rates.append(float(chain.float().mean()))
         kls.append(float(kl.detach()))
