@@ -71,7 +71,11 @@ class StepResult:
         assert self.hidden is not None
         counts = self.hidden_counts if self.hidden_counts is not None else self._emitted
         assert counts is not None, "per_row first"
-        return torch.cat([self.hidden[b, :n] for b, n in enumerate(counts)]), list(counts)
+        # One gather: flattened row t of row b sits at b x m + (t - b's first); per-row slices cost ~6 us a row.
+        lengths = torch.tensor(counts, dtype=torch.long)
+        offsets = torch.arange(len(counts)) * self.hidden.shape[1] - (lengths.cumsum(0) - lengths)
+        index = torch.arange(int(lengths.sum())) + offsets.repeat_interleave(lengths)
+        return self.hidden.flatten(0, 1).index_select(0, index.to(self.hidden.device)), list(counts)
 
     def per_row(self) -> list[tuple[list[int], int, int]]:
         """(tokens, accepted, finish) per row, on the host: the one device-to-host copy of a step (a second one,
