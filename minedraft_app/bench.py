@@ -64,22 +64,27 @@ def _load_tokenizer(directory: str | None) -> Any:
         return None
 
 
-def make_prompts(count: int, prompt_len: int, seed: int, tokenizer: Any) -> list[str]:
+def make_prompts(count: int, prompt_len: int, seed: int, tokenizer: Any, kind: str = "corpus") -> list[str]:
     """`count` text prompts cut from stdlib sources at seeded random places, each about `prompt_len` tokens.
 
     With a tokenizer the cut is `prompt_len` tokens decoded back to text (the server re-tokenizes it, which can
-    differ by a token or two at the edges); without one it is 4 characters per token.
+    differ by a token or two at the edges); without one it is 4 characters per token. `kind` "quote": a passage of
+    three quarters of that, then its first third again (the rest of the passage is what quoting it goes on with).
     """
     rng = random.Random(seed)
     corpus = _corpus(max(400_000, count * prompt_len * 8))
     if tokenizer is not None:
         tokenizer.model_max_length = 1 << 40  # the corpus is one long text: no "longer than the maximum" warning
-        ids = tokenizer.encode(corpus, add_special_tokens=False)
-        starts = [rng.randrange(0, max(1, len(ids) - prompt_len)) for _ in range(count)]
-        return [tokenizer.decode(ids[s : s + prompt_len]) for s in starts]
-    chars = 4 * prompt_len
-    starts = [rng.randrange(0, max(1, len(corpus) - chars)) for _ in range(count)]
-    return [corpus[s : s + chars] for s in starts]
+        units: Any = tokenizer.encode(corpus, add_special_tokens=False)
+        length = prompt_len
+    else:
+        units, length = corpus, 4 * prompt_len
+    passage = length if kind == "corpus" else length * 3 // 4
+    starts = [rng.randrange(0, max(1, len(units) - passage)) for _ in range(count)]
+    cuts = [units[s : s + passage] for s in starts]
+    if kind == "quote":
+        cuts = [cut + cut[: len(cut) // 3] for cut in cuts]
+    return [tokenizer.decode(cut) for cut in cuts] if tokenizer is not None else list(cuts)
 
 
 # --------------------------------------------------------------------------------------------- load
@@ -609,7 +614,7 @@ def _bench_server(args: argparse.Namespace, summaries: dict[str, Summary]) -> No
         address = args.server or "localhost:50051"
         info = _server_info(address, args)
     tokenizer = _load_tokenizer(args.tokenizer or info.get("target_model"))
-    prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
+    prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer, args.prompt_kind)
     label = info.get("mode", args.api)
     results, wall = asyncio.run(run_load(address, prompts, args, label))
     summaries[label] = summarize(label, results, wall, info)
@@ -627,7 +632,7 @@ def _bench_modes(args: argparse.Namespace, summaries: dict[str, Summary]) -> Non
                 "scripts/train_demo_pair.py)"
             )
     tokenizer = _load_tokenizer(args.tokenizer or args.target)
-    prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer)
+    prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed, tokenizer, args.prompt_kind)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="minedraft-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     if args.step_trace_dir:

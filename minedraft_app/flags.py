@@ -424,6 +424,15 @@ FLAGS: tuple[Flag, ...] = (
         type=int,
     ),
     Flag("--prompt-len", "prompt length in tokens (about, without a tokenizer)", ("bench",), MEASUREMENT, 64, type=int),
+    Flag(
+        "--prompt-kind",
+        "corpus: passages of stdlib sources; quote: a passage, then its first third again, so that the text goes on "
+        "quoting its own context (code edits, retrieval: what n-gram lookup drafts)",
+        ("bench",),
+        MEASUREMENT,
+        "corpus",
+        choices=("corpus", "quote"),
+    ),
     Flag("--output-len", "tokens generated per request (EOS is ignored)", ("bench",), MEASUREMENT, 64, type=int),
     Flag("--num-warmup", "requests sent (and not measured) before the load", ("bench",), MEASUREMENT, 2, type=int),
     Flag(

@@ -20,6 +20,7 @@ from minedraft_app.bench import (
     RequestResult,
     _parse_modes,
     http_base_url,
+    make_prompts,
     percentile,
     ratios,
     summarize,
@@ -94,6 +95,17 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
     )
+
+
+def test_quote_prompts_repeat_the_start_of_their_passage() -> None:
+    """`--prompt-kind quote`: three quarters of the length a passage, then its first third again; corpus prompts
+    stay as they were (the same seed, the same cuts)."""
+    corpus = make_prompts(4, 32, 7, None)
+    quotes = make_prompts(4, 32, 7, None, "quote")
+    assert [len(p) for p in corpus] == [128] * 4 and make_prompts(4, 32, 7, None) == corpus
+    for quote in quotes:
+        passage = quote[:96]
+        assert len(quote) == 128 and quote[96:] == passage[:32]
 
 
 def test_http_base_url() -> None:
