@@ -71,7 +71,7 @@ class StepResult:
         assert self.hidden is not None
         counts = self.hidden_counts if self.hidden_counts is not None else self._emitted
         assert counts is not None, "per_row first"
-        # One gather: flattened row t of row b sits at b x m + (t - b's first); per-row slices cost ~6 us a row.
+        # One gather: flattened row t of row b sits at b x m + (t - b's first) (a slice a row: ~2.5 us of host each).
         lengths = torch.tensor(counts, dtype=torch.long)
         offsets = torch.arange(len(counts)) * self.hidden.shape[1] - (lengths.cumsum(0) - lengths)
         index = torch.arange(int(lengths.sum())) + offsets.repeat_interleave(lengths)

@@ -155,7 +155,7 @@ def check_ragged_against_reference(device: str, dtype: torch.dtype, tolerance: f
     flattened row after row with padding tokens after them, equals the padded step's reference for those queries,
     whole or in slices of 16 folded queries, split into chunks or not, and `fixed`."""
     from minedraft.kernels import decode_attention
-    from minedraft.kernels.decode_attention import ragged_paged_attention
+    from minedraft.kernels.decode_attention import paged_attention
 
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     for case in [c for c in CASES if c.n > 1]:
@@ -172,7 +172,10 @@ def check_ragged_against_reference(device: str, dtype: torch.dtype, tolerance: f
         for rows_each, chunks, fixed in ((None, case.chunks, False), (16, 2, False), (None, None, True)):
             decode_attention.RAGGED_ROWS = rows_each
             try:
-                out = ragged_paged_attention(*args, *ragged, case.dim**-0.5, case.window, chunks, fixed)
+                if chunks is None:  # (through the operator, which chooses the chunks per step)
+                    out = torch.ops.minedraft.paged_attention(*args, case.dim**-0.5, case.window, fixed, *ragged)
+                else:
+                    out = paged_attention(*args, case.dim**-0.5, case.window, chunks, fixed, *ragged)
             finally:
                 decode_attention.RAGGED_ROWS = None
             assert out.shape == flat.shape, case

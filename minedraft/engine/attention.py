@@ -124,18 +124,9 @@ def _ragged_attention(
         tables, rows, positions, windowed = paged
         window = int(kwargs.get("sliding_window") or 0) if windowed else 0
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        flat = torch.ops.minedraft.ragged_paged_attention(
-            query[:, :, 0],
-            key,
-            value,
-            tables,
-            rows,
-            positions,
-            begins,
-            counts,
-            scale,
-            window,
-            bool(kwargs.get(DETERMINISTIC)),
+        fixed = bool(kwargs.get(DETERMINISTIC))
+        flat = torch.ops.minedraft.paged_attention(
+            query[:, :, 0], key, value, tables, rows, positions, scale, window, fixed, begins, counts
         )
         return flat[:, None], None
     heads, dim = query.shape[1], query.shape[-1]

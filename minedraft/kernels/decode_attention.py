@@ -303,6 +303,8 @@ def paged_attention(
     window: int = 0,
     chunks: int | None = None,
     fixed: bool = False,
+    begins: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for `query` `[B, heads, n, D]` (any strides with a unit last one: the query as the
     projections leave it, transposed, is read without a copy) over one layer's pools `key_cache`/`value_cache`
@@ -314,38 +316,23 @@ def paged_attention(
     K/V head's keys are cut into (default: `chunks_for` the longest row the table holds); on the host nothing depends
     on the rows' lengths, so CUDA graphs may capture the call. `fixed`: each query's result independent of the
     step's shape (module docstring), for any number of queries.
+
+    A ragged step passes `begins` and `counts` (`[B]` each): `query` is then `[T, heads, D]` flattened, row b's
+    tokens `begins[b]` to `begins[b] + counts[b]` (counts up to n, 0 allowed; positions past a row's count unread),
+    and the result `[T, heads, D]`; a token of no row (padding past the rows' tokens) is left unwritten (never read:
+    each token's rows stay its own).
     """
-    batch, heads, queries, head = query.shape
-    out = torch.empty(batch, queries, heads, head, dtype=query.dtype, device=query.device)
-    q_strides = (query.stride(0), query.stride(2), query.stride(1))
-    o_strides = (out.stride(0), out.stride(1), out.stride(2))
-    args = (query, q_strides, out, o_strides, None, key_cache, value_cache, block_tables, rows, positions)
-    _launch(*args, scale, window, chunks, fixed)
-    return out
-
-
-def ragged_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    begins: torch.Tensor,
-    counts: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    chunks: int | None = None,
-    fixed: bool = False,
-) -> torch.Tensor:
-    """`paged_attention` of a ragged step: `query` `[T, heads, D]` flattened (unit last stride), row b's tokens
-    `begins[b]` to `begins[b] + counts[b]` (`[B]` each, counts up to n, 0 allowed), query i of row b at
-    `positions[b, i]` (`[B, n]`, entries past a row's count unread). Returns `[T, heads, D]`; a token of no row
-    (padding past the rows' tokens) is left unwritten (its outputs are never read: each token's rows stay its own)."""
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    q_strides = (0, query.stride(0), query.stride(1))
-    o_strides = (0, out.stride(0), out.stride(1))
-    args = (query, q_strides, out, o_strides, (begins, counts), key_cache, value_cache, block_tables, rows, positions)
+    ragged = None if begins is None or counts is None else (begins, counts)
+    if ragged is None:
+        batch, heads, queries, head = query.shape
+        out = torch.empty(batch, queries, heads, head, dtype=query.dtype, device=query.device)
+        q_strides = (query.stride(0), query.stride(2), query.stride(1))
+        o_strides = (out.stride(0), out.stride(1), out.stride(2))
+    else:  # (a row's tokens are rows of the flattened tensors: no stride between rows)
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        q_strides = (0, query.stride(0), query.stride(1))
+        o_strides = (0, out.stride(0), out.stride(1))
+    args = (query, q_strides, out, o_strides, ragged, key_cache, value_cache, block_tables, rows, positions)
     _launch(*args, scale, window, chunks, fixed)
     return out
 
@@ -481,9 +468,12 @@ def paged_attention_op(
     scale: float,
     window: int = 0,
     fixed: bool = False,
+    begins: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` as an operator that compiled layers call as it is (inductor does not trace into it)."""
-    return paged_attention(query, key_cache, value_cache, block_tables, rows, positions, scale, window, fixed=fixed)
+    args = (query, key_cache, value_cache, block_tables, rows, positions, scale, window)
+    return paged_attention(*args, fixed=fixed, begins=begins, counts=counts)
 
 
 @paged_attention_op.register_fake
@@ -497,42 +487,10 @@ def _(
     scale: float,
     window: int = 0,
     fixed: bool = False,
+    begins: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if begins is not None:
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
     batch, heads, queries, dim = query.shape
     return query.new_empty(batch, queries, heads, dim)
-
-
-@torch.library.custom_op("minedraft::ragged_paged_attention", mutates_args=())
-def ragged_paged_attention_op(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    begins: torch.Tensor,
-    counts: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    fixed: bool = False,
-) -> torch.Tensor:
-    """`ragged_paged_attention` as an operator that compiled layers call as it is."""
-    args = (query, key_cache, value_cache, block_tables, rows, positions, begins, counts)
-    return ragged_paged_attention(*args, scale, window, fixed=fixed)
-
-
-@ragged_paged_attention_op.register_fake
-def _(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    begins: torch.Tensor,
-    counts: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    fixed: bool = False,
-) -> torch.Tensor:
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
